@@ -1,0 +1,41 @@
+# gpubroker: `make demo` runs the main job, `make test` runs the tests. Both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: venv test test-fast test-integration chaos demo bench-quick gpu-check clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: 2.13.0 is the CPU build this machine keeps on disk.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit tests/sim
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -m "integration and not slow" tests/integration
+
+chaos: $(STAMP)
+	$(PY) -m pytest -q -m "slow or integration" tests/integration tests/chaos
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu-check
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

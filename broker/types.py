@@ -1,0 +1,148 @@
+"""What flows between replicas, the broker and the policies. Plain frozen dataclasses.
+
+A replica sends a ``StatsReport`` (one delta per report interval) and gets ``ModelSettings``
+back in the same round trip. The broker folds reports into a ``FleetSnapshot``; the policy
+returns a ``FleetDecision``. Nothing here imports ray, torch, pynvml or reads the clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class StatsReport:
+    """One replica's stats since its previous report (a delta, not a running total)."""
+
+    model: str  # model (deployment) name from the config
+    replica_id: str  # Serve replica id; unique per replica process
+    seq: int  # report counter of this replica, from 0; a gap means a lost report
+    now_s: float  # replica's wall clock (epoch seconds) when the report was built
+    interval_s: float  # seconds this delta covers
+    arrivals: int = 0  # requests admitted to the queue
+    completions: int = 0  # requests answered OK
+    rejections: int = 0  # requests refused (queue full, paused, too large)
+    timeouts: int = 0  # requests that passed their deadline in the queue
+    errors: int = 0  # requests that failed in the model
+    latency_ms: tuple[float, ...] = ()  # end-to-end latency samples of completions (capped count)
+    batches: tuple[tuple[float, float], ...] = ()  # (batch cost in the model's unit, execution ms) per batch
+    batch_requests: tuple[int, ...] = ()  # requests per batch (same order as batches)
+    busy_s: float = 0.0  # seconds spent executing batches in the interval
+    queue_depth: int = 0  # requests waiting or running right now
+    mem_used_bytes: int = 0  # replica process memory now (GPU memory on CUDA, RSS on cpu)
+    mem_peak_bytes: int = 0  # peak over the interval
+    device_free_frac: float | None = None  # free share of the card (or of the host quota on cpu)
+    sm_util_frac: float | None = None  # NVML SM utilisation, None where there is no GPU
+    oom_splits: int = 0  # batches split in two after an out-of-memory error
+    emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
+    settings_version: int = 0  # version of the settings the replica runs now
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StatsReport":
+        data = dict(data)
+        data["latency_ms"] = tuple(data.get("latency_ms", ()))
+        data["batches"] = tuple(tuple(b) for b in data.get("batches", ()))
+        data["batch_requests"] = tuple(data.get("batch_requests", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What a replica runs with; it applies a new one when ``version`` changes."""
+
+    model: str
+    version: int  # increases on every change the broker makes
+    max_batch_size: int  # batch cap, in the model's batch unit (requests or tokens)
+    batch_wait_timeout_s: float  # Serve batch wait timeout
+    grant_bytes: int  # memory quota granted now (per model; replicas split it evenly)
+    admit: bool = True  # False pauses admission (memory emergency)
+    max_ongoing_requests: int = 0  # >= max_batch x max_concurrent_batches (0: replica decides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    """The card (or the host-memory pool on cpu) as a whole."""
+
+    capacity_bytes: int  # total memory
+    usable_bytes: int  # capacity x (1 - reserve) - context overhead: what the ledger may grant
+    used_bytes: int  # used now, all processes
+    free_frac: float  # free share of capacity now
+    sm_util_frac: float | None = None  # NVML SM utilisation, None without a GPU
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's load over the sliding window, folded from its replicas' reports."""
+
+    name: str
+    replicas: int = 1  # replicas that reported in the window
+    queue_depth: float = 0.0  # sum of the replicas' latest queue depths
+    arrival_rate_rps: float = 0.0  # admitted requests per second over the window
+    completion_rate_rps: float = 0.0  # completions per second over the window
+    reject_rate_rps: float = 0.0  # rejections + timeouts per second over the window
+    p50_ms: float | None = None  # None when the window has no samples
+    p95_ms: float | None = None
+    p99_ms: float | None = None
+    latency_samples: int = 0  # samples behind the percentiles
+    batch_timings: tuple[tuple[float, float], ...] = ()  # recent (batch cost, exec ms) for the L(b) fit
+    mean_batch: float = 0.0  # mean batch cost over the window
+    cost_per_request: float = 1.0  # mean cost units per request (tokens per request for token models)
+    busy_frac: float = 0.0  # share of wall time executing batches (per replica, averaged)
+    mem_used_bytes: int = 0  # sum over replicas, latest
+    mem_peak_bytes: int = 0  # max over the window
+    emergency: bool = False  # a replica shrank in its fast loop since the last tick
+    oom_splits: int = 0  # OOM splits since the last tick
+    settings_version: int = 0  # lowest settings version the replicas report running
+    weights_bytes: int = 0  # calibrated memory model: weights (0 = not calibrated yet)
+    bytes_per_unit: float = 0.0  # calibrated memory model: bytes per batch unit (request or token)
+    cost_unit: str = "requests"  # unit of batch cost: "requests" or "tokens"
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """Everything a policy may look at. ``now_s`` is epoch seconds (virtual in the simulator)."""
+
+    now_s: float
+    gpu: GpuLoad
+    models: Mapping[str, ModelLoad] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelDecision:
+    """The broker's settings for one model after one tick, and why."""
+
+    max_batch_size: int  # new batch cap
+    batch_wait_timeout_s: float  # new wait timeout
+    grant_bytes: int  # memory grant after this tick's ledger moves
+    admit: bool  # admission open?
+    reason: str  # one line: trigger metric, its value, the rule, old -> new
+    trigger: str  # metric that drove the decision, e.g. "queue_depth", "p95_ms", "free_frac", "hold"
+    trigger_value: float  # its value
+    changed: bool = False  # did batch cap, wait, grant or admit change?
+
+
+@dataclass(frozen=True)
+class QuotaMove:
+    """A ledger step taken this tick (for the decision log and metrics)."""
+
+    kind: str  # "lend", "reclaim", "confirm", "grow", "release", "abort"
+    donor: str | None
+    recipient: str | None
+    amount_bytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class FleetDecision:
+    now_s: float
+    profile: str  # active price profile
+    models: Mapping[str, ModelDecision]
+    moves: tuple[QuotaMove, ...] = ()
+    notes: tuple[str, ...] = ()  # e.g. "widened dead band for mlp after 5 reversals"

@@ -1,0 +1,507 @@
+"""Fleet config: the YAML an operator edits, validated by pydantic v2.
+
+Every field has a description and constrained type; unknown keys are refused
+(``extra="forbid"``). Cross-field rules (min <= base <= max, floor <= ceiling, the sum of
+base quotas within usable capacity, windows that parse and do not overlap, exactly one
+default profile) live in validators here, so a bad file is refused before anything runs.
+
+``load_config`` / ``parse_config`` turn any failure into ``ConfigError`` whose ``issues``
+each name the field path, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from quotas.sizes import format_size, parse_size
+
+BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
+DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2
+
+
+def _size(value: Any) -> int:
+    return parse_size(value)
+
+
+# A size in the YAML ("24GiB", "512MB", 1048576): bytes in Python, human form when dumped.
+Size = Annotated[int, BeforeValidator(_size), PlainSerializer(format_size, return_type=str)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class BrokerSection(_Strict):
+    name: str = Field("gpubroker", description="Name of the broker's detached Ray actor.")
+    namespace: str = Field("gpubroker", description="Ray namespace the broker actor lives in.")
+    control_interval_s: float = Field(1.0, gt=0, le=600, description="Slow loop period: seconds between broker decisions.")
+    report_interval_s: float = Field(0.5, gt=0, le=60, description="Seconds between a replica's stats reports to the broker.")
+    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus exporter binds. Keep 127.0.0.1 unless a scraper runs elsewhere.")
+    metrics_port: int = Field(9464, ge=0, le=65535, description="Prometheus exporter port; 0 disables the exporter.")
+    http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
+    http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
+    dry_run: bool = Field(False, description="Decide and log, but apply nothing to the deployments.")
+    checkpoint_path: str | None = Field(
+        None, description="File the broker checkpoints its ledger and state to; default: under the Ray session dir."
+    )
+    decision_log_size: int = Field(2000, ge=10, le=1_000_000, description="How many decisions the broker keeps in memory.")
+
+    @model_validator(mode="after")
+    def _intervals(self) -> "BrokerSection":
+        if self.report_interval_s > self.control_interval_s:
+            raise ValueError(
+                f"broker.report_interval_s ({self.report_interval_s}) is longer than broker.control_interval_s "
+                f"({self.control_interval_s}); lower report_interval_s so each decision sees fresh reports"
+            )
+        return self
+
+
+class GpuSection(_Strict):
+    device: str = Field("auto", description="auto (CUDA if present, else cpu), cpu, or cuda:N.")
+    capacity: Literal["auto"] | Size = Field(
+        "auto", description="Card memory: 'auto' (read from NVML/torch, or host memory on cpu) or a size such as 24GiB."
+    )
+    reserve_frac: float = Field(0.12, ge=0.0, lt=1.0, description="Share of capacity never granted (fragmentation, allocator slack).")
+    emergency_free_frac: float = Field(
+        0.10, gt=0.0, lt=1.0, description="Fast loop: below this free share, halve the batch cap at once."
+    )
+    context_overhead: Literal["auto"] | Size = Field(
+        "auto", description="Per-process CUDA context memory subtracted from usable; auto = 512MiB on CUDA, 0 on cpu."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value in ("auto", "cpu") or re.fullmatch(r"cuda:\d+", value):
+            return value
+        raise ValueError(f"'{value}' is not a device; use auto, cpu or cuda:N (e.g. cuda:0)")
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return None if self.capacity == "auto" else int(self.capacity)
+
+    def context_overhead_bytes(self, processes: int, on_cuda: bool) -> int:
+        per = self.context_overhead
+        if per == "auto":
+            per = DEFAULT_CUDA_CONTEXT_BYTES if on_cuda else 0
+        return int(per) * processes
+
+    def usable_bytes(self, capacity_bytes: int, processes: int = 0, on_cuda: bool | None = None) -> int:
+        """capacity x (1 - reserve_frac) - per-process context overhead, never below 0."""
+        if on_cuda is None:
+            on_cuda = self.device.startswith("cuda")
+        usable = int(capacity_bytes * (1.0 - self.reserve_frac)) - self.context_overhead_bytes(processes, on_cuda)
+        return max(0, usable)
+
+
+class QuotaSpec(_Strict):
+    min: Size = Field(description="Working set the model never goes under, even when it lends.")
+    base: Size = Field(description="Guaranteed share: the owner can always reclaim it.")
+    max: Size = Field(description="Most the model may borrow up to.")
+
+    @model_validator(mode="after")
+    def _order(self) -> "QuotaSpec":
+        if self.min > self.base:
+            raise ValueError(
+                f"min ({format_size(self.min)}) is above base ({format_size(self.base)}); lower min or raise base"
+            )
+        if self.base > self.max:
+            raise ValueError(
+                f"base ({format_size(self.base)}) is above max ({format_size(self.max)}); lower base or raise max"
+            )
+        return self
+
+
+class BatchSpec(_Strict):
+    unit: Literal["requests", "tokens"] = Field("requests", description="What floor/ceiling count: requests, or tokens for token-priced models.")
+    floor: int = Field(2, ge=1, description="Smallest batch cap the broker sets (batch 1 wastes the card's fixed cost).")
+    ceiling: int = Field(64, ge=1, description="Largest batch cap the broker sets, before the memory ceiling.")
+    initial: int | None = Field(None, ge=1, description="Batch cap at start; default: the floor doubled, within [floor, ceiling].")
+    max_concurrent_batches: int = Field(1, ge=1, le=64, description="Batches a replica runs at once (Serve's max_concurrent_batches).")
+
+    @model_validator(mode="after")
+    def _order(self) -> "BatchSpec":
+        if self.floor > self.ceiling:
+            raise ValueError(f"floor ({self.floor}) is above ceiling ({self.ceiling}); lower floor or raise ceiling")
+        if self.initial is not None and not (self.floor <= self.initial <= self.ceiling):
+            raise ValueError(
+                f"initial ({self.initial}) is outside [floor {self.floor}, ceiling {self.ceiling}]; pick a value in that range"
+            )
+        return self
+
+    @property
+    def initial_cap(self) -> int:
+        return self.initial if self.initial is not None else min(self.ceiling, max(self.floor, 2 * self.floor))
+
+
+class WaitSpec(_Strict):
+    min_ms: float = Field(0.0, ge=0, le=10_000, description="Shortest batch wait timeout the broker sets.")
+    max_ms: float = Field(50.0, ge=0, le=10_000, description="Longest batch wait timeout the broker sets.")
+    initial_ms: float | None = Field(None, ge=0, description="Wait timeout at start; default 10 ms clamped into [min_ms, max_ms].")
+
+    @model_validator(mode="after")
+    def _order(self) -> "WaitSpec":
+        if self.min_ms > self.max_ms:
+            raise ValueError(f"min_ms ({self.min_ms}) is above max_ms ({self.max_ms}); lower min_ms or raise max_ms")
+        if self.initial_ms is not None and not (self.min_ms <= self.initial_ms <= self.max_ms):
+            raise ValueError(
+                f"initial_ms ({self.initial_ms}) is outside [{self.min_ms}, {self.max_ms}]; pick a value in that range"
+            )
+        return self
+
+    @property
+    def initial_s(self) -> float:
+        ms = self.initial_ms if self.initial_ms is not None else min(self.max_ms, max(self.min_ms, 10.0))
+        return ms / 1000.0
+
+
+class ControlSpec(_Strict):
+    strategy: Literal["hybrid", "queue", "aimd", "model", "static"] = Field(
+        "hybrid", description="hybrid (default) combines queue band, P95 AIMD and the model-based jump; static never moves."
+    )
+    window_s: float = Field(30.0, gt=0, le=3600, description="Sliding window for P50/P95/P99 and rates.")
+    target_queue: int = Field(10, ge=0, description="Queue depth the dead band is centred on.")
+    band_low: int = Field(6, ge=0, description="Below this queue depth, scale the batch down.")
+    band_high: int = Field(15, ge=0, description="Above this queue depth, scale the batch up in proportion.")
+    aimd_step: int = Field(2, ge=1, le=16, description="Additive growth step when P95 is well under the cap and work waits.")
+    aimd_backoff: float = Field(0.7, gt=0, lt=1, description="Multiplicative shrink when P95 nears the cap.")
+    p95_near_frac: float = Field(0.9, gt=0, le=1, description="P95 above this share of the cap counts as near the cap.")
+    p95_low_frac: float = Field(0.6, gt=0, le=1, description="P95 under this share of the cap counts as well below it.")
+    sm_low_frac: float = Field(0.4, ge=0, le=1, description="SM utilisation under this with work waiting: grow.")
+    sm_high_frac: float = Field(0.95, ge=0, le=1, description="SM utilisation over this with P95 rising: do not grow.")
+    min_samples: int = Field(20, ge=1, description="Latency samples needed in the window before P95 drives decisions.")
+    fit_window: int = Field(256, ge=8, le=100_000, description="Batch timings kept for the online L(b) = a + c*b fit.")
+    idle_util_frac: float = Field(0.2, ge=0, le=1, description="A model below this utilisation for idle_hold_s is idle and lends.")
+    idle_hold_s: float = Field(10.0, ge=0, description="How long a model must stay idle before it lends quota.")
+    reclaim_hold_s: float = Field(2.0, ge=0, description="How long an owner's load must stay back before it reclaims (hysteresis).")
+    reversal_limit: int = Field(4, ge=1, description="Direction reversals within reversal_window_s that count as oscillation.")
+    reversal_window_s: float = Field(30.0, gt=0, description="Window over which reversals are counted.")
+
+    @model_validator(mode="after")
+    def _band(self) -> "ControlSpec":
+        if not (self.band_low <= self.target_queue <= self.band_high):
+            raise ValueError(
+                f"dead band [{self.band_low}, {self.band_high}] does not contain target_queue ({self.target_queue}); "
+                "set band_low <= target_queue <= band_high"
+            )
+        if self.p95_low_frac >= self.p95_near_frac:
+            raise ValueError(
+                f"p95_low_frac ({self.p95_low_frac}) must be below p95_near_frac ({self.p95_near_frac}); lower p95_low_frac"
+            )
+        return self
+
+
+class ModelSpec(_Strict):
+    model: str = Field(description="Built-in model (minilm, mlp, cnn, profiled) or a user class as 'pkg.module:Class'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the model class.")
+    quota: QuotaSpec = Field(description="Memory quota: min <= base <= max.")
+    batch: BatchSpec = Field(default_factory=BatchSpec, description="Batch cap floor/ceiling and their unit.")
+    wait: WaitSpec = Field(default_factory=WaitSpec, description="Batch wait timeout range.")
+    slo_p95_ms: float = Field(100.0, gt=0, le=600_000, description="P95 latency cap in milliseconds.")
+    priority: int = Field(0, ge=0, le=100, description="Higher priority borrows first when quota is short.")
+    replicas: int = Field(1, ge=1, le=64, description="Serve replicas of this model on the card.")
+    max_queued: int = Field(256, ge=1, description="Requests waiting per replica before new ones get 503 (back-pressure).")
+    request_timeout_s: float = Field(30.0, gt=0, description="A request queued longer than this gets an explicit timeout.")
+    max_body_bytes: Size = Field(1024**2, description="Request bodies over this are refused with 413 before they reach the model.")
+    control: ControlSpec = Field(default_factory=ControlSpec, description="Control loop parameters (defaults from DESIGN.md).")
+
+    @field_validator("model")
+    @classmethod
+    def _model_ref(cls, value: str) -> str:
+        if value in BUILTIN_MODELS:
+            return value
+        if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*", value):
+            return value
+        raise ValueError(
+            f"'{value}' is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor an import path; "
+            "write a built-in name or 'pkg.module:Class'"
+        )
+
+
+_HOURS_RE = re.compile(r"^(\d{1,2}):(\d{2})-(\d{1,2}):(\d{2})$")
+
+
+def _parse_days(value: Any) -> tuple[int, ...]:
+    """'mon-fri', 'sat,sun', ['mon', 'tue'] or 'daily' -> sorted weekday numbers (mon=0)."""
+    if value in ("daily", "all", "*"):
+        return tuple(range(7))
+    items = value.split(",") if isinstance(value, str) else list(value)
+    days: set[int] = set()
+    for item in items:
+        item = str(item).strip().lower()
+        if "-" in item:
+            start, end = (part.strip()[:3] for part in item.split("-", 1))
+            if start not in DAY_NAMES or end not in DAY_NAMES:
+                raise ValueError(f"'{item}' is not a day range; write e.g. mon-fri")
+            i, j = DAY_NAMES.index(start), DAY_NAMES.index(end)
+            days.update(range(i, j + 1) if i <= j else [*range(i, 7), *range(0, j + 1)])
+        else:
+            if item[:3] not in DAY_NAMES:
+                raise ValueError(f"'{item}' is not a day; use mon, tue, wed, thu, fri, sat, sun, a range such as mon-fri, or daily")
+            days.add(DAY_NAMES.index(item[:3]))
+    return tuple(sorted(days))
+
+
+def _parse_hours(value: str) -> tuple[int, int]:
+    """'08:00-20:00' -> (480, 1200) minutes; end 24:00 allowed; end <= start wraps midnight."""
+    match = _HOURS_RE.match(value.strip())
+    if not match:
+        raise ValueError(f"'{value}' is not an hour range; write HH:MM-HH:MM such as 08:00-20:00")
+    h1, m1, h2, m2 = (int(x) for x in match.groups())
+    if h1 > 23 or m1 > 59 or h2 > 24 or m2 > 59 or (h2 == 24 and m2 != 0):
+        raise ValueError(f"'{value}' has an impossible time; hours run 00:00 to 24:00")
+    start, end = h1 * 60 + m1, h2 * 60 + m2
+    if start == end:
+        raise ValueError(f"'{value}' is empty (start equals end); widen it or use 00:00-24:00 for all day")
+    return start, end
+
+
+class ProfileSpec(_Strict):
+    name: str = Field(description="Profile name shown in status and metrics.")
+    objective: Literal["throughput", "latency", "balanced"] = Field(
+        "balanced", description="throughput: larger batches within the slack; latency: smaller batches, tight caps."
+    )
+    price_per_gpu_hour: float = Field(0.0, ge=0, description="Price of the card per hour in this window (for cost per 1k requests).")
+    latency_slack: float = Field(1.0, ge=0.5, le=5.0, description="Multiplier on every model's P95 cap in this window (e.g. 1.2 at peak).")
+    default: bool = Field(False, description="The profile used outside every window; exactly one profile is default.")
+    days: str | list[str] | None = Field(None, description="Days of the window: mon-fri, [sat, sun], daily. Not set on the default.")
+    hours: str | None = Field(None, description="Hours of the window, HH:MM-HH:MM in the schedule's timezone. Not set on the default.")
+
+    @model_validator(mode="after")
+    def _window(self) -> "ProfileSpec":
+        if self.default:
+            if self.days is not None or self.hours is not None:
+                raise ValueError("the default profile applies outside every window; remove its days/hours")
+            return self
+        if self.days is None or self.hours is None:
+            raise ValueError("a non-default profile needs both days and hours (e.g. days: mon-fri, hours: 08:00-20:00)")
+        _parse_days(self.days)
+        _parse_hours(self.hours)
+        return self
+
+    def weekly_minutes(self) -> list[tuple[int, int]]:
+        """The window as half-open [start, end) minute ranges within the week (mon 00:00 = 0)."""
+        if self.default:
+            return []
+        start, end = _parse_hours(self.hours or "")
+        out = []
+        for day in _parse_days(self.days):
+            base = day * 1440
+            if end > start:
+                out.append((base + start, base + end))
+            else:  # wraps midnight: tail of this day, then the head of the next
+                out.append((base + start, base + 1440))
+                nxt = ((day + 1) % 7) * 1440
+                out.append((nxt, nxt + end))
+        return out
+
+
+class ProfilesSection(_Strict):
+    timezone: str = Field("UTC", description="IANA timezone the windows are written in, e.g. Europe/Berlin.")
+    schedule: list[ProfileSpec] = Field(
+        default_factory=lambda: [ProfileSpec(name="default", default=True)],
+        description="Profiles: windows with price and objective, plus exactly one default.",
+    )
+
+    @field_validator("timezone")
+    @classmethod
+    def _tz(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"'{value}' is not an IANA timezone; write e.g. UTC or Europe/Berlin") from None
+        return value
+
+    @model_validator(mode="after")
+    def _schedule(self) -> "ProfilesSection":
+        defaults = [p.name for p in self.schedule if p.default]
+        if len(defaults) != 1:
+            raise ValueError(
+                f"schedule has {len(defaults)} default profiles ({', '.join(defaults) or 'none'}); mark exactly one with default: true"
+            )
+        names = [p.name for p in self.schedule]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"profile names repeat: {', '.join(dupes)}; give each profile its own name")
+        spans = [(s, e, p.name) for p in self.schedule for (s, e) in p.weekly_minutes()]
+        spans.sort()
+        for (s1, e1, n1), (s2, e2, n2) in zip(spans, spans[1:]):
+            if s2 < e1 and n1 != n2:
+                day, minute = divmod(s2, 1440)
+                raise ValueError(
+                    f"windows of profiles '{n1}' and '{n2}' overlap on {DAY_NAMES[day]} at "
+                    f"{minute // 60:02d}:{minute % 60:02d}; change their days or hours so they do not overlap"
+                )
+        return self
+
+    @property
+    def default_profile(self) -> ProfileSpec:
+        return next(p for p in self.schedule if p.default)
+
+
+class FleetConfig(_Strict):
+    broker: BrokerSection = Field(default_factory=BrokerSection, description="Broker actor and its loops.")
+    gpu: GpuSection = Field(default_factory=GpuSection, description="The card the models share.")
+    models: dict[str, ModelSpec] = Field(description="Models on the card, by name.")
+    profiles: ProfilesSection = Field(default_factory=ProfilesSection, description="Price-aware peak/off-peak profiles.")
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, value: dict[str, ModelSpec]) -> dict[str, ModelSpec]:
+        if not value:
+            raise ValueError("no models; add at least one under models:")
+        for name in value:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", name):
+                raise ValueError(
+                    f"model name '{name}' is not allowed; use lower-case letters, digits, '-' or '_' (max 63 chars)"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _fits(self) -> "FleetConfig":
+        capacity = self.gpu.capacity_bytes
+        if capacity is None:
+            return self
+        usable = self.usable_bytes(capacity)
+        total_base = sum(m.quota.base for m in self.models.values())
+        if total_base > usable:
+            raise ValueError(
+                f"sum of quota.base ({format_size(total_base)}) exceeds usable capacity ({format_size(usable)} = "
+                f"{format_size(capacity)} x (1 - reserve_frac {self.gpu.reserve_frac}) - context overhead); "
+                "lower some models' quota.base, lower gpu.reserve_frac, or raise gpu.capacity"
+            )
+        for name, spec in self.models.items():
+            if spec.quota.min > usable:
+                raise ValueError(
+                    f"models.{name}.quota.min ({format_size(spec.quota.min)}) exceeds usable capacity "
+                    f"({format_size(usable)}); lower it or raise gpu.capacity"
+                )
+        return self
+
+    @property
+    def processes(self) -> int:
+        return sum(m.replicas for m in self.models.values())
+
+    def usable_bytes(self, capacity_bytes: int | None = None) -> int:
+        capacity = capacity_bytes if capacity_bytes is not None else self.gpu.capacity_bytes
+        if capacity is None:
+            raise ValueError("gpu.capacity is 'auto' and no measured capacity was given")
+        return self.gpu.usable_bytes(capacity, self.processes)
+
+    def config_hash(self) -> str:
+        """Stable short hash of the validated config (what `status` and metrics show)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, with errors that name the field, the bad value and the fix.
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    path: str  # dotted field path, e.g. models.minilm.quota.base
+    value: Any  # the bad value as written ("" when the whole section is at fault)
+    message: str  # what is wrong and how to fix it
+
+    def __str__(self) -> str:
+        shown = "" if self.value is _MISSING else f" (got {self.value!r})"
+        return f"{self.path or '<root>'}{shown}: {self.message}"
+
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; ``issues`` lists every problem found."""
+
+    def __init__(self, issues: list[ConfigIssue], source: str = "config", exit_code: int = 1):
+        self.issues = issues
+        self.source = source
+        self.exit_code = exit_code  # 1: invalid config, 2: unreadable or not YAML
+        lines = "\n".join(f"  - {issue}" for issue in issues)
+        super().__init__(f"{source}: {len(issues)} problem(s):\n{lines}")
+
+
+_FIXES = {
+    "extra_forbidden": "remove it or check its spelling",
+    "missing": "add it",
+}
+
+
+def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
+    loc = [str(part) for part in err.get("loc", ())]
+    # Pydantic adds the union branch / validator names to locs; drop the noise.
+    loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]
+    path = ".".join(loc)
+    kind = err.get("type", "")
+    msg = str(err.get("msg", "invalid"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    fix = _FIXES.get(kind)
+    if kind == "extra_forbidden":
+        msg = f"unknown key '{loc[-1] if loc else ''}'; {fix}"
+    elif kind == "missing":
+        msg = f"required field is missing; {fix}"
+    value = err.get("input", _MISSING) if kind != "missing" else _MISSING
+    if isinstance(value, dict) and kind not in ("extra_forbidden",):
+        value = _MISSING  # whole-section errors: the message names the fields
+    return ConfigIssue(path=path, value=value, message=msg)
+
+
+def parse_config(data: Any, source: str = "config") -> FleetConfig:
+    """Validate an already-parsed YAML document."""
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [ConfigIssue("", _MISSING, "the file must be a mapping with broker/gpu/models/profiles sections")], source
+        )
+    try:
+        return FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([_issue_from_pydantic(e) for e in exc.errors()], source) from None
+
+
+def parse_config_text(text: str, source: str = "config") -> FleetConfig:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(
+            [ConfigIssue("", _MISSING, f"not valid YAML{where}: {getattr(exc, 'problem', exc)}; fix the syntax")],
+            source,
+            exit_code=2,
+        ) from None
+    if data is None:
+        raise ConfigError([ConfigIssue("", _MISSING, "the file is empty; write a fleet config (see configs/demo.yaml)")], source, exit_code=2)
+    return parse_config(data, source)
+
+
+def load_config(path: str | Path) -> FleetConfig:
+    """Read and validate a config file. Raises ConfigError (exit_code 2 when unreadable)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([ConfigIssue("", _MISSING, f"cannot read {p}: {exc}")], str(p), exit_code=2) from None
+    return parse_config_text(text, str(p))
