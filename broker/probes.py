@@ -1,0 +1,329 @@
+"""Memory probes: the one broker module that touches pynvml and torch (both imported lazily).
+
+A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
+
+- ``NvmlProbe(index, pid)``: card total/used from NVML, this process's bytes from the
+  compute-process list, SM utilisation. NVML cannot cap a process: ``enforce`` records.
+- ``TorchCudaProbe(index)``: torch's view of this process (allocated/reserved/peak);
+  ``enforce`` sets ``torch.cuda.set_per_process_memory_fraction(grant / total)``.
+- ``CudaProbe``: card numbers and SM util from NVML when it initialises, process bytes and
+  enforcement from torch (what ``make_probe`` returns on cuda).
+- ``HostProbe(capacity_bytes)``: CPU-only machines; RSS per process from /proc, the same
+  ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``).
+
+Policies never see a probe: the replica reads it and sends numbers in its StatsReport.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    total_bytes: int  # capacity of the card (or the host-memory pool on cpu)
+    used_bytes: int  # used now, all processes (cpu: the registered processes)
+    process_bytes: int  # used by this replica process now
+    free_frac: float  # free share of total_bytes, in [0, 1]
+    sm_util_frac: float | None = None  # NVML SM utilisation in [0, 1]; None without a GPU
+
+
+def _free_frac(total: int, used: int) -> float:
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - used / total))
+
+
+def _cuda_index(device: str | int) -> int:
+    if isinstance(device, int):
+        return device
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if not match:
+        raise ValueError(f"'{device}' is not a CUDA device; use cuda or cuda:N")
+    return int(match.group(1) or 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVML
+
+
+_nvml_ready = False
+
+
+def _nvml():
+    """pynvml, initialised once per process. Raises if NVML is unavailable."""
+    global _nvml_ready
+    import pynvml
+
+    if not _nvml_ready:
+        pynvml.nvmlInit()
+        _nvml_ready = True
+    return pynvml
+
+
+class NvmlProbe:
+    """Card memory and SM utilisation from NVML; this process's bytes from its process list."""
+
+    def __init__(self, index: int = 0, pid: int | None = None, uuid: str | None = None):
+        self.index = index  # NVML index (physical order, ignores CUDA_VISIBLE_DEVICES)
+        self.pid = os.getpid() if pid is None else pid
+        self.limit_bytes: int | None = None
+        nvml = _nvml()
+        if uuid:  # the card torch calls cuda:N, whatever CUDA_VISIBLE_DEVICES says
+            self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        else:
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
+
+    @classmethod
+    def for_torch_device(cls, index: int = 0, pid: int | None = None) -> "NvmlProbe":
+        """The NVML view of torch's cuda:index (matched by UUID when torch reports one)."""
+        uuid = None
+        try:
+            import torch
+
+            raw = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+            if raw is not None:
+                text = str(raw)
+                uuid = text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+        except Exception:
+            uuid = None
+        if uuid is not None:
+            try:
+                return cls(index, pid, uuid=uuid)
+            except Exception:
+                pass
+        return cls(index, pid)
+
+    def process_bytes(self) -> int:
+        """Bytes NVML attributes to ``pid`` (0 when not listed, e.g. in another pid namespace)."""
+        nvml = _nvml()
+        try:
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except nvml.NVMLError:
+            return 0
+        used = 0
+        for proc in procs:
+            if proc.pid == self.pid:
+                used += int(proc.usedGpuMemory or 0)  # None when the driver does not say
+        return used
+
+    def sm_util_frac(self) -> float | None:
+        nvml = _nvml()
+        try:
+            return nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0
+        except nvml.NVMLError:
+            return None
+
+    def card(self) -> tuple[int, int]:
+        info = _nvml().nvmlDeviceGetMemoryInfo(self._handle)
+        return int(info.total), int(info.used)
+
+    def read(self) -> MemoryReading:
+        total, used = self.card()
+        return MemoryReading(total, used, self.process_bytes(), _free_frac(total, used), self.sm_util_frac())
+
+    def enforce(self, grant_bytes: int | None) -> None:
+        self.limit_bytes = grant_bytes  # NVML cannot cap a process; the torch probe does
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.cuda
+
+
+class TorchCudaProbe:
+    """This process as torch's caching allocator sees it; enforcement by memory fraction."""
+
+    def __init__(self, index: int = 0):
+        import torch
+
+        self.index = index
+        self._torch = torch
+        self.total_bytes = int(torch.cuda.get_device_properties(index).total_memory)
+        self.limit_bytes: int | None = None
+
+    def allocated_bytes(self) -> int:
+        return int(self._torch.cuda.memory_allocated(self.index))
+
+    def reserved_bytes(self) -> int:
+        return int(self._torch.cuda.memory_reserved(self.index))
+
+    def peak_bytes(self) -> int:
+        return int(self._torch.cuda.max_memory_allocated(self.index))
+
+    def reset_peak(self) -> None:
+        self._torch.cuda.reset_peak_memory_stats(self.index)
+
+    def read(self) -> MemoryReading:
+        free, total = self._torch.cuda.mem_get_info(self.index)
+        used = int(total) - int(free)
+        return MemoryReading(int(total), used, self.reserved_bytes(), _free_frac(int(total), used), None)
+
+    def enforce(self, grant_bytes: int | None) -> None:
+        """Cap this process's allocator at ``grant_bytes`` (None lifts the cap)."""
+        self.limit_bytes = grant_bytes
+        if grant_bytes is None:
+            fraction = 1.0
+        else:
+            fraction = min(1.0, max(grant_bytes / self.total_bytes, 1e-6))
+        self._torch.cuda.set_per_process_memory_fraction(fraction, self.index)
+
+
+class CudaProbe:
+    """Card and SM utilisation from NVML (when it initialises), process and cap from torch."""
+
+    def __init__(self, index: int = 0, nvml: NvmlProbe | None = None):
+        self.torch = TorchCudaProbe(index)
+        self.nvml = nvml
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return self.torch.limit_bytes
+
+    def read(self) -> MemoryReading:
+        if self.nvml is None:
+            return self.torch.read()
+        total, used = self.nvml.card()
+        return MemoryReading(
+            total, used, self.torch.reserved_bytes(), _free_frac(total, used), self.nvml.sm_util_frac()
+        )
+
+    def enforce(self, grant_bytes: int | None) -> None:
+        self.torch.enforce(grant_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory (CPU-only machines)
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes(pid: int | None = None) -> int | None:
+    """Resident set size of ``pid`` (this process by default); None when it is gone."""
+    path = f"/proc/{'self' if pid is None else pid}/statm"
+    try:
+        with open(path, encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * _PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil  # type: ignore[import-not-found]
+
+        return int(psutil.Process(pid).memory_info().rss)
+    except Exception:
+        return None
+
+
+def host_total_bytes() -> int:
+    """Host MemTotal, lowered to the cgroup memory limit when one is set."""
+    total = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if total <= 0:
+        total = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as fh:
+                text = fh.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total
+
+
+class HostProbe:
+    """Host memory as the 'card': RSS of this process and of registered replica processes."""
+
+    def __init__(self, capacity_bytes: int | None = None, pids: Iterable[int] = ()):
+        self.capacity_bytes = int(capacity_bytes) if capacity_bytes else host_total_bytes()
+        self.pids: set[int] = set(pids)
+        self.limit_bytes: int | None = None
+
+    def register(self, pid: int) -> None:
+        self.pids.add(int(pid))
+
+    def unregister(self, pid: int) -> None:
+        self.pids.discard(int(pid))
+
+    def read(self) -> MemoryReading:
+        process = rss_bytes() or 0
+        if self.pids:
+            used = 0
+            for pid in sorted(self.pids):
+                value = rss_bytes(pid)
+                if value is not None:
+                    used += value
+        else:
+            used = process
+        total = self.capacity_bytes
+        return MemoryReading(total, used, process, _free_frac(total, used), None)
+
+    def enforce(self, grant_bytes: int | None) -> None:
+        self.limit_bytes = grant_bytes
+
+    def over_limit(self) -> bool:
+        return self.limit_bytes is not None and (rss_bytes() or 0) > self.limit_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def detect_device(device_cfg: str = "auto") -> str:
+    """'auto' -> 'cuda:0' when CUDA is available, else 'cpu'; 'cuda:N' is checked to exist."""
+    if device_cfg == "auto":
+        return "cuda:0" if _cuda_available() else "cpu"
+    if device_cfg == "cpu":
+        return "cpu"
+    index = _cuda_index(device_cfg)
+    if not _cuda_available():
+        raise RuntimeError(f"gpu.device is '{device_cfg}' but CUDA is not available here; use auto or cpu")
+    import torch
+
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise RuntimeError(f"gpu.device is '{device_cfg}' but only {count} CUDA device(s) exist; use cuda:0..cuda:{count - 1}")
+    return f"cuda:{index}"
+
+
+def detect_capacity(device: str) -> int:
+    """Total bytes of the CUDA card, or host MemTotal (cgroup-limited) on cpu."""
+    if device == "cpu":
+        return host_total_bytes()
+    index = _cuda_index(device)
+    try:
+        import torch
+
+        return int(torch.cuda.get_device_properties(index).total_memory)
+    except Exception:
+        return NvmlProbe(index).card()[0]
+
+
+def make_probe(device: str, capacity_bytes: int | None = None):
+    """The probe a replica uses: HostProbe on cpu, CudaProbe (NVML if it works) on cuda."""
+    if device == "cpu":
+        return HostProbe(capacity_bytes)
+    index = _cuda_index(device)
+    try:
+        nvml: NvmlProbe | None = NvmlProbe.for_torch_device(index)
+    except Exception:
+        nvml = None
+    return CudaProbe(index, nvml)
