@@ -1,0 +1,801 @@
+"""Discrete-event simulator: the real policy code on a virtual clock against emulated models.
+
+Design notes (what is emulated, and how):
+
+- **Clock.** A heap of timed events (batch timers, batch completions, reports, control
+  ticks, samples) plus the pre-generated arrivals merged in time order. Virtual time runs
+  from 0; snapshots and reports carry ``start_epoch_s + t`` as their epoch time.
+- **Batching** mimics Ray Serve's ``@serve.batch`` with ``max_concurrent_batches`` slots
+  per replica (1 by default): when a slot is free, a batch starts as soon as
+  ``max_batch_size`` cost units are queued or ``batch_wait_timeout_s`` has passed since the
+  oldest queued request arrived. It takes queued requests in order while their summed cost
+  stays within ``max_batch_size`` (token models count tokens, like ``batch_size_fn``); a
+  single request costlier than the cap runs alone and is counted as ``oversize``. When
+  ``max_ongoing_requests`` is set (> 0) the replica sees only that many requests at once,
+  as Serve's router holds the rest back.
+- **Latency.** A batch of n requests holding ``tokens`` tokens needs ``a + c·n +
+  token_ms·tokens`` ms of the card (see ``bench.sim_profile``).
+- **GPU sharing: processor sharing.** When k batches (of any models) execute at once on the
+  card, each progresses at 1/k speed; a batch's wall time therefore grows with the
+  neighbours' load, and the replica reports that wall time (as a real one would).
+- **Memory.** A batch needs ``weights + bytes_per_item·cost``; if that exceeds the
+  replica's grant (the model's grant split evenly over its replicas) the batch OOMs after
+  ``a_ms`` of wasted card time, is split in two, and each half is retried in turn, as the
+  replica does (``oom_splits`` counts the splits). A single request that cannot fit fails
+  (counted in ``errors``). All requests of a batch complete together when its last half ends.
+- **Admission.** An arrival finding ``max_queued`` requests waiting at its replica, or
+  admission paused, is rejected; a request waiting longer than ``request_timeout_s`` times
+  out when the replica next looks at its queue. Replicas of one model are picked by
+  shortest queue.
+- **Arms.** ``static:B[:WAIT_MS]`` is plain Serve: batch cap B (token models: B × the mean
+  request length in tokens), wait WAIT_MS (default 10), grant = ``quota.base``, no broker.
+  ``broker``: every ``report_interval_s`` each replica builds a ``broker.types.StatsReport``
+  (a delta), the broker folds it into ``broker.window.ReportWindow`` and answers with
+  ``broker.policy.settings_for`` (the replica applies it when the version changes); every
+  ``control_interval_s`` the broker builds a snapshot and calls ``broker.policy.decide``.
+  The replica's fast loop runs in the broker arm: card free share under
+  ``gpu.emergency_free_frac`` halves the batch cap (not below the floor) until the next
+  settings version.
+- **Run end.** Arrivals come in ``[0, duration_s)``; the run goes on for ``drain_s`` more;
+  requests not done by then count as ``unfinished`` (misses). Metrics cover requests that
+  arrived in ``[warmup_s, duration_s)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time as _time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from broker.types import GpuLoad, ModelSettings, StatsReport
+from bench.sim_profile import Profile, profile_for
+from bench.sim_workload import ModelArrivals
+from quotas.config import FleetConfig
+
+START_EPOCH_S = 1_700_000_000.0  # Tue 2023-11-14 22:13 UTC: the default profile's hours
+
+# request status codes
+PENDING, DONE, REJECTED, TIMED_OUT, FAILED = 0, 1, 2, 3, 4
+
+# event kinds (ints order ties: completions before timers before reports)
+EV_GPU, EV_TIMER, EV_REPORT, EV_CONTROL, EV_SAMPLE = 0, 1, 2, 3, 4
+
+LATENCY_SAMPLES_PER_REPORT = 512  # the replica caps the samples it sends; we keep every k-th
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What sets the batch knobs: a fixed static setting or the broker's policy."""
+
+    kind: str  # "static" or "broker"
+    batch: int = 0  # static: batch cap in requests
+    wait_ms: float = 10.0  # static: batch wait timeout
+
+    @property
+    def label(self) -> str:
+        return "broker" if self.kind == "broker" else f"static:{self.batch}:{self.wait_ms:g}"
+
+
+POLICY_FORMS = "'broker', 'static:B' or 'static:B:WAIT_MS' (e.g. static:8 or static:32:5)"
+
+
+def parse_arm(text: str) -> Arm:
+    """``broker``, ``static:B`` or ``static:B:WAIT_MS``."""
+    t = str(text).strip().lower()
+    if t == "broker":
+        return Arm("broker")
+    parts = t.split(":")
+    if parts[0] == "static" and len(parts) in (2, 3):
+        try:
+            b = int(parts[1])
+            w = float(parts[2]) if len(parts) == 3 else 10.0
+        except ValueError:
+            b, w = 0, -1.0
+        if b >= 1 and w >= 0:
+            return Arm("static", b, w)
+    raise ValueError(f"policy '{text}' is not known; use {POLICY_FORMS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Emulated replicas
+
+
+class _Batch:
+    __slots__ = ("rep", "ids", "chunks", "chunk", "chunk_cost", "chunk_t0", "mem", "start_t")
+
+    def __init__(self, rep: "_Replica", ids: list[int], start_t: float):
+        self.rep = rep
+        self.ids = ids
+        self.chunks: deque[list[int]] = deque([ids])
+        self.chunk: list[int] | None = None  # the part running now (None: an OOM attempt)
+        self.chunk_cost = 0
+        self.chunk_t0 = start_t
+        self.mem = 0.0
+        self.start_t = start_t
+
+
+class _Replica:
+    __slots__ = (
+        "m", "name", "rid", "prof", "queue", "running", "timer_at", "timer_ver", "max_batch", "wait_s",
+        "grant", "admit", "max_ongoing", "version", "local_cap", "floor", "mcb", "max_queued", "timeout_s",
+        "mem_now", "seq", "last_report_t", "card_busy_mark", "busy_acc",
+        "st_arr", "st_done", "st_rej", "st_to", "st_err", "st_lat", "st_batches", "st_breq", "st_peak",
+        "st_oom", "st_emerg",
+    )
+
+    def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):
+        self.m = m
+        self.name = name
+        self.rid = rid
+        self.prof = prof
+        self.queue: deque[int] = deque()
+        self.running: list[_Batch] = []
+        self.timer_at = math.inf
+        self.timer_ver = 0
+        self.max_batch = 1
+        self.wait_s = 0.0
+        self.grant = math.inf
+        self.admit = True
+        self.max_ongoing = 0
+        self.version = -1
+        self.local_cap: int | None = None
+        self.floor = spec.batch.floor
+        self.mcb = spec.batch.max_concurrent_batches
+        self.max_queued = spec.max_queued
+        self.timeout_s = spec.request_timeout_s
+        self.mem_now = float(prof.weights_bytes)
+        self.seq = 0
+        self.last_report_t = 0.0
+        self.card_busy_mark = 0.0
+        self.busy_acc = 0.0
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        self.st_arr = self.st_done = self.st_rej = self.st_to = self.st_err = 0
+        self.st_lat: list[float] = []
+        self.st_batches: list[tuple[float, float]] = []
+        self.st_breq: list[int] = []
+        self.st_peak = self.mem_now
+        self.st_oom = 0
+        self.st_emerg = 0
+
+
+@dataclass
+class ModelResult:
+    """Per-model outcome over requests that arrived in [warmup_s, duration_s)."""
+
+    model: str
+    cap_ms: float  # latency cap (the model's slo_p95_ms)
+    offered: int
+    offered_rps: float
+    completed: int
+    completed_rps: float
+    attainment: float  # share of offered completed within the cap
+    goodput_rps: float  # completed within the cap per second
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    mean_batch: float  # requests per executed batch
+    mean_batch_cost: float  # cost units per executed batch
+    batches: int
+    ooms: int  # OOM splits over the whole run
+    rejects: int
+    timeouts: int
+    errors: int
+    unfinished: int
+    oversize: int
+    mem_peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SimResult:
+    arm: str
+    duration_s: float
+    warmup_s: float
+    seed: int | None
+    models: dict[str, ModelResult]
+    series: dict[str, dict[str, list[float]]]  # model -> column -> values, one per control interval
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # changed decisions (broker arm)
+    events: int = 0
+    wall_s: float = 0.0
+
+    def to_dict(self, series: bool = True) -> dict[str, Any]:
+        out = {
+            "arm": self.arm,
+            "duration_s": self.duration_s,
+            "warmup_s": self.warmup_s,
+            "seed": self.seed,
+            "models": {k: v.to_dict() for k, v in self.models.items()},
+            "events": self.events,
+            "wall_s": self.wall_s,
+        }
+        if series:
+            out["series"] = self.series
+            out["decisions"] = self.decisions
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Simulator:
+    """One run of one arm over one workload. ``run()`` once."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        arm: Arm,
+        workload: Mapping[str, ModelArrivals],
+        duration_s: float,
+        *,
+        warmup_s: float = 0.0,
+        drain_s: float = 5.0,
+        seed: int | None = None,
+        start_epoch_s: float = START_EPOCH_S,
+        keep_decisions: int = 2000,
+    ):
+        capacity = config.gpu.capacity_bytes
+        if capacity is None:
+            raise ValueError(
+                "gpu.capacity is 'auto'; the simulator has no card to measure. Set gpu.capacity to an explicit size "
+                "in the config (e.g. capacity: 80GiB)"
+            )
+        if not 0 <= warmup_s < duration_s:
+            raise ValueError(f"warmup_s ({warmup_s}) must be in [0, duration_s {duration_s})")
+        self.config = config
+        self.arm = arm
+        self.duration_s = float(duration_s)
+        self.warmup_s = float(warmup_s)
+        self.end_t = float(duration_s) + float(drain_s)
+        self.seed = seed
+        self.epoch0 = float(start_epoch_s)
+        self.capacity = int(capacity)
+        self.usable = config.usable_bytes()
+        self.keep_decisions = keep_decisions
+        self.names = list(config.models)
+        self.profiles = {n: profile_for(n, s) for n, s in config.models.items()}
+        missing = [n for n in workload if n not in config.models]
+        if missing:
+            raise ValueError(f"workload names models {missing} that the config lacks; add them under models:")
+
+        # Requests, merged over models in time order (ties: model order).
+        times, mids, costs = [], [], []
+        for m, name in enumerate(self.names):
+            w = workload.get(name)
+            if w is None or len(w.times) == 0:
+                continue
+            times.append(np.asarray(w.times, dtype=np.float64))
+            mids.append(np.full(len(w.times), m, dtype=np.int64))
+            costs.append(np.asarray(w.costs, dtype=np.int64))
+        if times:
+            t_all = np.concatenate(times)
+            m_all = np.concatenate(mids)
+            c_all = np.concatenate(costs)
+            order = np.lexsort((m_all, t_all))
+            t_all, m_all, c_all = t_all[order], m_all[order], c_all[order]
+        else:
+            t_all = np.zeros(0)
+            m_all = np.zeros(0, dtype=np.int64)
+            c_all = np.zeros(0, dtype=np.int64)
+        self.t_np, self.m_np, self.c_np = t_all, m_all, c_all
+        self.arr_t: list[float] = t_all.tolist()
+        self.arr_m: list[int] = m_all.tolist()
+        self.cost: list[int] = c_all.tolist()
+        n = len(self.arr_t)
+        self.done_t = np.full(n, np.nan)
+        self.status = np.zeros(n, dtype=np.int8)
+        self.batch_log: list[tuple[int, float, int, float, int]] = []  # (model, start_t, n, cost, oversize)
+
+        # Replicas.
+        self.replicas: list[list[_Replica]] = []
+        for m, name in enumerate(self.names):
+            spec = config.models[name]
+            self.replicas.append(
+                [_Replica(m, name, f"{name}#{r}", self.profiles[name], spec) for r in range(spec.replicas)]
+            )
+        self.all_reps = [r for reps in self.replicas for r in reps]
+        self.oom_total = [0] * len(self.names)
+        self.peak = [float(self.profiles[n].weights_bytes) for n in self.names]
+        self.mean_cost = {
+            name: (float(workload[name].costs.mean()) if name in workload and len(workload[name].costs) else
+                   (self.profiles[name].mean_tokens if self.profiles[name].unit == "tokens" else 1.0))
+            for name in self.names
+        }
+
+        # Card (processor sharing).
+        self.gpu_jobs: dict[_Batch, float] = {}  # batch -> remaining solo work, ms
+        self.gpu_t = 0.0
+        self.gpu_ver = 0
+        self.card_busy = 0.0  # seconds with >= 1 batch executing
+        self._in_gpu_event = False
+
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.events = 0
+
+        # Series.
+        self.series: dict[str, dict[str, list[float]]] = {
+            name: {k: [] for k in ("t", "max_batch", "wait_ms", "grant_bytes", "queue", "mem_bytes")}
+            for name in self.names
+        }
+        self.decisions: list[dict[str, Any]] = []
+        self.window = None
+        self.state = None
+        self._card_busy_ctrl = 0.0
+
+    # -- event plumbing ------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, obj: Any = None, ver: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, kind, self._seq, obj, ver))
+
+    # -- settings ------------------------------------------------------------------------------
+
+    def _apply(self, rep: _Replica, s: ModelSettings) -> None:
+        spec = self.config.models[rep.name]
+        reps = spec.replicas
+        rep.max_batch = max(1, int(s.max_batch_size))
+        rep.wait_s = max(0.0, float(s.batch_wait_timeout_s))
+        rep.grant = float(s.grant_bytes) / reps if s.grant_bytes and s.grant_bytes > 0 else math.inf
+        rep.admit = bool(s.admit)
+        rep.max_ongoing = int(s.max_ongoing_requests or 0)
+        rep.version = int(s.version)
+        rep.local_cap = None
+        if rep.queue and len(rep.running) < rep.mcb:
+            self._try_start(rep)
+
+    def _static_settings(self, name: str) -> ModelSettings:
+        spec = self.config.models[name]
+        b = self.arm.batch
+        if self.profiles[name].unit == "tokens":
+            b = max(1, int(round(b * self.mean_cost[name])))
+        return ModelSettings(
+            model=name, version=0, max_batch_size=b, batch_wait_timeout_s=self.arm.wait_ms / 1000.0,
+            grant_bytes=int(spec.quota.base), admit=True, max_ongoing_requests=0,
+        )
+
+    # -- arrivals and batching -----------------------------------------------------------------
+
+    def _arrive(self, i: int) -> None:
+        reps = self.replicas[self.arr_m[i]]
+        rep = reps[0] if len(reps) == 1 else min(reps, key=lambda r: len(r.queue) + len(r.running))
+        if not rep.admit or len(rep.queue) >= rep.max_queued:
+            self.status[i] = REJECTED
+            rep.st_rej += 1
+            return
+        rep.queue.append(i)
+        rep.st_arr += 1
+        if len(rep.running) < rep.mcb:
+            self._try_start(rep)
+
+    def _expire(self, rep: _Replica) -> None:
+        q = rep.queue
+        limit = self.now - rep.timeout_s
+        arr_t = self.arr_t
+        while q and arr_t[q[0]] < limit:
+            i = q.popleft()
+            self.status[i] = TIMED_OUT
+            rep.st_to += 1
+
+    def _cap(self, rep: _Replica) -> int:
+        return rep.max_batch if rep.local_cap is None else min(rep.max_batch, rep.local_cap)
+
+    def _try_start(self, rep: _Replica) -> None:
+        """A slot is free: start a batch if it is full or its oldest request waited long enough."""
+        q = rep.queue
+        if not q:
+            return
+        if self.arr_t[q[0]] < self.now - rep.timeout_s:
+            self._expire(rep)
+            if not q:
+                return
+        cap = self._cap(rep)
+        visible = len(q) if rep.max_ongoing <= 0 else min(len(q), max(1, rep.max_ongoing - sum(len(b.ids) for b in rep.running)))
+        if rep.prof.unit == "tokens":
+            cost = self.cost
+            full = False
+            tot = 0
+            for k in range(visible):
+                tot += cost[q[k]]
+                if tot >= cap:
+                    full = True
+                    break
+        else:
+            full = visible >= cap
+        deadline = self.arr_t[q[0]] + rep.wait_s
+        if full or self.now >= deadline - 1e-12:
+            self._start_batch(rep, cap, visible)
+            return
+        if rep.timer_at != deadline:
+            rep.timer_at = deadline
+            rep.timer_ver += 1
+            self._push(deadline, EV_TIMER, rep, rep.timer_ver)
+
+    def _start_batch(self, rep: _Replica, cap: int, visible: int) -> None:
+        q = rep.queue
+        rep.timer_at = math.inf
+        rep.timer_ver += 1
+        if self.window is not None:
+            self._fast_loop(rep)
+            cap = self._cap(rep)
+        oversize = 0
+        if rep.prof.unit == "tokens":
+            cost = self.cost
+            ids = [q.popleft()]
+            tot = cost[ids[0]]
+            if tot > cap:
+                oversize = 1
+            else:
+                while q and len(ids) < visible and tot + cost[q[0]] <= cap:
+                    tot += cost[q[0]]
+                    ids.append(q.popleft())
+        else:
+            k = min(cap, visible)
+            ids = [q.popleft() for _ in range(k)]
+        b = _Batch(rep, ids, self.now)
+        rep.running.append(b)
+        self._run_chunk(b)
+        self.batch_log.append((rep.m, self.now, len(ids), float(sum(self.cost[i] for i in ids)), oversize))
+
+    def _fast_loop(self, rep: _Replica) -> None:
+        used = sum(r.mem_now for r in self.all_reps)
+        free = 1.0 - used / self.capacity
+        if free < self.config.gpu.emergency_free_frac:
+            cur = self._cap(rep)
+            new = max(rep.floor, cur // 2)
+            if new < cur:
+                rep.local_cap = new
+                rep.st_emerg += 1
+
+    def _run_chunk(self, b: _Batch) -> None:
+        rep, prof = b.rep, b.rep.prof
+        chunk = b.chunks.popleft()
+        cost_units = sum(self.cost[i] for i in chunk)
+        mem = prof.weights_bytes + prof.bytes_per_item * cost_units
+        b.chunk_t0 = self.now
+        if mem > rep.grant:
+            if len(chunk) == 1:
+                self.status[chunk[0]] = FAILED
+                rep.st_err += 1
+                b.ids = [i for i in b.ids if i != chunk[0]]
+                if b.chunks:
+                    self._run_chunk(b)
+                else:
+                    self._finish_batch(b)
+                return
+            half = len(chunk) // 2
+            b.chunks.appendleft(chunk[half:])
+            b.chunks.appendleft(chunk[:half])
+            rep.st_oom += 1
+            self.oom_total[rep.m] += 1
+            b.chunk = None
+            b.chunk_cost = 0
+            work = prof.a_ms  # time lost until the allocator gives up
+            mem = min(mem, rep.grant)
+        else:
+            b.chunk = chunk
+            b.chunk_cost = cost_units
+            tokens = cost_units if prof.unit == "tokens" else 0
+            work = prof.latency_ms(len(chunk), tokens)
+        b.mem = mem - prof.weights_bytes
+        rep.mem_now = prof.weights_bytes + sum(x.mem for x in rep.running)
+        if rep.mem_now > rep.st_peak:
+            rep.st_peak = rep.mem_now
+        if rep.mem_now > self.peak[rep.m]:
+            self.peak[rep.m] = rep.mem_now
+        self._gpu_add(b, work)
+
+    def _chunk_done(self, b: _Batch) -> None:
+        rep = b.rep
+        if b.chunk is not None:
+            rep.st_batches.append((float(b.chunk_cost), (self.now - b.chunk_t0) * 1000.0))
+            rep.st_breq.append(len(b.chunk))
+        if b.chunks:
+            self._run_chunk(b)
+            return
+        self._finish_batch(b)
+
+    def _finish_batch(self, b: _Batch) -> None:
+        rep = b.rep
+        rep.running.remove(b)
+        b.mem = 0.0
+        rep.mem_now = rep.prof.weights_bytes + sum(x.mem for x in rep.running)
+        now = self.now
+        arr_t = self.arr_t
+        done_t, status = self.done_t, self.status
+        lat = rep.st_lat
+        for i in b.ids:
+            if status[i] == PENDING:
+                status[i] = DONE
+                done_t[i] = now
+                lat.append((now - arr_t[i]) * 1000.0)
+        rep.st_done += len(b.ids)
+        if rep.queue:
+            self._try_start(rep)
+
+    # -- the card ------------------------------------------------------------------------------
+
+    def _gpu_advance(self) -> None:
+        dt = self.now - self.gpu_t
+        jobs = self.gpu_jobs
+        if dt > 0 and jobs:
+            k = len(jobs)
+            step = dt * 1000.0 / k
+            for j in jobs:
+                jobs[j] -= step
+            self.card_busy += dt
+            seen = set()
+            for j in jobs:
+                r = j.rep
+                if r not in seen:
+                    seen.add(r)
+                    r.busy_acc += dt
+        self.gpu_t = self.now
+
+    def _gpu_add(self, b: _Batch, work_ms: float) -> None:
+        self._gpu_advance()
+        self.gpu_jobs[b] = work_ms
+        if not self._in_gpu_event:
+            self._gpu_schedule()
+
+    def _gpu_schedule(self) -> None:
+        self.gpu_ver += 1
+        if self.gpu_jobs:
+            rem = min(self.gpu_jobs.values())
+            self._push(self.now + max(0.0, rem) * len(self.gpu_jobs) / 1000.0, EV_GPU, None, self.gpu_ver)
+
+    def _gpu_event(self) -> None:
+        self._gpu_advance()
+        finished = [j for j, rem in self.gpu_jobs.items() if rem <= 1e-7]
+        if not finished:  # float drift: take the smallest
+            j = min(self.gpu_jobs, key=self.gpu_jobs.__getitem__)
+            finished = [j]
+        self._in_gpu_event = True
+        for j in finished:
+            del self.gpu_jobs[j]
+        for j in finished:
+            self._chunk_done(j)
+        self._in_gpu_event = False
+        self._gpu_schedule()
+
+    # -- broker --------------------------------------------------------------------------------
+
+    def _memory_models(self) -> dict[str, tuple[int, float]]:
+        return {n: (p.weights_bytes, p.bytes_per_item) for n, p in self.profiles.items()}
+
+    def _gpu_load(self, busy_frac: float | None) -> GpuLoad:
+        used = int(sum(r.mem_now for r in self.all_reps))
+        return GpuLoad(
+            capacity_bytes=self.capacity,
+            usable_bytes=self.usable,
+            used_bytes=used,
+            free_frac=max(0.0, 1.0 - used / self.capacity),
+            sm_util_frac=busy_frac,
+        )
+
+    def _report(self, rep: _Replica) -> None:
+        self._gpu_advance()
+        now = self.now
+        interval = now - rep.last_report_t
+        card_share = (self.card_busy - rep.card_busy_mark) / interval if interval > 0 else 0.0
+        lat = rep.st_lat
+        if len(lat) > LATENCY_SAMPLES_PER_REPORT:
+            step = len(lat) / LATENCY_SAMPLES_PER_REPORT
+            lat = [lat[int(k * step)] for k in range(LATENCY_SAMPLES_PER_REPORT)]
+        used = sum(r.mem_now for r in self.all_reps)
+        report = StatsReport(
+            model=rep.name,
+            replica_id=rep.rid,
+            seq=rep.seq,
+            now_s=self.epoch0 + now,
+            interval_s=interval,
+            arrivals=rep.st_arr,
+            completions=rep.st_done,
+            rejections=rep.st_rej,
+            timeouts=rep.st_to,
+            errors=rep.st_err,
+            latency_ms=tuple(lat),
+            batches=tuple(rep.st_batches),
+            batch_requests=tuple(rep.st_breq),
+            busy_s=rep.busy_acc,
+            queue_depth=len(rep.queue) + sum(len(b.ids) for b in rep.running),
+            mem_used_bytes=int(rep.mem_now),
+            mem_peak_bytes=int(rep.st_peak),
+            device_free_frac=max(0.0, 1.0 - used / self.capacity),
+            sm_util_frac=min(1.0, card_share),
+            oom_splits=rep.st_oom,
+            emergency_shrinks=rep.st_emerg,
+            settings_version=max(0, rep.version),
+        )
+        self.window.add(report, self.epoch0 + now)
+        rep.seq += 1
+        rep.last_report_t = now
+        rep.card_busy_mark = self.card_busy
+        rep.busy_acc = 0.0
+        rep._reset_stats()
+        s = self._policy.settings_for(self.state, rep.name)
+        if s.version != rep.version:
+            self._apply(rep, s)
+
+    def _control(self) -> None:
+        self._gpu_advance()
+        interval = self.config.broker.control_interval_s
+        busy = min(1.0, (self.card_busy - self._card_busy_ctrl) / interval)
+        self._card_busy_ctrl = self.card_busy
+        snap = self.window.snapshot(self.epoch0 + self.now, self._gpu_load(busy), self._memory_models())
+        decision, self.state = self._policy.decide(snap, self.config, self.state)
+        if len(self.decisions) < self.keep_decisions:
+            for name, d in decision.models.items():
+                if d.changed:
+                    self.decisions.append({
+                        "t": round(self.now, 3), "model": name, "max_batch": d.max_batch_size,
+                        "wait_ms": round(d.batch_wait_timeout_s * 1000, 3), "grant_bytes": d.grant_bytes,
+                        "admit": d.admit, "trigger": d.trigger, "value": d.trigger_value, "reason": d.reason,
+                    })
+            for mv in decision.moves:
+                self.decisions.append({"t": round(self.now, 3), "move": mv.kind, "donor": mv.donor,
+                                       "recipient": mv.recipient, "amount_bytes": mv.amount_bytes, "reason": mv.reason})
+
+    def _sample(self) -> None:
+        for m, name in enumerate(self.names):
+            reps = self.replicas[m]
+            col = self.series[name]
+            col["t"].append(round(self.now, 6))
+            col["max_batch"].append(float(reps[0].max_batch if reps[0].local_cap is None else self._cap(reps[0])))
+            col["wait_ms"].append(reps[0].wait_s * 1000.0)
+            g = sum(r.grant for r in reps)
+            col["grant_bytes"].append(float(g) if math.isfinite(g) else -1.0)
+            col["queue"].append(float(sum(len(r.queue) for r in reps)))
+            col["mem_bytes"].append(float(sum(r.mem_now for r in reps)))
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        wall0 = _time.perf_counter()
+        ctrl = self.config.broker.control_interval_s
+        if self.arm.kind == "broker":
+            from broker import policy as _policy  # noqa: PLC0415 - the live broker's own code
+            from broker.window import ReportWindow  # noqa: PLC0415
+
+            self._policy = _policy
+            self.window = ReportWindow(self.config)
+            self.state = _policy.initial_state(self.config, self.usable)
+            rep_iv = self.config.broker.report_interval_s
+            n = len(self.all_reps)
+            for k, rep in enumerate(self.all_reps):
+                self._apply(rep, _policy.settings_for(self.state, rep.name))
+                self._push(rep_iv * (k + 1) / n, EV_REPORT, rep)
+            self._push(ctrl, EV_CONTROL)
+        else:
+            for rep in self.all_reps:
+                self._apply(rep, self._static_settings(rep.name))
+        self._sample()
+        self._push(ctrl, EV_SAMPLE)
+
+        heap = self.heap
+        arr_t = self.arr_t
+        n = len(arr_t)
+        i = 0
+        end_t = self.end_t
+        events = 0
+        pop = heapq.heappop
+        while True:
+            next_t = heap[0][0] if heap else math.inf
+            if i < n and arr_t[i] <= next_t:
+                self.now = arr_t[i]
+                self._arrive(i)
+                i += 1
+                events += 1
+                continue
+            if next_t > end_t:
+                break
+            t, kind, _, obj, ver = pop(heap)
+            self.now = t
+            events += 1
+            if kind == EV_GPU:
+                if ver == self.gpu_ver:
+                    self._gpu_event()
+            elif kind == EV_TIMER:
+                if ver == obj.timer_ver:
+                    obj.timer_at = math.inf
+                    if len(obj.running) < obj.mcb:
+                        self._try_start(obj)
+            elif kind == EV_REPORT:
+                self._report(obj)
+                self._push(t + self.config.broker.report_interval_s, EV_REPORT, obj)
+            elif kind == EV_CONTROL:
+                self._control()
+                self._push(t + ctrl, EV_CONTROL)
+            elif kind == EV_SAMPLE:
+                self._sample()
+                self._push(t + ctrl, EV_SAMPLE)
+        self.now = end_t
+        self.events = events
+        result = self._result()
+        result.wall_s = _time.perf_counter() - wall0
+        return result
+
+    # -- results -------------------------------------------------------------------------------
+
+    def _result(self) -> SimResult:
+        t, mids, st = self.t_np, self.m_np, self.status
+        lat_ms = (self.done_t - t) * 1000.0
+        in_win = (t >= self.warmup_s) & (t < self.duration_s)
+        span = self.duration_s - self.warmup_s
+        blog = np.array(self.batch_log, dtype=np.float64).reshape(-1, 5)
+        out: dict[str, ModelResult] = {}
+        for m, name in enumerate(self.names):
+            spec = self.config.models[name]
+            cap = float(spec.slo_p95_ms)
+            sel = in_win & (mids == m)
+            offered = int(sel.sum())
+            s = st[sel]
+            done = s == DONE
+            lat = lat_ms[sel][done]
+            completed = int(done.sum())
+            good = int((lat <= cap).sum())
+            if completed:
+                p50, p95, p99 = (float(x) for x in np.percentile(lat, [50, 95, 99]))
+            else:
+                p50 = p95 = p99 = None
+            bsel = (blog[:, 0] == m) & (blog[:, 1] >= self.warmup_s) & (blog[:, 1] < self.duration_s)
+            nb = int(bsel.sum())
+            out[name] = ModelResult(
+                model=name,
+                cap_ms=cap,
+                offered=offered,
+                offered_rps=offered / span,
+                completed=completed,
+                completed_rps=completed / span,
+                attainment=good / offered if offered else 1.0,
+                goodput_rps=good / span,
+                p50_ms=p50,
+                p95_ms=p95,
+                p99_ms=p99,
+                mean_batch=float(blog[bsel, 2].mean()) if nb else 0.0,
+                mean_batch_cost=float(blog[bsel, 3].mean()) if nb else 0.0,
+                batches=nb,
+                ooms=self.oom_total[m],
+                rejects=int((s == REJECTED).sum()),
+                timeouts=int((s == TIMED_OUT).sum()),
+                errors=int((s == FAILED).sum()),
+                unfinished=int((s == PENDING).sum()),
+                oversize=int(blog[bsel, 4].sum()) if nb else 0,
+                mem_peak_bytes=int(self.peak[m]),
+            )
+        return SimResult(
+            arm=self.arm.label, duration_s=self.duration_s, warmup_s=self.warmup_s, seed=self.seed,
+            models=out, series=self.series, decisions=self.decisions, events=self.events,
+        )
+
+
+def run_sim(
+    config: FleetConfig,
+    policy: str | Arm,
+    rates: Mapping[str, float],
+    duration_s: float,
+    *,
+    arrivals: str = "poisson",
+    seed: int = 0,
+    warmup_s: float = 0.0,
+    drain_s: float = 5.0,
+    workload: Mapping[str, ModelArrivals] | None = None,
+) -> SimResult:
+    """Draw the workload (unless given) and run one arm: the one-call entry point."""
+    from bench.sim_workload import make_workload  # noqa: PLC0415
+
+    arm = parse_arm(policy) if isinstance(policy, str) else policy
+    if workload is None:
+        profiles = {n: profile_for(n, s) for n, s in config.models.items()}
+        workload = make_workload(profiles, rates, duration_s, arrivals, seed)
+    sim = Simulator(config, arm, workload, duration_s, warmup_s=warmup_s, drain_s=drain_s, seed=seed)
+    return sim.run()
