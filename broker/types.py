@@ -91,6 +91,7 @@ class ModelLoad:
     p95_ms: float | None = None
     p99_ms: float | None = None
     latency_samples: int = 0  # samples behind the percentiles
+    attainment: float | None = None  # share of requests in the window answered within the SLO (rejects/timeouts miss)
     batch_timings: tuple[tuple[float, float], ...] = ()  # recent (batch cost, exec ms) for the L(b) fit
     mean_batch: float = 0.0  # mean batch cost over the window
     cost_per_request: float = 1.0  # mean cost units per request (tokens per request for token models)

@@ -1,0 +1,285 @@
+"""The fleet policy: ``decide(snapshot, config, state) -> (FleetDecision, new_state)``.
+
+Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
+``snapshot.now_s``). One tick:
+
+1. pick the active price profile (``broker.profiles``) -> effective P95 cap and objective;
+2. per model, fit L(b) and run the batch rules (``broker.batch_rules``) -> wanted cap/wait;
+3. anti-oscillation: a non-safety change inside the hold time is suppressed; direction
+   reversals are counted and, past ``reversal_limit`` in ``reversal_window_s``, the dead band
+   widens and the hold lengthens (and both relax after a quiet spell);
+4. quota (``broker.lending``): abort stale transfers, confirm donors now under their grant,
+   reclaim base for owners whose load returned, lend from idle models to memory-bound ones;
+5. guard-rails, in one place: floor <= cap <= min(ceiling, memory ceiling from the grant);
+6. versioned settings: a model's version bumps when any of its settings changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
+
+from broker.batch_rules import BatchWant, RuleContext, decide_batch
+from broker.latency_model import LatencyFit, fit_latency
+from broker.lending import plan_quota
+from broker.memory_model import MemoryModel
+from broker.profiles import active_profile
+from broker.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
+from quotas.config import FleetConfig, ModelSpec
+from quotas.ledger import ModelQuota, QuotaLedger
+
+BAND_SCALE_MAX = 4.0
+HOLD_MAX_TICKS = 8
+EMERGENCY_RECOVERY_TICKS = 5
+
+
+@dataclass(frozen=True)
+class ModelState:
+    max_batch: int
+    wait_s: float
+    admit: bool = True
+    version: int = 1
+    last_dir: int = 0  # direction of the last cap change: -1, 0, +1
+    last_change_s: float = float("-inf")
+    reversals: tuple[float, ...] = ()  # times of direction reversals (pruned to the window)
+    band_scale: float = 1.0  # dead band widening factor from anti-oscillation
+    hold_s: float = 0.0  # minimum time between non-safety changes
+    last_reversal_s: float = float("-inf")
+    last_arrival_s: float | None = None  # last tick that saw arrivals or queue
+    loaded_since_s: float | None = None  # start of the current busy spell (for reclaim hysteresis)
+    emergency_s: float = float("-inf")  # last memory emergency
+    fit: tuple[float, float, int] | None = None  # (a_ms, c_ms, samples) of the latency model
+
+    @property
+    def latency_fit(self) -> LatencyFit | None:
+        return None if self.fit is None else LatencyFit(*self.fit)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    models: Mapping[str, ModelState]
+    ledger: QuotaLedger
+    profile: str = ""
+    tick: int = 0
+    # donor -> settings version the donor must run before its pending transfers may complete
+    confirm_after: Mapping[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "models": {name: _state_to_dict(s) for name, s in self.models.items()},
+            "ledger": self.ledger.to_dict(),
+            "profile": self.profile,
+            "tick": self.tick,
+            "confirm_after": dict(self.confirm_after),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PolicyState":
+        models = {}
+        for name, raw in data["models"].items():
+            raw = dict(raw)
+            raw["reversals"] = tuple(raw.get("reversals", ()))
+            if raw.get("fit") is not None:
+                raw["fit"] = tuple(raw["fit"])
+            for key in ("last_change_s", "last_reversal_s", "emergency_s"):
+                if raw.get(key) is None:
+                    raw[key] = float("-inf")
+            models[name] = ModelState(**raw)
+        return cls(
+            models=models,
+            ledger=QuotaLedger.from_dict(data["ledger"]),
+            profile=data.get("profile", ""),
+            tick=int(data.get("tick", 0)),
+            confirm_after={k: int(v) for k, v in data.get("confirm_after", {}).items()},
+        )
+
+
+def _state_to_dict(state: ModelState) -> dict[str, Any]:
+    out = asdict(state)
+    for key in ("last_change_s", "last_reversal_s", "emergency_s"):
+        if out[key] == float("-inf"):
+            out[key] = None  # JSON has no -inf
+    return out
+
+
+def quotas_of(config: FleetConfig) -> dict[str, ModelQuota]:
+    return {n: ModelQuota(m.quota.min, m.quota.base, m.quota.max) for n, m in config.models.items()}
+
+
+def _initial_model_state(spec: ModelSpec, interval_s: float) -> ModelState:
+    return ModelState(max_batch=spec.batch.initial_cap, wait_s=spec.wait.initial_s, hold_s=interval_s)
+
+
+def initial_state(config: FleetConfig, usable_bytes: int) -> PolicyState:
+    interval = config.broker.control_interval_s
+    return PolicyState(
+        models={n: _initial_model_state(m, interval) for n, m in config.models.items()},
+        ledger=QuotaLedger(usable_bytes, quotas_of(config)),
+    )
+
+
+def reconfigure_state(state: PolicyState, config: FleetConfig, usable_bytes: int) -> PolicyState:
+    """State for a new config: ledger reconfigured (may raise LedgerError), caps clamped into the new range."""
+    ledger = state.ledger.reconfigure(usable_bytes, quotas_of(config))
+    interval = config.broker.control_interval_s
+    models = {}
+    for name, spec in config.models.items():
+        old = state.models.get(name)
+        if old is None:
+            models[name] = _initial_model_state(spec, interval)
+            continue
+        cap = min(spec.batch.ceiling, max(spec.batch.floor, old.max_batch))
+        wait = min(spec.wait.max_ms, max(spec.wait.min_ms, old.wait_s * 1000.0)) / 1000.0
+        if spec.control.strategy == "static":
+            cap, wait = spec.batch.initial_cap, spec.wait.initial_s
+        models[name] = replace(old, max_batch=cap, wait_s=wait, version=old.version + 1, hold_s=max(old.hold_s, interval))
+    return replace(state, models=models, ledger=ledger, confirm_after={})
+
+
+def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSettings:
+    ms = state.models[model]
+    spec = config.models[model]
+    per_batch = ms.max_batch if spec.batch.unit == "requests" else max(1, ms.max_batch)
+    return ModelSettings(
+        model=model,
+        version=ms.version,
+        max_batch_size=ms.max_batch,
+        batch_wait_timeout_s=ms.wait_s,
+        grant_bytes=state.ledger.grant(model),
+        admit=ms.admit,
+        max_ongoing_requests=per_batch * spec.batch.max_concurrent_batches + spec.max_queued,
+    )
+
+
+def memory_model(load: ModelLoad) -> MemoryModel:
+    return MemoryModel(load.weights_bytes, load.bytes_per_unit)
+
+
+def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> tuple[FleetDecision, PolicyState]:
+    now = snapshot.now_s
+    interval = config.broker.control_interval_s
+    profile = active_profile(config.profiles, now)
+    notes: list[str] = []
+    if state.profile and state.profile != profile.name:
+        notes.append(f"profile {state.profile} -> {profile.name} (objective {profile.objective}, slack {profile.latency_slack:g})")
+
+    wants: dict[str, BatchWant] = {}
+    new_states: dict[str, ModelState] = {}
+    for name, spec in config.models.items():
+        old = state.models.get(name) or _initial_model_state(spec, interval)
+        load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
+        fit = fit_latency(load.batch_timings, old.latency_fit)
+        active = load.arrival_rate_rps > 0 or load.queue_depth > 0
+        # a model is idle from its last arrival, or from the first tick it was seen
+        last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s
+        idle_for = 0.0 if active else now - last_arrival
+        loaded_since = (old.loaded_since_s if old.loaded_since_s is not None else now) if active else None
+        ctx = RuleContext(
+            now_s=now,
+            slo_ms=spec.slo_p95_ms * profile.latency_slack,
+            objective=profile.objective,
+            emergency_free_frac=config.gpu.emergency_free_frac,
+            band_scale=old.band_scale,
+            idle_for_s=idle_for,
+            recovering=now - old.emergency_s < EMERGENCY_RECOVERY_TICKS * interval,
+        )
+        want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
+        ms = replace(
+            old,
+            last_arrival_s=last_arrival,
+            loaded_since_s=loaded_since,
+            fit=None if fit is None else (fit.a_ms, fit.c_ms, fit.samples),
+            emergency_s=now if want.rule == "emergency" else old.emergency_s,
+        )
+        want, ms, note = _anti_oscillation(want, ms, spec, now, interval)
+        if note:
+            notes.append(f"{name}: {note}")
+        wants[name] = want
+        new_states[name] = ms
+
+    ledger = state.ledger.copy()
+    moves, confirm_after, quota_notes, new_donors = plan_quota(snapshot, config, ledger, new_states, wants, dict(state.confirm_after), now)
+    notes.extend(quota_notes)
+
+    decisions: dict[str, ModelDecision] = {}
+    for name, spec in config.models.items():
+        ms, want = new_states[name], wants[name]
+        load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
+        cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), load)
+        grant = ledger.grant(name)
+        old = state.models.get(name)
+        prev = (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit) if old else None
+        now_settings = (cap, round(want.wait_s, 6), grant, want.admit)
+        changed = prev != now_settings
+        version = ms.version + (1 if changed and old is not None else 0)
+        direction = (cap > ms.max_batch) - (cap < ms.max_batch)
+        reason = want.reason + (f"; {clamp_note}" if clamp_note else "")
+        if cap != ms.max_batch:
+            ms = replace(ms, last_dir=direction, last_change_s=now)
+        new_states[name] = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version)
+        decisions[name] = ModelDecision(
+            max_batch_size=cap,
+            batch_wait_timeout_s=want.wait_s,
+            grant_bytes=grant,
+            admit=want.admit,
+            reason=reason,
+            trigger=want.trigger,
+            trigger_value=want.value,
+            changed=changed,
+        )
+
+    # a donor whose grant was lowered this tick must run the new version before it can confirm
+    for donor in new_donors:
+        confirm_after[donor] = new_states[donor].version
+    new_state = PolicyState(models=new_states, ledger=ledger, profile=profile.name, tick=state.tick + 1, confirm_after=confirm_after)
+    return FleetDecision(now_s=now, profile=profile.name, models=decisions, moves=tuple(moves), notes=tuple(notes)), new_state
+
+
+def _guard(cap: int, spec: ModelSpec, grant_bytes: int, load: ModelLoad) -> tuple[int, str]:
+    """Floor <= cap <= min(ceiling, memory ceiling). Static strategies keep their cap."""
+    if spec.control.strategy == "static":
+        return cap, ""
+    floor, ceiling = spec.batch.floor, spec.batch.ceiling
+    note = ""
+    mem_cap = memory_model(load).cap_for(grant_bytes / max(1, spec.replicas))
+    top = ceiling
+    if mem_cap is not None and mem_cap < top:
+        top = max(floor, mem_cap)
+        if cap > top:
+            note = f"memory ceiling {mem_cap} from grant {grant_bytes >> 20}MiB"
+    new = min(top, max(floor, cap))
+    if new != cap and not note:
+        note = f"clamped into [{floor}, {top}]"
+    return new, note
+
+
+def _anti_oscillation(want: BatchWant, ms: ModelState, spec: ModelSpec, now: float, interval: float) -> tuple[BatchWant, ModelState, str]:
+    ctl = spec.control
+    note = ""
+    direction = (want.cap > ms.max_batch) - (want.cap < ms.max_batch)
+    reversals = tuple(t for t in ms.reversals if t > now - ctl.reversal_window_s)
+    # relax after a quiet spell
+    if ms.band_scale > 1.0 and now - ms.last_reversal_s > 2 * ctl.reversal_window_s:
+        ms = replace(ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now)
+        note = f"no oscillation for {2 * ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
+    if direction != 0 and not want.safety and now - ms.last_change_s < ms.hold_s - 1e-9:
+        held = replace(want, cap=ms.max_batch, rule="hold", reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)")
+        return held, replace(ms, reversals=reversals), note
+    if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
+        reversals = reversals + (now,)
+        if len(reversals) >= ctl.reversal_limit:
+            ms = replace(ms, band_scale=min(BAND_SCALE_MAX, ms.band_scale * 1.5), hold_s=min(HOLD_MAX_TICKS * interval, ms.hold_s * 2), last_reversal_s=now)
+            note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
+            reversals = ()
+    return want, replace(ms, reversals=reversals), note
+
+
+__all__ = [
+    "ModelState",
+    "PolicyState",
+    "QuotaMove",
+    "decide",
+    "initial_state",
+    "reconfigure_state",
+    "settings_for",
+]

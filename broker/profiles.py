@@ -1,0 +1,32 @@
+"""Price-aware profile selection: which schedule window holds ``now_s`` (epoch seconds).
+
+Pure: the time comes in; the timezone conversion uses zoneinfo (data, not the clock).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+from quotas.config import ProfileSpec, ProfilesSection
+
+
+def minute_of_week(now_s: float, timezone: str) -> int:
+    local = datetime.fromtimestamp(now_s, ZoneInfo(timezone))
+    return local.weekday() * 1440 + local.hour * 60 + local.minute
+
+
+def active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
+    """The window containing now (windows never overlap: the config refuses it), else the default."""
+    minute = minute_of_week(now_s, profiles.timezone)
+    for profile in profiles.schedule:
+        for start, end in profile.weekly_minutes():
+            if start <= minute < end:
+                return profile
+    return profiles.default_profile
+
+
+# How much of the latency budget the wait timeout may use, and how much headroom over the
+# self-sizing batch the cap gets, per objective.
+WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}
+BATCH_HEADROOM = {"latency": 1.5, "balanced": 2.0, "throughput": 3.0}

@@ -1,0 +1,145 @@
+"""Fold replicas' stats deltas into per-model load over a sliding window.
+
+Not a policy, but pure all the same: the time of each report and of each snapshot comes in
+as an argument, so the simulator and the live broker share this code. Percentiles are taken
+over ``control.window_s`` (never a single sample); rates and utilisation over a shorter
+window (``rate_window_s``) so the controller sees a burst within seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Mapping
+
+from broker.types import FleetSnapshot, GpuLoad, ModelLoad, StatsReport
+from quotas.config import FleetConfig
+
+MAX_LATENCY_SAMPLES = 20_000  # per model per window, newest kept
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of an ascending list (None when empty)."""
+    if not sorted_values:
+        return None
+    k = max(0, min(len(sorted_values) - 1, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[k]
+
+
+class ReportWindow:
+    def __init__(self, config: FleetConfig):
+        self._events: dict[str, deque[tuple[float, StatsReport]]] = {}
+        self._last_snapshot_s = float("-inf")
+        self.reconfigure(config)
+
+    def reconfigure(self, config: FleetConfig) -> None:
+        self._config = config
+        for name in config.models:
+            self._events.setdefault(name, deque())
+        for name in list(self._events):
+            if name not in config.models:
+                del self._events[name]
+
+    def add(self, report: StatsReport, received_s: float) -> bool:
+        """Keep a report; False (ignored) for a model the config does not know."""
+        events = self._events.get(report.model)
+        if events is None:
+            return False
+        events.append((received_s, report))
+        return True
+
+    def rate_window_s(self) -> float:
+        broker = self._config.broker
+        return max(5.0, 4.0 * broker.control_interval_s, 4.0 * broker.report_interval_s)
+
+    def stale_after_s(self) -> float:
+        return max(2.0, 5.0 * self._config.broker.report_interval_s)
+
+    def snapshot(
+        self, now_s: float, gpu: GpuLoad, memory_models: Mapping[str, tuple[int, float]] | None = None
+    ) -> FleetSnapshot:
+        memory_models = memory_models or {}
+        since = self._last_snapshot_s
+        self._last_snapshot_s = now_s
+        models = {
+            name: self._model_load(name, now_s, since, memory_models.get(name, (0, 0.0)))
+            for name in self._config.models
+        }
+        return FleetSnapshot(now_s=now_s, gpu=gpu, models=models)
+
+    def _model_load(self, name: str, now_s: float, since_s: float, memory: tuple[int, float]) -> ModelLoad:
+        spec = self._config.models[name]
+        window_s = spec.control.window_s
+        events = self._events[name]
+        while events and events[0][0] < now_s - window_s:
+            events.popleft()
+        rate_from = now_s - self.rate_window_s()
+        live_from = now_s - self.stale_after_s()
+
+        latest: dict[str, StatsReport] = {}
+        peak: dict[str, int] = {}
+        per_replica: dict[str, list[float]] = {}  # arrivals, completions, rejects, busy_s, interval_s
+        latencies: list[float] = []
+        timings: list[tuple[float, float]] = []
+        batch_cost = batch_requests = 0.0
+        batches = 0
+        emergency = False
+        oom_splits = 0
+        done = misses = 0
+        slo = spec.slo_p95_ms
+        for t, r in events:
+            if t >= live_from:
+                latest[r.replica_id] = r
+            peak[r.replica_id] = max(peak.get(r.replica_id, 0), r.mem_peak_bytes, r.mem_used_bytes)
+            latencies.extend(r.latency_ms)
+            done += len(r.latency_ms)
+            misses += sum(1 for x in r.latency_ms if x > slo) + r.rejections + r.timeouts + r.errors
+            timings.extend(r.batches)
+            for (cost, _), reqs in zip(r.batches, r.batch_requests):
+                batch_cost += cost
+                batch_requests += reqs
+            batches += len(r.batches)
+            if t > since_s:
+                emergency = emergency or r.emergency_shrinks > 0
+                oom_splits += r.oom_splits
+            if t >= rate_from:
+                acc = per_replica.setdefault(r.replica_id, [0.0, 0.0, 0.0, 0.0, 0.0])
+                acc[0] += r.arrivals
+                acc[1] += r.completions
+                acc[2] += r.rejections + r.timeouts
+                acc[3] += r.busy_s
+                acc[4] += r.interval_s
+
+        def rate(i: int) -> float:
+            return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > 0)
+
+        busy = [acc[3] / acc[4] for acc in per_replica.values() if acc[4] > 0]
+        if len(latencies) > MAX_LATENCY_SAMPLES:
+            latencies = latencies[-MAX_LATENCY_SAMPLES:]
+        latencies.sort()
+        fit_window = spec.control.fit_window
+        total = done + sum(r.rejections + r.timeouts + r.errors for _, r in events)
+        return ModelLoad(
+            name=name,
+            replicas=len(latest),
+            queue_depth=float(sum(r.queue_depth for r in latest.values())),
+            arrival_rate_rps=rate(0),
+            completion_rate_rps=rate(1),
+            reject_rate_rps=rate(2),
+            p50_ms=percentile(latencies, 50),
+            p95_ms=percentile(latencies, 95),
+            p99_ms=percentile(latencies, 99),
+            latency_samples=len(latencies),
+            attainment=(1.0 - misses / total) if total else None,
+            batch_timings=tuple(timings[-fit_window:]),
+            mean_batch=(batch_cost / batches) if batches else 0.0,
+            cost_per_request=(batch_cost / batch_requests) if batch_requests else 1.0,
+            busy_frac=(sum(busy) / len(busy)) if busy else 0.0,
+            mem_used_bytes=sum(r.mem_used_bytes for r in latest.values()),
+            mem_peak_bytes=sum(peak.get(rid, 0) for rid in latest),
+            emergency=emergency,
+            oom_splits=oom_splits,
+            settings_version=min((r.settings_version for r in latest.values()), default=0),
+            weights_bytes=int(memory[0]),
+            bytes_per_unit=float(memory[1]),
+            cost_unit=spec.batch.unit,
+        )
