@@ -8,6 +8,7 @@ window (``rate_window_s``) so the controller sees a burst within seconds.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Mapping
 
@@ -21,7 +22,7 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     """Nearest-rank percentile of an ascending list (None when empty)."""
     if not sorted_values:
         return None
-    k = max(0, min(len(sorted_values) - 1, int(round(q / 100.0 * len(sorted_values) + 0.5)) - 1))
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values) - 1e-9) - 1))
     return sorted_values[k]
 
 

@@ -1,0 +1,170 @@
+"""Fleet config: the demo passes; each kind of bad config is refused with its field named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quotas.config import ConfigError, load_config, parse_config, parse_config_text
+from quotas.sizes import format_size, parse_size
+from tests.unit.policy_builders import BASE_CONFIG, deep_merge
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def refuse(over: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(deep_merge(BASE_CONFIG, over))
+    return [str(i) for i in info.value.issues]
+
+
+def test_demo_config_is_valid():
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    assert set(cfg.models) == {"minilm", "cnn", "mlp"}
+    assert cfg.broker.metrics_host == "127.0.0.1" and cfg.broker.http_host == "127.0.0.1"
+    assert cfg.models["minilm"].batch.unit == "tokens"
+    assert len(cfg.config_hash()) == 12
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_fleet_config_is_valid(path):
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict) or "models" not in data:
+        pytest.skip("not a fleet config")
+    parse_config(data, str(path))
+
+
+def test_defaults_follow_design():
+    cfg = parse_config(BASE_CONFIG)
+    ctl = cfg.models["a"].control
+    assert (ctl.target_queue, ctl.band_low, ctl.band_high, ctl.window_s) == (10, 6, 15, 30.0)
+    assert cfg.gpu.emergency_free_frac == 0.10
+    assert parse_config({"models": BASE_CONFIG["models"]}).gpu.reserve_frac == 0.12
+
+
+@pytest.mark.parametrize(
+    "over, needle",
+    [
+        ({"models": {"a": {"quota": {"min": "4GiB"}}}}, "models.a.quota"),  # min > base
+        ({"models": {"a": {"quota": {"base": "7GiB"}}}}, "base (7.0GiB) is above max"),
+        ({"models": {"a": {"batch": {"floor": 64, "ceiling": 8}}}}, "models.a.batch"),
+        ({"models": {"a": {"wait": {"min_ms": 30, "max_ms": 5}}}}, "models.a.wait"),
+        ({"models": {"a": {"quota": {"base": "-1GiB"}}}}, "negative"),
+        ({"models": {"a": {"quota": {"base": "3 bananas"}}}}, "unknown unit"),
+        ({"models": {"a": {"slo_p95_ms": "fast"}}}, "models.a.slo_p95_ms"),
+        ({"models": {"a": {"batchsize": 8}}}, "models.a.batchsize"),
+        ({"brokr": {}}, "brokr"),
+        ({"models": {"a": {"model": "not a ref!"}}}, "models.a.model"),
+        ({"gpu": {"device": "tpu"}}, "gpu.device"),
+        ({"gpu": {"reserve_frac": 1.5}}, "gpu.reserve_frac"),
+        ({"broker": {"metrics_port": 70000}}, "broker.metrics_port"),
+        ({"gpu": {"capacity": "5GiB"}}, "sum of quota.base"),
+        ({"models": {"a": {"control": {"band_low": 20}}}}, "models.a.control"),
+    ],
+)
+def test_bad_configs_name_the_field(over, needle):
+    issues = refuse(over)
+    assert any(needle in text for text in issues), issues
+
+
+def test_bad_value_and_fix_are_in_the_message():
+    issues = refuse({"models": {"a": {"batch": {"floor": 64, "ceiling": 8}}}})
+    assert any("64" in t and "8" in t and "lower floor or raise ceiling" in t for t in issues), issues
+    issues = refuse({"gpu": {"capacity": "5GiB"}})
+    assert any("lower some models' quota.base" in t for t in issues), issues
+
+
+def test_every_error_is_listed_not_just_the_first():
+    issues = refuse({"gpu": {"device": "tpu"}, "models": {"a": {"batch": {"floor": 64, "ceiling": 8}}, "b": {"bogus": 1}}})
+    assert len(issues) >= 3
+
+
+def _profiles(*windows):
+    return {"profiles": {"timezone": "UTC", "schedule": list(windows)}}
+
+
+def test_profile_windows_must_not_overlap():
+    issues = refuse(_profiles(
+        {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00"},
+        {"name": "evening", "days": "fri", "hours": "19:00-23:00"},
+        {"name": "off", "default": True},
+    ))
+    assert any("overlap on fri at 19:00" in t for t in issues), issues
+
+
+def test_window_wrapping_midnight_overlaps_next_morning():
+    issues = refuse(_profiles(
+        {"name": "night", "days": "mon", "hours": "22:00-06:00"},
+        {"name": "early", "days": "tue", "hours": "05:00-07:00"},
+        {"name": "off", "default": True},
+    ))
+    assert any("overlap on tue at 05:00" in t for t in issues), issues
+
+
+@pytest.mark.parametrize("schedule, needle", [
+    ([{"name": "a", "days": "mon", "hours": "08:00-09:00"}], "0 default profiles"),
+    ([{"name": "a", "default": True}, {"name": "b", "default": True}], "2 default profiles"),
+    ([{"name": "a", "days": "funday", "hours": "08:00-09:00"}, {"name": "d", "default": True}], "funday"),
+    ([{"name": "a", "days": "mon", "hours": "8-9"}, {"name": "d", "default": True}], "HH:MM-HH:MM"),
+    ([{"name": "a", "days": "mon", "hours": "25:00-26:00"}, {"name": "d", "default": True}], "impossible time"),
+    ([{"name": "a", "days": "mon"}, {"name": "d", "default": True}], "needs both days and hours"),
+])
+def test_bad_profiles(schedule, needle):
+    issues = refuse({"profiles": {"schedule": schedule}})
+    assert any(needle in t for t in issues), issues
+    assert any(t.startswith("profiles") for t in issues), issues
+
+
+def test_bad_timezone():
+    issues = refuse({"profiles": {"timezone": "Mars/Olympus", "schedule": [{"name": "d", "default": True}]}})
+    assert any("profiles.timezone" in t for t in issues)
+
+
+def test_unreadable_and_non_yaml_are_exit_code_2(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "missing.yaml")
+    assert info.value.exit_code == 2
+    with pytest.raises(ConfigError) as info:
+        parse_config_text("models: [unclosed\n")
+    assert info.value.exit_code == 2 and "line" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse_config_text("")
+    assert info.value.exit_code == 2
+
+
+def test_sizes_round_trip():
+    assert parse_size("24GiB") == 24 * 1024**3
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(1024) == 1024
+    assert format_size(1536 * 1024**2) == "1.5GiB"
+    cfg = parse_config(BASE_CONFIG)
+    dumped = cfg.model_dump(mode="json")
+    assert dumped["models"]["a"]["quota"]["base"] == "3.0GiB"
+    assert parse_config(dumped).config_hash() == cfg.config_hash()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "broker.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_cli_validate_exit_codes(tmp_path):
+    ok = _cli("validate", "configs/demo.yaml")
+    assert ok.returncode == 0, ok.stderr
+    assert "valid" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    data = deep_merge(BASE_CONFIG, {"models": {"a": {"batch": {"floor": 64, "ceiling": 8}}}})
+    bad.write_text(yaml.safe_dump(data))
+    res = _cli("validate", str(bad))
+    assert res.returncode == 1
+    assert "models.a.batch" in res.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("models: {a: [1, 2\n")
+    assert _cli("validate", str(broken)).returncode == 2
+    assert _cli("validate", str(tmp_path / "nope.yaml")).returncode == 2
+    js = _cli("validate", "--json", str(bad))
+    assert js.returncode == 1 and json.loads(js.stdout)["valid"] is False
