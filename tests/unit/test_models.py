@@ -352,3 +352,12 @@ def test_fit_line_clamps():
     assert fit_line([(1, 5), (2, 4)]) == pytest.approx((4.5, 0.0))  # negative slope -> flat
     assert fit_line([(1, 1), (2, 9)])[0] == 0.0  # negative intercept -> through the origin
     assert fit_line([]) == (0.0, 0.0)
+
+
+def test_models_package_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import sys, deployments.models, deployments.oom; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
