@@ -304,8 +304,23 @@ def detect_device(device_cfg: str = "auto") -> str:
     return f"cuda:{index}"
 
 
-def detect_capacity(device: str) -> int:
-    """Total bytes of the CUDA card, or host MemTotal (cgroup-limited) on cpu."""
+def _device_str(device) -> str:
+    """A device string from 'auto'/'cpu'/'cuda:N', an int index, or a config's gpu section."""
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    if not isinstance(device, str):
+        device = getattr(device, "device", None)  # quotas.config.GpuSection
+        if not isinstance(device, str):
+            raise TypeError("expected a device string ('auto', 'cpu', 'cuda:N') or a gpu config section")
+    return detect_device(device) if device == "auto" else device
+
+
+def detect_capacity(device) -> int:
+    """Total bytes of the CUDA card, or host MemTotal (cgroup-limited) on cpu.
+
+    ``device``: 'cpu', 'cuda:N', 'auto', or the config's gpu section (its ``device`` is used).
+    """
+    device = _device_str(device)
     if device == "cpu":
         return host_total_bytes()
     index = _cuda_index(device)
@@ -319,6 +334,7 @@ def detect_capacity(device: str) -> int:
 
 def make_probe(device: str, capacity_bytes: int | None = None):
     """The probe a replica uses: HostProbe on cpu, CudaProbe (NVML if it works) on cuda."""
+    device = _device_str(device)
     if device == "cpu":
         return HostProbe(capacity_bytes)
     index = _cuda_index(device)

@@ -66,6 +66,9 @@ def test_detection_on_cpu():
 def test_detect_device_auto_and_missing_cuda(monkeypatch):
     monkeypatch.setattr(probes, "_cuda_available", lambda: False)
     assert detect_device("auto") == "cpu"
+    assert detect_capacity("auto") == detect_capacity("cpu")
+    assert detect_capacity(types.SimpleNamespace(device="auto")) == detect_capacity("cpu")  # a GpuSection
+    assert isinstance(make_probe("auto"), HostProbe)
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         detect_device("cuda:0")
 
