@@ -13,8 +13,9 @@ Design notes (what is emulated, and how):
   single request costlier than the cap runs alone and is counted as ``oversize``. When
   ``max_ongoing_requests`` is set (> 0) the replica sees only that many requests at once,
   as Serve's router holds the rest back.
-- **Latency.** A batch of n requests holding ``tokens`` tokens needs ``a + c·n +
-  token_ms·tokens`` ms of the card (see ``bench.sim_profile``).
+- **Latency.** A batch of cost b (requests, or tokens for token models) holding ``tokens``
+  tokens needs ``a + c·b + token_ms·tokens`` ms of the card, as the ``profiled`` adapter
+  sleeps (see ``bench.sim_profile``).
 - **GPU sharing: processor sharing.** When k batches (of any models) execute at once on the
   card, each progresses at 1/k speed; a batch's wall time therefore grows with the
   neighbours' load, and the replica reports that wall time (as a real one would).
@@ -267,7 +268,7 @@ class Simulator:
             raise ValueError(f"workload names models {missing} that the config lacks; add them under models:")
 
         # Requests, merged over models in time order (ties: model order).
-        times, mids, costs = [], [], []
+        times, mids, costs, toks = [], [], [], []
         for m, name in enumerate(self.names):
             w = workload.get(name)
             if w is None or len(w.times) == 0:
@@ -275,20 +276,24 @@ class Simulator:
             times.append(np.asarray(w.times, dtype=np.float64))
             mids.append(np.full(len(w.times), m, dtype=np.int64))
             costs.append(np.asarray(w.costs, dtype=np.int64))
+            toks.append(np.asarray(w.tokens, dtype=np.int64))
         if times:
             t_all = np.concatenate(times)
             m_all = np.concatenate(mids)
             c_all = np.concatenate(costs)
+            k_all = np.concatenate(toks)
             order = np.lexsort((m_all, t_all))
-            t_all, m_all, c_all = t_all[order], m_all[order], c_all[order]
+            t_all, m_all, c_all, k_all = t_all[order], m_all[order], c_all[order], k_all[order]
         else:
             t_all = np.zeros(0)
             m_all = np.zeros(0, dtype=np.int64)
             c_all = np.zeros(0, dtype=np.int64)
+            k_all = np.zeros(0, dtype=np.int64)
         self.t_np, self.m_np, self.c_np = t_all, m_all, c_all
         self.arr_t: list[float] = t_all.tolist()
         self.arr_m: list[int] = m_all.tolist()
         self.cost: list[int] = c_all.tolist()
+        self.tok: list[int] = k_all.tolist()
         n = len(self.arr_t)
         self.done_t = np.full(n, np.nan)
         self.status = np.zeros(n, dtype=np.int8)
@@ -484,8 +489,7 @@ class Simulator:
         else:
             b.chunk = chunk
             b.chunk_cost = cost_units
-            tokens = cost_units if prof.unit == "tokens" else 0
-            work = prof.latency_ms(len(chunk), tokens)
+            work = prof.latency_ms(cost_units, sum(self.tok[i] for i in chunk) if prof.token_ms else 0)
         b.mem = mem - prof.weights_bytes
         rep.mem_now = prof.weights_bytes + sum(x.mem for x in rep.running)
         if rep.mem_now > rep.st_peak:
@@ -622,7 +626,7 @@ class Simulator:
         rep.card_busy_mark = self.card_busy
         rep.busy_acc = 0.0
         rep._reset_stats()
-        s = self._policy.settings_for(self.state, rep.name)
+        s = self._policy.settings_for(self.state, rep.name, self.config)
         if s.version != rep.version:
             self._apply(rep, s)
 
@@ -672,7 +676,7 @@ class Simulator:
             rep_iv = self.config.broker.report_interval_s
             n = len(self.all_reps)
             for k, rep in enumerate(self.all_reps):
-                self._apply(rep, _policy.settings_for(self.state, rep.name))
+                self._apply(rep, _policy.settings_for(self.state, rep.name, self.config))
                 self._push(rep_iv * (k + 1) / n, EV_REPORT, rep)
             self._push(ctrl, EV_CONTROL)
         else:

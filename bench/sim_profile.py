@@ -3,18 +3,20 @@
 A model whose ``model`` is ``profiled`` reads its profile from ``options``:
 
 - ``a_ms``: fixed cost of one batch (kernel launches, transfers), ms
-- ``c_ms``: cost per request in the batch, ms
-- ``token_ms``: cost per token in the batch, ms (token models; default 0)
+- ``c_ms``: cost per batch unit (request, or token for token models), ms
+- ``token_ms``: extra cost per token whatever the unit, ms (default 0; a request without a
+  length counts 1 token, as in the adapter)
 - ``weights_bytes``: memory held by the weights (a size: "2GiB" or bytes)
 - ``bytes_per_item``: memory per batch unit (per request, or per token for token models)
 - ``unit``: "requests" or "tokens" (default: the model's ``batch.unit``)
 
-so one batch of ``n`` requests holding ``tokens`` tokens runs for
-``a_ms + c_ms·n + token_ms·tokens`` ms (alone on the card) and needs
-``weights_bytes + bytes_per_item·cost`` bytes, where cost is ``n`` or ``tokens``.
+so one batch of cost ``b`` (requests, or tokens) holding ``tokens`` tokens runs for
+``a_ms + c_ms·b + token_ms·tokens`` ms (alone on the card) and needs
+``weights_bytes + bytes_per_item·b`` bytes -- the same model ``deployments/models/profiled.py``
+sleeps and allocates, so the broker sees the same behaviour live as in simulation.
 
 Any other model (minilm, mlp, cnn, a user class) gets the DEFAULT profile: a_ms 5,
-c_ms 1 (token models: c_ms 0.2 and token_ms 0.01), weights = half of ``quota.min``, and
+c_ms 1 (token models: c_ms 0.01 per token), weights = half of ``quota.min``, and
 ``bytes_per_item`` such that a batch at ``batch.ceiling`` fills ``quota.base``. Options of
 the same names override it. It is a placeholder to exercise the policy, not a measurement.
 
@@ -33,8 +35,7 @@ from quotas.sizes import parse_size
 
 DEFAULT_A_MS = 5.0
 DEFAULT_C_MS = 1.0
-DEFAULT_TOKEN_C_MS = 0.2
-DEFAULT_TOKEN_MS = 0.01
+DEFAULT_TOKEN_C_MS = 0.01
 DEFAULT_MEAN_TOKENS = 128.0
 DEFAULT_TOKENS_CV = 0.5
 
@@ -44,8 +45,8 @@ class Profile:
     """What one emulated model costs in time and memory."""
 
     a_ms: float  # fixed cost per batch, ms
-    c_ms: float  # cost per request in the batch, ms
-    token_ms: float  # cost per token in the batch, ms
+    c_ms: float  # cost per batch unit (request or token), ms
+    token_ms: float  # extra cost per token whatever the unit, ms
     weights_bytes: int  # resident weights
     bytes_per_item: float  # memory per batch unit (request or token)
     unit: str  # "requests" or "tokens"
@@ -53,17 +54,18 @@ class Profile:
     tokens_cv: float = DEFAULT_TOKENS_CV  # token models: CV of request lengths without a trace
     profiled: bool = True  # False: the documented default profile stood in
 
-    def latency_ms(self, n: int, tokens: int = 0) -> float:
-        """Batch latency alone on the card: a + c·n (+ token_ms·tokens)."""
-        return self.a_ms + self.c_ms * n + self.token_ms * tokens
+    def latency_ms(self, cost: float, tokens: float = 0) -> float:
+        """Batch latency alone on the card: a + c·cost (+ token_ms·tokens)."""
+        return self.a_ms + self.c_ms * cost + self.token_ms * tokens
 
     def memory_bytes(self, cost: float) -> float:
         """Memory of a batch of ``cost`` units: weights + bytes_per_item·cost."""
         return self.weights_bytes + self.bytes_per_item * cost
 
     def saturation_rps(self, batch: int) -> float:
-        """Throughput of back-to-back batches of ``batch`` requests (request models)."""
-        return 1000.0 * batch / self.latency_ms(batch, int(batch * self.mean_tokens) if self.unit == "tokens" else 0)
+        """Back-to-back throughput of batches of ``batch`` requests (token models: of mean length)."""
+        per = self.mean_tokens if self.unit == "tokens" else 1.0
+        return 1000.0 * batch / self.latency_ms(batch * per, batch * per)
 
 
 def _num(options: dict[str, Any], key: str, default: float, name: str) -> float:
@@ -87,7 +89,7 @@ def profile_for(name: str, spec: ModelSpec) -> Profile:
     tokens = unit == "tokens"
     a_ms = _num(opts, "a_ms", DEFAULT_A_MS, name)
     c_ms = _num(opts, "c_ms", DEFAULT_TOKEN_C_MS if tokens else DEFAULT_C_MS, name)
-    token_ms = _num(opts, "token_ms", DEFAULT_TOKEN_MS if tokens else 0.0, name)
+    token_ms = _num(opts, "token_ms", 0.0, name)
     if "weights_bytes" in opts:
         weights = parse_size(opts["weights_bytes"])
     else:

@@ -48,7 +48,7 @@ class ModelArrivals:
 
     times: np.ndarray  # float64, sorted
     costs: np.ndarray  # int64, same length; 1 for request models
-    tokens: np.ndarray  # int64 token lengths (0 for request models)
+    tokens: np.ndarray  # int64 token lengths (1 per request where the arrivals carry none)
 
 
 def sub_seed(seed: int, index: int) -> int:
@@ -74,7 +74,8 @@ def finish(times: np.ndarray, profile: Profile, tokens: np.ndarray | None, seed:
     if profile.unit == "tokens":
         tok = np.asarray(tokens, dtype=np.int64) if tokens is not None else token_lengths(profile, n, seed + 1)
         return ModelArrivals(times, tok.copy(), tok)
-    return ModelArrivals(times, np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+    tok = np.asarray(tokens, dtype=np.int64) if tokens is not None else np.ones(n, dtype=np.int64)
+    return ModelArrivals(times, np.ones(n, dtype=np.int64), tok)
 
 
 def make_workload(

@@ -1,0 +1,163 @@
+"""``gpubroker simulate``: run the discrete-event simulator on a fleet config.
+
+Registered by ``broker/cli.py`` (``_register_optional``). Heavy imports stay inside the
+command so the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from quotas.config import FleetConfig
+
+
+def _fmt(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def default_rates(config: FleetConfig) -> dict[str, float]:
+    """Without --rate: each model at its reference rate (half of static 8's saturation)
+    divided by the number of models sharing the card."""
+    from bench.knee import reference_rate  # noqa: PLC0415
+    from bench.sim_profile import profile_for  # noqa: PLC0415
+
+    n = len(config.models)
+    return {name: reference_rate(profile_for(name, spec)) / n for name, spec in config.models.items()}
+
+
+def _fail(message: str, code: int = 2) -> None:
+    from rich.console import Console  # noqa: PLC0415
+
+    Console(stderr=True, emoji=False).print(f"[bold red]error[/] {message}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def _result_table(result: Any, title: str):
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=title)
+    for col in ("model", "offered/s", "completed/s", "attain", "goodput/s", "p50 ms", "p95 ms", "p99 ms",
+                "cap ms", "mean batch", "ooms", "rejects", "timeouts"):
+        table.add_column(col, justify="right" if col != "model" else "left")
+    for name, m in result.models.items():
+        table.add_row(name, _fmt(m.offered_rps), _fmt(m.completed_rps), _fmt(m.attainment, 3), _fmt(m.goodput_rps),
+                      _fmt(m.p50_ms), _fmt(m.p95_ms), _fmt(m.p99_ms), _fmt(m.cap_ms), _fmt(m.mean_batch),
+                      str(m.ooms), str(m.rejects), str(m.timeouts))
+    return table
+
+
+def _validation_table(v: dict[str, Any]):
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table(title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms; reference {v['reference_rps']:.1f}/s, "
+                    f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("static 8 saturation /s", v["static8_saturation_rps"]),
+        ("static 8 knee at S /s", v["static8_knee_rps"]),
+        ("broker knee at 1.2·S /s", v["broker_knee_rps"]),
+        ("oracle knee at 1.2·S /s", v.get("oracle_knee_rps")),
+        ("oracle arm", v.get("oracle_arm")),
+        ("bound (1-2a/C)/c /s", v["bound_rps"]),
+        ("knee gain broker/static 8", v["gain"]),
+        ("oracle gain", v.get("oracle_gain")),
+        ("broker / oracle", v.get("broker_vs_oracle")),
+        ("broker / bound", v["broker_vs_bound"]),
+    ]
+    for k, x in rows:
+        t.add_row(k, _fmt(x, 2 if isinstance(x, float) and x < 10 else 1))
+    return t
+
+
+def simulate(
+    config: Path = typer.Option(..., "--config", help="Fleet config YAML (gpu.capacity must be an explicit size)."),
+    policy: str = typer.Option("broker", "--policy", help="broker, static:B or static:B:WAIT_MS (e.g. static:8, static:32:5)."),
+    rate: Optional[float] = typer.Option(None, "--rate", help="Total offered rate, req/s, split over the models (default: each model's reference rate / n)."),
+    sweep: bool = typer.Option(False, "--sweep", help="Find the knee: step the rate ~10% then bisect; prints every rate tried."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the arrivals (the same for every arm)."),
+    duration_s: float = typer.Option(120.0, "--duration-s", help="Seconds of arrivals (simulated)."),
+    arrivals: str = typer.Option("poisson", "--arrivals", help="poisson, gamma:CV (e.g. gamma:2) or trace (Azure LLM 2023)."),
+    split: str = typer.Option("even", "--split", help="How --rate is split over models: even or powerlaw."),
+    warmup_s: float = typer.Option(0.0, "--warmup-s", help="Seconds at the start left out of the metrics (sweep/validate default 30)."),
+    validate: bool = typer.Option(False, "--validate", help="Headline figures of a one-model profile: static 8 at S, broker at 1.2·S, oracle, bound."),
+    no_oracle: bool = typer.Option(False, "--no-oracle", help="With --validate: skip the static-grid oracle (faster)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    series: bool = typer.Option(False, "--series", help="With --json: include the per-interval time series and decisions."),
+) -> None:
+    """Run the real policy on a virtual clock against emulated models (deterministic, fast)."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from bench.knee import RunSettings, knee, rates_for, seed_validation  # noqa: PLC0415
+    from bench.sim import parse_arm, run_sim  # noqa: PLC0415
+    from bench.sim_workload import parse_arrivals  # noqa: PLC0415
+    from quotas.config import ConfigError, load_config  # noqa: PLC0415
+
+    console = Console(emoji=False)
+    if not console.is_terminal:
+        console = Console(emoji=False, width=160)
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        from broker.cli import print_config_error  # noqa: PLC0415
+
+        print_config_error(exc)
+        raise typer.Exit(exc.exit_code)
+    if cfg.gpu.capacity_bytes is None:
+        _fail(f"{config}: gpu.capacity is 'auto', but the simulator has no card to measure; "
+              "set gpu.capacity to an explicit size (e.g. capacity: 24GiB) in the config", 1)
+    try:
+        arm = parse_arm(policy)
+        parse_arrivals(arrivals)
+        if split not in ("even", "powerlaw"):
+            raise ValueError(f"split '{split}' is not known; use even or powerlaw")
+        if rate is not None and rate <= 0:
+            raise ValueError(f"--rate ({rate}) must be > 0 requests per second")
+        if duration_s <= 0:
+            raise ValueError(f"--duration-s ({duration_s}) must be > 0")
+    except ValueError as exc:
+        _fail(str(exc))
+
+    if validate:
+        if len(cfg.models) != 1:
+            _fail(f"--validate takes a one-model profile config; {config} has {len(cfg.models)} models "
+                  "(use configs/sim-a20-c0.5.yaml or configs/sim-a10-c2.yaml)")
+        rs = RunSettings(duration_s=duration_s, warmup_s=warmup_s or min(30.0, duration_s / 4), seed=seed,
+                         arrivals=arrivals)
+        say = None if as_json else (lambda msg: console.print(msg, highlight=False))
+        v = seed_validation(cfg, rs, oracle_grid=not no_oracle, on_progress=say)
+        if as_json:
+            print(json.dumps(v, indent=2, default=str))
+        else:
+            console.print(_validation_table(v))
+        return
+
+    total = rate if rate is not None else sum(default_rates(cfg).values())
+    if sweep:
+        rs = RunSettings(duration_s=duration_s, warmup_s=warmup_s or min(30.0, duration_s / 4), seed=seed,
+                         arrivals=arrivals, split=split)
+        printer = None if as_json else (lambda row: console.print(
+            f"rate {row['rate']:.1f}/s: {'pass' if row['pass'] else 'FAIL'} ({row['why']})", highlight=False))
+        res = knee(cfg, arm, total, rs, on_row=printer)
+        if as_json:
+            print(json.dumps(res.to_dict(), indent=2))
+        else:
+            console.print(f"[bold]knee[/] of {arm.label}: {res.knee_rps:.1f} req/s "
+                          f"(P95 ≤ cap {', '.join(f'{k} {v:g} ms' for k, v in res.cap_ms.items())}, completed/offered ≥ 0.99)")
+        return
+
+    rates = rates_for(cfg, total, split) if rate is not None else default_rates(cfg)
+    result = run_sim(cfg, arm, rates, duration_s, arrivals=arrivals, seed=seed, warmup_s=warmup_s)
+    if as_json:
+        print(json.dumps(result.to_dict(series=series), indent=2))
+        return
+    console.print(_result_table(result, f"{config}: {arm.label}, {arrivals}, {total:.1f} req/s total, "
+                                        f"{duration_s:g} s simulated in {result.wall_s:.2f} s"))
