@@ -8,10 +8,11 @@ neighbours on the card (a larger batch holds more memory and more GPU time). The
 
 - ``emergency``: free memory under ``gpu.emergency_free_frac`` (or the replica's fast loop
   shrank): cap = max(floor, min(cap/2, queued/2)); admission pauses below half of it.
-- ``p95``: recent P95 near the cap (``p95_near_frac``). If the arrival rate is beyond what the
-  current cap can serve, the latency is queueing: grow toward the throughput target. Else the
-  batch itself is too slow: shrink multiplicatively (``aimd_backoff``), to at most the
-  largest batch the latency model says fits (2 L(b) <= cap).
+- ``p95``: recent P95 (the rate window, a few seconds) near the cap (``p95_near_frac``). With
+  a backlog (more than a batch queued, or arrivals beyond what the cap serves) the latency
+  is queueing: grow toward the throughput target. Without one, the batch itself is too slow:
+  shrink multiplicatively (``aimd_backoff``) -- with a latency model only when the model also
+  puts the cap above its target, since otherwise the P95 is a transient that is draining.
 - ``idle``: no arrivals for ``idle_hold_s``: go to the floor (that is what lets it lend memory).
 - ``model``: with a fitted L(b) and an arrival rate, cap = max(b_lat, headroom * b_fp) where
   ``b_lat`` is the largest batch with 2 L(b) <= cap; the headroom depends on the objective.
@@ -110,23 +111,38 @@ def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit:
         why = f"free_frac {gpu.free_frac:.3f} < {ctx.emergency_free_frac}" if gpu.free_frac < ctx.emergency_free_frac else "replica reported an emergency shrink"
         return want(new, "free_frac", gpu.free_frac, "emergency", f"{why}: halve batch {cap}->{new}" + ("" if admit else ", pause admission"), safety=True, admit=admit)
 
-    p95 = load.p95_ms
-    enough = load.latency_samples >= ctl.min_samples and p95 is not None
+    # The AIMD reacts to the recent P95 (rate window, a few seconds, never one sample); the
+    # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
+    p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
+    enough = p95 is not None
     target = b_lat = b_fp = None
     if fit is not None and (units_per_s > 0 or queued_units > 0):
         target, b_lat, b_fp = model_target(fit, max(units_per_s, 1e-9), ctx.slo_ms, ctx.objective, ceiling)
 
     # 2. P95 near the cap
     if enough and p95 > ctl.p95_near_frac * ctx.slo_ms:
+        # Queueing (a backlog of more than one batch, or arrivals beyond what this cap serves)
+        # means the latency comes from too little throughput: shrinking would make it worse.
         overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
-        if overloaded and target is not None and target > cap:
-            return want(target, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} while arrivals {units_per_s:.1f}/s exceed what batch {cap} serves: grow {cap}->{int(round(target))}", safety=True)
-        new = cap * ctl.aimd_backoff
-        if b_lat is not None and b_lat >= floor:
-            new = min(new, b_lat)
-        new = max(floor, math.floor(new))
-        if new < cap:
-            return want(new, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f}: shrink {cap}->{new}", safety=True)
+        backlog = queued_units > cap or overloaded
+        if backlog:
+            if target is not None and target > cap:
+                return want(target, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} with a backlog ({queued_units:.0f} queued, arrivals {units_per_s:.1f}/s): grow {cap}->{int(round(target))}", safety=True)
+            if target is None and cap < ceiling:
+                new = min(ceiling, cap * 2)
+                return want(new, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} with a backlog of {queued_units:.0f}: grow {cap}->{new}", safety=True)
+        elif target is None or cap > target:
+            # No backlog: the batch itself is too slow. With a latency model, only when the
+            # model agrees the cap is over its target; else the high P95 is a draining
+            # transient and the model rule below sets the cap.
+            new = cap * ctl.aimd_backoff
+            if target is not None:
+                new = max(new, min(target, cap - 1))
+            if b_lat is not None and b_lat >= floor:
+                new = min(new, max(b_lat, target or 0))
+            new = max(floor, math.floor(new))
+            if new < cap:
+                return want(new, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} without a backlog: shrink {cap}->{new}", safety=True)
 
     # 3. idle: drop to the floor so the memory can be lent
     if ctx.idle_for_s >= ctl.idle_hold_s and load.queue_depth <= 0:

@@ -91,6 +91,8 @@ class ModelLoad:
     p95_ms: float | None = None
     p99_ms: float | None = None
     latency_samples: int = 0  # samples behind the percentiles
+    recent_p95_ms: float | None = None  # P95 over the short rate window (what the AIMD reacts to)
+    recent_samples: int = 0  # samples behind recent_p95_ms
     attainment: float | None = None  # share of requests in the window answered within the SLO (rejects/timeouts miss)
     batch_timings: tuple[tuple[float, float], ...] = ()  # recent (batch cost, exec ms) for the L(b) fit
     mean_batch: float = 0.0  # mean batch cost over the window

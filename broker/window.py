@@ -80,6 +80,7 @@ class ReportWindow:
         peak: dict[str, int] = {}
         per_replica: dict[str, list[float]] = {}  # arrivals, completions, rejects, busy_s, interval_s
         latencies: list[float] = []
+        recent: list[float] = []
         timings: list[tuple[float, float]] = []
         batch_cost = batch_requests = 0.0
         batches = 0
@@ -103,6 +104,7 @@ class ReportWindow:
                 emergency = emergency or r.emergency_shrinks > 0
                 oom_splits += r.oom_splits
             if t >= rate_from:
+                recent.extend(r.latency_ms)
                 acc = per_replica.setdefault(r.replica_id, [0.0, 0.0, 0.0, 0.0, 0.0])
                 acc[0] += r.arrivals
                 acc[1] += r.completions
@@ -117,6 +119,7 @@ class ReportWindow:
         if len(latencies) > MAX_LATENCY_SAMPLES:
             latencies = latencies[-MAX_LATENCY_SAMPLES:]
         latencies.sort()
+        recent.sort()
         fit_window = spec.control.fit_window
         total = done + sum(r.rejections + r.timeouts + r.errors for _, r in events)
         return ModelLoad(
@@ -130,6 +133,8 @@ class ReportWindow:
             p95_ms=percentile(latencies, 95),
             p99_ms=percentile(latencies, 99),
             latency_samples=len(latencies),
+            recent_p95_ms=percentile(recent, 95),
+            recent_samples=len(recent),
             attainment=(1.0 - misses / total) if total else None,
             batch_timings=tuple(timings[-fit_window:]),
             mean_batch=(batch_cost / batches) if batches else 0.0,

@@ -35,7 +35,7 @@ def test_model_based_jump_grows_to_fit_the_load_and_respects_the_cap():
 def test_holds_inside_dead_band():
     d = Driver(make_config())
     for _ in range(3):
-        dec = d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20, p95_ms=75, latency_samples=100)})
+        dec = d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20, p95_ms=75, latency_samples=100, recent_p95_ms=75, recent_samples=100)})
         assert d.cap("a") == 8
         assert dec.models["a"].changed is False or dec.models["a"].max_batch_size == 8
     assert "inside band" in dec.models["a"].reason
@@ -43,7 +43,7 @@ def test_holds_inside_dead_band():
 
 def test_shrinks_on_p95_breach():
     d = Driver(make_config())
-    dec = d.step({"a": load("a", queue_depth=2, arrival_rate_rps=20, p95_ms=120, latency_samples=200)})
+    dec = d.step({"a": load("a", queue_depth=2, arrival_rate_rps=20, p95_ms=120, latency_samples=200, recent_p95_ms=120, recent_samples=200)})
     assert d.cap("a") < 8
     assert dec.models["a"].trigger == "p95_ms"
     assert "120.0" in dec.models["a"].reason
@@ -51,7 +51,7 @@ def test_shrinks_on_p95_breach():
 
 def test_p95_breach_needs_enough_samples():
     d = Driver(make_config())
-    d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20, p95_ms=500, latency_samples=3)})
+    d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20, p95_ms=500, latency_samples=3, recent_p95_ms=500, recent_samples=3)})
     assert d.cap("a") == 8  # one sample never drives a decision
 
 
@@ -172,7 +172,7 @@ def test_peak_profile_slack_allows_larger_batches():
 def test_damps_oscillation():
     d = Driver(make_config(models={"a": {"control": {"reversal_limit": 3, "reversal_window_s": 60}}}))
     up = load("a", queue_depth=60, arrival_rate_rps=50)
-    down = load("a", queue_depth=1, arrival_rate_rps=50, p95_ms=150, latency_samples=100)
+    down = load("a", queue_depth=1, arrival_rate_rps=50, p95_ms=150, latency_samples=100, recent_p95_ms=150, recent_samples=100)
     for i in range(8):
         d.step({"a": up if i % 2 == 0 else down})
     notes = [n for h in d.history for n in h.notes]
@@ -187,7 +187,7 @@ def test_damps_oscillation():
 def test_static_strategy_never_moves():
     d = Driver(make_config(models={"a": {"control": {"strategy": "static"}}}))
     for q in (0, 100, 2):
-        d.step({"a": load("a", queue_depth=q, arrival_rate_rps=100, p95_ms=500, latency_samples=100, batch_timings=timings(20, 0.5))})
+        d.step({"a": load("a", queue_depth=q, arrival_rate_rps=100, p95_ms=500, latency_samples=100, recent_p95_ms=500, recent_samples=100, batch_timings=timings(20, 0.5))})
         assert d.cap("a") == 8
 
 
@@ -225,7 +225,7 @@ def test_settings_version_bumps_only_on_change():
 
 def test_every_decision_names_trigger_and_value():
     d = Driver(make_config())
-    d.step({"a": load("a", queue_depth=40, arrival_rate_rps=100), "b": load("b", p95_ms=300, latency_samples=50, queue_depth=1, arrival_rate_rps=5)})
+    d.step({"a": load("a", queue_depth=40, arrival_rate_rps=100), "b": load("b", p95_ms=300, latency_samples=50, recent_p95_ms=300, recent_samples=50, queue_depth=1, arrival_rate_rps=5)})
     for dec in d.history[-1].models.values():
         assert dec.trigger and dec.reason
         assert isinstance(dec.trigger_value, float)
