@@ -9,7 +9,7 @@ moves to make, in this order, each tick:
 2. confirm: a donor that runs the settings carrying its lowered grant (its reported settings
    version) and reports memory under that grant completes its pending transfers;
 3. reclaim: an owner under its base whose load has been back for ``reclaim_hold_s``
-   (hysteresis) takes its base back, from the free pool first, then from borrowers' loans
+   (hysteresis) takes its whole base back (base is guaranteed, whatever it needs right now), from the free pool first, then from borrowers' loans
    (two-phase);
 4. release: a model holding a loan (grant above base) it no longer needs hands the excess to
    the free pool (never below its observed working set);
@@ -136,11 +136,6 @@ def plan_quota(
     for owner, spec in sorted(config.models.items(), key=lambda kv: -kv[1].priority):
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short < dust or idle(owner) or busy_for(owner) < spec.control.reclaim_hold_s:
-            continue
-        wanted = need(owner)
-        if wanted is not None:
-            short = min(short, wanted - ledger.grant(owner) - ledger.incoming_bytes(owner))
-        if short < dust:
             continue
         load = loads[owner]
         why = (f"{owner} load back for {busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
