@@ -1,0 +1,79 @@
+"""Knee search, bound, cap override, and the `gpubroker simulate` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bench.knee import RunSettings, bound, bound_batch, knee, oracle, reference_rate, with_cap
+from bench.sim_profile import profile_for
+from broker.cli import app
+from tests.sim.conftest import fleet, profiled
+
+
+def test_bound_matches_benchmark_table():
+    assert bound(20, 0.5, 52.0) == pytest.approx((1 - 40 / 52) / 0.5 * 1000)
+    assert bound(20, 0.5, 1.2 * 43.3) == pytest.approx(461, rel=0.01)  # BENCHMARK.md's fluid bound
+    assert bound(10, 2, 1.2 * 35.3) == pytest.approx(264, rel=0.01)
+    assert bound_batch(20, 0.5, 52) == pytest.approx(12)
+
+
+def test_with_cap_overrides_slo_in_a_copy(a20):
+    cfg = with_cap(a20, {"prof": 61.5})
+    assert cfg.models["prof"].slo_p95_ms == 61.5 and a20.models["prof"].slo_p95_ms == 52
+    with pytest.raises(Exception):
+        cfg.models["prof"].slo_p95_ms = 1  # still frozen
+
+
+def test_static8_knee_near_benchmark(a20):
+    cfg = with_cap(a20, {"prof": 43.4})
+    rs = RunSettings(duration_s=60.0, warmup_s=10.0)
+    k = knee(cfg, "static:8:10", reference_rate(profile_for("prof", a20.models["prof"])), rs, bisect_iters=4)
+    assert k.knee_rps == pytest.approx(164, rel=0.06)
+    assert any(r["pass"] for r in k.rows) and any(not r["pass"] for r in k.rows)
+
+
+def test_oracle_prefers_large_batch_with_no_wait():
+    cfg = fleet({"prof": profiled(20, 0.5, slo_ms=52)})
+    rs = RunSettings(duration_s=30.0, warmup_s=5.0)
+    best, arm, arms = oracle(cfg, 166.7, rs, batches=(128, 8), waits_ms=(0.0, 10.0), bisect_iters=2)
+    assert arm == "static:128:0" and best > 400
+    assert len(arms) == 4
+
+
+runner = CliRunner()
+
+
+def test_cli_simulate_json():
+    r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "static:8",
+                            "--rate", "100", "--duration-s", "10", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["arm"] == "static:8:10" and out["models"]["prof"]["offered"] > 800
+
+
+def test_cli_table_and_sweep():
+    r = runner.invoke(app, ["simulate", "--config", "configs/sim-three.yaml", "--policy", "static:8",
+                            "--duration-s", "5"])
+    assert r.exit_code == 0, r.output
+    assert "alpha" in r.output and "p95" in r.output
+    r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "static:8",
+                            "--sweep", "--duration-s", "20", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["knee_rps"] > 100
+
+
+def test_cli_bad_policy_names_accepted_forms():
+    r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "fixed"])
+    assert r.exit_code == 2
+    assert "static:B:WAIT_MS" in r.output and "broker" in r.output
+
+
+def test_cli_refuses_auto_capacity(tmp_path):
+    p = tmp_path / "auto.yaml"
+    p.write_text("models:\n  m:\n    model: profiled\n    quota: {min: 1GiB, base: 2GiB, max: 4GiB}\n")
+    r = runner.invoke(app, ["simulate", "--config", str(p)])
+    assert r.exit_code == 1
+    assert "gpu.capacity" in r.output and "explicit size" in r.output
