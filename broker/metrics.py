@@ -1,0 +1,307 @@
+"""Prometheus metrics of the broker, and the ``/metrics`` exporter.
+
+``BrokerMetrics`` owns every metric the broker exports; the broker calls three methods:
+
+* ``observe_report(report)`` for each replica stats report (request outcomes, latency and
+  batch-size histograms, OOM splits, emergency shrinks);
+* ``observe_tick(decision, status, tick_s)`` at the end of each slow-loop tick (gauges from the
+  status dict, decision and quota-transfer counters, tick duration);
+* ``observe_reload(ok, config_hash)`` after each ``apply``.
+
+Labels are ``model`` (a config key) and ``gpu`` (the config's device) plus small fixed
+enumerations (``outcome``, ``kind``, ``trigger``, ``profile``): never anything taken from a
+request, so the series count is bounded by the config. Unknown enumeration values are
+folded into ``other``.
+
+The registry is injected (``CollectorRegistry()`` in tests, STYLE item 9). A metrics failure
+is logged and never propagates into the broker: metrics are a side channel.
+
+``start_exporter(metrics, host, port)`` serves the registry at ``http://host:port/metrics``
+from a daemon thread in the broker's process; port 0 disables it, and a port already in use
+is logged as an error and leaves the broker running without an exporter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from typing import Any, Callable, Mapping, TypeVar
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from broker.types import FleetDecision, StatsReport
+
+logger = logging.getLogger("gpubroker.metrics")
+
+PREFIX = "gpubroker_"
+
+# Fixed label enumerations: anything else is counted as "other".
+OUTCOMES = ("ok", "rejected", "timeout", "error")
+MOVE_KINDS = ("lend", "reclaim", "confirm", "grow", "release", "abort")
+TRIGGERS = ("queue_depth", "p95_ms", "free_frac", "arrival_rate_rps", "sm_util_frac", "hold")
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TICK_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _never_raises(fn: _F) -> _F:
+    """Metrics are a side channel: log a failure, never let it reach the broker."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            logger.exception("metrics: %s failed (the broker carries on)", fn.__name__)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _enum(value: str, allowed: tuple[str, ...]) -> str:
+    return value if value in allowed else "other"
+
+
+def _num(value: Any) -> float:
+    """A status value as a gauge value: None (unknown) becomes NaN, which Grafana shows as a gap."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    return float(value)
+
+
+class BrokerMetrics:
+    """Every metric the broker exports, in one registry.
+
+    ``registry=None`` uses prometheus_client's global ``REGISTRY`` (one instance per process);
+    the broker passes its own ``CollectorRegistry()`` so a process may hold several brokers.
+    ``gpu`` is the ``gpu`` label value (the config's device, e.g. ``cpu`` or ``cuda:0``).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, gpu: str = "gpu0",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        self.gpu = gpu
+        self._clock = clock
+        self._models: set[str] = set()  # models with per-model gauge series
+        self._profile: str | None = None
+        r = self.registry
+        mg = ("model", "gpu")
+
+        # ---- from replica reports
+        self.requests = Counter(f"{PREFIX}requests_total", "Requests finished, by outcome (ok, rejected, timeout, error).",
+                                mg + ("outcome",), registry=r)
+        self.latency = Histogram(f"{PREFIX}request_latency_seconds",
+                                 "End-to-end latency of completed requests (the replicas' reported samples).",
+                                 mg, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.batch_size = Histogram(f"{PREFIX}batch_size", "Requests per executed batch.", mg,
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_exec = Histogram(f"{PREFIX}batch_execution_seconds", "Model execution time per batch.", mg,
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
+        self.busy = Counter(f"{PREFIX}busy_seconds_total", "Seconds the replicas spent executing batches.", mg, registry=r)
+        self.oom_splits = Counter(f"{PREFIX}oom_splits_total", "Batches split in two after an out-of-memory error.",
+                                  mg, registry=r)
+        self.emergency_shrinks = Counter(f"{PREFIX}emergency_shrinks_total",
+                                         "Fast-loop halvings of the batch cap (memory emergency).", mg, registry=r)
+        self.reports = Counter(f"{PREFIX}reports_total", "Stats reports received from replicas.", mg, registry=r)
+
+        # ---- from the status dict, each tick
+        self.grant = Gauge(f"{PREFIX}quota_granted_bytes", "Memory quota granted to the model now.", mg, registry=r)
+        self.base = Gauge(f"{PREFIX}quota_base_bytes", "The model's guaranteed quota (config quota.base).", mg, registry=r)
+        self.used = Gauge(f"{PREFIX}quota_used_bytes", "Memory the model's replicas use now.", mg, registry=r)
+        self.max_batch = Gauge(f"{PREFIX}max_batch_size", "Batch cap in the model's batch unit (requests or tokens).",
+                               mg, registry=r)
+        self.wait = Gauge(f"{PREFIX}batch_wait_timeout_seconds", "Serve batch wait timeout.", mg, registry=r)
+        self.queue = Gauge(f"{PREFIX}queue_depth", "Requests waiting or running, summed over replicas.", mg, registry=r)
+        self.p95 = Gauge(f"{PREFIX}latency_p95_seconds", "P95 latency over the broker's sliding window (NaN: no samples).",
+                         mg, registry=r)
+        self.slo = Gauge(f"{PREFIX}slo_p95_seconds", "P95 latency cap in force (SLO x the profile's slack).", mg, registry=r)
+        self.arrival = Gauge(f"{PREFIX}arrival_rate_rps", "Admitted requests per second over the window.", mg, registry=r)
+        self.attainment = Gauge(f"{PREFIX}slo_attainment_ratio",
+                                "Share of requests in the window answered within the SLO (NaN: none).", mg, registry=r)
+        self.cost = Gauge(f"{PREFIX}cost_per_1k_requests",
+                          "GPU cost per 1000 completed requests at the active profile's price (NaN: no completions).",
+                          mg, registry=r)
+        self.admit = Gauge(f"{PREFIX}admit", "1 while the model admits requests, 0 while paused by an emergency.",
+                           mg, registry=r)
+        self.replicas = Gauge(f"{PREFIX}replicas", "Replicas that reported recently.", mg, registry=r)
+        self.version = Gauge(f"{PREFIX}settings_version", "Version of the model's settings.", mg, registry=r)
+        self.capacity = Gauge(f"{PREFIX}card_capacity_bytes", "Card memory (host memory pool on cpu).", ("gpu",), registry=r)
+        self.usable = Gauge(f"{PREFIX}card_usable_bytes", "What the ledger may grant: capacity less reserve and overhead.",
+                            ("gpu",), registry=r)
+        self.card_used = Gauge(f"{PREFIX}card_used_bytes", "Memory used on the card by the models now.", ("gpu",), registry=r)
+        self.granted = Gauge(f"{PREFIX}card_granted_bytes", "Sum of the models' grants.", ("gpu",), registry=r)
+        self.free = Gauge(f"{PREFIX}card_free_ratio", "Free share of the card now (NaN before the first tick).",
+                          ("gpu",), registry=r)
+        self.profile = Gauge(f"{PREFIX}active_profile", "1 for the active price profile, 0 for profiles active before.",
+                             ("gpu", "profile"), registry=r)
+        self.price = Gauge(f"{PREFIX}price_per_gpu_hour", "Price per GPU-hour of the active profile.", ("gpu",), registry=r)
+        self.dry_run = Gauge(f"{PREFIX}dry_run", "1 when the broker decides but applies nothing.", ("gpu",), registry=r)
+
+        # ---- from the decision, each tick
+        self.decisions = Counter(f"{PREFIX}decisions_total",
+                                 "Settings changes, by the metric that triggered them (fixed set; else 'other').",
+                                 mg + ("trigger",), registry=r)
+        self.transfers = Counter(f"{PREFIX}quota_transfers_total", "Quota ledger steps, by kind.", ("gpu", "kind"), registry=r)
+        self.transfer_bytes = Counter(f"{PREFIX}quota_transferred_bytes_total", "Bytes moved by quota ledger steps, by kind.",
+                                      ("gpu", "kind"), registry=r)
+        self.ticks = Counter(f"{PREFIX}ticks_total", "Slow-loop ticks run.", ("gpu",), registry=r)
+        self.tick_duration = Histogram(f"{PREFIX}tick_duration_seconds", "Wall time of one slow-loop tick.",
+                                       ("gpu",), buckets=TICK_BUCKETS_S, registry=r)
+
+        # ---- config reloads (apply)
+        self.config = Info(f"{PREFIX}config", "Hash of the config the broker runs.", registry=r)
+        self.reload_ok = Gauge(f"{PREFIX}config_last_reload_success", "1 if the last apply succeeded, else 0.", registry=r)
+        self.reload_time = Gauge(f"{PREFIX}config_last_reload_timestamp_seconds", "Epoch time of the last apply.",
+                                 registry=r)
+        self.reload_failures = Counter(f"{PREFIX}config_reload_failures_total", "Refused applies.", registry=r)
+
+    # ---------------------------------------------------------------- reports
+    @_never_raises
+    def observe_report(self, report: StatsReport) -> None:
+        """Fold one replica's stats delta into the counters and histograms."""
+        lab = (report.model, self.gpu)
+        self.reports.labels(*lab).inc()
+        for outcome, n in zip(OUTCOMES, (report.completions, report.rejections, report.timeouts, report.errors)):
+            if n > 0:
+                self.requests.labels(*lab, outcome).inc(n)
+            else:
+                self.requests.labels(*lab, outcome)  # create the series at 0 so rate() works from the start
+        hist = self.latency.labels(*lab)
+        for ms in report.latency_ms:
+            hist.observe(ms / 1000.0)
+        sizes = self.batch_size.labels(*lab)
+        for n in report.batch_requests:
+            sizes.observe(n)
+        exec_hist = self.batch_exec.labels(*lab)
+        for _cost, ms in report.batches:
+            exec_hist.observe(ms / 1000.0)
+        self.busy.labels(*lab).inc(max(0.0, report.busy_s))
+        self.oom_splits.labels(*lab).inc(max(0, report.oom_splits))
+        self.emergency_shrinks.labels(*lab).inc(max(0, report.emergency_shrinks))
+
+    # ---------------------------------------------------------------- ticks
+    @_never_raises
+    def observe_tick(self, decision: FleetDecision, status: Mapping[str, Any], tick_s: float) -> None:
+        """Gauges from ``status`` (BrokerCore.status() shape), counters from ``decision``."""
+        g = self.gpu
+        models = status.get("models", {})
+        for name, m in models.items():
+            lab = (name, g)
+            self.grant.labels(*lab).set(_num(m.get("grant_bytes")))
+            self.base.labels(*lab).set(_num(m.get("base_bytes")))
+            self.used.labels(*lab).set(_num(m.get("used_bytes")))
+            self.max_batch.labels(*lab).set(_num(m.get("max_batch_size")))
+            self.wait.labels(*lab).set(_num(m.get("batch_wait_timeout_s")))
+            self.queue.labels(*lab).set(_num(m.get("queue_depth")))
+            p95 = m.get("p95_ms")
+            self.p95.labels(*lab).set(math.nan if p95 is None else p95 / 1000.0)
+            slo = m.get("slo_p95_ms")
+            self.slo.labels(*lab).set(math.nan if slo is None else slo / 1000.0)
+            self.arrival.labels(*lab).set(_num(m.get("arrival_rate_rps")))
+            self.attainment.labels(*lab).set(_num(m.get("attainment")))
+            self.cost.labels(*lab).set(_num(m.get("cost_per_1k_requests")))
+            self.admit.labels(*lab).set(_num(m.get("admit", True)))
+            self.replicas.labels(*lab).set(_num(m.get("replicas")))
+            self.version.labels(*lab).set(_num(m.get("settings_version")))
+        for gone in self._models - set(models):
+            self._forget_model(gone)
+        self._models = set(models)
+
+        self.capacity.labels(g).set(_num(status.get("capacity_bytes")))
+        self.usable.labels(g).set(_num(status.get("usable_bytes")))
+        self.card_used.labels(g).set(_num(status.get("used_bytes")))
+        self.granted.labels(g).set(_num(status.get("granted_bytes")))
+        self.free.labels(g).set(_num(status.get("free_frac")))
+        self.price.labels(g).set(_num(status.get("price_per_gpu_hour")))
+        self.dry_run.labels(g).set(_num(bool(status.get("dry_run", False))))
+        profile = str(status.get("profile") or decision.profile)
+        if profile != self._profile:
+            if self._profile is not None:
+                self.profile.labels(g, self._profile).set(0)
+            self.profile.labels(g, profile).set(1)
+            self._profile = profile
+        if status.get("config_hash"):
+            self.config.info({"config_hash": str(status["config_hash"])})
+
+        for name, md in decision.models.items():
+            counter = self.decisions.labels(name, g, _enum(md.trigger, TRIGGERS))
+            if md.changed:
+                counter.inc()
+        for move in decision.moves:
+            kind = _enum(move.kind, MOVE_KINDS)
+            self.transfers.labels(g, kind).inc()
+            self.transfer_bytes.labels(g, kind).inc(max(0, move.amount_bytes))
+        self.ticks.labels(g).inc()
+        self.tick_duration.labels(g).observe(max(0.0, tick_s))
+
+    def _forget_model(self, name: str) -> None:
+        """Drop a model's gauge series once it is no longer in the config (counters keep their history)."""
+        for gauge in (self.grant, self.base, self.used, self.max_batch, self.wait, self.queue, self.p95, self.slo,
+                      self.arrival, self.attainment, self.cost, self.admit, self.replicas, self.version):
+            try:
+                gauge.remove(name, self.gpu)
+            except KeyError:
+                pass
+
+    # ---------------------------------------------------------------- reloads
+    @_never_raises
+    def observe_reload(self, ok: bool, config_hash: str) -> None:
+        """One ``apply``: success flag and time; on failure a counter; ``config_hash`` is the hash in force after it."""
+        self.reload_ok.set(1 if ok else 0)
+        self.reload_time.set(self._clock())
+        if not ok:
+            self.reload_failures.inc()
+        if config_hash:
+            self.config.info({"config_hash": str(config_hash)})
+
+    # ---------------------------------------------------------------- helpers
+    def sample_names(self) -> set[str]:
+        """Every sample name the registry exports now (``_bucket``/``_sum``/``_count``/``_total``/``_info`` included)."""
+        return {s.name for fam in self.registry.collect() for s in fam.samples}
+
+
+class Exporter:
+    """A running ``/metrics`` endpoint; ``close()`` stops it."""
+
+    def __init__(self, server: Any, thread: Any, host: str, port: int) -> None:
+        self.server, self.thread, self.host, self.port = server, thread, host, port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_exporter(metrics: BrokerMetrics, host: str = "127.0.0.1", port: int = 9464) -> Exporter | None:
+    """Serve ``metrics.registry`` at ``http://host:port/metrics``; None when disabled (port 0) or not possible.
+
+    A port already in use (another broker, or a second exporter in the same process) is logged
+    as an error naming the port and the config field to change; the broker keeps running.
+    """
+    if not port:
+        logger.info("metrics exporter disabled (broker.metrics_port is 0)")
+        return None
+    from prometheus_client import start_http_server
+
+    try:
+        server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as exc:
+        logger.error(
+            "metrics exporter could not bind %s:%d (%s); the broker runs without /metrics. "
+            "Free the port or set broker.metrics_port to another port (0 disables the exporter).",
+            host, port, exc.strerror or exc,
+        )
+        return None
+    exporter = Exporter(server, thread, host, int(server.server_address[1]))
+    logger.info("metrics exporter serving %s", exporter.url)
+    return exporter
