@@ -35,7 +35,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from prometheus_client import CollectorRegistry
+
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from broker.metrics import BrokerMetrics, start_exporter
 from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.sizes import format_size
@@ -84,9 +87,12 @@ class BrokerCore:
         capacity_bytes: int | None = None,
         checkpoint_path: str | Path | None = None,
         clock: Callable[[], float] = time.time,
+        metrics: BrokerMetrics | None = None,
     ) -> None:
         self._clock = clock
         cfg = parse_config_text(config_text, "broker config")
+        # Prometheus metrics (broker/metrics.py); a private registry so one process may hold several cores.
+        self.metrics = metrics if metrics is not None else BrokerMetrics(CollectorRegistry(), gpu=cfg.gpu.device)
         self._launch_hash = cfg.config_hash()
         self._launch_text = config_text
         self._capacity = int(capacity_bytes if capacity_bytes is not None else _detect_capacity(cfg))
@@ -194,6 +200,7 @@ class BrokerCore:
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         rep = StatsReport.from_dict(report)
         self._require_model(rep.model)
+        self.metrics.observe_report(rep)
         now = self._clock()
         self._window.add(rep, now)
         self._replicas[rep.model][rep.replica_id] = now
@@ -227,6 +234,7 @@ class BrokerCore:
 
     def tick(self) -> dict[str, Any]:
         """One control step: snapshot -> decide -> settings table -> checkpoint -> decision log."""
+        started = time.perf_counter()
         now = self._clock()
         gpu = self._gpu_load(now)
         snap = self._window.snapshot(now, gpu, dict(self._memory_models))
@@ -263,6 +271,8 @@ class BrokerCore:
             self._log_event("note", note)
         self._check_grants()
         self.checkpoint_now()
+        tick_s = time.perf_counter() - started
+        self.metrics.observe_tick(decision, self.status(), tick_s)
         return {"ok": True, "now_s": now, "changed": changed, "profile": decision.profile, "dry_run": dry}
 
     def _check_grants(self) -> None:
@@ -314,6 +324,12 @@ class BrokerCore:
 
     # ---------------------------------------------------------------- apply
     def apply(self, config_text: str) -> dict[str, Any]:
+        """``_apply`` and the reload metrics (success, time, failures, config hash in force)."""
+        out = self._apply(config_text)
+        self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
+        return out
+
+    def _apply(self, config_text: str) -> dict[str, Any]:
         """Validate and swap in a new config; on any problem the running one stays."""
         old_hash = self._config_hash
         try:
@@ -563,6 +579,7 @@ class BrokerActor:
         cfg = parse_config_text(config_text, "broker config")
         path = checkpoint_path or str(default_checkpoint_path(cfg))
         self._core = BrokerCore(config_text, capacity_bytes=capacity_bytes, checkpoint_path=path)
+        self._exporter = start_exporter(self._core.metrics, cfg.broker.metrics_host, cfg.broker.metrics_port)
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
         self._started_s = time.time()
@@ -603,6 +620,7 @@ class BrokerActor:
         out["pid"] = os.getpid()
         out["started_s"] = self._started_s
         out["last_error"] = self._last_error
+        out["metrics_url"] = self._exporter.url if self._exporter is not None else None
         return out
 
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict]:

@@ -412,3 +412,51 @@ def test_follow_decisions_keeps_polling_after_errors():
     assert follow_decisions(fetch, emitted.append, since_seq=2, iterations=2, sleep=lambda s: None, on_error=errors.append) == 3
     assert len(errors) == 1 and [e["seq"] for e in emitted] == [3]
     assert new_decisions([{"seq": 1}], 3) == ([], 3)
+
+
+# ------------------------------------------------------------------ wired into BrokerCore (no Ray)
+CORE_CONFIG = """
+broker: {control_interval_s: 0.5, report_interval_s: 0.25, metrics_port: 0}
+gpu: {device: cpu, capacity: 2GiB, reserve_frac: 0.0}
+models:
+  mlp:
+    model: mlp
+    quota: {min: 256MiB, base: 512MiB, max: 1GiB}
+    batch: {floor: 2, ceiling: 64}
+    slo_p95_ms: 500
+  hot:
+    model: profiled
+    options: {a_ms: 20, c_ms: 0.5, weights_bytes: 16777216, bytes_per_item: 4194304}
+    quota: {min: 64MiB, base: 128MiB, max: 512MiB}
+    batch: {floor: 2, ceiling: 64, initial: 4}
+    slo_p95_ms: 1500
+"""
+
+
+def test_broker_core_feeds_its_metrics():
+    from broker.actor import BrokerCore
+
+    t = [1000.0]
+    m = BrokerMetrics(CollectorRegistry(), gpu="cpu")
+    core = BrokerCore(CORE_CONFIG, clock=lambda: t[0], metrics=m)
+    for i in range(4):
+        t[0] += 0.25
+        core.report(report(seq=i, now_s=t[0]).to_dict())
+    t[0] += 0.25
+    core.tick()
+    st = core.status()
+    for name, ms in st["models"].items():
+        assert value(m, "gpubroker_quota_granted_bytes", model=name, gpu="cpu") == ms["grant_bytes"]
+        assert value(m, "gpubroker_max_batch_size", model=name, gpu="cpu") == ms["max_batch_size"]
+    assert value(m, "gpubroker_requests_total", model="mlp", gpu="cpu", outcome="ok") == 36
+    assert value(m, "gpubroker_config_info", config_hash=st["config_hash"]) == 1
+    assert value(m, "gpubroker_ticks_total", gpu="cpu") == 1
+    assert value(m, "gpubroker_card_usable_bytes", gpu="cpu") == st["usable_bytes"]
+    bad = core.apply("models: {}\n")
+    assert not bad["ok"] and value(m, "gpubroker_config_reload_failures_total") == 1
+    assert value(m, "gpubroker_config_last_reload_success") == 0
+    good = core.apply(CORE_CONFIG.replace("slo_p95_ms: 500", "slo_p95_ms: 600"))
+    assert good["ok"] and value(m, "gpubroker_config_last_reload_success") == 1
+    assert value(m, "gpubroker_config_info", config_hash=good["config_hash"]) == 1
+    assert value(m, "gpubroker_config_info", config_hash=st["config_hash"]) is None
+    BrokerCore(CORE_CONFIG, clock=lambda: t[0])  # default: a private registry, no clash with the first core
