@@ -206,7 +206,7 @@ def oracle(
     best, best_arm = 0.0, ""
     arms: list[dict[str, Any]] = []
     for b in batches:
-        sat = saturation(prof, b) * len(config.models) if len(config.models) == 1 else float("inf")
+        sat = saturation(prof, b) if len(config.models) == 1 else float("inf")
         for w in waits_ms:
             arm = Arm("static", b, w)
             if best > 0 and sat < best:
