@@ -9,10 +9,10 @@
     503 + ``Retry-After`` on back-pressure (queue full, admission paused, Serve's queue full)
     504 when a request waited past the model's ``request_timeout_s``
 ``GET /v1/status``  the broker's ``status()`` (503 when no broker answers)
+``GET /v1/decisions?model=&since_seq=``  the broker's decision log
 ``GET /v1/models``  the model names
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -31,6 +31,7 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
+@serve.deployment
 @serve.ingress(api)
 class Ingress:
     def __init__(self, handles: dict[str, Any], config_text: str):
@@ -110,6 +111,13 @@ class Ingress:
 
     @api.get("/v1/status")
     async def status(self) -> JSONResponse:
+        return await self._ask_broker("status")
+
+    @api.get("/v1/decisions")
+    async def decisions(self, model: str | None = None, since_seq: int = 0) -> JSONResponse:
+        return await self._ask_broker("decisions", model, since_seq)
+
+    async def _ask_broker(self, method: str, *args: Any) -> JSONResponse:
         import ray
 
         broker = self.cfg.broker
@@ -117,7 +125,8 @@ class Ingress:
             try:
                 if self._broker is None:
                     self._broker = ray.get_actor(broker.name, namespace=broker.namespace)
-                return _json(200, await asyncio.wait_for(self._broker.status.remote(), timeout=10))
+                ref = getattr(self._broker, method).remote(*args)
+                return _json(200, await asyncio.wait_for(ref, timeout=10))
             except Exception as exc:  # noqa: BLE001
                 self._broker = None
                 if attempt == 1:
