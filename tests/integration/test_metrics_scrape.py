@@ -1,0 +1,188 @@
+"""Integration: the broker's Prometheus endpoint during a real Ray Serve run on CPU.
+
+One Ray instance for the module: a two-model fleet (mlp + a ``profiled`` emulation) with the
+exporter on a free port, some traffic, then ``/metrics`` is scraped over HTTP, parsed with
+``prometheus_client.parser`` and checked against the broker's ``status()`` (what
+``gpubroker status --json`` prints): grant bytes, max batch, config hash; then an ``apply``
+shows up as a new config hash and a successful reload.
+
+The fleet is started with the library functions of ``deployments/cli_fleet.py``
+(``deploy``, ``wait_serving``, ``teardown``), the same ones ``gpubroker up`` uses.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from deployments.cli_fleet import deploy, example_inputs, free_port, teardown, wait_serving  # noqa: E402
+from quotas.config import parse_config_text  # noqa: E402
+
+CONFIG = """
+broker:
+  name: gpubroker-metrics-test
+  namespace: gpubroker-metrics-test
+  control_interval_s: 0.5
+  report_interval_s: 0.25
+  metrics_host: 127.0.0.1
+  metrics_port: {metrics_port}
+  http_host: 127.0.0.1
+  http_port: {http_port}
+  checkpoint_path: {checkpoint}
+gpu:
+  device: cpu
+  capacity: 2GiB
+  reserve_frac: 0.0
+  emergency_free_frac: 0.05
+models:
+  mlp:
+    model: mlp
+    quota: {{min: 1GiB, base: 1GiB, max: 1GiB}}
+    batch: {{floor: 2, ceiling: 64}}
+    slo_p95_ms: {mlp_slo}
+    control: {{window_s: 5, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}}
+  hot:
+    model: profiled
+    options: {{a_ms: 10, c_ms: 0.5, weights_bytes: 16777216, bytes_per_item: 4194304}}
+    quota: {{min: 64MiB, base: 256MiB, max: 512MiB}}
+    batch: {{floor: 2, ceiling: 32, initial: 4}}
+    wait: {{min_ms: 0, max_ms: 20}}
+    slo_p95_ms: 1500
+    control: {{window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}}
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    ports = {"metrics_port": free_port(), "http_port": free_port()}
+    ckpt = tmp_path_factory.mktemp("broker") / "ckpt.json"
+
+    def text(mlp_slo: int = 2000) -> str:
+        return CONFIG.format(checkpoint=ckpt, mlp_slo=mlp_slo, **ports)
+
+    cfg = parse_config_text(text(), "test")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="gpubroker-metrics-test")
+    try:
+        broker = deploy(cfg, text(), http_port=ports["http_port"], timeout_s=300)
+        base_url = f"http://127.0.0.1:{ports['http_port']}"
+        wait_serving(cfg, base_url, timeout_s=300)
+        yield {"cfg": cfg, "text": text, "broker": broker, "base_url": base_url,
+               "metrics_url": f"http://127.0.0.1:{ports['metrics_port']}/metrics"}
+    finally:
+        try:
+            teardown(cfg)
+        finally:
+            ray.shutdown()
+
+
+def _traffic(fleet, seconds: float = 4.0, workers: int = 8) -> int:
+    inputs = example_inputs(fleet["cfg"])
+    deadline = time.time() + seconds
+
+    def worker(i: int) -> int:
+        name = ("mlp", "hot")[i % 2]
+        n = 0
+        with httpx.Client(timeout=30.0) as c:
+            while time.time() < deadline:
+                r = c.post(f"{fleet['base_url']}/v1/models/{name}/infer", json={"input": inputs[name]})
+                n += r.status_code == 200
+        return n
+
+    with cf.ThreadPoolExecutor(workers) as pool:
+        return sum(pool.map(worker, range(workers)))
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """name -> {sorted label items -> value} for every sample of the endpoint."""
+    text = httpx.get(url, timeout=10).text
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def sample(m, name: str, **labels) -> float | None:
+    return m.get(name, {}).get(tuple(sorted(labels.items())))
+
+
+def _fields(m, models) -> dict:
+    return {
+        n: (sample(m, "gpubroker_quota_granted_bytes", model=n, gpu="cpu"),
+            sample(m, "gpubroker_max_batch_size", model=n, gpu="cpu"))
+        for n in models
+    }
+
+
+def consistent_view(fleet, tries: int = 20):
+    """A (scrape, status) pair with no tick between them: scrape, status, scrape until both scrapes agree."""
+    broker = fleet["broker"]
+    models = list(fleet["cfg"].models)
+    for _ in range(tries):
+        before = scrape(fleet["metrics_url"])
+        st = ray.get(broker.status.remote(), timeout=30)
+        after = scrape(fleet["metrics_url"])
+        if _fields(before, models) == _fields(after, models) and sample(before, "gpubroker_ticks_total", gpu="cpu") == \
+                sample(after, "gpubroker_ticks_total", gpu="cpu"):
+            return after, st
+        time.sleep(0.1)
+    raise AssertionError("the broker ticked between every scrape pair")
+
+
+def test_scrape_matches_broker_status(fleet):
+    served = _traffic(fleet)
+    assert served > 20
+    time.sleep(1.5)  # let reports land and a few ticks pass
+    m, st = consistent_view(fleet)
+    assert st["metrics_url"] == fleet["metrics_url"]
+    assert st["ticks"] >= 3
+    for name, ms in st["models"].items():
+        assert sample(m, "gpubroker_quota_granted_bytes", model=name, gpu="cpu") == ms["grant_bytes"], name
+        assert sample(m, "gpubroker_max_batch_size", model=name, gpu="cpu") == ms["max_batch_size"], name
+        assert sample(m, "gpubroker_quota_base_bytes", model=name, gpu="cpu") == ms["base_bytes"], name
+        assert sample(m, "gpubroker_settings_version", model=name, gpu="cpu") == ms["settings_version"], name
+        assert sample(m, "gpubroker_batch_wait_timeout_seconds", model=name, gpu="cpu") == pytest.approx(ms["batch_wait_timeout_s"])
+        assert sample(m, "gpubroker_requests_total", model=name, gpu="cpu", outcome="ok") > 0, name
+        assert sample(m, "gpubroker_request_latency_seconds_count", model=name, gpu="cpu") > 0, name
+        assert sample(m, "gpubroker_reports_total", model=name, gpu="cpu") > 0, name
+    assert sample(m, "gpubroker_config_info", config_hash=st["config_hash"]) == 1
+    assert sample(m, "gpubroker_card_capacity_bytes", gpu="cpu") == st["capacity_bytes"]
+    assert sample(m, "gpubroker_card_usable_bytes", gpu="cpu") == st["usable_bytes"]
+    assert sample(m, "gpubroker_card_granted_bytes", gpu="cpu") == st["granted_bytes"]
+    assert sample(m, "gpubroker_active_profile", gpu="cpu", profile=st["profile"]) == 1
+    assert sample(m, "gpubroker_ticks_total", gpu="cpu") == st["ticks"]
+    assert sample(m, "gpubroker_tick_duration_seconds_count", gpu="cpu") == st["ticks"]
+    # every series is labelled by config-defined names only
+    models = set(st["models"])
+    for name, series in m.items():
+        for labels in series:
+            d = dict(labels)
+            assert d.get("model", next(iter(models))) in models, (name, labels)
+
+
+def test_apply_shows_as_new_config_hash_and_reload(fleet):
+    broker = fleet["broker"]
+    old = ray.get(broker.status.remote(), timeout=30)["config_hash"]
+    result = ray.get(broker.apply.remote(fleet["text"](mlp_slo=2500)), timeout=60)
+    assert result["ok"], result
+    assert result["config_hash"] != old
+    m = scrape(fleet["metrics_url"])
+    assert sample(m, "gpubroker_config_info", config_hash=result["config_hash"]) == 1
+    assert sample(m, "gpubroker_config_info", config_hash=old) is None
+    assert sample(m, "gpubroker_config_last_reload_success") == 1
+    refused = ray.get(broker.apply.remote("models: {}\n"), timeout=60)
+    assert not refused["ok"]
+    m = scrape(fleet["metrics_url"])
+    assert sample(m, "gpubroker_config_last_reload_success") == 0
+    assert sample(m, "gpubroker_config_reload_failures_total") == 1
+    assert sample(m, "gpubroker_config_info", config_hash=result["config_hash"]) == 1  # the running config stays
