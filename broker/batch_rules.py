@@ -78,7 +78,7 @@ def model_target(fit: LatencyFit, units_per_s: float, slo_ms: float, objective: 
     b_fp = _fixed_point_batch(fit, units_per_s)
     headroom = BATCH_HEADROOM.get(objective, 2.0)
     want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
-    return max(b_lat, want), b_lat, b_fp
+    return min(float(ceiling), max(b_lat, want)), b_lat, b_fp
 
 
 def wait_for(fit: LatencyFit | None, cap: int, units_per_s: float, slo_ms: float, spec: ModelSpec, objective: str, current_s: float) -> float:

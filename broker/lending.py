@@ -14,7 +14,8 @@ moves to make, in this order, each tick:
 4. release: a model holding a loan (grant above base) it no longer needs hands the excess to
    the free pool (never below its observed working set);
 5. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
-   borrows from models idle for ``idle_hold_s``, which give what they hold above their working
+   borrows from models idle (busy share under ``idle_util_frac``, no backlog) for
+   ``idle_hold_s``, which give what they hold above their working
    set (peak memory x 1.1, the memory for a floor batch, and ``min``), highest priority first.
 
 A model's need is ``replicas x grant_for(wanted cap)`` from its calibrated memory model; an
@@ -101,11 +102,7 @@ def plan_quota(
 
     def idle(name: str) -> bool:
         st = states[name]
-        return (
-            st.last_arrival_s is not None
-            and now_s - st.last_arrival_s >= config.models[name].control.idle_hold_s
-            and loads[name].queue_depth <= 0
-        )
+        return st.quiet_since_s is not None and now_s - st.quiet_since_s >= config.models[name].control.idle_hold_s
 
     def busy_for(name: str) -> float:
         st = states[name]
@@ -194,7 +191,7 @@ def plan_quota(
             if amount < dust:
                 continue
             transfer(donor, name, amount, "lend",
-                     why + f": {donor} idle {now_s - (states[donor].last_arrival_s or now_s):.0f}s lends {format_size(amount)}")
+                     why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for {now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}")
             deficit -= amount
             if deficit < dust:
                 break

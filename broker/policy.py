@@ -47,6 +47,7 @@ class ModelState:
     last_reversal_s: float = float("-inf")
     last_arrival_s: float | None = None  # last tick that saw arrivals or queue
     loaded_since_s: float | None = None  # start of the current busy spell (for reclaim hysteresis)
+    quiet_since_s: float | None = None  # start of the current low-utilisation spell (for lending)
     emergency_s: float = float("-inf")  # last memory emergency
     fit: tuple[float, float, int] | None = None  # (a_ms, c_ms, samples) of the latency model
 
@@ -173,7 +174,10 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         # a model is idle from its last arrival, or from the first tick it was seen
         last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s
         idle_for = 0.0 if active else now - last_arrival
-        loaded_since = (old.loaded_since_s if old.loaded_since_s is not None else now) if active else None
+        # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog
+        quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1
+        quiet_since = (old.quiet_since_s if old.quiet_since_s is not None else now) if quiet else None
+        loaded_since = None if quiet else (old.loaded_since_s if old.loaded_since_s is not None else now)
         ctx = RuleContext(
             now_s=now,
             slo_ms=spec.slo_p95_ms * profile.latency_slack,
@@ -188,6 +192,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             old,
             last_arrival_s=last_arrival,
             loaded_since_s=loaded_since,
+            quiet_since_s=quiet_since,
             fit=None if fit is None else (fit.a_ms, fit.c_ms, fit.samples),
             emergency_s=now if want.rule == "emergency" else old.emergency_s,
         )

@@ -193,7 +193,7 @@ class ControlSpec(_Strict):
     min_samples: int = Field(20, ge=1, description="Latency samples needed in the window before P95 drives decisions.")
     fit_window: int = Field(256, ge=8, le=100_000, description="Batch timings kept for the online L(b) = a + c*b fit.")
     idle_util_frac: float = Field(0.2, ge=0, le=1, description="A model below this utilisation for idle_hold_s is idle and lends.")
-    idle_hold_s: float = Field(10.0, ge=0, description="How long a model must stay idle before it lends quota.")
+    idle_hold_s: float = Field(5.0, ge=0, description="How long a model must stay idle before it lends quota.")
     reclaim_hold_s: float = Field(2.0, ge=0, description="How long an owner's load must stay back before it reclaims (hysteresis).")
     reversal_limit: int = Field(4, ge=1, description="Direction reversals within reversal_window_s that count as oscillation.")
     reversal_window_s: float = Field(30.0, gt=0, description="Window over which reversals are counted.")
