@@ -80,7 +80,7 @@ def _validation_table(v: dict[str, Any]):
 
 def simulate(
     config: Path = typer.Option(..., "--config", help="Fleet config YAML (gpu.capacity must be an explicit size)."),
-    policy: str = typer.Option("broker", "--policy", help="broker, static:B or static:B:WAIT_MS (e.g. static:8, static:32:5)."),
+    policy: str = typer.Option("broker", "--policy", help="broker, or static:<batch>[:<wait_ms>] (e.g. static:8, static:32:5)."),
     rate: Optional[float] = typer.Option(None, "--rate", help="Total offered rate, req/s, split over the models (default: each model's reference rate / n)."),
     sweep: bool = typer.Option(False, "--sweep", help="Find the knee: step the rate ~10% then bisect; prints every rate tried."),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrivals (the same for every arm)."),
