@@ -29,4 +29,4 @@ def active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
 # How much of the latency budget the wait timeout may use, and how much headroom over the
 # self-sizing batch the cap gets, per objective.
 WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}
-BATCH_HEADROOM = {"latency": 1.5, "balanced": 2.0, "throughput": 3.0}
+BATCH_HEADROOM = {"latency": 3.0, "balanced": 4.0, "throughput": 6.0}
