@@ -649,6 +649,8 @@ def start_broker(config_text: str, *, capacity_bytes: int | None = None, checkpo
                  timeout_s: float = 60.0) -> "ray.actor.ActorHandle":
     """Create the named detached broker (or return the running one). Needs ray.init first."""
     cfg = parse_config_text(config_text, "broker config")
+    # The driver knows the session dir; a restarted actor gets the same path back.
+    checkpoint_path = checkpoint_path or str(default_checkpoint_path(cfg))
     handle = RemoteBroker.options(
         name=cfg.broker.name,
         namespace=cfg.broker.namespace,

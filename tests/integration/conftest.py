@@ -1,0 +1,65 @@
+"""One Ray instance and one live fleet per test module (the machine has 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+HERE = Path(__file__).parent
+FLEET_YAML = HERE / "fleet.yaml"
+
+
+@dataclass
+class Fleet:
+    url: str
+    cfg: Any
+    text: str
+    broker: Any
+
+    def status(self) -> dict:
+        import ray
+
+        return ray.get(self.broker.status.remote(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    import ray
+
+    from deployments.cli_fleet import deploy, free_port, teardown, wait_serving
+    from quotas.config import parse_config_text
+
+    text = FLEET_YAML.read_text()
+    ckpt = tmp_path_factory.mktemp("broker") / "checkpoint.json"
+    text = text.replace("  http_port: 8000", f"  http_port: 8000\n  checkpoint_path: {ckpt}")
+    cfg = parse_config_text(text)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        port = free_port()
+        broker = deploy(cfg, text, http_port=port, timeout_s=300)
+        url = f"http://127.0.0.1:{port}"
+        wait_serving(cfg, url, timeout_s=180)
+        yield Fleet(url, cfg, text, broker)
+        teardown(cfg)
+    finally:
+        ray.shutdown()
+
+
+def wait_for(pred, timeout_s: float, interval_s: float = 0.25, what: str = "condition"):
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
