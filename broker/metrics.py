@@ -157,10 +157,14 @@ class BrokerMetrics:
 
         # ---- config reloads (apply)
         self.config = Info(f"{PREFIX}config", "Hash of the config the broker runs.", registry=r)
-        self.reload_ok = Gauge(f"{PREFIX}config_last_reload_success", "1 if the last apply succeeded, else 0.", registry=r)
-        self.reload_time = Gauge(f"{PREFIX}config_last_reload_timestamp_seconds", "Epoch time of the last apply.",
-                                 registry=r)
+        self.reload_ok = Gauge(f"{PREFIX}config_last_reload_success",
+                               "1 if the last config load (start-up or apply) succeeded, 0 if the last apply was refused.",
+                               registry=r)
+        self.reload_time = Gauge(f"{PREFIX}config_last_reload_timestamp_seconds",
+                                 "Epoch time of the last config load (start-up or apply).", registry=r)
         self.reload_failures = Counter(f"{PREFIX}config_reload_failures_total", "Refused applies.", registry=r)
+        self.reload_ok.set(1)  # the broker only starts on a valid config
+        self.reload_time.set(self._clock())
 
     # ---------------------------------------------------------------- reports
     @_never_raises

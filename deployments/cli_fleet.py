@@ -482,11 +482,30 @@ def up_fleet(cfg: FleetConfig, text: str, source: str, *, address: str | None = 
     return state
 
 
+def _fetch_status(address: str | None) -> dict[str, Any]:
+    """The broker's status over HTTP, else through Ray; raises (FleetError, Ray errors) instead of exiting."""
+    st = None if address else _http_get("/v1/status")
+    if st is None:
+        import ray
+
+        st = ray.get(_broker_handle(address).status.remote(), timeout=30)
+    return st
+
+
 def status(
     as_json: bool = typer.Option(False, "--json", help="Print the broker's status as JSON."),
     address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Redraw the table every --interval seconds until Ctrl-C."),
+    interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between refreshes with --watch."),
 ) -> None:
     """Per-model grant, used, max batch, wait, queue, P95, attainment and the active profile."""
+    if watch:
+        if as_json:
+            _fail(FleetError("--watch draws a live table; use --json without --watch (e.g. in a loop) for JSON"))
+        from broker.live import watch_status
+
+        watch_status(lambda: _fetch_status(address), interval_s=interval, console=console)
+        return
     st = None if address else _http_get("/v1/status")
     if st is None:
         try:
@@ -542,11 +561,48 @@ def apply(
         raise typer.Exit(1)
 
 
+def _follow(first: list[dict[str, Any]], model: str | None, since: int, address: str | None, interval: float,
+            as_json: bool) -> None:
+    """Print ``first``, then poll the decision log and print each new entry (JSON lines with --json) until Ctrl-C."""
+    from broker.live import follow_decisions, new_decisions
+
+    def emit(d: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps(d), flush=True)
+        else:
+            console.print(describe_decision(d), highlight=False, markup=False)
+
+    def fetch(seq: int) -> list[dict[str, Any]]:
+        out = None if address else _http_get(f"/v1/decisions?since_seq={seq}" + (f"&model={model}" if model else ""))
+        if out is None:
+            import ray
+
+            out = ray.get(_broker_handle(address).decisions.remote(model, seq), timeout=30)
+        return out
+
+    last_error: list[str] = []
+
+    def on_error(exc: Exception) -> None:
+        msg = f"{type(exc).__name__}: {exc}"
+        if last_error[-1:] != [msg]:  # say it once, not every poll
+            err_console.print(f"[yellow]broker unreachable[/] ({msg}); still polling every {interval:g}s", highlight=False)
+        last_error[:] = [msg]
+
+    fresh, seq = new_decisions(first, since)
+    for d in fresh:
+        emit(d)
+    if not as_json:
+        console.print(f"[dim]following the decision log after #{seq} every {interval:g}s, Ctrl-C to stop[/]")
+    follow_decisions(fetch, emit, since_seq=seq, interval_s=interval, on_error=on_error)
+
+
 def decisions(
     model: str = typer.Option(None, "--model", help="Only this model's decisions."),
-    as_json: bool = typer.Option(False, "--json", help="Print the decisions as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decisions as JSON (JSON lines with --follow)."),
     since: int = typer.Option(0, "--since", help="Only decisions after this sequence number."),
     address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep polling and print new decisions as the broker makes them."),
+    interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between polls with --follow."),
 ) -> None:
     """Each change the broker made, with its trigger metric and value."""
     query = f"/v1/decisions?since_seq={since}" + (f"&model={model}" if model else "")
@@ -558,6 +614,9 @@ def decisions(
             out = ray.get(_broker_handle(address).decisions.remote(model, since), timeout=30)
         except FleetError as exc:
             _fail(exc)
+    if follow:
+        _follow(out, model, since, address, interval, as_json)
+        return
     if as_json:
         print(json.dumps(out, indent=2))
         return
