@@ -186,3 +186,22 @@ def test_apply_shows_as_new_config_hash_and_reload(fleet):
     assert sample(m, "gpubroker_config_last_reload_success") == 0
     assert sample(m, "gpubroker_config_reload_failures_total") == 1
     assert sample(m, "gpubroker_config_info", config_hash=result["config_hash"]) == 1  # the running config stays
+
+
+def test_live_views_against_the_running_broker(fleet):
+    import io
+
+    from rich.console import Console
+
+    from broker.live import follow_decisions, watch_status
+
+    broker = fleet["broker"]
+    console = Console(record=True, width=220, file=io.StringIO(), color_system=None)
+    assert watch_status(lambda: ray.get(broker.status.remote(), timeout=30), interval_s=0.1, console=console,
+                        iterations=2) == 2
+    text = console.export_text()
+    assert "mlp" in text and "hot" in text and ray.get(broker.status.remote())["config_hash"] in text
+    seen = []
+    last = follow_decisions(lambda s: ray.get(broker.decisions.remote(None, s), timeout=30), seen.append,
+                            since_seq=0, interval_s=0.2, iterations=3)
+    assert seen and [d["seq"] for d in seen] == sorted({d["seq"] for d in seen}) and last == seen[-1]["seq"]
