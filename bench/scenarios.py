@@ -1,0 +1,402 @@
+"""Live-stack benchmark plumbing: one Ray instance, one Serve app per arm, the open-loop
+load generator against it, and a knee search over measured rates.
+
+- ``Stack`` starts Ray (``address="local"``: never joins another engineer's cluster) and
+  Serve's HTTP proxy on a free port, once per scenario; ``Stack.deploy_fleet`` runs
+  ``deployments.app.build_app`` as one Serve app (its own broker actor, named per arm so no
+  state leaks between arms) and ``Stack.delete`` removes the app and kills its broker.
+- A fleet arm pinned to a static setting is the same app with ``control.strategy: static``
+  (``batch.initial`` / ``wait.initial_ms``); ``FleetTarget.set_static`` moves the pin live
+  through the broker's ``apply`` (no redeploy), which is how the oracle grid stays cheap.
+- ``measure`` runs one schedule and returns the per-model summary, batch statistics from
+  the responses' batch tags (``bench.tagged``), and the status polls.
+- ``live_knee`` finds λ_max of one target: step the rate up ×``step`` from a passing rate
+  until one fails (or down until one passes), then bisect ``bisect_iters`` times.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import yaml
+
+from bench import loadgen as lg
+from bench.tagged import TAGGED
+
+MiB = 1024**2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"null")
+        except ValueError:
+            return exc.code, None
+
+
+def wait_http(url: str, body: dict | None = None, timeout_s: float = 120.0, ok: Callable[[int, Any], bool] | None = None) -> Any:
+    """Poll ``url`` until it answers 200 (and ``ok``); returns the JSON answer."""
+    deadline = time.time() + timeout_s
+    last: Any = None
+    while time.time() < deadline:
+        try:
+            code, doc = http_json(url, body, timeout_s=10)
+            last = (code, doc)
+            if code == 200 and (ok is None or ok(code, doc)):
+                return doc
+        except Exception as exc:  # noqa: BLE001 - not up yet
+            last = repr(exc)
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s; last answer: {str(last)[:300]}")
+
+
+# ------------------------------------------------------------------------------ configs
+def profiled_spec(a_ms: float, c_ms: float, cap_ms: float, *, ceiling: int = 128, floor: int = 2,
+                  weights_bytes: int = 16 * MiB, bytes_per_item: int = 256 * 1024,
+                  quota: Mapping[str, str] | None = None, window_s: float = 10.0) -> dict[str, Any]:
+    """A fleet-config model entry for the tagged ``profiled`` emulation L(b) = a + c·b."""
+    return {
+        "model": TAGGED["profiled"],
+        "options": {"a_ms": a_ms, "c_ms": c_ms, "weights_bytes": int(weights_bytes),
+                    "bytes_per_item": int(bytes_per_item), "unit": "requests"},
+        "quota": dict(quota or {"min": "256MiB", "base": "1GiB", "max": "2GiB"}),
+        "batch": {"floor": floor, "ceiling": ceiling},
+        "wait": {"min_ms": 0, "max_ms": 50},
+        "slo_p95_ms": round(float(cap_ms), 3),
+        "max_queued": 2048,
+        "request_timeout_s": 20,
+        "control": {"window_s": window_s},
+    }
+
+
+def minilm_spec(cap_ms: float, *, ceiling: int = 2048, floor: int = 32, threads: int = 1,
+                quota: Mapping[str, str] | None = None, window_s: float = 10.0) -> dict[str, Any]:
+    """A fleet-config model entry for the tagged MiniLM (token-priced)."""
+    return {
+        "model": TAGGED["minilm"],
+        "options": {"threads": threads, "max_tokens": 256},
+        "quota": dict(quota or {"min": "768MiB", "base": "1536MiB", "max": "2GiB"}),
+        "batch": {"unit": "tokens", "floor": floor, "ceiling": ceiling},
+        "wait": {"min_ms": 0, "max_ms": 50},
+        "slo_p95_ms": round(float(cap_ms), 3),
+        "max_queued": 2048,
+        "request_timeout_s": 20,
+        "max_body_bytes": "64KiB",
+        "control": {"window_s": window_s},
+    }
+
+
+def pin_static(spec: Mapping[str, Any], batch: int, wait_ms: float) -> dict[str, Any]:
+    """The same model entry pinned to a static batch cap and wait (``control.strategy: static``)."""
+    s = copy.deepcopy(dict(spec))
+    b = s.setdefault("batch", {})
+    b["initial"] = int(batch)
+    b["floor"] = min(int(b.get("floor", 2)), int(batch))
+    b["ceiling"] = max(int(b.get("ceiling", 64)), int(batch))
+    w = s.setdefault("wait", {})
+    w["initial_ms"] = float(wait_ms)
+    w["min_ms"] = min(float(w.get("min_ms", 0)), float(wait_ms))
+    w["max_ms"] = max(float(w.get("max_ms", 50)), float(wait_ms))
+    s.setdefault("control", {})["strategy"] = "static"
+    return s
+
+
+def fleet_yaml(models: Mapping[str, Mapping[str, Any]], *, broker_name: str, capacity: str = "8GiB",
+               control_interval_s: float = 0.5, report_interval_s: float = 0.25, http_port: int = 8000) -> str:
+    doc = {
+        "broker": {"name": broker_name, "namespace": "gpubroker-bench", "control_interval_s": control_interval_s,
+                   "report_interval_s": report_interval_s, "metrics_port": 0, "http_host": "127.0.0.1",
+                   "http_port": http_port},
+        "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": 0.0, "emergency_free_frac": 0.05},
+        "models": {k: dict(v) for k, v in models.items()},
+    }
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+# ------------------------------------------------------------------------------ the stack
+class Stack:
+    """Ray + Serve for one scenario; apps come and go per arm."""
+
+    def __init__(self, port: int | None = None, num_cpus: int | None = None):
+        self.port = port or free_port()
+        self.num_cpus = num_cpus or max(4, os.cpu_count() or 2)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._apps: dict[str, str | None] = {}  # app name -> broker name
+
+    def __enter__(self) -> "Stack":
+        import ray
+        from ray import serve
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, namespace="gpubroker-bench")
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+        from ray import serve
+
+        for app in list(self._apps):
+            try:
+                self.delete(app)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+    def deploy_fleet(self, config_text: str, app: str = "fleet", *, warm_models: Mapping[str, bytes] | None = None,
+                     timeout_s: float = 180.0, route_prefix: str = "/") -> "FleetTarget":
+        from ray import serve
+
+        from deployments.app import build_app
+        from quotas.config import parse_config_text
+
+        cfg = parse_config_text(config_text, "bench fleet")
+        serve.run(build_app({"config_text": config_text, "start_broker": True}), name=app, route_prefix=route_prefix,
+                  blocking=False)
+        base = self.base_url + route_prefix.rstrip("/")
+        self._apps[app] = cfg.broker.name
+        names = list(cfg.models)
+
+        def registered(_c: int, doc: Any) -> bool:
+            return all((doc.get("models", {}).get(n, {}).get("replicas") or 0) >= 1 for n in names)
+
+        wait_http(base + "/v1/status", timeout_s=timeout_s, ok=registered)
+        for n in names:
+            body = json.loads((warm_models or {}).get(n, b'{"inputs": [{}]}'))
+            for _ in range(3):
+                wait_http(f"{base}/v1/models/{n}/infer", body, timeout_s=timeout_s)
+        return FleetTarget(self, app, config_text, cfg.broker.name, cfg.broker.namespace, base_url=base)
+
+    def deploy_plain(self, model_ref: str, options: Mapping[str, Any], batch: int, wait_ms: float, name: str,
+                     app: str = "plain", *, warm_body: bytes = b'{"inputs": [{}]}', timeout_s: float = 180.0,
+                     route_prefix: str = "/") -> "PlainTarget":
+        from ray import serve
+
+        from bench.plain_serve import build_plain
+
+        serve.run(build_plain(model_ref, dict(options), batch, wait_ms, name), name=app, route_prefix=route_prefix,
+                  blocking=False)
+        self._apps[app] = None
+        base = self.base_url + route_prefix.rstrip("/")
+        for _ in range(3):
+            wait_http(f"{base}/v1/models/{name}/infer", json.loads(warm_body), timeout_s=timeout_s)
+        return PlainTarget(self, app, name, base_url=base)
+
+    def delete(self, app: str) -> None:
+        import ray
+        from ray import serve
+
+        broker = self._apps.pop(app, None)
+        serve.delete(app, _blocking=True)
+        if broker:
+            try:
+                ray.kill(ray.get_actor(broker, namespace="gpubroker-bench"), no_restart=True)
+            except ValueError:
+                pass
+
+
+@dataclass
+class FleetTarget:
+    stack: Stack
+    app: str
+    config_text: str
+    broker_name: str
+    namespace: str
+    base_url: str = ""
+    kind: str = "fleet"
+
+    @property
+    def status_url(self) -> str:
+        return self.base_url + "/v1/status"
+
+    def idle(self, timeout_s: float = 30.0) -> None:
+        """Wait until no model has a queue (the previous run's backlog is gone)."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            code, doc = http_json(self.status_url)
+            if code == 200 and all((m.get("queue_depth") or 0) == 0 for m in doc.get("models", {}).values()):
+                return
+            time.sleep(0.5)
+
+    def set_static(self, batch_by_model: Mapping[str, tuple[int, float]]) -> None:
+        """Move the static pin of each model live (broker ``apply``; the app keeps running)."""
+        doc = yaml.safe_load(self.config_text)
+        for name, (b, w) in batch_by_model.items():
+            doc["models"][name] = pin_static(doc["models"][name], b, w)
+        self.apply(yaml.safe_dump(doc, sort_keys=False))
+
+    def broker(self):
+        import ray
+
+        return ray.get_actor(self.broker_name, namespace=self.namespace)
+
+    def apply(self, config_text: str, settle_s: float = 1.5) -> None:
+        import ray
+
+        res = ray.get(self.broker().apply.remote(config_text), timeout=30)
+        if not res.get("ok"):
+            raise RuntimeError(f"broker apply refused the config: {res.get('issues')}")
+        self.config_text = config_text
+        time.sleep(settle_s)  # replicas pick the new settings up in their next report
+
+    def settings(self) -> dict[str, Any]:
+        code, doc = http_json(self.status_url)
+        return {n: {"max_batch_size": m["max_batch_size"], "batch_wait_timeout_s": m["batch_wait_timeout_s"]}
+                for n, m in (doc or {}).get("models", {}).items()} if code == 200 else {}
+
+    def delete(self) -> None:
+        self.stack.delete(self.app)
+
+
+@dataclass
+class PlainTarget:
+    stack: Stack
+    app: str
+    name: str
+    base_url: str = ""
+    kind: str = "plain"
+    status_url: str | None = None
+
+    def idle(self, timeout_s: float = 30.0) -> None:
+        time.sleep(1.0)
+
+    def delete(self) -> None:
+        self.stack.delete(self.app)
+
+
+# ------------------------------------------------------------------------------ one measurement
+@dataclass
+class Measurement:
+    rate: float
+    seed: int
+    summary: dict[str, lg.ModelSummary]
+    batch: dict[str, dict[str, Any]]
+    status_samples: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+    sent: int = 0
+    records: int = 0
+
+    @property
+    def passes(self) -> bool:
+        return lg.all_pass(self.summary)
+
+    @property
+    def goodput_rps(self) -> float:
+        return lg.total_goodput(self.summary)
+
+    def row(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rate": round(self.rate, 2), "seed": self.seed, "pass": self.passes,
+                               "goodput_rps": round(self.goodput_rps, 2), "wall_s": round(self.wall_s, 1)}
+        out["models"] = {m: {**s.to_dict(), **self.batch.get(m, {})} for m, s in self.summary.items()}
+        return out
+
+
+def measure(target: Any, schedule: Sequence[lg.Planned], duration_s: float, caps_ms: Mapping[str, float] | float,
+            *, warmup_s: float, cooldown_s: float, rate: float = 0.0, seed: int = 0, poll: bool = True,
+            status_every_s: float = 1.0, timeout_s: float = 20.0) -> Measurement:
+    res = lg.run(target.base_url, schedule, timeout_s=timeout_s,
+                 status_url=getattr(target, "status_url", None) if poll else None, status_every_s=status_every_s)
+    missing = [r.idx for r in res.records if r.status == -1]
+    if missing:
+        raise RuntimeError(f"load generator lost {len(missing)} records (first {missing[:5]})")
+    summ = lg.summarize(res.records, duration_s, caps_ms, warmup_s=warmup_s, cooldown_s=cooldown_s)
+    batch = {m: lg.batch_stats(res.records, m, lo_s=warmup_s, hi_s=duration_s - cooldown_s) for m in summ}
+    return Measurement(rate, seed, summ, batch, res.status_samples, res.wall_s, len(schedule), len(res.records))
+
+
+# ------------------------------------------------------------------------------ knee search
+def live_knee(run_rate: Callable[[float], Measurement], start_rate: float, *, step: float = 1.15,
+              bisect_iters: int = 2, max_rate: float | None = None, max_runs: int = 12,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> tuple[float, list[dict[str, Any]]]:
+    """λ_max of one target: largest rate whose run passes (P95 ≤ cap, completed/offered ≥ 0.99)."""
+    rows: list[dict[str, Any]] = []
+
+    def ok(rate: float) -> bool:
+        m = run_rate(rate)
+        row = m.row()
+        rows.append(row)
+        if on_row:
+            on_row(row)
+        return m.passes
+
+    lo = hi = None
+    r = float(start_rate)
+    if ok(r):
+        lo = r
+        while len(rows) < max_runs and (max_rate is None or lo < max_rate):
+            nxt = lo * step if max_rate is None else min(lo * step, max_rate)
+            if ok(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+                break
+        if hi is None:
+            return lo, rows
+    else:
+        hi = r
+        while len(rows) < max_runs:
+            nxt = hi / step
+            if ok(nxt):
+                lo = nxt
+                break
+            hi = nxt
+        if lo is None:
+            return 0.0, rows
+    for _ in range(bisect_iters):
+        if len(rows) >= max_runs:
+            break
+        mid = (lo + hi) / 2.0
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, rows
+
+
+def poisson_schedule(model: str, rate: float, duration_s: float, seed: int, body: bytes = b'{"inputs": [{}]}') -> list[lg.Planned]:
+    from bench import arrivals as arr
+
+    return lg.plan(model, arr.poisson(rate, duration_s, seed), body)
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": cpu, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)}
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    v = [float(x) for x in values]
+    return {"mean": float(np.mean(v)), "min": min(v), "max": max(v)} if v else {}

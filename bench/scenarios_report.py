@@ -1,0 +1,96 @@
+"""Markdown tables of the live scenarios (what ``gpubroker bench`` prints and RESULTS.md holds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _machine(res: dict[str, Any]) -> str:
+    m = res.get("machine", {})
+    return f"_{m.get('nproc')} CPUs ({m.get('cpu_model')}), {m.get('mem_gib')} GiB, {m.get('date')}_"
+
+
+def seed_md(res: dict[str, Any]) -> str:
+    lines = [f"### seed: knee gain ({_machine(res)})", "",
+             "| workload | fitted a / c (ms) | ref rate | S | cap 1.2·S | static 8 knee @S | broker knee @1.2·S | BentoML knee @1.2·S | bound (1−2a/C)/c | gain | broker/bound | broker/BentoML |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["results"]:
+        fb = r.get("fit_broker", {})
+        bento = r.get("bentoml", {})
+        lines.append(
+            f"| {r['workload']} | {_f(fb.get('a_ms'), 2)} / {_f(fb.get('c_ms'), 3)} | {_f(r['reference_rps'])}/s | {_f(r['S_ms'], 0)} ms | "
+            f"{_f(r['cap_ms'], 0)} ms | {_f(r['static8']['knee_rps'])}/s | {_f(r['broker']['knee_rps'])}/s | "
+            f"{_f(bento.get('knee_rps')) + '/s' if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
+            f"{_f(r['bound_rps'])}/s | {_f(r['gain'], 2)} | {_f(r['broker_vs_bound'], 2)} | {_f(r.get('broker_vs_bentoml'), 2)} |")
+    lines.append("")
+    for r in res["results"]:
+        lines.append(f"Rates tried, {r['workload']}:")
+        lines.append("")
+        lines.append("| arm | rate | pass | attainment | P50 | P95 | P99 | mean batch | rejections | timeouts | send lag p99 |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for arm in ("static8", "broker", "bentoml"):
+            for row in (r.get(arm) or {}).get("rows", []) + (r.get(arm) or {}).get("seeds_at_knee", []):
+                m = next(iter(row["models"].values()))
+                lines.append(f"| {arm} (seed {row['seed']}) | {row['rate']} | {'✓' if row['pass'] else '✗'} | {_f(m['attainment'], 3)} | "
+                             f"{_f(m['p50_ms'], 0)} | {_f(m['p95_ms'], 0)} | {_f(m['p99_ms'], 0)} | {_f(m.get('mean_batch'))} | "
+                             f"{m['rejections']} | {m['timeouts']} | {_f(m['send_lag_p99_ms'])} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def oracle_md(res: dict[str, Any]) -> str:
+    lines = [f"### oracle: {res['workload']}, cap {res['cap_ms']:.0f} ms ({_machine(res)})", "",
+             "| rate | broker goodput | broker P95 | broker batch | best static | its goodput | oracle ratio |", "|---|---|---|---|---|---|---|"]
+    for r in res["rates"]:
+        lines.append(f"| {r['rate_rps']:.1f}/s | {r['broker_goodput_rps']:.1f} | {_f(r['broker_p95_ms'], 0)} ms | {_f(r['broker_mean_batch'])} | "
+                     f"{r['best_static']} | {r['best_static_goodput_rps']:.1f} | {_f(r['oracle_ratio'], 3)} |")
+    lines += ["", "Static grid goodput (req/s) per rate:", "", "| rate | " + " | ".join(res["grid"]) + " |",
+              "|---|" + "---|" * len(res["grid"])]
+    for r in res["rates"]:
+        lines.append(f"| {r['rate_rps']:.1f} | " + " | ".join(_f(r["static_goodput_rps"].get(a)) for a in res["grid"]) + " |")
+    return "\n".join(lines)
+
+
+def burst_md(res: dict[str, Any]) -> str:
+    lines = [f"### burst: 3 models, {res['models'][0]} x{res['burst']['factor']:g} for {res['burst']['length_s']:g}s, cap {res['cap_ms']:.0f} ms ({_machine(res)})", "",
+             "| arm | model | attainment (run) | attainment (burst) | P95 run | P95 burst | goodput | mean batch | peak mem | OOM splits | rejections | timeouts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, a in res["arms"].items():
+        for n in res["models"]:
+            s = a["summary"].get(n, {})
+            b = a["in_burst"].get(n, {})
+            lines.append(f"| {arm} | {n} | {_f(s.get('attainment'), 3)} | {_f(b.get('attainment'), 3)} | {_f(s.get('p95_ms'), 0)} | "
+                         f"{_f(b.get('p95_ms'), 0)} | {_f(s.get('goodput_rps'))} | {_f(a['batch'][n]['mean_batch'])} | "
+                         f"{a['peak_used_bytes'][n] / 2**20:.0f} MiB | {a['ooms'][n]} | {s.get('rejections')} | {s.get('timeouts')} |")
+    return "\n".join(lines)
+
+
+def overhead_md(res: dict[str, Any]) -> str:
+    lines = [f"### overhead: {res['workload']}, batch {res['batch']}, wait {res['wait_ms']:g} ms ({_machine(res)})", "",
+             "| load | arm | seed | offered | completed | P50 | P95 | mean batch |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        lines.append(f"| {r['load']} | {r['arm']} | {r['seed']} | {r['rate']:.1f} | {r['completed_rps']:.2f} | {_f(r['p50_ms'], 0)} | {_f(r['p95_ms'], 0)} | {_f(r['mean_batch'])} |")
+    lines += ["", f"Throughput ratio pinned/plain at saturation: **{res['saturated_throughput_ratio']:.3f}**; "
+              f"at half load {res['half_throughput_ratio']:.3f}; P50 ratio at half load {res['half_p50_ratio']:.3f}."]
+    return "\n".join(lines)
+
+
+def trace_md(res: dict[str, Any]) -> str:
+    lines = [f"### trace: Azure LLM code trace 2023 (CC-BY 4.0, Patel et al., Splitwise, ISCA 2024), token-priced profiled "
+             f"a={res['a_ms']:g} ms, {res['c_ms_per_token'] * 1000:.2f} µs/token, mean {res['mean_tokens']:.0f} tokens, cap {res['cap_ms']:.0f} ms ({_machine(res)})", "",
+             "| arm | scale | rate | seed | attainment | goodput | P50 | P95 | P99 | mean batch (req) | rejections | timeouts |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['arm']} | {r['scale']} | {r['rate_rps']:.1f} | {r['seed']} | {r['attainment']:.3f} | {r['goodput_rps']:.1f} | "
+                     f"{_f(r['p50_ms'], 0)} | {_f(r['p95_ms'], 0)} | {_f(r['p99_ms'], 0)} | {_f(r['mean_batch'])} | {r['rejections']} | {r['timeouts']} |")
+    return "\n".join(lines)
+
+
+MD = {"seed": seed_md, "oracle": oracle_md, "burst": burst_md, "overhead": overhead_md, "trace": trace_md}
