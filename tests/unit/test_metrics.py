@@ -461,3 +461,41 @@ def test_broker_core_feeds_its_metrics():
     assert value(m, "gpubroker_config_info", config_hash=good["config_hash"]) == 1
     assert value(m, "gpubroker_config_info", config_hash=st["config_hash"]) is None
     BrokerCore(CORE_CONFIG, clock=lambda: t[0])  # default: a private registry, no clash with the first core
+
+
+# ------------------------------------------------------------------ CLI flags (no Ray: the HTTP path is faked)
+def _cli(monkeypatch, answers):
+    from typer.testing import CliRunner
+
+    from broker.cli import app
+    from deployments import cli_fleet
+
+    calls = []
+
+    def fake_get(path, timeout_s=5.0):
+        calls.append(path)
+        if not answers:
+            raise KeyboardInterrupt  # ends the live loop like Ctrl-C
+        return answers.pop(0)
+
+    monkeypatch.setattr(cli_fleet, "_http_get", fake_get)
+    return CliRunner(), app, calls
+
+
+def test_cli_status_watch(monkeypatch):
+    runner, app, calls = _cli(monkeypatch, [status(), status(ticks=6)])
+    result = runner.invoke(app, ["status", "--watch", "--interval", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert "mlp" in result.output and calls == ["/v1/status"] * 3
+
+
+def test_cli_decisions_follow(monkeypatch):
+    first = [{"seq": 1, "kind": "note", "time_s": 0, "reason": "first"}]
+    later = [{"seq": 2, "kind": "note", "time_s": 0, "reason": "second"}]
+    runner, app, calls = _cli(monkeypatch, [first, [], later])
+    result = runner.invoke(app, ["decisions", "--follow", "--interval", "0.1", "--json"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in result.output.splitlines() if x.startswith("{")]
+    assert [d["seq"] for d in lines] == [1, 2]
+    assert calls == ["/v1/decisions?since_seq=0", "/v1/decisions?since_seq=1", "/v1/decisions?since_seq=1",
+                     "/v1/decisions?since_seq=2"]
