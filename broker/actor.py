@@ -336,7 +336,7 @@ class BrokerCore:
             cfg = parse_config_text(config_text, "apply")
         except ConfigError as exc:
             return {"ok": False, "config_hash": old_hash, "issues": [str(i) for i in exc.issues]}
-        issues = self._redeploy_issues(cfg)
+        issues = self._redeploy_issues(cfg) + self._weights_issues(cfg)
         if issues:
             self._log_event("apply", f"refused config {cfg.config_hash()}: {'; '.join(issues)}")
             return {"ok": False, "config_hash": old_hash, "issues": issues}
@@ -389,6 +389,21 @@ class BrokerCore:
                 issues.append(f"broker.{field_name}: {a!r} -> {b!r} would orphan the running broker; use `gpubroker down` then `up`")
         if cfg.gpu.device != old.gpu.device:
             issues.append(f"gpu.device: {old.gpu.device!r} -> {cfg.gpu.device!r} needs a redeploy; use `gpubroker up`")
+        return issues
+
+    def _weights_issues(self, cfg: FleetConfig) -> list[str]:
+        """A quota.min under the calibrated weights of the model's replicas could never hold the model."""
+        issues = []
+        for name, spec in cfg.models.items():
+            calibrated = self._memory_models.get(name)
+            if calibrated is None:
+                continue
+            need = int(calibrated[0]) * spec.replicas
+            if spec.quota.min < need:
+                issues.append(
+                    f"models.{name}.quota.min ({format_size(spec.quota.min)}) is under the model's calibrated weights "
+                    f"({format_size(need)} for {spec.replicas} replica(s)); raise quota.min to at least {format_size(need)}"
+                )
         return issues
 
     def _next_up_notes(self, cfg: FleetConfig) -> list[str]:

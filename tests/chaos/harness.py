@@ -1,0 +1,232 @@
+"""Shared pieces of the reliability tests: results file, fake broker link, listeners, RSS.
+
+Every reliability test records one JSON line per fault scenario with ``record(...)``::
+
+    {"test", "fault", "faults_injected", "faults_survived", "sent", "answered",
+     "rejected", "lost", "figure", "ok"}
+
+``answered`` = HTTP 200; ``rejected`` = an explicit, retriable error with a body (413/422 for
+bad input count here too: the client was told why); ``lost`` = anything else (no response,
+a connection error, a client-side timeout, a 5xx without a body). ``tests/chaos/report.py``
+prints the table after ``make chaos``. Rows are written only when ``$GPUBROKER_CHAOS_RESULTS``
+names the file (``make chaos`` sets it), so ``make test`` leaves no files behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPLICIT_ERRORS = (413, 422, 429, 503, 504)  # answered with a body that says what to do
+
+
+def results_path() -> Path:
+    return Path(os.environ.get("GPUBROKER_CHAOS_RESULTS") or ROOT / ".chaos" / "results.jsonl")
+
+
+def recording() -> bool:
+    """Rows are written only under ``make chaos`` (it sets GPUBROKER_CHAOS_RESULTS)."""
+    return bool(os.environ.get("GPUBROKER_CHAOS_RESULTS"))
+
+
+def record(test: str, fault: str, *, faults_injected: int = 0, faults_survived: int = 0, sent: int = 0,
+           answered: int = 0, rejected: int = 0, lost: int = 0, figure: str = "", ok: bool = True,
+           **extra: Any) -> dict[str, Any]:
+    """Append one result line (never fails the test because of the file)."""
+    row = {"time_s": round(time.time(), 3), "test": test, "fault": fault, "faults_injected": faults_injected,
+           "faults_survived": faults_survived, "sent": sent, "answered": answered, "rejected": rejected,
+           "lost": lost, "figure": figure, "ok": bool(ok), **extra}
+    if not recording():
+        return row
+    try:
+        path = results_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row, default=str) + "\n")
+    except OSError:
+        pass
+    return row
+
+
+def classify(statuses: Iterable[int], bodies_ok: Iterable[bool] | None = None) -> dict[str, int]:
+    """HTTP statuses -> sent/answered/rejected/lost (0 = no response at all)."""
+    codes = Counter(statuses)
+    answered = codes.get(200, 0)
+    rejected = sum(n for c, n in codes.items() if c in EXPLICIT_ERRORS)
+    sent = sum(codes.values())
+    return {"sent": sent, "answered": answered, "rejected": rejected, "lost": sent - answered - rejected}
+
+
+# ------------------------------------------------------------------------- fake broker link
+class _Remote:
+    """``handle.method.remote(...)`` for an in-process callable: returns a coroutine."""
+
+    def __init__(self, owner: "CoreLink", name: str):
+        self.owner, self.name = owner, name
+
+    def remote(self, *args: Any, **kwargs: Any):
+        async def call():
+            if self.owner.down:
+                raise ConnectionError("broker is down (test)")
+            self.owner.calls[self.name] += 1
+            return getattr(self.owner.core, self.name)(*args, **kwargs)
+
+        return call()
+
+
+class CoreLink:
+    """Stands in for the broker actor handle in front of a real ``BrokerCore`` (no Ray)."""
+
+    def __init__(self, core: Any):
+        self.core = core
+        self.down = False
+        self.calls: Counter = Counter()
+
+    def __getattr__(self, name: str) -> _Remote:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Remote(self, name)
+
+
+class FakeProbe:
+    """A memory probe whose reading the test sets (process bytes = baseline + used)."""
+
+    def __init__(self, capacity_bytes: int, process_bytes: int = 0):
+        self.capacity_bytes = capacity_bytes
+        self.process_bytes = process_bytes
+        self.enforced: list[int | None] = []
+
+    def read(self):
+        from broker.probes import MemoryReading
+
+        used = self.process_bytes
+        return MemoryReading(self.capacity_bytes, used, used, max(0.0, 1.0 - used / self.capacity_bytes), None)
+
+    def enforce(self, grant_bytes: int | None) -> None:
+        self.enforced.append(grant_bytes)
+
+
+# ------------------------------------------------------------------------- processes
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` from /proc (no psutil)."""
+    with open(f"/proc/{pid}/statm", encoding="ascii") as fh:
+        pages = int(fh.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def slope_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (t_s, value) in value units per minute (0 for < 3 samples)."""
+    if len(samples) < 3:
+        return 0.0
+    n = len(samples)
+    mt = sum(t for t, _ in samples) / n
+    mv = sum(v for _, v in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples)
+    if var <= 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in samples) / var * 60.0
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    out: set[int] = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                out.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return out
+
+
+def _decode_addr(hex_addr: str, v6: bool) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if not v6:
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", struct.unpack(">I", raw)[0]))
+    words = struct.unpack("<4I", raw)
+    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
+
+
+def listeners(pids: Iterable[int]) -> list[dict[str, Any]]:
+    """TCP sockets in LISTEN held by ``pids``: [{"pid", "host", "port", "comm"}] from /proc/net/tcp{,6}."""
+    by_inode: dict[int, int] = {}
+    for pid in pids:
+        for inode in _socket_inodes(pid):
+            by_inode[inode] = pid
+    out = []
+    for path, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = Path(path).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 10 or parts[3] != "0A":  # 0A = LISTEN
+                continue
+            inode = int(parts[9])
+            if inode not in by_inode:
+                continue
+            addr, port = parts[1].split(":")
+            pid = by_inode[inode]
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            out.append({"pid": pid, "host": _decode_addr(addr, v6), "port": int(port, 16), "comm": comm})
+    return out
+
+
+def pids_in_group(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) == pgid:
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or host.startswith("127.")
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> Any:
+    deadline = time.time() + timeout_s
+    last = None
+    while time.time() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+def metric_label_values(text: str) -> dict[str, set[str]]:
+    """Prometheus exposition text -> label name -> every value seen (gpubroker_* series only)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("gpubroker_"):
+            continue
+        for sample in family.samples:
+            for key, value in sample.labels.items():
+                out.setdefault(key, set()).add(value)
+    return out
+
+
+def grants_fit(settings: Mapping[str, Mapping[str, Any]], usable: int) -> bool:
+    return sum(int(s["grant_bytes"]) for s in settings.values()) <= usable
