@@ -33,6 +33,8 @@ from quotas.config import ConfigError, FleetConfig, load_config, parse_config_te
 from quotas.sizes import format_size
 
 console = Console()
+if not console.is_terminal:  # logs and pipes: wide enough for the status table
+    console = Console(width=170)
 err_console = Console(stderr=True)
 APP_NAME = "gpubroker"
 DEFAULT_CONFIG = Path("configs/demo.yaml")
@@ -107,6 +109,10 @@ def start_local_ray(num_cpus: int | None = None, port: int | None = None) -> dic
         "--disable-usage-stats",
     ]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # A token left in ~/.ray/auth_token turns token auth on for `ray start` but not always for
+    # the driver; the head binds 127.0.0.1 only, so unless the user chose a mode, keep it off.
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_AUTH_MODE", env["RAY_AUTH_MODE"])
     proc = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True, env=env)
     if proc.returncode != 0:
         raise FleetError(f"`ray start --head` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -135,9 +141,7 @@ def stop_local_ray(pgid: int | None, timeout_s: float = 10.0) -> bool:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         time.sleep(0.5)
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if not _live_members(pgid):
             return True
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -146,12 +150,21 @@ def stop_local_ray(pgid: int | None, timeout_s: float = 10.0) -> bool:
     return True
 
 
+def _live_members(pgid: int) -> int:
+    """Processes of the group that are not zombies (exited daemons wait for init to reap them)."""
+    out = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines()
+               if len(line.split()) == 2 and line.split()[0] == str(pgid) and not line.split()[1].startswith("Z"))
+
+
 def connect(address: str | None) -> None:
     """ray.init to a running cluster, quietly."""
     import ray
 
     if ray.is_initialized():
         return
+    if address and address.startswith("127.0.0.1:"):
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as start_local_ray started it
     try:
         ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False, namespace=APP_NAME)
     except Exception as exc:  # noqa: BLE001
@@ -374,7 +387,7 @@ def up(
     address: str = typer.Option(None, "--address", help="Ray cluster to use; default RAY_ADDRESS, else start a local one."),
     foreground: bool = typer.Option(False, "--foreground", help="Stay attached, print status, Ctrl-C tears down."),
     num_cpus: int = typer.Option(None, "--num-cpus", help="CPUs for a local Ray head (default: all)."),
-    ray_port: int = typer.Option(6379, "--ray-port", help="GCS port for a local Ray head (a free one if taken)."),
+    ray_port: int = typer.Option(0, "--ray-port", help="GCS port for a local Ray head (0 or taken: a free one)."),
     timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every model to answer."),
 ) -> None:
     """Start Ray (unless --address), the broker and the Serve app; return when every model answers."""
@@ -406,11 +419,11 @@ def up(
                     console.print(status_table(st))
         except KeyboardInterrupt:
             console.print("stopping...")
-            down()
+            down(address=None)
 
 
 def up_fleet(cfg: FleetConfig, text: str, source: str, *, address: str | None = None, num_cpus: int | None = None,
-             ray_port: int = 6379, timeout_s: float = 600.0) -> dict[str, Any]:
+             ray_port: int = 0, timeout_s: float = 600.0) -> dict[str, Any]:
     import ray
 
     t0 = time.time()

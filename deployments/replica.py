@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -161,6 +162,9 @@ class ModelReplica:
         self.sm_util_frac: float | None = None
         self.calibration: dict[str, Any] = {}
         self.token_priced = False
+        # Adapter calls (validate, cost, predict) never overlap: tokenizers and user models are
+        # not assumed thread-safe. Validation runs in a worker thread, so the loop never waits.
+        self._model_lock = threading.Lock()
         await asyncio.to_thread(self._load)
         self._batch = serve.batch(
             max_batch_size=self.cap,
@@ -409,7 +413,7 @@ class ModelReplica:
 
         start = time.perf_counter()
         try:
-            return await asyncio.to_thread(split_retry, self.adapter.predict, values, on_split)
+            return await asyncio.to_thread(split_retry, self._predict, values, on_split)
         finally:
             exec_s = time.perf_counter() - start
             d = self.delta  # the report may have swapped the delta while the batch ran
@@ -418,6 +422,28 @@ class ModelReplica:
             d.busy_s += exec_s
 
     # ------------------------------------------------------------------ requests
+    def _validate_all(self, inputs: list) -> list[_Item] | dict[str, Any]:
+        """Validated items with their cost, or a 422 naming the field (runs in a worker thread)."""
+        from deployments.models import InputError
+
+        items = []
+        with self._model_lock:
+            for i, raw in enumerate(inputs):
+                try:
+                    value = self.adapter.validate(raw)
+                    cost = int(self.adapter.cost(value)) if self.token_priced else 1
+                except InputError as exc:
+                    where = f"inputs[{i}]" if exc.field == "body" else f"inputs[{i}].{exc.field}"
+                    return _error(422, f"{where}: {exc.message}", field=where)
+                except Exception as exc:  # noqa: BLE001 - a validator bug is still the input's 422, never a crash
+                    return _error(422, f"inputs[{i}]: {exc}", field=f"inputs[{i}]")
+                items.append(_Item(value, max(1, cost), self))
+        return items
+
+    def _predict(self, values: list) -> list:
+        with self._model_lock:
+            return self.adapter.predict(values)
+
     def _reject(self, n: int, status: int, detail: str, **extra: Any) -> dict[str, Any]:
         self.delta.rejections += n
         return _error(status, detail, **extra)
@@ -440,19 +466,10 @@ class ModelReplica:
                 n, 503, f"model '{self.name}' queue is full ({self.waiting} waiting, max_queued {spec.max_queued}); retry later",
                 retry_after_s=retry_after,
             )
-        from deployments.models import InputError
-
-        items = []
-        try:
-            for i, raw in enumerate(inputs):
-                value = self.adapter.validate(raw)
-                cost = int(self.adapter.cost(value)) if self.token_priced else 1
-                items.append(_Item(value, max(1, cost), self))
-        except InputError as exc:
-            where = f"inputs[{i}]" if exc.field == "body" else f"inputs[{i}].{exc.field}"
-            return _error(422, f"{where}: {exc.message}", field=where)
-        except Exception as exc:  # noqa: BLE001 - a validator bug is still the input's 422, never a crash
-            return _error(422, f"inputs[{i}]: {exc}", field=f"inputs[{i}]")
+        items_or_error = await asyncio.to_thread(self._validate_all, inputs)
+        if isinstance(items_or_error, dict):
+            return items_or_error
+        items = items_or_error
         self.waiting += n
         self.delta.arrivals += n
         tasks = [asyncio.ensure_future(self._batch(item)) for item in items]

@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""`make demo`: the demo fleet on a local Ray, a short open-loop load with a burst, then status.
+
+1. `gpubroker up configs/demo.yaml` (local `ray start --head`, broker actor, Serve app; waits
+   until every model answers a real request);
+2. open-loop load: Poisson arrival times for every model are drawn BEFORE the run, then sent
+   over async HTTP: a warm phase, a burst on one model (minilm by default), a cool-down;
+   a progress line every few seconds shows each model's batch cap, grant, queue and P95;
+3. the status table and the broker's decisions during the run (batch caps following the load,
+   quota moving to the busy model and back when its need outgrows its grant);
+4. `gpubroker down`.
+
+Runs in under 5 minutes on a 2-core machine. The fleet's state file goes to a temporary
+directory, so a fleet you already run is left alone; port 8000 is replaced by a free port if
+it is taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("GPUBROKER_STATE_DIR", tempfile.mkdtemp(prefix="gpubroker-demo-"))
+
+import httpx  # noqa: E402
+from rich.console import Console  # noqa: E402
+
+from deployments.cli_fleet import (  # noqa: E402
+    describe_decision, down, example_inputs, free_port, port_free, status_table, up_fleet,
+)
+from quotas.config import parse_config_text  # noqa: E402
+from quotas.sizes import format_size  # noqa: E402
+
+console = Console()
+if not console.is_terminal:
+    console = Console(width=170)
+WORDS = ("broker", "quota", "batch", "latency", "memory", "gpu", "serve", "model", "token", "queue",
+         "lend", "borrow", "idle", "busy", "cap", "wait", "profile", "price", "peak", "trough")
+
+
+def poisson(rate: float, start_s: float, end_s: float, rng: random.Random) -> list[float]:
+    t, out = start_s, []
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= end_s:
+            break
+        out.append(t)
+    return out
+
+
+def text_of(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def build_schedule(models: list[str], burst: str, examples: dict, phases: list[tuple[str, float, float, float]],
+                   seed: int = 7) -> list[tuple[float, str, dict]]:
+    """(time, model, body) for the whole run, sorted; drawn before anything is sent."""
+    rng = random.Random(seed)
+    sched: list[tuple[float, str, dict]] = []
+    t0 = 0.0
+    for _phase, duration, base_rps, burst_rps in phases:
+        for name in models:
+            rate = burst_rps if name == burst else base_rps
+            for at in poisson(rate, t0, t0 + duration, rng):
+                if name == "minilm":
+                    body = {"inputs": [{"text": text_of(rng, rng.randint(8, 40))} for _ in range(4)]}
+                else:
+                    body = {"inputs": [examples[name]] * 4}
+                sched.append((at, name, body))
+        t0 += duration
+    sched.sort(key=lambda x: x[0])
+    return sched
+
+
+async def run_load(url: str, sched: list[tuple[float, str, dict]], total_s: float, models: list[str]) -> dict[str, Counter]:
+    codes: dict[str, Counter] = {m: Counter() for m in models}
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def one(at: float, model: str, body: dict) -> None:
+            await asyncio.sleep(max(0.0, t0 + at - loop.time()))
+            try:
+                r = await client.post(f"{url}/v1/models/{model}/infer", json=body)
+                codes[model][r.status_code] += 1
+            except httpx.HTTPError:
+                codes[model]["error"] += 1
+
+        async def progress() -> None:
+            while loop.time() - t0 < total_s + 1:
+                await asyncio.sleep(3.0)
+                try:
+                    st = (await client.get(f"{url}/v1/status", timeout=10)).json()
+                except Exception:  # noqa: BLE001
+                    continue
+                el = loop.time() - t0
+                parts = []
+                for name, m in st["models"].items():
+                    p95 = "-" if m["p95_ms"] is None else f"{m['p95_ms']:.0f}ms"
+                    parts.append(f"{name}: cap {m['max_batch_size']} grant {format_size(m['grant_bytes'])} "
+                                 f"q {m['queue_depth']:.0f} {m['arrival_rate_rps']:.0f}rps p95 {p95}")
+                console.print(f"[dim]{el:5.1f}s[/] " + " | ".join(parts), highlight=False)
+
+        tasks = [asyncio.create_task(one(at, m, b)) for at, m, b in sched]
+        prog = asyncio.create_task(progress())
+        await asyncio.gather(*tasks)
+        prog.cancel()
+    return codes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+    ap.add_argument("--burst", default="minilm", help="model that gets the burst")
+    ap.add_argument("--warm-s", type=float, default=10.0)
+    ap.add_argument("--burst-s", type=float, default=30.0)
+    ap.add_argument("--cool-s", type=float, default=20.0)
+    ap.add_argument("--base-rps", type=float, default=1.5, help="requests/s per model outside the burst (4 items each)")
+    ap.add_argument("--burst-rps", type=float, default=8.0, help="requests/s on the burst model (4 items each)")
+    args = ap.parse_args()
+    started = time.time()
+
+    text = Path(args.config).read_text(encoding="utf-8")
+    cfg = parse_config_text(text, args.config)
+    if not port_free(cfg.broker.http_port, cfg.broker.http_host):
+        port = free_port()
+        console.print(f"port {cfg.broker.http_port} is taken: using {port}")
+        text = re.sub(r"(?m)^(\s*http_port:\s*)\d+", rf"\g<1>{port}", text)
+        cfg = parse_config_text(text, args.config)
+    if args.burst not in cfg.models:
+        console.print(f"[red]--burst {args.burst}: not a model of {args.config} ({', '.join(cfg.models)})[/]")
+        return 2
+    console.rule("[bold]1. gpubroker up")
+    try:
+        state = up_fleet(cfg, text, args.config, num_cpus=2)
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[red]up failed: {exc}[/]")
+        _down()
+        return 1
+    url = state["http_url"]
+    code = 0
+    try:
+        models = list(cfg.models)
+        phases = [("warm", args.warm_s, args.base_rps, args.base_rps),
+                  ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
+                  ("cool-down", args.cool_s, args.base_rps / 2, 0.0)]
+        sched = build_schedule(models, args.burst, example_inputs(cfg), phases)
+        total = sum(p[1] for p in phases)
+        since = httpx.get(f"{url}/v1/status", timeout=30).json()["decision_seq"]
+        console.rule(f"[bold]2. open-loop load: {len(sched)} requests over {total:.0f}s "
+                     f"(warm {args.warm_s:.0f}s, burst on {args.burst} {args.burst_s:.0f}s, cool-down {args.cool_s:.0f}s)")
+        codes = asyncio.run(run_load(url, sched, total, models))
+        for name, c in codes.items():
+            console.print(f"  {name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=str)), highlight=False)
+        time.sleep(2.0)
+        console.rule("[bold]3. gpubroker status")
+        st = httpx.get(f"{url}/v1/status", timeout=30).json()
+        console.print(status_table(st))
+        decisions = httpx.get(f"{url}/v1/decisions", params={"since_seq": since}, timeout=30).json()
+        moves = [d for d in decisions if d["kind"] == "move"]
+        grants = [d for d in decisions if d["kind"] == "settings" and d["old"]["grant_bytes"] != d["new"]["grant_bytes"]]
+        caps = [d for d in decisions if d["kind"] == "settings" and d["model"] == args.burst
+                and d["old"]["max_batch_size"] != d["new"]["max_batch_size"]]
+        console.rule(f"[bold]gpubroker decisions: batch cap of {args.burst} ({len(caps)} changes)")
+        for d in caps[:12] + (caps[-6:] if len(caps) > 18 else caps[12:]):
+            console.print(describe_decision(d), highlight=False, markup=False)
+        console.rule(f"[bold]gpubroker decisions: quota ({len(moves)} moves, {len(grants)} grant changes)")
+        for d in sorted(moves + grants, key=lambda d: d["seq"]):
+            console.print(describe_decision(d), highlight=False, markup=False)
+        if not moves:
+            calib = ", ".join(f"{n}: used {format_size(m['used_bytes'])} of {format_size(m['grant_bytes'])}"
+                              for n, m in st["models"].items())
+            console.print(f"[yellow]no quota moved:[/] every model's calibrated need at its batch cap fit its base "
+                          f"({calib}); quota moves when a busy model's wanted batch needs more than its grant.")
+        bad = sum(v for c in codes.values() for k, v in c.items() if k not in (200, 503))
+        if bad:
+            console.print(f"[red]{bad} requests failed[/]")
+            code = 1
+    finally:
+        console.rule("[bold]4. gpubroker down")
+        _down()
+        console.print(f"demo finished in {time.time() - started:.0f}s")
+    return code
+
+
+def _down() -> None:
+    try:
+        down(address=None)
+    except SystemExit:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[red]down failed: {exc}[/]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
