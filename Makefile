@@ -34,6 +34,13 @@ chaos: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
+bench-quick: $(STAMP)
+	$(PY) -m pip install -q matplotlib
+	$(PY) -m broker.cli bench seed --quick --out bench/out
+
+bench-peer-venv:
+	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"
+
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu-check
 

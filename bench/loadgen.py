@@ -254,6 +254,7 @@ class ModelSummary:
     p99_ms: float | None
     cap_ms: float | None
     send_lag_p99_ms: float | None  # how late the client sent (its own overload shows here)
+    throughput_rps: float  # 200s that *finished* inside the window, per second (service rate under overload)
     passes: bool | None  # P95 ≤ cap and completed/offered ≥ 0.99 (None without a cap)
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,6 +292,8 @@ def summarize(
         tmo = sum(1 for r in recs if r.status in (504, STATUS_CLIENT_FAIL) and (r.status == 504 or "timeout" in (r.error or "")))
         err = len(recs) - len(ok) - rej - tmo
         lags = [max(0.0, (r.send_s - r.sched_s) * 1000.0) for r in recs if r.send_s is not None]
+        done_in = sum(1 for r in records if r.model == model and r.status == STATUS_OK and r.finish_s is not None
+                      and lo <= r.finish_s < hi)
         p95 = percentile(lat, 95)
         passes = None
         if cap is not None:
@@ -301,7 +304,7 @@ def summarize(
             offered_rps=len(recs) / window, completed_rps=len(ok) / window, goodput_rps=good / window,
             attainment=good / len(recs) if recs else 0.0,
             p50_ms=percentile(lat, 50), p95_ms=p95, p99_ms=percentile(lat, 99), cap_ms=cap,
-            send_lag_p99_ms=percentile(lags, 99), passes=passes,
+            send_lag_p99_ms=percentile(lags, 99), throughput_rps=done_in / window, passes=passes,
         )
     return out
 

@@ -10,7 +10,6 @@ checks, reports to the broker, the fast loop, OOM split-retry.
 ``set_batch`` changes the setting live (for grids without a redeploy).
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -47,6 +46,7 @@ class PlainModel:
         self._batch.set_batch_wait_timeout_s(float(wait_ms) / 1000.0)
 
 
+@serve.deployment
 @serve.ingress(plain_api)
 class PlainIngress:
     def __init__(self, handle: Any, name: str):

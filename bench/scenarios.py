@@ -282,7 +282,7 @@ class PlainTarget:
     status_url: str | None = None
 
     def idle(self, timeout_s: float = 30.0) -> None:
-        time.sleep(1.0)
+        time.sleep(3.0)
 
     def delete(self) -> None:
         self.stack.delete(self.app)
