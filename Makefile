@@ -28,8 +28,17 @@ test-fast: $(STAMP)
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -m "integration and not slow" tests/integration
 
+# Faults, overload, bad input: every slow/integration test plus the fast reliability unit
+# tests, then the table (faults injected/survived; requests sent/answered/rejected/lost).
+# GPUBROKER_SOAK_S shortens the 10-minute soak.
+CHAOS_RESULTS ?= bench/out/chaos-results.jsonl
 chaos: $(STAMP)
-	$(PY) -m pytest -q -m "slow or integration" tests/integration tests/chaos
+	@mkdir -p $(dir $(CHAOS_RESULTS)) && rm -f $(CHAOS_RESULTS)
+	@status=0; \
+	GPUBROKER_CHAOS_RESULTS=$(CHAOS_RESULTS) $(PY) -m pytest -q tests/unit/test_reliability_broker.py tests/unit/test_reliability_replica.py || status=1; \
+	GPUBROKER_CHAOS_RESULTS=$(CHAOS_RESULTS) $(PY) -m pytest -q -m "slow or integration" tests/integration tests/chaos || status=1; \
+	$(PY) tests/chaos/report.py $(CHAOS_RESULTS) || status=1; \
+	exit $$status
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

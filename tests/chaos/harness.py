@@ -28,7 +28,7 @@ EXPLICIT_ERRORS = (413, 422, 429, 503, 504)  # answered with a body that says wh
 
 
 def results_path() -> Path:
-    return Path(os.environ.get("GPUBROKER_CHAOS_RESULTS") or ROOT / ".chaos" / "results.jsonl")
+    return Path(os.environ.get("GPUBROKER_CHAOS_RESULTS") or ROOT / "bench" / "out" / "chaos-results.jsonl")
 
 
 def recording() -> bool:
@@ -187,16 +187,30 @@ def listeners(pids: Iterable[int]) -> list[dict[str, Any]]:
 
 
 def pids_in_group(pgid: int) -> list[int]:
-    out = []
+    """Processes in process group ``pgid`` and all their descendants (Ray workers start their own)."""
+    parent: dict[int, int] = {}
+    roots: set[int] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        pid = int(entry)
         try:
-            if os.getpgid(int(entry)) == pgid:
-                out.append(int(entry))
-        except OSError:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            parent[pid], group = int(fields[1]), int(fields[2])
+        except (OSError, ValueError, IndexError):
             continue
-    return out
+        if group == pgid:
+            roots.add(pid)
+    out = set(roots)
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parent.items():
+            if pid not in out and ppid in out:
+                out.add(pid)
+                changed = True
+    return sorted(out)
 
 
 def is_loopback(host: str) -> bool:
