@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 SOAK_S = float(os.environ.get("GPUBROKER_SOAK_S", "600"))
 APPLY_EVERY_S = 30.0
 MAX_SLOPE_MB_PER_MIN = 2.0
+MIN_SLOPE_SPAN_MIN = 2.0  # a shorter clean stretch (GPUBROKER_SOAK_S < ~300) reports the slope, does not judge it
 X = json.dumps({"input": {"x": [0.1] * 64}}).encode()
 
 
@@ -103,11 +104,12 @@ def test_soak_mixed_load_applies_and_restarts(fleet):
                           if r.status not in (200, *EXPLICIT_ERRORS))
     record("test_soak", f"soak {dur:.0f}s: mixed load, applies every {APPLY_EVERY_S:.0f}s, broker restarts",
            faults_injected=applies + restarts, faults_survived=apply_ok + restarts_ok, **c,
-           ok=c["lost"] == 0 and slope < MAX_SLOPE_MB_PER_MIN,
+           ok=c["lost"] == 0 and (slope < MAX_SLOPE_MB_PER_MIN or span_min < MIN_SLOPE_SPAN_MIN),
            figure=f"{dict(codes)}; {apply_ok}/{applies} applies, {restarts_ok}/{restarts} restarts; broker RSS "
                   f"{warm[0][1] if warm else 0:.0f}->{warm[-1][1] if warm else 0:.0f} MB, slope {slope:+.2f} MB/min "
-                  f"over {span_min:.1f} min")
+                  f"over {span_min:.1f} min" + (" (too short to judge)" if span_min < MIN_SLOPE_SPAN_MIN else ""))
     assert c["lost"] == 0, lost_detail.most_common(5)
     assert restarts_ok == restarts
     assert apply_ok >= applies - restarts  # an apply may land on a broker mid-restart
-    assert slope < MAX_SLOPE_MB_PER_MIN, f"broker RSS grows {slope:.2f} MB/min"
+    if span_min >= MIN_SLOPE_SPAN_MIN:
+        assert slope < MAX_SLOPE_MB_PER_MIN, f"broker RSS grows {slope:.2f} MB/min over {span_min:.1f} min"
