@@ -188,7 +188,7 @@ def test_bad_requests_never_reach_model_and_memory_stays(monkeypatch, tmp_path):
             assert len(calls) == n0, "a bad request reached the model"
             assert rig.r.delta.arrivals == 3  # only the good ones were admitted
             grew = (rss1 - rss0) / MIB
-            assert grew < 8, f"RSS grew {grew:.1f} MiB over {sent} bad requests"
+            assert grew < 16, f"RSS grew {grew:.1f} MiB over {sent} bad requests"
             record("test_reliability_replica", "bad requests (413/422) in-process", faults_injected=sent,
                    faults_survived=sent, sent=sent, rejected=sent,
                    figure=f"{sent} refused, 0 predict calls, RSS {grew:+.1f} MiB")
