@@ -124,7 +124,7 @@ def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit:
         # Queueing (a backlog of more than one batch, or arrivals beyond what this cap serves)
         # means the latency comes from too little throughput: shrinking would make it worse.
         overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
-        backlog = queued_units > cap or overloaded
+        backlog = queued_units > cap or load.queue_depth / max(1, load.replicas) > ctl.band_high or overloaded
         if backlog:
             if target is not None and target > cap:
                 return want(target, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} with a backlog ({queued_units:.0f} queued, arrivals {units_per_s:.1f}/s): grow {cap}->{int(round(target))}", safety=True)

@@ -11,12 +11,15 @@ moves to make, in this order, each tick:
 3. reclaim: an owner under its base whose load has been back for ``reclaim_hold_s``
    (hysteresis) takes its whole base back (base is guaranteed, whatever it needs right now), from the free pool first, then from borrowers' loans
    (two-phase);
-4. release: a model holding a loan (grant above base) it no longer needs hands the excess to
-   the free pool (never below its observed working set);
+4. release: a borrower gone idle hands its loan (grant above base) back to the free pool
+   (never below its observed working set); a busy borrower keeps it until an owner reclaims;
 5. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
    borrows from models idle (busy share under ``idle_util_frac``, no backlog) for
    ``idle_hold_s``, which give what they hold above their working
    set (peak memory x 1.1, the memory for a floor batch, and ``min``), highest priority first.
+
+6. restore: an owner still under its base takes it back from the free pool (memory nobody
+   asked for this tick); if it is idle it will lend it again when someone needs it.
 
 A model's need is ``replicas x grant_for(wanted cap)`` from its calibrated memory model; an
 uncalibrated model neither borrows nor is sized (it keeps its base).
@@ -41,7 +44,7 @@ WORKING_SET_MARGIN = 1.1
 
 def min_move_bytes(ledger: QuotaLedger) -> int:
     """Moves smaller than this are dust: not worth a transfer."""
-    return max(16 * 1024**2, ledger.usable_bytes // 200)
+    return max(4 * 1024**2, ledger.usable_bytes // 256)
 
 
 def plan_quota(
@@ -147,15 +150,13 @@ def plan_quota(
                 transfer(borrower, owner, take, "reclaim", why + f" from {borrower}'s loan")
                 short -= take
 
-    # 4. release loans no longer needed
+    # 4. release loans of borrowers gone idle (a busy borrower keeps its loan until an owner
+    #    reclaims it: releasing on every dip of its need would make the grant flap)
     for name, spec in config.models.items():
         loan = ledger.loan_bytes(name)
-        if loan < dust:
+        if loan < dust or not idle(name):
             continue
-        wanted = need(name)
-        keep = max(spec.quota.base, working_set(name), wanted if (wanted is not None and not idle(name)) else 0)
-        if idle(name):
-            keep = max(spec.quota.base, working_set(name))
+        keep = max(spec.quota.base, working_set(name))
         excess = min(loan, ledger.grant(name) - keep)
         if excess >= dust:
             try:
@@ -195,4 +196,9 @@ def plan_quota(
             deficit -= amount
             if deficit < dust:
                 break
+    # 6. top owners under base back up from memory nobody needs this tick
+    for owner, spec in sorted(config.models.items(), key=lambda kv: (-kv[1].priority, kv[0])):
+        short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
+        if short >= dust and ledger.free_bytes >= dust:
+            grow(owner, short, "reclaim", f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool")
     return moves, confirm_after, notes, new_donors

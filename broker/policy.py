@@ -213,12 +213,16 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), load)
         grant = ledger.grant(name)
         old = state.models.get(name)
-        prev = (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit) if old else None
+        prev = (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit) if old and name in state.ledger.quotas else None
         now_settings = (cap, round(want.wait_s, 6), grant, want.admit)
         changed = prev != now_settings
         version = ms.version + (1 if changed and old is not None else 0)
         direction = (cap > ms.max_batch) - (cap < ms.max_batch)
         reason = want.reason + (f"; {clamp_note}" if clamp_note else "")
+        old_grant = state.ledger.grant(name) if name in state.ledger.quotas else grant
+        if grant != old_grant:
+            kinds = sorted({m.kind for m in moves if name in (m.donor, m.recipient)})
+            reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
         if cap != ms.max_batch:
             ms = replace(ms, last_dir=direction, last_change_s=now)
         new_states[name] = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version)

@@ -196,6 +196,13 @@ class ModelReplica:
         self.token_priced = getattr(self.adapter, "cost_unit", "requests") == "tokens" or self.spec.batch.unit == "tokens"
         self.calibration = self._calibrate()
         self._read_memory()
+        if not self.on_cuda:
+            # Host quota: what is measured against the grant is this process's resident memory
+            # over its pre-model baseline (weights plus runtime, tokenizer, allocator pools),
+            # so the memory model's fixed part is that footprint, not just the parameters.
+            params = int(self.calibration.get("weights_bytes", 0) or 0)
+            self.calibration["weights_bytes"] = max(params, int(self.mem_used_bytes))
+            self.calibration["parameter_bytes"] = params
         logger.info(
             "gpubroker replica %s/%s loaded on %s in %.1fs: %s",
             self.name, self.replica_id, self.device, time.time() - self._t0, self.calibration,

@@ -389,14 +389,14 @@ class FleetConfig(_Strict):
         total_base = sum(m.quota.base for m in self.models.values())
         if total_base > usable:
             raise ValueError(
-                f"sum of quota.base ({format_size(total_base)}) exceeds usable capacity ({format_size(usable)} = "
+                f"models.*.quota.base: sum of quota.base ({format_size(total_base)}) exceeds usable capacity ({format_size(usable)} = "
                 f"{format_size(capacity)} x (1 - reserve_frac {self.gpu.reserve_frac}) - context overhead); "
                 "lower some models' quota.base, lower gpu.reserve_frac, or raise gpu.capacity"
             )
         for name, spec in self.models.items():
             if spec.quota.min > usable:
                 raise ValueError(
-                    f"models.{name}.quota.min ({format_size(spec.quota.min)}) exceeds usable capacity "
+                    f"models.{name}.quota.min: {format_size(spec.quota.min)} exceeds usable capacity "
                     f"({format_size(usable)}); lower it or raise gpu.capacity"
                 )
         return self
@@ -461,6 +461,11 @@ def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    # cross-section checks name their field first ("models.*.quota.base: ...")
+    named = re.match(r"^([a-z_][\w.*]*): (.*)$", msg, re.S)
+    if named and "." in named.group(1):
+        path = ".".join(p for p in (path, named.group(1)) if p)
+        msg = named.group(2)
     fix = _FIXES.get(kind)
     if kind == "extra_forbidden":
         msg = f"unknown key '{loc[-1] if loc else ''}'; {fix}"

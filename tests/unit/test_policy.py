@@ -229,3 +229,24 @@ def test_every_decision_names_trigger_and_value():
     for dec in d.history[-1].models.values():
         assert dec.trigger and dec.reason
         assert isinstance(dec.trigger_value, float)
+
+
+def test_borrower_keeps_loan_while_busy_and_returns_it_when_idle():
+    cfg = make_config(gpu={"capacity": "6.7GiB"})
+    d = Driver(cfg, usable=6 * GiB)
+    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5))
+    for _ in range(10):
+        d.step({"a": _calibrated("a", **busy), "b": _calibrated("b")})
+    assert d.grant("a") > 3 * GiB and d.grant("b") < 3 * GiB
+    # a's need dips (lighter load, still busy): it keeps the loan, no flapping
+    lighter = dict(queue_depth=30, arrival_rate_rps=50, busy_frac=0.5, batch_timings=timings(20, 0.5))
+    for _ in range(3):
+        d.step({"a": _calibrated("a", **lighter), "b": _calibrated("b")})
+    assert d.grant("a") > 3 * GiB
+    assert not [m for h in d.history[-3:] for m in h.moves if m.kind == "release"]
+    # a goes idle: after idle_hold_s its loan goes back to the pool and b, under base, gets it back
+    for _ in range(8):
+        d.step({"a": _calibrated("a"), "b": _calibrated("b")})
+    kinds = [m.kind for h in d.history[-8:] for m in h.moves]
+    assert "release" in kinds and "reclaim" in kinds
+    assert d.grant("a") == 3 * GiB and d.grant("b") == 3 * GiB
