@@ -162,8 +162,10 @@ class ModelReplica:
         self.sm_util_frac: float | None = None
         self.calibration: dict[str, Any] = {}
         self.token_priced = False
-        # Adapter calls (validate, cost, predict) never overlap: tokenizers and user models are
-        # not assumed thread-safe. Validation runs in a worker thread, so the loop never waits.
+        # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
+        # running batch and is NOT under this lock: holding it would keep new requests out of
+        # Serve's queue for a whole batch, so the next batch would form from almost nothing.
+        # Adapters make validate/cost safe beside predict (minilm locks its tokenizer only).
         self._model_lock = threading.Lock()
         await asyncio.to_thread(self._load)
         self._batch = serve.batch(
@@ -434,17 +436,16 @@ class ModelReplica:
         from deployments.models import InputError
 
         items = []
-        with self._model_lock:
-            for i, raw in enumerate(inputs):
-                try:
-                    value = self.adapter.validate(raw)
-                    cost = int(self.adapter.cost(value)) if self.token_priced else 1
-                except InputError as exc:
-                    where = f"inputs[{i}]" if exc.field == "body" else f"inputs[{i}].{exc.field}"
-                    return _error(422, f"{where}: {exc.message}", field=where)
-                except Exception as exc:  # noqa: BLE001 - a validator bug is still the input's 422, never a crash
-                    return _error(422, f"inputs[{i}]: {exc}", field=f"inputs[{i}]")
-                items.append(_Item(value, max(1, cost), self))
+        for i, raw in enumerate(inputs):
+            try:
+                value = self.adapter.validate(raw)
+                cost = int(self.adapter.cost(value)) if self.token_priced else 1
+            except InputError as exc:
+                where = f"inputs[{i}]" if exc.field == "body" else f"inputs[{i}].{exc.field}"
+                return _error(422, f"{where}: {exc.message}", field=where)
+            except Exception as exc:  # noqa: BLE001 - a validator bug is still the input's 422, never a crash
+                return _error(422, f"inputs[{i}]: {exc}", field=f"inputs[{i}]")
+            items.append(_Item(value, max(1, cost), self))
         return items
 
     def _predict(self, values: list) -> list:

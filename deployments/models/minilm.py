@@ -9,6 +9,7 @@ masked, so an embedding does not depend on its batch neighbours.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from deployments.models.base import InputError, ModelAdapter, require_fields
@@ -39,6 +40,9 @@ class MiniLmAdapter(ModelAdapter):
             )
         self.module = None
         self.tokenizer = None
+        # HF fast tokenizers are not safe to call from two threads at once ("Already
+        # borrowed"); validation (admission) and predict (the batch) run in different threads.
+        self._tok_lock = threading.Lock()
 
     def load(self, device: str) -> None:
         super().load(device)
@@ -62,7 +66,8 @@ class MiniLmAdapter(ModelAdapter):
 
     def token_count(self, text: str) -> int:
         self._require_loaded()
-        return len(self.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])
+        with self._tok_lock:
+            return len(self.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])
 
     def validate(self, item: Any) -> dict:
         data = require_fields(item, ("text",))
@@ -88,9 +93,11 @@ class MiniLmAdapter(ModelAdapter):
             return []
         self._require_loaded()
         texts = [item["text"] for item in items]
-        batch = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
-        ).to(self.device)
+        with self._tok_lock:
+            batch = self.tokenizer(
+                texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
+            )
+        batch = batch.to(self.device)
         with torch.inference_mode():
             hidden = self.module(**batch).last_hidden_state  # [B, T, 384]
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)

@@ -122,6 +122,31 @@ def test_minilm_matches_sentence_transformers(minilm):
     assert torch.allclose(got, want.cpu(), atol=1e-5)
 
 
+def test_minilm_validation_is_safe_beside_a_running_batch(minilm):
+    """The replica validates new requests in a worker thread while a batch runs in another."""
+    import threading
+
+    texts = [{"text": " ".join(["token"] * n)} for n in (3, 40, 120, 7)] * 8
+    errors: list[BaseException] = []
+
+    def validate_loop():
+        try:
+            for item in texts * 3:
+                minilm.cost(minilm.validate(item))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=validate_loop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        out = minilm.predict(texts)
+        assert len(out) == len(texts)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_minilm_calibration_is_fast(minilm):
     cal = calibrate(minilm)
     assert cal.seconds < 5
