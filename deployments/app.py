@@ -34,7 +34,14 @@ def config_text_from_args(args: dict[str, Any]) -> str:
     if "config_text" in args and args["config_text"]:
         return str(args["config_text"])
     if "config" in args and args["config"]:
-        return Path(str(args["config"])).read_text(encoding="utf-8")
+        path = Path(str(args["config"]))
+        if not path.is_absolute() and not path.exists():
+            # `serve deploy` builds the app in a Ray worker whose working directory is not the
+            # checkout: a relative path is taken relative to the project root.
+            root_relative = Path(__file__).resolve().parents[1] / path
+            if root_relative.exists():
+                path = root_relative
+        return path.read_text(encoding="utf-8")
     raise ValueError("build_app args need 'config' (a path to a fleet YAML) or 'config_text' (the YAML itself)")
 
 
