@@ -216,6 +216,20 @@ class BrokerCore:
         ev["oom_splits"] += rep.oom_splits
         return self._settings[rep.model].to_dict()
 
+    def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
+        """Rejections the ingress made itself (Serve's queue full, a replica gone): counted like a
+        replica's own in status, the window and the metrics. Unknown models are ignored."""
+        now = self._clock()
+        taken = {}
+        for model, n in counts.items():
+            if model not in self._cfg.models or int(n) <= 0:
+                continue
+            self._window.add_rejections(model, int(n), now)
+            self._tallies[model].append(_Tally(now, 0, 0.0, int(n), 0.0))
+            self.metrics.observe_rejections(model, int(n))
+            taken[model] = int(n)
+        return {"counted": taken}
+
     def _require_model(self, model: str) -> None:
         if model not in self._cfg.models:
             raise KeyError(f"unknown model '{model}'; the broker manages {', '.join(self._cfg.models)}")
@@ -628,6 +642,10 @@ class BrokerActor:
     async def report(self, report: dict) -> dict:
         self._ensure_loop()
         return self._core.report(report)
+
+    async def report_rejections(self, counts: dict) -> dict:
+        self._ensure_loop()
+        return self._core.report_rejections(counts)
 
     async def status(self) -> dict:
         self._ensure_loop()

@@ -168,6 +168,11 @@ class BrokerMetrics:
 
     # ---------------------------------------------------------------- reports
     @_never_raises
+    def observe_rejections(self, model: str, count: int) -> None:
+        """Requests the ingress refused before a replica saw them (Serve queue full, replica gone)."""
+        self.requests.labels(model, self.gpu, "rejected").inc(count)
+
+    @_never_raises
     def observe_report(self, report: StatsReport) -> None:
         """Fold one replica's stats delta into the counters and histograms."""
         lab = (report.model, self.gpu)

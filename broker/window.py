@@ -29,6 +29,7 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 class ReportWindow:
     def __init__(self, config: FleetConfig):
         self._events: dict[str, deque[tuple[float, StatsReport]]] = {}
+        self._edge: dict[str, deque[tuple[float, int]]] = {}  # rejections at the ingress (Serve queue full, replica gone)
         self._last_snapshot_s = float("-inf")
         self.reconfigure(config)
 
@@ -36,9 +37,11 @@ class ReportWindow:
         self._config = config
         for name in config.models:
             self._events.setdefault(name, deque())
+            self._edge.setdefault(name, deque())
         for name in list(self._events):
             if name not in config.models:
                 del self._events[name]
+                self._edge.pop(name, None)
 
     def add(self, report: StatsReport, received_s: float) -> bool:
         """Keep a report; False (ignored) for a model the config does not know."""
@@ -46,6 +49,15 @@ class ReportWindow:
         if events is None:
             return False
         events.append((received_s, report))
+        return True
+
+    def add_rejections(self, model: str, count: int, received_s: float) -> bool:
+        """Requests refused before reaching a replica (the ingress saw Serve's queue full or a
+        dead replica): they count as misses and rejections like a replica's own."""
+        edge = self._edge.get(model)
+        if edge is None or count <= 0:
+            return False
+        edge.append((received_s, int(count)))
         return True
 
     def rate_window_s(self) -> float:
@@ -112,6 +124,13 @@ class ReportWindow:
                 acc[3] += r.busy_s
                 acc[4] += r.interval_s
 
+        edge = self._edge[name]
+        while edge and edge[0][0] < now_s - window_s:
+            edge.popleft()
+        edge_total = sum(n for _, n in edge)
+        edge_recent = sum(n for t, n in edge if t >= rate_from)
+        misses += edge_total
+
         def rate(i: int) -> float:
             return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > 0)
 
@@ -121,14 +140,14 @@ class ReportWindow:
         latencies.sort()
         recent.sort()
         fit_window = spec.control.fit_window
-        total = done + sum(r.rejections + r.timeouts + r.errors for _, r in events)
+        total = done + sum(r.rejections + r.timeouts + r.errors for _, r in events) + edge_total
         return ModelLoad(
             name=name,
             replicas=len(latest),
             queue_depth=float(sum(r.queue_depth for r in latest.values())),
             arrival_rate_rps=rate(0),
             completion_rate_rps=rate(1),
-            reject_rate_rps=rate(2),
+            reject_rate_rps=rate(2) + edge_recent / self.rate_window_s(),
             p50_ms=percentile(latencies, 50),
             p95_ms=percentile(latencies, 95),
             p99_ms=percentile(latencies, 99),

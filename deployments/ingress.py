@@ -39,6 +39,31 @@ class Ingress:
         self.cfg = parse_config_text(config_text, "ingress config")
         self.retry_after_s = max(1, int(round(self.cfg.broker.control_interval_s)))
         self._broker = None
+        self._rejected: dict[str, int] = {}  # refused here, not yet reported to the broker
+        self._flush_task: asyncio.Task | None = None
+
+    def _count_rejection(self, name: str) -> None:
+        self._rejected[name] = self._rejected.get(name, 0) + 1
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush_rejections())
+
+    async def _flush_rejections(self) -> None:
+        """Every report interval, one RPC with the rejections the ingress made itself, so the
+        broker's counts (status, attainment, metrics) include requests no replica saw."""
+        import ray
+
+        while self._rejected:
+            await asyncio.sleep(self.cfg.broker.report_interval_s)
+            counts, self._rejected = self._rejected, {}
+            try:
+                if self._broker is None:
+                    self._broker = ray.get_actor(self.cfg.broker.name, namespace=self.cfg.broker.namespace)
+                await asyncio.wait_for(self._broker.report_rejections.remote(counts), timeout=10)
+            except Exception:  # noqa: BLE001 - broker away: keep the counts for the next try
+                self._broker = None
+                for k, v in counts.items():
+                    self._rejected[k] = self._rejected.get(k, 0) + v
+                await asyncio.sleep(self.retry_after_s)
 
     def _known(self) -> str:
         return ", ".join(sorted(self.handles))
@@ -88,11 +113,19 @@ class Ingress:
             return _json(422, {"detail": "inputs: required field is missing; send {\"inputs\": [...]} or {\"input\": ...}", "field": "inputs"})
         try:
             result = await handle.infer.remote(inputs, len(body))
-        except Exception as exc:  # noqa: BLE001 - map Serve's back-pressure, keep anything else a 5xx
+        except Exception as exc:  # noqa: BLE001 - map Serve's back-pressure and lost replicas, keep anything else a 5xx
+            from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
             from ray.serve.exceptions import BackPressureError
 
             if isinstance(exc, BackPressureError) or "BackPressureError" in type(exc).__name__:
+                self._count_rejection(name)
                 return _json(503, {"detail": f"model '{name}' is overloaded (Serve queue full); retry later"},
+                             {"Retry-After": str(self.retry_after_s)})
+            if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
+                # the replica died or is restarting with this request on it: retriable, not a 500
+                self._count_rejection(name)
+                return _json(503, {"detail": f"model '{name}': the replica serving this request was lost ({type(exc).__name__}); "
+                                             "retry, a replacement is starting"},
                              {"Retry-After": str(self.retry_after_s)})
             return _json(500, {"detail": f"model '{name}' failed: {exc!r}"})
         status = int(result.get("status", 500))

@@ -474,25 +474,31 @@ class ModelReplica:
                 n, 503, f"model '{self.name}' queue is full ({self.waiting} waiting, max_queued {spec.max_queued}); retry later",
                 retry_after_s=retry_after,
             )
-        items_or_error = await asyncio.to_thread(self._validate_all, inputs)
-        if isinstance(items_or_error, dict):
-            return items_or_error
-        items = items_or_error
+        # Reserve the queue slots before the first await: requests arriving together must not
+        # all pass the max_queued check while each is still being validated.
         self.waiting += n
-        self.delta.arrivals += n
-        tasks = [asyncio.ensure_future(self._batch(item)) for item in items]
         try:
-            outputs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=spec.request_timeout_s)
-        except asyncio.TimeoutError:
-            self.delta.timeouts += n
-            return _error(504, f"request waited over request_timeout_s ({spec.request_timeout_s:g}s) in model "
-                               f"'{self.name}'; retry later or raise the timeout")
-        except Exception as exc:  # noqa: BLE001
-            for t in tasks:
-                t.cancel()
-            self.delta.errors += n
-            logger.exception("gpubroker replica %s: batch failed", self.name)
-            return _error(500, f"model '{self.name}' failed: {exc!r}")
+            items_or_error = await asyncio.to_thread(self._validate_all, inputs)
+            if isinstance(items_or_error, dict):
+                return items_or_error
+            self.delta.arrivals += n
+            tasks = [asyncio.ensure_future(self._batch(item)) for item in items_or_error]
+            # asyncio.wait returns at the deadline even when an item sits in a running batch
+            # (wait_for would wait for the cancelled batch to finish: a late 504).
+            remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))
+            done, pending = await asyncio.wait(tasks, timeout=remaining)
+            if pending:
+                for t in pending:
+                    t.cancel()
+                self.delta.timeouts += n
+                return _error(504, f"request waited over request_timeout_s ({spec.request_timeout_s:g}s) in model "
+                                   f"'{self.name}'; retry later or raise the timeout")
+            failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+            if failed is not None:
+                self.delta.errors += n
+                logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
+                return _error(500, f"model '{self.name}' failed: {failed!r}")
+            outputs = [t.result() for t in tasks]
         finally:
             self.waiting -= n
         ms = (time.time() - t0) * 1000.0

@@ -98,7 +98,7 @@ def test_overload_backpressure_counted_queued_complete(monkeypatch, tmp_path):
             assert codes.count(200) == 8 and len(rejected) == 22, codes
             assert all("queue is full" in x["detail"] and x["retry_after_s"] >= 1 for x in rejected)
             assert len(calls) == 8  # only the admitted ones reached the model
-            assert rig.r.delta.rejections == 22
+            # (the report loop may already have sent part of the delta: count at the broker)
             assert await rig.r.report_once()
             assert rig.core.status()["models"]["slow"]["misses"] == 22  # every rejection counted by the broker
             c = classify(codes)
@@ -160,6 +160,7 @@ def test_bad_requests_never_reach_model_and_memory_stays(monkeypatch, tmp_path):
     async def main():
         rig = await make("mlp", monkeypatch, tmp_path)
         try:
+            await close(rig)  # no background reports: this test reads the replica's delta itself
             calls = count_predicts(rig.r)
             good = {"x": [0.1] * 64}
             for _ in range(3):  # warm the allocator the same way bad input would
