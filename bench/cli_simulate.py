@@ -57,12 +57,13 @@ def _result_table(result: Any, title: str):
 def _validation_table(v: dict[str, Any]):
     from rich.table import Table  # noqa: PLC0415
 
-    t = Table(title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms; reference {v['reference_rps']:.1f}/s, "
+    t = Table(title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms, {v.get('batching', 'eager')} batching; reference {v['reference_rps']:.1f}/s, "
                     f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms")
     t.add_column("figure")
     t.add_column("value", justify="right")
     rows = [
         ("static 8 saturation /s", v["static8_saturation_rps"]),
+        ("static 8 saturation, lazy 8/(a+8c) /s", v.get("static8_saturation_lazy_rps")),
         ("static 8 knee at S /s", v["static8_knee_rps"]),
         ("broker knee at 1.2·S /s", v["broker_knee_rps"]),
         ("oracle knee at 1.2·S /s", v.get("oracle_knee_rps")),
@@ -92,6 +93,7 @@ def simulate(
     no_oracle: bool = typer.Option(False, "--no-oracle", help="With --validate: skip the static-grid oracle (faster)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     series: bool = typer.Option(False, "--series", help="With --json: include the per-interval time series and decisions."),
+    batching: str = typer.Option("eager", "--batching", help="How @serve.batch forms batches: eager (Ray 2.60, the default) or lazy (BENCHMARK.md's quick model)."),
 ) -> None:
     """Run the real policy on a virtual clock against emulated models (deterministic, fast)."""
     from rich.console import Console  # noqa: PLC0415
@@ -123,6 +125,8 @@ def simulate(
             raise ValueError(f"--rate ({rate}) must be > 0 requests per second")
         if duration_s <= 0:
             raise ValueError(f"--duration-s ({duration_s}) must be > 0")
+        if batching not in ("eager", "lazy"):
+            raise ValueError(f"--batching '{batching}' is not known; use eager (Ray 2.60) or lazy")
     except ValueError as exc:
         _fail(str(exc))
 
@@ -131,7 +135,7 @@ def simulate(
             _fail(f"--validate takes a one-model profile config; {config} has {len(cfg.models)} models "
                   "(use configs/sim-a20-c0.5.yaml or configs/sim-a10-c2.yaml)")
         rs = RunSettings(duration_s=duration_s, warmup_s=warmup_s or min(30.0, duration_s / 4), seed=seed,
-                         arrivals=arrivals)
+                         arrivals=arrivals, batching=batching)
         say = None if as_json else (lambda msg: console.print(msg, highlight=False))
         v = seed_validation(cfg, rs, oracle_grid=not no_oracle, on_progress=say)
         if as_json:
@@ -143,7 +147,7 @@ def simulate(
     total = rate if rate is not None else sum(default_rates(cfg).values())
     if sweep:
         rs = RunSettings(duration_s=duration_s, warmup_s=warmup_s or min(30.0, duration_s / 4), seed=seed,
-                         arrivals=arrivals, split=split)
+                         arrivals=arrivals, split=split, batching=batching)
         printer = None if as_json else (lambda row: console.print(
             f"rate {row['rate']:.1f}/s: {'pass' if row['pass'] else 'FAIL'} ({row['why']})", highlight=False))
         res = knee(cfg, arm, total, rs, on_row=printer)
@@ -155,7 +159,7 @@ def simulate(
         return
 
     rates = rates_for(cfg, total, split) if rate is not None else default_rates(cfg)
-    result = run_sim(cfg, arm, rates, duration_s, arrivals=arrivals, seed=seed, warmup_s=warmup_s)
+    result = run_sim(cfg, arm, rates, duration_s, arrivals=arrivals, seed=seed, warmup_s=warmup_s, batching=batching)
     if as_json:
         print(json.dumps(result.to_dict(series=series), indent=2))
         return

@@ -5,7 +5,11 @@ model of the config). ``knee`` finds it by stepping the rate up in ~10% steps fr
 that passes, then bisecting between the last pass and the first failure. Every rate is run
 with the same seed, so the arms of a comparison see the same arrivals (scaled).
 
-- Reference rate of a model: half of static 8's saturated throughput, 8/(a + 8c).
+- Reference rate of a model: half of static 8's saturated throughput. BENCHMARK.md writes it
+  as 8/(a + 8c), true when batches fill while the replica is busy ("lazy" batching). Ray
+  2.60's @serve.batch forms batches eagerly (a batch closes 10 ms after its first request
+  whatever the replica is doing), so static 8 with a 10 ms wait saturates far lower; in the
+  default "eager" mode the saturation is measured (offered well past it, completions counted).
 - Cap S: static 8's P95 (wait 10 ms) at the reference rate, measured in the simulator.
 - The broker runs under cap 1.2·S: ``with_cap`` overrides the model's ``slo_p95_ms`` in a
   copy of the config, so the policy itself knows the cap.
@@ -25,7 +29,7 @@ from bench.sim_profile import Profile, profile_for
 from quotas.config import FleetConfig
 
 ORACLE_BATCHES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
-ORACLE_WAITS_MS = (0.0, 5.0, 10.0, 20.0)
+ORACLE_WAITS_MS = (0.0, 5.0, 10.0, 20.0, 30.0, 50.0)  # BENCHMARK.md's grid plus 30/50 ms (eager batching needs longer waits)
 COMPLETION_MIN = 0.99
 
 
@@ -39,6 +43,7 @@ class RunSettings:
     seed: int = 0
     arrivals: str = "poisson"
     split: str = "even"  # how a total rate is spread over the config's models
+    batching: str = "eager"  # how @serve.batch forms batches: eager (Ray 2.60) or lazy (bench.sim)
 
 
 @dataclass
@@ -70,8 +75,27 @@ def saturation(profile: Profile, batch: int = 8) -> float:
 
 
 def reference_rate(profile: Profile) -> float:
-    """Half of static 8's saturated throughput."""
+    """Half of static 8's saturated throughput, 8/(a + 8c) (lazy batching)."""
     return 0.5 * saturation(profile, 8)
+
+
+def measured_saturation(config: FleetConfig, model: str, arm: str = "static:8:10", rs: RunSettings = RunSettings()) -> float:
+    """The highest rate ``arm`` sustains at all, this model alone: its knee under a loose cap
+    (10 x L(batch)). With eager batching a static arm's batch depends on the rate
+    (1 + rate x wait, up to the batch), so its saturation is this fixed point, not b/(a + b c)."""
+    prof = profile_for(model, config.models[model])
+    b = parse_arm(arm).batch
+    loose = with_cap(config.model_copy(update={"models": {model: config.models[model]}}),
+                     {model: 10.0 * (prof.a_ms + prof.c_ms * b)})
+    quick = RunSettings(duration_s=60.0, warmup_s=15.0, seed=rs.seed, arrivals=rs.arrivals, batching=rs.batching)
+    return knee(loose, arm, 0.25 * saturation(prof, b), quick, bisect_iters=4).knee_rps
+
+
+def reference_for(config: FleetConfig, model: str, rs: RunSettings = RunSettings()) -> tuple[float, float]:
+    """(static 8 saturation, reference rate) as this batching mode has them."""
+    prof = profile_for(model, config.models[model])
+    sat = saturation(prof, 8) if rs.batching == "lazy" else measured_saturation(config, model, "static:8:10", rs)
+    return sat, 0.5 * sat
 
 
 def with_cap(config: FleetConfig, caps_ms: Mapping[str, float]) -> FleetConfig:
@@ -103,7 +127,7 @@ def evaluate(result: SimResult) -> tuple[bool, str]:
 def run_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> SimResult:
     return run_sim(
         config, policy, rates_for(config, total, rs.split), rs.duration_s,
-        arrivals=rs.arrivals, seed=rs.seed, warmup_s=rs.warmup_s, drain_s=rs.drain_s,
+        arrivals=rs.arrivals, seed=rs.seed, warmup_s=rs.warmup_s, drain_s=rs.drain_s, batching=rs.batching,
     )
 
 
@@ -222,12 +246,13 @@ def oracle(
     return best, best_arm, arms
 
 
-def cap_s(config: FleetConfig, model: str, rs: RunSettings = RunSettings()) -> float:
+def cap_s(config: FleetConfig, model: str, rs: RunSettings = RunSettings(), ref: float | None = None) -> float:
     """S: static 8's P95 (wait 10 ms) at the reference rate, this model alone."""
-    prof = profile_for(model, config.models[model])
     one = config.model_copy(update={"models": {model: config.models[model]}})
-    res = run_sim(one, "static:8:10", {model: reference_rate(prof)}, rs.duration_s,
-                  arrivals=rs.arrivals, seed=rs.seed, warmup_s=rs.warmup_s, drain_s=rs.drain_s)
+    if ref is None:
+        ref = reference_for(config, model, rs)[1]
+    res = run_sim(one, "static:8:10", {model: ref}, rs.duration_s,
+                  arrivals=rs.arrivals, seed=rs.seed, warmup_s=rs.warmup_s, drain_s=rs.drain_s, batching=rs.batching)
     p95 = res.models[model].p95_ms
     if p95 is None:
         raise ValueError(f"models.{model}: static 8 completed nothing at the reference rate; check its profile")
@@ -243,9 +268,10 @@ def seed_validation(config: FleetConfig, rs: RunSettings = RunSettings(), *, ora
     say = on_progress or (lambda _msg: None)
     name = next(iter(config.models))
     prof = profile_for(name, config.models[name])
-    ref = reference_rate(prof)
-    s_ms = cap_s(config, name, rs)
-    say(f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}  reference {ref:.1f}/s  S = {s_ms:.1f} ms")
+    sat8, ref = reference_for(config, name, rs)
+    s_ms = cap_s(config, name, rs, ref)
+    say(f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}  {rs.batching} batching: static 8 saturates at {sat8:.1f}/s, "
+        f"reference {ref:.1f}/s, S = {s_ms:.1f} ms")
     cfg_s = with_cap(config, {name: s_ms})
     cfg_b = with_cap(config, {name: 1.2 * s_ms})
     k8 = knee(cfg_s, "static:8:10", ref, rs)
@@ -254,7 +280,8 @@ def seed_validation(config: FleetConfig, rs: RunSettings = RunSettings(), *, ora
     say(f"broker knee at 1.2·S: {kb.knee_rps:.1f}/s")
     out: dict[str, Any] = {
         "model": name, "a_ms": prof.a_ms, "c_ms": prof.c_ms,
-        "static8_saturation_rps": saturation(prof, 8), "reference_rps": ref, "S_ms": s_ms, "cap_ms": 1.2 * s_ms,
+        "batching": rs.batching, "static8_saturation_rps": sat8, "static8_saturation_lazy_rps": saturation(prof, 8),
+        "reference_rps": ref, "S_ms": s_ms, "cap_ms": 1.2 * s_ms,
         "static8_knee_rps": k8.knee_rps, "broker_knee_rps": kb.knee_rps,
         "bound_rps": bound(prof.a_ms, prof.c_ms, 1.2 * s_ms), "bound_batch": bound_batch(prof.a_ms, prof.c_ms, 1.2 * s_ms),
         "gain": kb.knee_rps / k8.knee_rps if k8.knee_rps else None,

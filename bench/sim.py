@@ -65,6 +65,12 @@ PENDING, DONE, REJECTED, TIMED_OUT, FAILED = 0, 1, 2, 3, 4
 
 # event kinds (ints order ties: completions before timers before reports)
 EV_GPU, EV_TIMER, EV_REPORT, EV_CONTROL, EV_SAMPLE = 0, 1, 2, 3, 4
+# How @serve.batch forms batches. "eager" is Ray 2.60: its loop forms the next batch as soon as
+# a request arrives (first request + batch_wait_timeout_s, or max_batch_size reached), then
+# the batch waits for a max_concurrent_batches slot; batches do NOT grow while the replica is
+# busy. "lazy" is the pre-2.46 loop (and BENCHMARK.md's quick model): the next batch forms
+# only when a slot is free, from everything queued by then.
+BATCHING_MODES = ("eager", "lazy")
 
 LATENCY_SAMPLES_PER_REPORT = 512  # the replica caps the samples it sends; we keep every k-th
 
@@ -126,7 +132,7 @@ class _Replica:
         "grant", "admit", "max_ongoing", "version", "local_cap", "floor", "mcb", "max_queued", "timeout_s",
         "mem_now", "seq", "last_report_t", "card_busy_mark", "busy_acc",
         "st_arr", "st_done", "st_rej", "st_to", "st_err", "st_lat", "st_batches", "st_breq", "st_peak",
-        "st_oom", "st_emerg",
+        "st_oom", "st_emerg", "forming", "form_cost", "formed",
     )
 
     def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):
@@ -154,6 +160,9 @@ class _Replica:
         self.last_report_t = 0.0
         self.card_busy_mark = 0.0
         self.busy_acc = 0.0
+        self.forming: list[int] | None = None  # eager mode: the batch being formed
+        self.form_cost = 0
+        self.formed: deque[list[int]] = deque()  # eager mode: formed batches waiting for a slot
         self._reset_stats()
 
     def _reset_stats(self) -> None:
@@ -242,6 +251,7 @@ class Simulator:
         seed: int | None = None,
         start_epoch_s: float = START_EPOCH_S,
         keep_decisions: int = 2000,
+        batching: str = "eager",
     ):
         capacity = config.gpu.capacity_bytes
         if capacity is None:
@@ -251,6 +261,9 @@ class Simulator:
             )
         if not 0 <= warmup_s < duration_s:
             raise ValueError(f"warmup_s ({warmup_s}) must be in [0, duration_s {duration_s})")
+        if batching not in BATCHING_MODES:
+            raise ValueError(f"batching '{batching}' is not known; use {' or '.join(BATCHING_MODES)}")
+        self.eager = batching == "eager"
         self.config = config
         self.arm = arm
         self.duration_s = float(duration_s)
@@ -355,7 +368,9 @@ class Simulator:
         rep.max_ongoing = int(s.max_ongoing_requests or 0)
         rep.version = int(s.version)
         rep.local_cap = None
-        if rep.queue and len(rep.running) < rep.mcb:
+        if self.eager:
+            self._form(rep)
+        elif rep.queue and len(rep.running) < rep.mcb:
             self._try_start(rep)
 
     def _static_settings(self, name: str) -> ModelSettings:
@@ -373,13 +388,18 @@ class Simulator:
     def _arrive(self, i: int) -> None:
         reps = self.replicas[self.arr_m[i]]
         rep = reps[0] if len(reps) == 1 else min(reps, key=lambda r: len(r.queue) + len(r.running))
-        if not rep.admit or len(rep.queue) >= rep.max_queued:
+        waiting = len(rep.queue)
+        if self.eager:  # the replica counts every request it holds: queued, forming, formed, running
+            waiting += len(rep.forming or ()) + sum(len(f) for f in rep.formed) + sum(len(b.ids) for b in rep.running)
+        if not rep.admit or waiting >= rep.max_queued:
             self.status[i] = REJECTED
             rep.st_rej += 1
             return
         rep.queue.append(i)
         rep.st_arr += 1
-        if len(rep.running) < rep.mcb:
+        if self.eager:
+            self._form(rep)
+        elif len(rep.running) < rep.mcb:
             self._try_start(rep)
 
     def _expire(self, rep: _Replica) -> None:
@@ -424,6 +444,67 @@ class Simulator:
             rep.timer_at = deadline
             rep.timer_ver += 1
             self._push(deadline, EV_TIMER, rep, rep.timer_ver)
+
+    # -- eager formation (Ray 2.60's @serve.batch loop) -----------------------------------------
+
+    def _form(self, rep: _Replica) -> None:
+        """Pull queued requests into the batch being formed, closing it when it is full or its
+        timer has run out, and starting the next one (Ray's loop pulls the next request at once)."""
+        q = rep.queue
+        cap = self._cap(rep)
+        tokens = rep.prof.unit == "tokens"
+        cost = self.cost
+        while True:
+            if rep.forming is not None and (rep.form_cost >= cap or self.now >= rep.timer_at - 1e-12):
+                self._close_forming(rep)
+            if not q:
+                return
+            if rep.forming is None:
+                i = q.popleft()
+                rep.forming = [i]
+                rep.form_cost = cost[i] if tokens else 1
+                rep.timer_at = self.now + rep.wait_s  # the timer starts when the first request is pulled
+                rep.timer_ver += 1
+                if rep.wait_s > 0:
+                    self._push(rep.timer_at, EV_TIMER, rep, rep.timer_ver)
+                continue
+            nxt = cost[q[0]] if tokens else 1
+            if rep.form_cost + nxt > cap:
+                self._close_forming(rep)
+                continue
+            rep.forming.append(q.popleft())
+            rep.form_cost += nxt
+
+    def _close_forming(self, rep: _Replica) -> None:
+        if rep.forming is None:
+            return
+        rep.formed.append(rep.forming)
+        rep.forming = None
+        rep.form_cost = 0
+        rep.timer_at = math.inf
+        rep.timer_ver += 1
+        self._exec_formed(rep)
+
+    def _exec_formed(self, rep: _Replica) -> None:
+        """Formed batches take free max_concurrent_batches slots in order."""
+        limit = self.now - rep.timeout_s
+        while rep.formed and len(rep.running) < rep.mcb:
+            ids = rep.formed.popleft()
+            live = []
+            for i in ids:  # the replica answered these with 504 at their deadline; Serve drops them
+                if self.arr_t[i] < limit:
+                    self.status[i] = TIMED_OUT
+                    rep.st_to += 1
+                else:
+                    live.append(i)
+            if not live:
+                continue
+            if self.window is not None:
+                self._fast_loop(rep)
+            b = _Batch(rep, live, self.now)
+            rep.running.append(b)
+            self._run_chunk(b)
+            self.batch_log.append((rep.m, self.now, len(live), float(sum(self.cost[i] for i in live)), 0))
 
     def _start_batch(self, rep: _Replica, cap: int, visible: int) -> None:
         q = rep.queue
@@ -523,7 +604,9 @@ class Simulator:
                 done_t[i] = now
                 lat.append((now - arr_t[i]) * 1000.0)
         rep.st_done += len(b.ids)
-        if rep.queue:
+        if self.eager:
+            self._exec_formed(rep)
+        elif rep.queue:
             self._try_start(rep)
 
     # -- the card ------------------------------------------------------------------------------
@@ -611,7 +694,8 @@ class Simulator:
             batches=tuple(rep.st_batches),
             batch_requests=tuple(rep.st_breq),
             busy_s=rep.busy_acc,
-            queue_depth=len(rep.queue) + sum(len(b.ids) for b in rep.running),
+            queue_depth=len(rep.queue) + len(rep.forming or ()) + sum(len(f) for f in rep.formed)
+            + sum(len(b.ids) for b in rep.running),
             mem_used_bytes=int(rep.mem_now),
             mem_peak_bytes=int(rep.st_peak),
             device_free_frac=max(0.0, 1.0 - used / self.capacity),
@@ -711,7 +795,10 @@ class Simulator:
             elif kind == EV_TIMER:
                 if ver == obj.timer_ver:
                     obj.timer_at = math.inf
-                    if len(obj.running) < obj.mcb:
+                    if self.eager:
+                        self._close_forming(obj)
+                        self._form(obj)
+                    elif len(obj.running) < obj.mcb:
                         self._try_start(obj)
             elif kind == EV_REPORT:
                 self._report(obj)
@@ -793,6 +880,7 @@ def run_sim(
     warmup_s: float = 0.0,
     drain_s: float = 5.0,
     workload: Mapping[str, ModelArrivals] | None = None,
+    batching: str = "eager",
 ) -> SimResult:
     """Draw the workload (unless given) and run one arm: the one-call entry point."""
     from bench.sim_workload import make_workload  # noqa: PLC0415
@@ -801,5 +889,5 @@ def run_sim(
     if workload is None:
         profiles = {n: profile_for(n, s) for n, s in config.models.items()}
         workload = make_workload(profiles, rates, duration_s, arrivals, seed)
-    sim = Simulator(config, arm, workload, duration_s, warmup_s=warmup_s, drain_s=drain_s, seed=seed)
+    sim = Simulator(config, arm, workload, duration_s, warmup_s=warmup_s, drain_s=drain_s, seed=seed, batching=batching)
     return sim.run()

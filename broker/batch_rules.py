@@ -1,10 +1,14 @@
 """Per-model batch rules: from one model's load to a wanted batch cap and wait timeout.
 
-Design note. A request waits for the batch in flight and then runs in its own, so with
-``L(b) = a + c*b`` and no wait timeout a replica's batches size themselves to the load: the
-fixed point ``b_fp = lambda*a / (1 - lambda*c)``. The cap therefore matters in two places:
-in a burst (a larger cap drains the queue in fewer fixed costs) and for memory and the
-neighbours on the card (a larger batch holds more memory and more GPU time). The rules:
+Design note. Ray 2.60's ``@serve.batch`` forms batches eagerly: as soon as a request
+arrives its loop starts a batch, closes it at ``max_batch_size`` or after
+``batch_wait_timeout_s``, and only then queues it for one of ``max_concurrent_batches``
+slots. A batch does not grow while the replica is busy, so with a zero wait timeout every
+request under load becomes a batch of one and the replica saturates at 1/a. The wait timeout,
+not the cap, sets the batch size under load; the cap bounds what a burst may form. With
+``L(b) = a + c*b`` and arrival rate lambda, a batch b runs at utilisation
+``lambda (a + c b) / b``; the plan picks the batch (and the wait that fills it) that keeps the
+estimated P95 lowest. The rules, first match wins:
 
 - ``emergency``: free memory under ``gpu.emergency_free_frac`` (or the replica's fast loop
   shrank): cap = max(floor, min(cap/2, queued/2)); admission pauses below half of it.
@@ -14,16 +18,20 @@ neighbours on the card (a larger batch holds more memory and more GPU time). The
   shrink multiplicatively (``aimd_backoff``) -- with a latency model only when the model also
   puts the cap above its target, since otherwise the P95 is a transient that is draining.
 - ``idle``: no arrivals for ``idle_hold_s``: go to the floor (that is what lets it lend memory).
-- ``model``: with a fitted L(b) and an arrival rate, cap = max(b_lat, headroom * b_fp) where
-  ``b_lat`` is the largest batch with 2 L(b) <= cap; the headroom depends on the objective.
-  Only moves when the change is over the (oscillation-widened) relative dead band.
+- ``model``: with a fitted L(b) and an arrival rate, ``plan_batch``: Ray 2.60 forms a batch
+  as soon as a request arrives (first request + wait timeout) and only then queues it for the
+  executor, so the wait timeout sets the batch size under load. The plan picks the batch that
+  keeps utilisation at the level minimising the estimated P95 (formation wait + L(b) +
+  queueing) and the wait that fills it at the arrival rate; the cap leaves headroom over it
+  for bursts (at least b_lat, the largest batch with 2 L(b) <= cap). Only moves when the
+  change is over the (oscillation-widened) relative dead band.
 - ``queue``: no fit yet: above the dead band's top scale up in proportion, below its bottom
   scale down, inside hold.
 - ``sm_util``: SM utilisation under ``sm_low_frac`` with work waiting: grow by a step.
 - ``p95_low``: P95 well under the cap with backlog: grow by ``aimd_step``.
 
-The wait timeout is the time to fill the wanted batch at the arrival rate, capped by a share
-(per objective) of the SLO budget left after two batch latencies, inside [min_ms, max_ms].
+The wait timeout is the plan's fill time (without a latency model: the time to fill the cap
+at the arrival rate within half the SLO), inside [min_ms, max_ms].
 
 Everything here is pure; guard-rails (floor, ceiling, memory ceiling) are applied by the
 caller in one place.
@@ -35,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from broker.latency_model import LatencyFit
-from broker.profiles import BATCH_HEADROOM, WAIT_BUDGET_FRAC
+from broker.profiles import BATCH_HEADROOM, RHO_MAX
 from broker.types import GpuLoad, ModelLoad
 from quotas.config import ModelSpec
 
@@ -63,42 +71,101 @@ class RuleContext:
     recovering: bool  # an emergency happened recently: grow only by steps
 
 
-def _fixed_point_batch(fit: LatencyFit, units_per_s: float) -> float:
-    """Self-sizing batch at this arrival rate (inf when the rate exceeds 1/c)."""
-    lam = units_per_s / 1000.0  # per ms
-    if lam <= 0:
-        return 0.0
-    denom = 1.0 - lam * fit.c_ms
-    return math.inf if denom <= 0 else lam * fit.a_ms / denom
+@dataclass(frozen=True)
+class BatchPlan:
+    """What the latency model says for the current arrival rate (per replica)."""
+
+    batch: float  # batch that keeps utilisation at ``rho`` (the batch the wait timeout fills)
+    wait_s: float  # time to fill that batch at the arrival rate (before the config's clamp)
+    rho: float  # utilisation aimed for (inf: the rate is beyond what any batch serves)
+    b_lat: float  # largest batch with 2 L(b) <= cap (what a burst may form at most, latency-wise)
+    est_ms: float  # estimated P95: wait + L(batch) + queueing
+    cap: float  # batch cap: headroom over ``batch`` for bursts, at least b_lat, within the ceiling
 
 
-def model_target(fit: LatencyFit, units_per_s: float, slo_ms: float, objective: str, ceiling: int) -> tuple[float, float, float]:
-    """(target, b_lat, b_fp) from the latency model."""
+DRAIN_RHO = 0.6  # utilisation the plan aims for while a backlog drains
+
+
+def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
+    """Wait for the executor, Kingman's G/D/1 approximation x 2 as a tail proxy. A batch closes
+    a fixed wait after its first request, and that first request comes after an exponential
+    gap, so batch inter-arrival CV^2 is about 1 / b^2: big batches arrive almost evenly."""
+    ca2 = 1.0 / max(batch, 1.0) ** 2
+    return 2.0 * rho / (1.0 - rho) * ca2 / 2.0 * service_ms
+
+
+def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo_ms: float, objective: str, ceiling: int,
+               rho_cap: float | None = None) -> BatchPlan:
+    """Batch and wait timeout for Ray 2.60's @serve.batch.
+
+    Ray forms the next batch as soon as a request arrives (first request + wait timeout, or
+    max_batch_size reached) and only then queues it for a free max_concurrent_batches slot:
+    batches do not grow while the replica is busy. So the wait timeout is what sets the batch
+    size under load: a batch of b at utilisation rho = lambda (a + c b) / b needs
+    b = lambda a / (rho - lambda c), filled in (b - u) / lambda. The utilisation is chosen
+    from a few candidates (up to the objective's ceiling) to minimise the estimated P95:
+    formation wait + L(b) + queueing for the executor.
+    """
+    lam = units_per_s / 1000.0  # units per ms
+    u = max(unit_per_request, 1.0)
     b_lat = fit.largest_batch_within(slo_ms / 2.0)
-    b_fp = _fixed_point_batch(fit, units_per_s)
     headroom = BATCH_HEADROOM.get(objective, 2.0)
-    want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
-    return min(float(ceiling), max(b_lat, want)), b_lat, b_fp
+    if lam <= 0:
+        return BatchPlan(u, 0.0, 0.0, b_lat, fit.predict_ms(u), min(float(ceiling), max(b_lat, u)))
+    rho_max = RHO_MAX.get(objective, 0.8) if rho_cap is None else min(rho_cap, RHO_MAX.get(objective, 0.8))
+    best: tuple[float, float, float] | None = None  # (est, rho, b)
+    rho = 0.3
+    while rho <= rho_max + 1e-9:
+        if rho > lam * fit.c_ms:
+            b = max(u, lam * fit.a_ms / (rho - lam * fit.c_ms))
+            real_rho = lam * fit.predict_ms(b) / b
+            if real_rho < 1.0:
+                est = (b - u) / lam + fit.predict_ms(b) + _queue_ms(real_rho, fit.predict_ms(b), b / u)
+                if best is None or est < best[0]:
+                    best = (est, real_rho, b)
+        rho += 0.05
+    if best is None:  # beyond what the ceiling's batch can serve: biggest batches, drain
+        b = float(ceiling)
+        return BatchPlan(b, (b - u) / lam / 1000.0, math.inf, b_lat, math.inf, float(ceiling))
+    est, rho, b = best
+    cap = min(float(ceiling), max(b_lat, b * headroom))
+    return BatchPlan(min(b, float(ceiling)), max(0.0, (b - u) / lam) / 1000.0, rho, b_lat, est, cap)
 
 
-def wait_for(fit: LatencyFit | None, cap: int, units_per_s: float, slo_ms: float, spec: ModelSpec, objective: str, current_s: float) -> float:
+def wait_for(plan: BatchPlan | None, cap: int, units_per_s: float, unit_per_request: float, slo_ms: float, spec: ModelSpec, current_s: float, backlog: bool = False) -> float:
+    """The wait timeout: the plan's fill time; without a latency model, unchanged unless a
+    backlog builds (then the time to fill the cap at the arrival rate, within half the SLO,
+    since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""
     lo, hi = spec.wait.min_ms / 1000.0, spec.wait.max_ms / 1000.0
-    if fit is None:
-        return min(hi, max(lo, current_s))
-    budget_s = max(0.0, slo_ms - 2.0 * fit.predict_ms(cap)) / 1000.0 * WAIT_BUDGET_FRAC.get(objective, 0.25)
-    fill_s = cap / units_per_s if units_per_s > 0 else math.inf
-    return min(hi, max(lo, min(fill_s, budget_s)))
+    if plan is not None:
+        w = plan.wait_s
+    elif backlog and units_per_s > 0:
+        w = max(current_s, min(max(0.0, cap - unit_per_request) / units_per_s, slo_ms / 2000.0))
+    else:
+        w = current_s
+    return min(hi, max(lo, w))
 
 
 def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad, ctx: RuleContext) -> BatchWant:
     ctl = spec.control
     floor, ceiling = spec.batch.floor, spec.batch.ceiling
-    units_per_s = load.arrival_rate_rps * max(load.cost_per_request, 1e-9) / max(1, load.replicas)
+    # fast attack, slow decay: a burst shows in the last couple of reports before the window
+    rate_rps = max(load.arrival_rate_rps, load.recent_arrival_rate_rps)
+    units_per_s = rate_rps * max(load.cost_per_request, 1e-9) / max(1, load.replicas)
     queued_units = load.queue_depth * max(load.cost_per_request, 1.0) / max(1, load.replicas)
+
+    u = max(load.cost_per_request, 1.0)
+    plan = None
+    if fit is not None and units_per_s > 0:
+        # A backlog (more than a batch queued) drains only with spare capacity: plan bigger
+        # batches (utilisation at most DRAIN_RHO) until it is gone.
+        draining = load.queue_depth / max(1, load.replicas) > ctl.band_high and queued_units > cap
+        plan = plan_batch(fit, units_per_s, u, ctx.slo_ms, ctx.objective, ceiling, DRAIN_RHO if draining else None)
 
     def want(new_cap: float, trigger: str, value: float, rule: str, reason: str, *, safety: bool = False, admit: bool = True) -> BatchWant:
         new = max(1, int(round(new_cap)))
-        wait = wait_for(fit, max(new, 1), units_per_s, ctx.slo_ms, spec, ctx.objective, wait_s)
+        backlog = load.queue_depth / max(1, load.replicas) > ctl.band_high
+        wait = wait_for(plan, max(new, 1), units_per_s, u, ctx.slo_ms, spec, wait_s, backlog)
         return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
 
     if ctl.strategy == "static":
@@ -115,9 +182,9 @@ def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit:
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
     enough = p95 is not None
-    target = b_lat = b_fp = None
-    if fit is not None and (units_per_s > 0 or queued_units > 0):
-        target, b_lat, b_fp = model_target(fit, max(units_per_s, 1e-9), ctx.slo_ms, ctx.objective, ceiling)
+    target = b_lat = None
+    if plan is not None:
+        target, b_lat = plan.cap, plan.b_lat
 
     # 2. P95 near the cap
     if enough and p95 > ctl.p95_near_frac * ctx.slo_ms:
@@ -154,11 +221,16 @@ def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit:
     if target is not None:
         new = min(target, cap + ctl.aimd_step) if ctx.recovering and target > cap else target
         rel = abs(new - cap) / max(cap, 1)
-        if rel > 0.1 * ctx.band_scale and int(round(new)) != cap:
-            fp = "inf" if not math.isfinite(b_fp) else f"{b_fp:.1f}"
-            return want(new, "arrival_rate_rps", load.arrival_rate_rps, "model",
-                        f"arrival_rate_rps {load.arrival_rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms "
-                        f"(fixed point {fp}, latency-fit {b_lat:.1f}): batch {cap}->{int(round(new))}")
+        wait_new = wait_for(plan, max(1, int(round(new))), units_per_s, u, ctx.slo_ms, spec, wait_s)
+        wait_rel = abs(wait_new - wait_s) / max(wait_s, 1e-3)
+        if (rel > 0.1 * ctx.band_scale and int(round(new)) != cap) or wait_rel > 0.2 * ctx.band_scale:
+            rho = "overload" if not math.isfinite(plan.rho) else f"{plan.rho:.2f}"
+            return want(new, "arrival_rate_rps", rate_rps, "model",
+                        f"arrival_rate_rps {rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
+                        f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
+                        f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{int(round(new))}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
+        return BatchWant(cap, wait_s, True, "arrival_rate_rps", float(rate_rps), "hold",
+                         f"arrival_rate_rps {rate_rps:.1f}: model plan within the dead band, hold batch {cap}")
 
     # 5. queue dead band (no latency model yet)
     qdepth = load.queue_depth / max(1, load.replicas)

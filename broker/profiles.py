@@ -26,7 +26,8 @@ def active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
     return profiles.default_profile
 
 
-# How much of the latency budget the wait timeout may use, and how much headroom over the
-# self-sizing batch the cap gets, per objective.
-WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}
+# Per objective: the most utilisation the batch plan aims for (lower = bigger batches, less
+# GPU time per request, more waiting: throughput at peak; higher = smaller batches, tighter
+# latency), and the cap's headroom over the planned batch for bursts.
+RHO_MAX = {"latency": 0.95, "balanced": 0.9, "throughput": 0.7}
 BATCH_HEADROOM = {"latency": 3.0, "balanced": 4.0, "throughput": 6.0}

@@ -84,7 +84,8 @@ class ModelLoad:
     name: str
     replicas: int = 1  # replicas that reported in the window
     queue_depth: float = 0.0  # sum of the replicas' latest queue depths
-    arrival_rate_rps: float = 0.0  # admitted requests per second over the window
+    arrival_rate_rps: float = 0.0  # admitted requests per second over the rate window
+    recent_arrival_rate_rps: float = 0.0  # the same over the last ~2 report intervals (a burst shows here first)
     completion_rate_rps: float = 0.0  # completions per second over the window
     reject_rate_rps: float = 0.0  # rejections + timeouts per second over the window
     p50_ms: float | None = None  # None when the window has no samples

@@ -86,6 +86,8 @@ class ReportWindow:
         while events and events[0][0] < now_s - window_s:
             events.popleft()
         rate_from = now_s - self.rate_window_s()
+        recent_from = now_s - max(1.0, 2.0 * self._config.broker.report_interval_s) - 1e-9
+        recent_acc: dict[str, list[float]] = {}
         live_from = now_s - self.stale_after_s()
 
         latest: dict[str, StatsReport] = {}
@@ -115,6 +117,10 @@ class ReportWindow:
             if t > since_s:
                 emergency = emergency or r.emergency_shrinks > 0
                 oom_splits += r.oom_splits
+            if t >= recent_from:
+                racc = recent_acc.setdefault(r.replica_id, [0.0, 0.0])
+                racc[0] += r.arrivals
+                racc[1] += r.interval_s
             if t >= rate_from:
                 recent.extend(r.latency_ms)
                 acc = per_replica.setdefault(r.replica_id, [0.0, 0.0, 0.0, 0.0, 0.0])
@@ -146,6 +152,7 @@ class ReportWindow:
             replicas=len(latest),
             queue_depth=float(sum(r.queue_depth for r in latest.values())),
             arrival_rate_rps=rate(0),
+            recent_arrival_rate_rps=sum(a / i for a, i in recent_acc.values() if i > 0),
             completion_rate_rps=rate(1),
             reject_rate_rps=rate(2) + edge_recent / self.rate_window_s(),
             p50_ms=percentile(latencies, 50),

@@ -29,7 +29,7 @@ def test_with_cap_overrides_slo_in_a_copy(a20):
 
 def test_static8_knee_near_benchmark(a20):
     cfg = with_cap(a20, {"prof": 43.4})
-    rs = RunSettings(duration_s=60.0, warmup_s=10.0)
+    rs = RunSettings(duration_s=60.0, warmup_s=10.0, batching="lazy")  # BENCHMARK.md's quick model
     k = knee(cfg, "static:8:10", reference_rate(profile_for("prof", a20.models["prof"])), rs, bisect_iters=4)
     assert k.knee_rps == pytest.approx(164, rel=0.06)
     assert any(r["pass"] for r in k.rows) and any(not r["pass"] for r in k.rows)
@@ -37,10 +37,21 @@ def test_static8_knee_near_benchmark(a20):
 
 def test_oracle_prefers_large_batch_with_no_wait():
     cfg = fleet({"prof": profiled(20, 0.5, slo_ms=52)})
-    rs = RunSettings(duration_s=30.0, warmup_s=5.0)
+    rs = RunSettings(duration_s=30.0, warmup_s=5.0, batching="lazy")
     best, arm, arms = oracle(cfg, 166.7, rs, batches=(128, 8), waits_ms=(0.0, 10.0), bisect_iters=2)
     assert arm == "static:128:0" and best > 400
     assert len(arms) == 4
+
+
+def test_oracle_needs_a_wait_with_eager_batching():
+    """Ray 2.60 forms batches eagerly: with no wait every request is its own batch, so the
+    best static arm has a wait and wait 0 saturates near 1/a = 50/s."""
+    cfg = fleet({"prof": profiled(20, 0.5, slo_ms=60)})
+    rs = RunSettings(duration_s=30.0, warmup_s=5.0, batching="eager")
+    best, arm, arms = oracle(cfg, 40.0, rs, batches=(128, 8), waits_ms=(0.0, 10.0, 30.0), bisect_iters=2)
+    assert not arm.endswith(":0") and best > 150
+    zero = knee(cfg, "static:128:0", 20.0, rs, bisect_iters=2).knee_rps
+    assert zero < 55
 
 
 runner = CliRunner()
@@ -60,7 +71,7 @@ def test_cli_table_and_sweep():
     assert r.exit_code == 0, r.output
     assert "alpha" in r.output and "p95" in r.output
     r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "static:8",
-                            "--sweep", "--duration-s", "20", "--json"])
+                            "--sweep", "--duration-s", "20", "--json", "--batching", "lazy"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["knee_rps"] > 100
 

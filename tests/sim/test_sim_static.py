@@ -73,15 +73,27 @@ def test_token_model_counts_tokens_against_the_cap():
 
 
 def test_static8_saturated_throughput(a20):
-    res = run_sim(a20, "static:8", {"prof": 600.0}, 60.0, seed=1, drain_s=0.0)
+    res = run_sim(a20, "static:8", {"prof": 600.0}, 60.0, seed=1, drain_s=0.0, batching="lazy")
     m = res.models["prof"]
     assert m.completed / 60.0 == pytest.approx(8 / (0.020 + 8 * 0.0005), rel=0.05)
     assert m.mean_batch == pytest.approx(8.0, abs=0.1)
 
 
+def test_eager_batches_do_not_grow_while_the_replica_is_busy(a20):
+    """Ray 2.60: a batch closes wait_s after its first request whatever the replica is doing."""
+    lazy = run_sim(a20, "static:8:0", {"prof": 150.0}, 30.0, seed=1, batching="lazy").models["prof"]
+    eager = run_sim(a20, "static:8:0", {"prof": 150.0}, 30.0, seed=1, batching="eager").models["prof"]
+    assert lazy.mean_batch > 2.5 and lazy.p95_ms < 60
+    assert eager.mean_batch < 1.1  # every request its own batch: 150/s > 1/a = 50/s, it falls behind
+    assert eager.p95_ms > 1000
+    waited = run_sim(a20, "static:8:30", {"prof": 150.0}, 30.0, seed=1, batching="eager").models["prof"]
+    assert 4.0 < waited.mean_batch < 6.5  # about 1 + rate x wait
+    assert waited.p95_ms < 80
+
+
 def test_reference_point_matches_benchmark(a20):
     """S (static 8, wait 10 ms, at half saturation) is about 43 ms, as BENCHMARK.md expects."""
-    res = run_sim(a20, "static:8:10", {"prof": 1000 / 6}, 120.0, seed=0)
+    res = run_sim(a20, "static:8:10", {"prof": 1000 / 6}, 120.0, seed=0, batching="lazy")
     assert res.models["prof"].p95_ms == pytest.approx(43.0, rel=0.05)
 
 
