@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Pure and simulator tests first, then real Ray Serve in a process of its own (a Ray session
+# torn down in a process can leave Serve's batching metrics hanging in later tests).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu" tests
+	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 300 tests/unit tests/sim tests/gpu
+	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/integration
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/sim
