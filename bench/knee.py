@@ -174,36 +174,58 @@ def knee(
         return good
 
     caps = {n: float(s.slo_p95_ms) for n, s in config.models.items()}
+    return KneeResult(label, caps, search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate), rows)
+
+
+def search_knee(ok: Callable[[float], bool], start_rate: float, *, step: float = 1.1, bisect_iters: int = 5,
+                max_rate: float | None = None, max_runs: int | None = None) -> float:
+    """The largest rate ``ok`` passes: climb from ``start_rate`` by ``step`` until a rate fails
+    (or step down until one passes), then bisect. ``max_rate`` stops the climb; ``max_runs``
+    bounds the calls to ``ok`` (the live benchmark's runs are expensive). 0 when none passes."""
+    runs = 0
+
+    def check(rate: float) -> bool:
+        nonlocal runs
+        runs += 1
+        return ok(rate)
+
+    def budget() -> bool:
+        return max_runs is None or runs < max_runs
+
     lo = hi = None
     r = float(start_rate)
-    if ok(r):
+    if check(r):
         lo = r
-        while max_rate is None or lo < max_rate:
+        while budget() and (max_rate is None or lo < max_rate):
             nxt = lo * step if max_rate is None else min(lo * step, max_rate)
-            if ok(nxt):
+            if check(nxt):
                 lo = nxt
             else:
                 hi = nxt
                 break
         if hi is None:
-            return KneeResult(label, caps, lo, rows)
+            return lo
     else:
         hi = r
         for _ in range(60):
+            if not budget():
+                break
             nxt = hi / step
-            if ok(nxt):
+            if check(nxt):
                 lo = nxt
                 break
             hi = nxt
         if lo is None:
-            return KneeResult(label, caps, 0.0, rows)
+            return 0.0
     for _ in range(bisect_iters):
+        if not budget():
+            break
         mid = (lo + hi) / 2.0
-        if ok(mid):
+        if check(mid):
             lo = mid
         else:
             hi = mid
-    return KneeResult(label, caps, lo, rows)
+    return lo
 
 
 def passes_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> bool:

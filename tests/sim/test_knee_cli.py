@@ -88,3 +88,22 @@ def test_cli_refuses_auto_capacity(tmp_path):
     r = runner.invoke(app, ["simulate", "--config", str(p)])
     assert r.exit_code == 1
     assert "gpu.capacity" in r.output and "explicit size" in r.output
+
+
+def test_search_knee_climbs_bisects_and_respects_budgets():
+    from bench.knee import search_knee
+
+    calls: list[float] = []
+
+    def ok(rate):
+        calls.append(rate)
+        return rate <= 137.0
+
+    k = search_knee(ok, 100.0, step=1.1, bisect_iters=8)
+    assert 130.0 < k <= 137.0
+    assert search_knee(lambda r: r <= 50.0, 100.0, step=1.1, bisect_iters=4) <= 50.0  # steps down first
+    assert search_knee(lambda r: False, 100.0, bisect_iters=2) == 0.0
+    calls.clear()
+    search_knee(ok, 100.0, step=1.1, bisect_iters=8, max_runs=5)
+    assert len(calls) == 5
+    assert search_knee(lambda r: True, 100.0, max_rate=150.0) == 150.0
