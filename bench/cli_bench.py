@@ -35,7 +35,7 @@ def bench(
     from bench.scenarios_report import MD
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    o = live.Opts.make(quick, time_scale=time_scale, peer=not no_peer, log=log)
+    o = live.Opts.make(quick, time_scale=time_scale, peer=not no_peer, log=log, seed_json=str(out / "seed.json"))
     if not quick:
         o.seeds = tuple(range(seeds))
     t0 = time.time()

@@ -363,6 +363,19 @@ def status_series(samples: Sequence[Mapping[str, Any]], model: str, keys: Sequen
     return out
 
 
+def settings_seen(samples: Sequence[Mapping[str, Any]], model: str, lo_s: float = 0.0,
+                  hi_s: float = float("inf")) -> dict[str, Any]:
+    """The batch cap and wait timeout the status polls showed for ``model`` in ``[lo_s, hi_s)``:
+    median, min and max of each (None when no poll saw the model)."""
+    ser = status_series([s for s in samples if lo_s <= float(s.get("t_s", 0.0)) < hi_s], model,
+                        ("max_batch_size", "batch_wait_timeout_s"))
+    out: dict[str, Any] = {}
+    for k in ("max_batch_size", "batch_wait_timeout_s"):
+        v = [float(x) for x in ser[k] if x is not None]
+        out[k] = {"median": float(np.median(v)), "min": min(v), "max": max(v)} if v else None
+    return out
+
+
 def seeds_table(per_seed: Sequence[Mapping[str, ModelSummary]]) -> dict[str, dict[str, Any]]:
     """Mean and spread over seeds of each model's headline metrics."""
     models = sorted({m for s in per_seed for m in s})

@@ -299,6 +299,7 @@ class Measurement:
     wall_s: float = 0.0
     sent: int = 0
     records: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the broker's decisions during the run
 
     @property
     def passes(self) -> bool:
@@ -312,6 +313,7 @@ class Measurement:
         out: dict[str, Any] = {"rate": round(self.rate, 2), "seed": self.seed, "pass": self.passes,
                                "goodput_rps": round(self.goodput_rps, 2), "wall_s": round(self.wall_s, 1)}
         out["models"] = {m: {**s.to_dict(), **self.batch.get(m, {})} for m, s in self.summary.items()}
+        out.update(self.extra)
         return out
 
 
@@ -395,6 +397,56 @@ def machine_info() -> dict[str, Any]:
         pass
     return {"nproc": os.cpu_count(), "cpu_model": cpu, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)}
+
+
+def eager_batch(rate_rps: float, batch: int, wait_ms: float) -> float:
+    """Mean batch Ray 2.60's eager ``@serve.batch`` forms at a Poisson rate: the first request
+    plus the arrivals of the wait timeout, at most ``batch`` (batches never grow while the
+    replica is busy)."""
+    return min(float(batch), 1.0 + rate_rps * wait_ms / 1000.0)
+
+
+def eager_saturation(batch: int, wait_ms: float, a_ms: float, c_ms: float) -> float:
+    """Model estimate of the highest rate a static (batch, wait) arm sustains under eager
+    batching: the rate where utilisation rate * L(b) / b reaches 1 with b = eager_batch(rate).
+    Only a starting point for the live measurement (``seed`` measures it)."""
+    def util(r: float) -> float:
+        b = eager_batch(r, batch, wait_ms)
+        return r * (a_ms + c_ms * b) / 1000.0 / b
+
+    lo, hi = 0.0, 1000.0 * batch / (a_ms + c_ms * batch)  # never beyond the lazy bound b/(a + c b)
+    if util(hi) < 1.0:
+        return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if util(mid) < 1.0 else (lo, mid)
+    return lo
+
+
+def decisions_since(target: Any, since_seq: int, model: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The broker's settings decisions after ``since_seq`` (GET /v1/decisions), compacted:
+    time, trigger, reason, old and new batch cap / wait, and the load it acted on."""
+    url = target.base_url + f"/v1/decisions?since_seq={int(since_seq)}" + (f"&model={model}" if model else "")
+    try:
+        code, doc = http_json(url)
+    except Exception:  # noqa: BLE001 - decisions are diagnostics; a miss is not a failed run
+        return [], since_seq
+    if code != 200 or not isinstance(doc, list):
+        return [], since_seq
+    out = []
+    seq = since_seq
+    for e in doc:
+        seq = max(seq, int(e.get("seq", 0)))
+        if e.get("kind") != "settings":
+            continue
+        old, new, inp = e.get("old") or {}, e.get("new") or {}, e.get("inputs") or {}
+        out.append({"seq": e.get("seq"), "t_s": e.get("time_s"), "trigger": e.get("trigger"),
+                    "reason": str(e.get("reason", ""))[:200],
+                    "old": {k: old.get(k) for k in ("max_batch_size", "batch_wait_timeout_s")},
+                    "new": {k: new.get(k) for k in ("max_batch_size", "batch_wait_timeout_s")},
+                    "rate_rps": inp.get("arrival_rate_rps"), "p95_ms": inp.get("p95_ms"),
+                    "queue_depth": inp.get("queue_depth"), "busy_frac": inp.get("busy_frac")})
+    return out, seq
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:

@@ -18,15 +18,25 @@ def _machine(res: dict[str, Any]) -> str:
     return f"_{m.get('nproc')} CPUs ({m.get('cpu_model')}), {m.get('mem_gib')} GiB, {m.get('date')}_"
 
 
+def _told(row: dict[str, Any]) -> str:
+    st = row.get("settings") or {}
+    cap, wait = st.get("max_batch_size"), st.get("batch_wait_timeout_s")
+    if not cap or not wait:
+        return "–"
+    return f"{cap['median']:g} / {wait['median'] * 1000:.0f} ms"
+
+
 def seed_md(res: dict[str, Any]) -> str:
     lines = [f"### seed: knee gain ({_machine(res)})", "",
-             "| workload | fitted a / c (ms) | ref rate | S | cap 1.2·S | static 8 knee @S | broker knee @1.2·S | BentoML knee @1.2·S | bound (1−2a/C)/c | gain | broker/bound | broker/BentoML |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | fitted a / c (ms) | static 8:10 saturation: lazy 8/(a+8c) / eager model / **measured** | ref rate (½ measured) | S | cap 1.2·S | static 8 knee @S | broker knee @1.2·S | BentoML knee @1.2·S | bound (1−2a/C)/c | gain | broker/bound | broker/BentoML |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["results"]:
         fb = r.get("fit_broker", {})
         bento = r.get("bentoml", {})
         lines.append(
-            f"| {r['workload']} | {_f(fb.get('a_ms'), 2)} / {_f(fb.get('c_ms'), 3)} | {_f(r['reference_rps'])}/s | {_f(r['S_ms'], 0)} ms | "
+            f"| {r['workload']} | {_f(fb.get('a_ms'), 2)} / {_f(fb.get('c_ms'), 3)} | "
+            f"{_f(r.get('static8_saturation_lazy_rps'))} / {_f(r.get('static8_saturation_eager_model_rps'))} / **{_f(r.get('static8_saturation_rps'))}**/s | "
+            f"{_f(r['reference_rps'])}/s | {_f(r['S_ms'], 0)} ms | "
             f"{_f(r['cap_ms'], 0)} ms | {_f(r['static8']['knee_rps'])}/s | {_f(r['broker']['knee_rps'])}/s | "
             f"{_f(bento.get('knee_rps')) + '/s' if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
             f"{_f(r['bound_rps'])}/s | {_f(r['gain'], 2)} | {_f(r['broker_vs_bound'], 2)} | {_f(r.get('broker_vs_bentoml'), 2)} |")
@@ -34,23 +44,29 @@ def seed_md(res: dict[str, Any]) -> str:
     for r in res["results"]:
         lines.append(f"Rates tried, {r['workload']}:")
         lines.append("")
-        lines.append("| arm | rate | pass | attainment | P50 | P95 | P99 | mean batch | rejections | timeouts | send lag p99 |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-        for arm in ("static8", "broker", "bentoml"):
-            for row in (r.get(arm) or {}).get("rows", []) + (r.get(arm) or {}).get("seeds_at_knee", []):
+        lines.append("| arm | rate | pass | attainment | P50 | P95 | P99 | mean batch | set cap / wait (median) | rejections | timeouts | send lag p99 |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        sat = {"rows": r.get("saturation_rows", [])}
+        s_at = {"rows": r.get("S_rows", [])}
+        for arm, doc in (("static8 saturation (loose cap)", sat), ("static8 at ref (S)", s_at), ("static8", r.get("static8")),
+                         ("broker", r.get("broker")), ("bentoml", r.get("bentoml"))):
+            for row in (doc or {}).get("rows", []) + (doc or {}).get("seeds_at_knee", []):
                 m = next(iter(row["models"].values()))
                 lines.append(f"| {arm} (seed {row['seed']}) | {row['rate']} | {'✓' if row['pass'] else '✗'} | {_f(m['attainment'], 3)} | "
-                             f"{_f(m['p50_ms'], 0)} | {_f(m['p95_ms'], 0)} | {_f(m['p99_ms'], 0)} | {_f(m.get('mean_batch'))} | "
+                             f"{_f(m['p50_ms'], 0)} | {_f(m['p95_ms'], 0)} | {_f(m['p99_ms'], 0)} | {_f(m.get('mean_batch'))} | {_told(row)} | "
                              f"{m['rejections']} | {m['timeouts']} | {_f(m['send_lag_p99_ms'])} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def oracle_md(res: dict[str, Any]) -> str:
+    ref = res.get("reference") or {}
     lines = [f"### oracle: {res['workload']}, cap {res['cap_ms']:.0f} ms ({_machine(res)})", "",
-             "| rate | broker goodput | broker P95 | broker batch | best static | its goodput | oracle ratio |", "|---|---|---|---|---|---|---|"]
+             f"Reference {res['reference_rps']:.2f}/s, S {_f(ref.get('S_ms'), 0)} ms: {ref.get('source', '')}.", "",
+             "| rate | broker goodput | broker P95 | broker batch | broker set cap / wait | best static | its goodput | oracle ratio |", "|---|---|---|---|---|---|---|---|"]
     for r in res["rates"]:
         lines.append(f"| {r['rate_rps']:.1f}/s | {r['broker_goodput_rps']:.1f} | {_f(r['broker_p95_ms'], 0)} ms | {_f(r['broker_mean_batch'])} | "
+                     f"{_told({'settings': r.get('broker_settings')})} | "
                      f"{r['best_static']} | {r['best_static_goodput_rps']:.1f} | {_f(r['oracle_ratio'], 3)} |")
     lines += ["", "Static grid goodput (req/s) per rate:", "", "| rate | " + " | ".join(res["grid"]) + " |",
               "|---|" + "---|" * len(res["grid"])]
@@ -86,10 +102,10 @@ def overhead_md(res: dict[str, Any]) -> str:
 def trace_md(res: dict[str, Any]) -> str:
     lines = [f"### trace: Azure LLM code trace 2023 (CC-BY 4.0, Patel et al., Splitwise, ISCA 2024), token-priced profiled "
              f"a={res['a_ms']:g} ms, {res['c_ms_per_token'] * 1000:.2f} µs/token, mean {res['mean_tokens']:.0f} tokens, cap {res['cap_ms']:.0f} ms ({_machine(res)})", "",
-             "| arm | scale | rate | seed | attainment | goodput | P50 | P95 | P99 | mean batch (req) | rejections | timeouts |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | scale | rate | seed | attainment | goodput | P50 | P95 | P99 | mean batch (req) | set cap (tokens) / wait | rejections | timeouts |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['arm']} | {r['scale']} | {r['rate_rps']:.1f} | {r['seed']} | {r['attainment']:.3f} | {r['goodput_rps']:.1f} | "
-                     f"{_f(r['p50_ms'], 0)} | {_f(r['p95_ms'], 0)} | {_f(r['p99_ms'], 0)} | {_f(r['mean_batch'])} | {r['rejections']} | {r['timeouts']} |")
+                     f"{_f(r['p50_ms'], 0)} | {_f(r['p95_ms'], 0)} | {_f(r['p99_ms'], 0)} | {_f(r['mean_batch'])} | {_told(r)} | {r['rejections']} | {r['timeouts']} |")
     return "\n".join(lines)
 
 

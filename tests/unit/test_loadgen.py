@@ -114,3 +114,28 @@ def test_plan_and_merge_keep_order_and_bodies():
     assert json.loads(lg.default_body("profiled", 5)) == {"inputs": [{"tokens": 5}]}
     assert json.loads(lg.default_body("profiled")) == {"inputs": [{}]}
     assert len(json.loads(lg.default_body("minilm", 12))["inputs"][0]["text"].split()) == 10
+
+
+def test_settings_seen_medians_in_window():
+    samples = [{"t_s": t, "status": {"models": {"m": {"max_batch_size": b, "batch_wait_timeout_s": w}}}}
+               for t, b, w in [(0.5, 99, 9.0), (1.0, 8, 0.01), (2.0, 16, 0.03), (3.0, 24, 0.05)]]
+    seen = lg.settings_seen(samples, "m", lo_s=1.0, hi_s=3.5)
+    assert seen["max_batch_size"] == {"median": 16.0, "min": 8.0, "max": 24.0}
+    assert seen["batch_wait_timeout_s"]["median"] == pytest.approx(0.03)
+    assert lg.settings_seen(samples, "other") == {"max_batch_size": None, "batch_wait_timeout_s": None}
+
+
+def test_eager_saturation_is_below_the_lazy_bound():
+    from bench import scenarios as sc
+
+    assert sc.eager_batch(100.0, 8, 10.0) == pytest.approx(2.0)
+    assert sc.eager_batch(1000.0, 8, 10.0) == 8.0
+    # a=20, c=0.5, static 8:10: b = 1 + 0.01 r; r (20 + 0.5 b) = 1000 b  ->  about 91/s, far under 8/(a + 8c) = 333/s
+    sat = sc.eager_saturation(8, 10.0, 20.0, 0.5)
+    assert 85.0 < sat < 95.0
+    b = sc.eager_batch(sat, 8, 10.0)
+    assert sat * (20.0 + 0.5 * b) / 1000.0 / b == pytest.approx(1.0, abs=1e-6)
+    # a wait long enough to fill the batch: the lazy bound b / (a + c b)
+    assert sc.eager_saturation(16, 300.0, 20.0, 0.5) == pytest.approx(16000.0 / 28.0)
+    # time scale: x10 slower profile and wait -> rates / 10
+    assert sc.eager_saturation(8, 100.0, 200.0, 5.0) == pytest.approx(sat / 10.0, rel=1e-6)
