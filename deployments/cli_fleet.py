@@ -122,7 +122,8 @@ def start_local_ray(num_cpus: int | None = None, port: int | None = None) -> dic
 
 
 def _pgid_of_gcs(port: int) -> int | None:
-    out = subprocess.run(["ps", "-eo", "pid=,pgid=,args="], capture_output=True, text=True).stdout
+    # -ww: without it ps cuts args at the terminal width (80 when piped), before the port flag
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,pgid=,args="], capture_output=True, text=True).stdout
     for line in out.splitlines():
         parts = line.split(None, 2)
         if len(parts) == 3 and "gcs_server" in parts[2] and f"--gcs_server_port={port}" in parts[2]:
@@ -665,8 +666,14 @@ def down(
             _fail(exc)
         console.print(f"[yellow]{exc}[/]")
     if state and state.get("started_ray") and not address:
-        stop_local_ray(state.get("pgid"))
-        console.print(f"local Ray {state.get('address')} stopped")
+        pgid = state.get("pgid")
+        if not pgid and state.get("address"):  # not found at start: look the cluster up by its GCS port now
+            pgid = _pgid_of_gcs(int(str(state["address"]).rsplit(":", 1)[-1]))
+        if stop_local_ray(pgid):
+            console.print(f"local Ray {state.get('address')} stopped")
+        else:
+            console.print(f"[yellow]could not find the processes of local Ray {state.get('address')}; "
+                          "stop it with `ray stop` if nothing else uses Ray here[/]")
     if state and (not address or address == state.get("address")):
         clear_state()
     console.print("[green]fleet down[/]")

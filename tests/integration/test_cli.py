@@ -43,6 +43,8 @@ def test_commands_without_a_fleet(cli_env):
 def test_up_status_apply_decisions_down(cli_env):
     env, cfg = cli_env["env"], cli_env["config"]
     r = gpubroker("up", str(cfg), "--num-cpus", "2", env=env)
+    gcs_port = json.loads((Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").read_text())["address"].rsplit(":", 1)[-1] \
+        if (Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").exists() else None
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert "fleet up" in r.stdout
@@ -81,3 +83,13 @@ def test_up_status_apply_decisions_down(cli_env):
         r = gpubroker("down", env=env, timeout=120)
     assert r.returncode == 0 and "fleet down" in r.stdout, r.stdout + r.stderr
     assert not (Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").exists()
+    # the Ray that `up` started is gone: no GCS process with its port is left behind
+    import subprocess
+    import time
+
+    for _ in range(20):
+        ps = subprocess.run(["ps", "-ww", "-eo", "args="], capture_output=True, text=True).stdout
+        if f"--gcs_server_port={gcs_port}" not in ps:
+            break
+        time.sleep(0.5)
+    assert gcs_port and f"--gcs_server_port={gcs_port}" not in ps, "gpubroker down left the local Ray running"
