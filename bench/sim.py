@@ -264,6 +264,8 @@ class Simulator:
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching '{batching}' is not known; use {' or '.join(BATCHING_MODES)}")
         self.eager = batching == "eager"
+        if config.broker.batch_formation != batching:  # the policy is told how this runtime batches
+            config = config.model_copy(update={"broker": config.broker.model_copy(update={"batch_formation": batching})})
         self.config = config
         self.arm = arm
         self.duration_s = float(duration_s)

@@ -69,6 +69,7 @@ class RuleContext:
     band_scale: float  # >= 1, widened by anti-oscillation
     idle_for_s: float  # how long the model has had no arrivals (0 when busy)
     recovering: bool  # an emergency happened recently: grow only by steps
+    formation: str = "eager"  # how the runtime forms batches (broker.batch_formation)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class BatchPlan:
 
 
 DRAIN_RHO = 0.6  # utilisation the plan aims for while a backlog drains
+LAZY_WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}
 
 
 def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
@@ -95,7 +97,7 @@ def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
 
 
 def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo_ms: float, objective: str, ceiling: int,
-               rho_cap: float | None = None) -> BatchPlan:
+               rho_cap: float | None = None, formation: str = "eager") -> BatchPlan:
     """Batch and wait timeout for Ray 2.60's @serve.batch.
 
     Ray forms the next batch as soon as a request arrives (first request + wait timeout, or
@@ -110,6 +112,8 @@ def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo
     u = max(unit_per_request, 1.0)
     b_lat = fit.largest_batch_within(slo_ms / 2.0)
     headroom = BATCH_HEADROOM.get(objective, 2.0)
+    if formation == "lazy":
+        return _plan_lazy(fit, lam, u, b_lat, headroom, slo_ms, objective, ceiling)
     if lam <= 0:
         return BatchPlan(u, 0.0, 0.0, b_lat, fit.predict_ms(u), min(float(ceiling), max(b_lat, u)))
     rho_max = RHO_MAX.get(objective, 0.8) if rho_cap is None else min(rho_cap, RHO_MAX.get(objective, 0.8))
@@ -130,6 +134,23 @@ def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo
     est, rho, b = best
     cap = min(float(ceiling), max(b_lat, b * headroom))
     return BatchPlan(min(b, float(ceiling)), max(0.0, (b - u) / lam) / 1000.0, rho, b_lat, est, cap)
+
+
+def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, headroom: float, slo_ms: float, objective: str,
+               ceiling: int) -> BatchPlan:
+    """Lazy formation (the next batch forms when the replica is free): batches size themselves
+    to the load at the fixed point b = lambda a / (1 - lambda c), so no wait is needed under
+    load; the cap leaves headroom for bursts, and a short wait (a share of the SLO budget left
+    after two batches) only helps an idle replica gather a few requests."""
+    denom = 1.0 - lam * fit.c_ms
+    b_fp = lam * fit.a_ms / denom if (lam > 0 and denom > 0) else (0.0 if lam <= 0 else math.inf)
+    want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
+    cap = min(float(ceiling), max(b_lat, want, u))
+    budget_s = max(0.0, slo_ms - 2.0 * fit.predict_ms(cap)) / 1000.0 * LAZY_WAIT_BUDGET_FRAC.get(objective, 0.25)
+    fill_s = cap / (lam * 1000.0) if lam > 0 else 0.0
+    batch = max(u, b_fp) if math.isfinite(b_fp) else float(ceiling)
+    rho = lam * fit.predict_ms(batch) / batch if math.isfinite(b_fp) and lam > 0 else (0.0 if lam <= 0 else math.inf)
+    return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap)
 
 
 def wait_for(plan: BatchPlan | None, cap: int, units_per_s: float, unit_per_request: float, slo_ms: float, spec: ModelSpec, current_s: float, backlog: bool = False) -> float:
@@ -160,7 +181,8 @@ def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit:
         # A backlog (more than a batch queued) drains only with spare capacity: plan bigger
         # batches (utilisation at most DRAIN_RHO) until it is gone.
         draining = load.queue_depth / max(1, load.replicas) > ctl.band_high and queued_units > cap
-        plan = plan_batch(fit, units_per_s, u, ctx.slo_ms, ctx.objective, ceiling, DRAIN_RHO if draining else None)
+        plan = plan_batch(fit, units_per_s, u, ctx.slo_ms, ctx.objective, ceiling, DRAIN_RHO if draining else None,
+                          ctx.formation)
 
     def want(new_cap: float, trigger: str, value: float, rule: str, reason: str, *, safety: bool = False, admit: bool = True) -> BatchWant:
         new = max(1, int(round(new_cap)))

@@ -186,6 +186,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             band_scale=old.band_scale,
             idle_for_s=idle_for,
             recovering=now - old.emergency_s < EMERGENCY_RECOVERY_TICKS * interval,
+            formation=config.broker.batch_formation,
         )
         want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
         ms = replace(

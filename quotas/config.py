@@ -59,6 +59,11 @@ class BrokerSection(_Strict):
     http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
     dry_run: bool = Field(False, description="Decide and log, but apply nothing to the deployments.")
+    batch_formation: Literal["eager", "lazy"] = Field(
+        "eager",
+        description="How the serving runtime forms batches: eager (Ray 2.60's @serve.batch: a batch closes a wait "
+        "after its first request, busy or not) or lazy (the next batch forms when the replica is free).",
+    )
     checkpoint_path: str | None = Field(
         None, description="File the broker checkpoints its ledger and state to; default: under the Ray session dir."
     )

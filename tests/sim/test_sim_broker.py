@@ -47,8 +47,8 @@ def test_broker_knee_beats_static8_on_a20_c05():
 
 
 def test_broker_beats_static8_with_lazy_batching_too():
-    """With the lazy batching of BENCHMARK.md's quick model the broker still clears gain 2.
-    (It plans for Ray 2.60's eager batching, whose formation wait lazy batching does not need.)"""
+    """With the lazy batching of BENCHMARK.md's quick model (broker.batch_formation: lazy, set
+    by the simulator) the broker clears gain 2.5 and 0.9 of the bound."""
     cfg = load_config("configs/sim-a20-c0.5.yaml")
     rs = RunSettings(duration_s=60.0, warmup_s=15.0, seed=0, batching="lazy")
     prof = profile_for("prof", cfg.models["prof"])
@@ -56,7 +56,8 @@ def test_broker_beats_static8_with_lazy_batching_too():
     assert s_ms == pytest.approx(43.0, rel=0.08)
     k8 = knee(with_cap(cfg, {"prof": s_ms}), "static:8:10", reference_rate(prof), rs, bisect_iters=3)
     kb = knee(with_cap(cfg, {"prof": 1.2 * s_ms}), "broker", k8.knee_rps * 2.0, rs, step=1.15, bisect_iters=3)
-    assert kb.knee_rps / k8.knee_rps >= 2.0
+    assert kb.knee_rps / k8.knee_rps >= 2.5
+    assert kb.knee_rps >= 0.9 * bound(prof.a_ms, prof.c_ms, 1.2 * s_ms)
 
 
 def _burst_fleet():
