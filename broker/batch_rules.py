@@ -8,7 +8,9 @@ request under load becomes a batch of one and the replica saturates at 1/a. The 
 not the cap, sets the batch size under load; the cap bounds what a burst may form. With
 ``L(b) = a + c*b`` and arrival rate lambda, a batch b runs at utilisation
 ``lambda (a + c b) / b``; the plan picks the batch (and the wait that fills it) that keeps the
-estimated P95 lowest. The rules, first match wins:
+estimated P95 lowest. With ``broker.batch_formation: lazy`` (the next batch forms when the
+replica is free) batches size themselves instead, at ``lambda a / (1 - lambda c)``, and the
+plan keeps the wait short. The rules, first match wins:
 
 - ``emergency``: free memory under ``gpu.emergency_free_frac`` (or the replica's fast loop
   shrank): cap = max(floor, min(cap/2, queued/2)); admission pauses below half of it.
@@ -18,20 +20,21 @@ estimated P95 lowest. The rules, first match wins:
   shrink multiplicatively (``aimd_backoff``) -- with a latency model only when the model also
   puts the cap above its target, since otherwise the P95 is a transient that is draining.
 - ``idle``: no arrivals for ``idle_hold_s``: go to the floor (that is what lets it lend memory).
-- ``model``: with a fitted L(b) and an arrival rate, ``plan_batch``: Ray 2.60 forms a batch
-  as soon as a request arrives (first request + wait timeout) and only then queues it for the
-  executor, so the wait timeout sets the batch size under load. The plan picks the batch that
-  keeps utilisation at the level minimising the estimated P95 (formation wait + L(b) +
-  queueing) and the wait that fills it at the arrival rate; the cap leaves headroom over it
-  for bursts (at least b_lat, the largest batch with 2 L(b) <= cap). Only moves when the
-  change is over the (oscillation-widened) relative dead band.
+- ``model``: with a fitted L(b) and an arrival rate, ``plan_batch`` picks the batch whose
+  utilisation minimises the estimated P95 (formation wait + L(b) + queueing) and the wait
+  that fills it at the arrival rate (a backlog plans at utilisation ``DRAIN_RHO`` until it
+  drains); the cap leaves headroom over it for bursts (at least b_lat, the largest batch with
+  2 L(b) <= cap). Only moves when cap or wait change by more than the (oscillation-widened)
+  dead band.
 - ``queue``: no fit yet: above the dead band's top scale up in proportion, below its bottom
   scale down, inside hold.
 - ``sm_util``: SM utilisation under ``sm_low_frac`` with work waiting: grow by a step.
 - ``p95_low``: P95 well under the cap with backlog: grow by ``aimd_step``.
 
-The wait timeout is the plan's fill time (without a latency model: the time to fill the cap
-at the arrival rate within half the SLO), inside [min_ms, max_ms].
+The wait timeout is the plan's fill time (without a latency model it holds, except under a
+backlog: then the time to fill the cap at the arrival rate within half the SLO), inside
+[min_ms, max_ms]. The arrival rate is the larger of the rate window's and the last two
+reports' (a burst is seen at once, a lull only after the window).
 
 Everything here is pure; guard-rails (floor, ceiling, memory ceiling) are applied by the
 caller in one place.
