@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.chaos.harness import wait_for  # noqa: F401 - shared polling helper, re-exported for the tests here
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,12 +55,3 @@ def fleet(tmp_path_factory):
         ray.shutdown()
 
 
-def wait_for(pred, timeout_s: float, interval_s: float = 0.25, what: str = "condition"):
-    deadline = time.time() + timeout_s
-    last = None
-    while time.time() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
