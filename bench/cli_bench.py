@@ -9,11 +9,11 @@ from pathlib import Path
 
 import typer
 
-SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace")
+SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 
 def bench(
-    scenario: str = typer.Argument(..., help="seed | oracle | burst | overhead | trace"),
+    scenario: str = typer.Argument(..., help="seed | oracle | burst | overhead | trace | oracle-knee"),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."),
     quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),

@@ -519,6 +519,45 @@ def trace(o: Opts) -> dict[str, Any]:
     return res
 
 
+# ------------------------------------------------------------------------------ oracle knee
+def oracle_knee(o: Opts, arms: tuple[tuple[int, float], ...] = ((24, 30.0), (32, 30.0), (32, 50.0))) -> dict[str, Any]:
+    """λ_max at cap 1.2·S of a few static arms (batch, wait in unscaled ms): the live oracle
+    knee over those arms, next to the broker's knee from the `seed` result. The arms are the
+    ones the simulator and the `oracle` sweep rank best (the full grid does not fit a session)."""
+    w = profiled_workload(o.time_scale)
+    k = o.time_scale
+    ref_doc = measured_reference(o, w)
+    cap = 1.2 * ref_doc["S_ms"]
+    start = ref_doc["reference_rps"] * 10.0
+    try:
+        seed_doc = json.loads(open(o.seed_json, encoding="utf-8").read()) if o.seed_json else {}
+        broker_knee = next((r["broker"]["knee_rps"] for r in seed_doc.get("results", []) if r.get("workload") == w.label), None)
+    except (OSError, ValueError, KeyError):
+        broker_knee = None
+    if broker_knee:
+        start = broker_knee
+    res: dict[str, Any] = {"scenario": "oracle-knee", "machine": sc.machine_info(), "workload": w.label, "cap_ms": cap,
+                           "reference": ref_doc, "time_scale": k, "broker_knee_rps": broker_knee, "arms": []}
+    warm = {w.model: w.body}
+    with sc.Stack() as stack:
+        b0, w0 = arms[0]
+        st = _fleet(stack, {w.model: w.static_spec(cap, b0, w0 * k)}, "oknee", warm)
+        try:
+            for b, wt in arms:
+                st.set_static({w.model: (b, wt * k)})
+                kn, rows = sc.live_knee(lambda r: _run(st, w.model, r, 0, cap, o, w.body), start, step=1.1,
+                                        bisect_iters=1 if o.quick else 2, max_runs=5 if o.quick else 7,
+                                        on_row=_say_row(o, f"static {b}/{wt * k:g}"))
+                res["arms"].append({"arm": f"static:{b}:{wt * k:g}", "knee_rps": kn, "rows": rows})
+                o.log(f"[oracle-knee] static:{b}:{wt * k:g} knee at 1.2·S: {kn:.1f}/s")
+        finally:
+            st.delete()
+    best = max(res["arms"], key=lambda a: a["knee_rps"])
+    res["oracle_knee_rps"], res["oracle_arm"] = best["knee_rps"], best["arm"]
+    res["broker_vs_oracle"] = broker_knee / best["knee_rps"] if broker_knee and best["knee_rps"] else None
+    return res
+
+
 SCENARIOS: dict[str, Callable[[Opts], dict[str, Any]]] = {
-    "seed": seed, "oracle": oracle, "burst": burst, "overhead": overhead, "trace": trace,
+    "seed": seed, "oracle": oracle, "burst": burst, "overhead": overhead, "trace": trace, "oracle-knee": oracle_knee,
 }

@@ -109,4 +109,17 @@ def trace_md(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-MD = {"seed": seed_md, "oracle": oracle_md, "burst": burst_md, "overhead": overhead_md, "trace": trace_md}
+
+
+def oracle_knee_md(res: dict[str, Any]) -> str:
+    lines = [f"### oracle knee: {res['workload']}, cap 1.2·S = {res['cap_ms']:.0f} ms ({_machine(res)})", "",
+             "| arm | knee @1.2·S | rates tried (P95 ms, ✓/✗) |", "|---|---|---|"]
+    for a in res["arms"]:
+        tried = ", ".join(f"{r['rate']} ({_f(next(iter(r['models'].values()))['p95_ms'], 0)}, {'✓' if r['pass'] else '✗'})" for r in a["rows"])
+        lines.append(f"| {a['arm']} | {_f(a['knee_rps'])}/s | {tried} |")
+    lines += ["", f"Oracle knee (best of these arms): **{_f(res['oracle_knee_rps'])}/s** ({res['oracle_arm']}); broker knee from "
+              f"`seed`: {_f(res.get('broker_knee_rps'))}/s; broker/oracle **{_f(res.get('broker_vs_oracle'), 2)}**."]
+    return "\n".join(lines)
+
+
+MD = {"seed": seed_md, "oracle": oracle_md, "burst": burst_md, "overhead": overhead_md, "trace": trace_md, "oracle-knee": oracle_knee_md}
