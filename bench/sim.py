@@ -68,8 +68,9 @@ EV_GPU, EV_TIMER, EV_REPORT, EV_CONTROL, EV_SAMPLE = 0, 1, 2, 3, 4
 # How @serve.batch forms batches. "eager" is Ray 2.60: its loop forms the next batch as soon as
 # a request arrives (first request + batch_wait_timeout_s, or max_batch_size reached), then
 # the batch waits for a max_concurrent_batches slot; batches do NOT grow while the replica is
-# busy. "lazy" is the pre-2.46 loop (and BENCHMARK.md's quick model): the next batch forms
-# only when a slot is free, from everything queued by then.
+# busy. "lazy" is BENCHMARK.md's quick model: the next batch forms only when a slot is free,
+# from everything queued by then. gpubroker's replicas get lazy formation on Ray 2.60 by
+# holding the forming batch open while one runs (deployments/replica.py, _hold_open).
 BATCHING_MODES = ("eager", "lazy")
 
 LATENCY_SAMPLES_PER_REPORT = 512  # the replica caps the samples it sends; we keep every k-th
@@ -263,9 +264,12 @@ class Simulator:
             raise ValueError(f"warmup_s ({warmup_s}) must be in [0, duration_s {duration_s})")
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching '{batching}' is not known; use {' or '.join(BATCHING_MODES)}")
+        # ``batching`` is how plain @serve.batch forms batches (what static arms get). The broker's
+        # replicas hold a forming batch open while one runs (broker.batch_formation: lazy, the
+        # default), which is lazy formation whatever the runtime does.
+        if arm.kind == "broker" and config.broker.batch_formation == "lazy":
+            batching = "lazy"
         self.eager = batching == "eager"
-        if config.broker.batch_formation != batching:  # the policy is told how this runtime batches
-            config = config.model_copy(update={"broker": config.broker.model_copy(update={"batch_formation": batching})})
         self.config = config
         self.arm = arm
         self.duration_s = float(duration_s)

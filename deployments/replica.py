@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 import os
 import random
 import threading
@@ -162,6 +163,11 @@ class ModelReplica:
         self.sm_util_frac: float | None = None
         self.calibration: dict[str, Any] = {}
         self.token_priced = False
+        # Hold batches open while the executor is busy (see _hold_open): on unless the model is
+        # pinned static, or the config says the runtime's own formation is to be left alone.
+        self.hold_open = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
+        self._running = 0
+        self._timings: deque[tuple[float, float]] = deque(maxlen=64)  # (cost, exec ms) of recent batches
         # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
         # running batch and is NOT under this lock: holding it would keep new requests out of
         # Serve's queue for a whole batch, so the next batch would form from almost nothing.
@@ -343,7 +349,8 @@ class ModelReplica:
         self.settings = new
         self.cap = max(1, new.max_batch_size)
         self._batch.set_max_batch_size(self.cap)
-        self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
+        if not (self.hold_open and self._running):  # a running batch holds the next one open
+            self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
         if new.grant_bytes != old.grant_bytes or old.version == 0:
             self._enforce(new)
         if new.admit:
@@ -421,14 +428,41 @@ class ModelReplica:
             self.delta.oom_splits += 1
 
         start = time.perf_counter()
+        self._running += 1
+        self._hold_open(cost)
         try:
             return await asyncio.to_thread(split_retry, self._predict, values, on_split)
         finally:
             exec_s = time.perf_counter() - start
+            self._running -= 1
+            self._timings.append((float(cost), exec_s * 1000.0))
+            if self.hold_open and self._running == 0:
+                self._batch.set_batch_wait_timeout_s(max(0.0, self.settings.batch_wait_timeout_s))
             d = self.delta  # the report may have swapped the delta while the batch ran
             d.batches.append((float(cost), exec_s * 1000.0))
             d.batch_requests.append(len(items))
             d.busy_s += exec_s
+
+    def _hold_open(self, cost: float) -> None:
+        """Fast loop: make the batch being formed wait for this one to finish.
+
+        Ray 2.60's @serve.batch forms the next batch while this one runs and closes it
+        ``batch_wait_timeout_s`` after its first request, busy or not: with a short wait,
+        requests arriving during a long batch leave in many small batches, each paying the
+        fixed cost. Setting the wait to this batch's predicted run time (L(b) fitted on the
+        replica's recent batches) keeps the next batch open until the executor frees, so
+        batches grow with the load as with lazy formation; the broker's own wait applies again
+        when the replica is idle.
+        """
+        if not self.hold_open or len(self._timings) < 3:
+            return
+        from broker.latency_model import fit_latency
+
+        fit = fit_latency(self._timings)
+        if fit is None:
+            return
+        hold_s = fit.predict_ms(cost) / 1000.0
+        self._batch.set_batch_wait_timeout_s(max(self.settings.batch_wait_timeout_s, hold_s))
 
     # ------------------------------------------------------------------ requests
     def _validate_all(self, inputs: list) -> list[_Item] | dict[str, Any]:

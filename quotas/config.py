@@ -60,9 +60,10 @@ class BrokerSection(_Strict):
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
     dry_run: bool = Field(False, description="Decide and log, but apply nothing to the deployments.")
     batch_formation: Literal["eager", "lazy"] = Field(
-        "eager",
-        description="How the serving runtime forms batches: eager (Ray 2.60's @serve.batch: a batch closes a wait "
-        "after its first request, busy or not) or lazy (the next batch forms when the replica is free).",
+        "lazy",
+        description="lazy (default): replicas hold each forming batch open until the running one finishes, so "
+        "batches size themselves to the load; eager: leave Ray 2.60's @serve.batch as is (a batch closes a wait "
+        "after its first request, busy or not) and let the broker set waits that fill the batches it plans.",
     )
     checkpoint_path: str | None = Field(
         None, description="File the broker checkpoints its ledger and state to; default: under the Ray session dir."

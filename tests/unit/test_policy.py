@@ -256,13 +256,13 @@ def test_eager_formation_waits_to_fill_the_planned_batch():
     """Ray 2.60 closes a batch a wait after its first request whether the replica is busy or
     not, so under load the wait has to fill the batch; lazy formation needs no wait."""
     busy = {"a": load("a", queue_depth=5, arrival_rate_rps=300, batch_timings=timings(20, 0.5))}
-    eager = Driver(make_config())
+    eager = Driver(make_config(broker={"batch_formation": "eager"}))
     dec = eager.step(busy).models["a"]
     # a batch that keeps the replica under full utilisation at 300/s needs b > 0.3*20/(1-0.15) = 7
     planned_wait_ms = dec.batch_wait_timeout_s * 1000
     assert planned_wait_ms > 15, dec.reason
     assert 1 + 0.3 * planned_wait_ms > 7  # the wait fills more than the fixed-point batch
     assert "fills in" in dec.reason
-    lazy = Driver(make_config(broker={"batch_formation": "lazy"}))
+    lazy = Driver(make_config())  # the default: replicas hold batches open while one runs
     dec_lazy = lazy.step(busy).models["a"]
     assert dec_lazy.batch_wait_timeout_s * 1000 < 5
