@@ -21,13 +21,21 @@ def knee_curves(res: dict[str, Any], out_dir: Path) -> list[Path]:
     paths = []
     for i, r in enumerate(res.get("results", [])):
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for arm in ("static8", "broker", "bentoml"):
-            rows = (r.get(arm) or {}).get("rows") or []
+        for arm in ("static8", "static8 saturation (loose cap)", "broker", "bentoml"):
+            rows = (r.get("saturation_rows") or []) if arm.startswith("static8 sat") else ((r.get(arm) or {}).get("rows") or [])
             pts = sorted((row["rate"], next(iter(row["models"].values()))) for row in rows)
             if not pts:
                 continue
             ax1.plot([p[0] for p in pts], [p[1]["attainment"] for p in pts], "o-", label=arm)
             ax2.plot([p[0] for p in pts], [p[1]["p95_ms"] or float("nan") for p in pts], "o-", label=arm)
+        if r.get("static8_saturation_rps"):
+            for ax in (ax1, ax2):
+                ax.axvline(r["static8_saturation_rps"], color="tab:blue", ls=":", lw=1)
+            ax1.text(r["static8_saturation_rps"], 0.05, " static 8:10 measured saturation", color="tab:blue", fontsize=7,
+                     transform=ax1.get_xaxis_transform())
+        if r.get("bound_rps"):
+            ax1.axvline(r["bound_rps"], color="k", ls="-.", lw=1)
+            ax1.text(r["bound_rps"], 0.15, " bound (1−2a/C)/c", fontsize=7, ha="right", transform=ax1.get_xaxis_transform())
         ax2.axhline(r["S_ms"], color="grey", ls=":", label="S (static 8 cap)")
         ax2.axhline(r["cap_ms"], color="k", ls="--", label="1.2·S (broker cap)")
         ax1.set(xlabel="offered rate (req/s)", ylabel="SLO attainment", title=r["workload"][:60])

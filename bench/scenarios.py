@@ -423,7 +423,8 @@ def eager_saturation(batch: int, wait_ms: float, a_ms: float, c_ms: float) -> fl
     return lo
 
 
-def decisions_since(target: Any, since_seq: int, model: str | None = None) -> tuple[list[dict[str, Any]], int]:
+def decisions_since(target: Any, since_seq: int, model: str | None = None,
+                    kinds: tuple[str, ...] = ("settings",)) -> tuple[list[dict[str, Any]], int]:
     """The broker's settings decisions after ``since_seq`` (GET /v1/decisions), compacted:
     time, trigger, reason, old and new batch cap / wait, and the load it acted on."""
     url = target.base_url + f"/v1/decisions?since_seq={int(since_seq)}" + (f"&model={model}" if model else "")
@@ -437,13 +438,18 @@ def decisions_since(target: Any, since_seq: int, model: str | None = None) -> tu
     seq = since_seq
     for e in doc:
         seq = max(seq, int(e.get("seq", 0)))
-        if e.get("kind") != "settings":
+        if kinds and e.get("kind") not in kinds:
             continue
         old, new, inp = e.get("old") or {}, e.get("new") or {}, e.get("inputs") or {}
-        out.append({"seq": e.get("seq"), "t_s": e.get("time_s"), "trigger": e.get("trigger"),
+        if e.get("kind") != "settings":
+            out.append({"seq": e.get("seq"), "t_s": e.get("time_s"), "kind": e.get("kind"), "model": e.get("model"),
+                        "reason": str(e.get("reason", ""))[:200]})
+            continue
+        out.append({"seq": e.get("seq"), "t_s": e.get("time_s"), "kind": "settings", "model": e.get("model"),
+                    "trigger": e.get("trigger"), "admit": (e.get("new") or {}).get("admit"),
                     "reason": str(e.get("reason", ""))[:200],
-                    "old": {k: old.get(k) for k in ("max_batch_size", "batch_wait_timeout_s")},
-                    "new": {k: new.get(k) for k in ("max_batch_size", "batch_wait_timeout_s")},
+                    "old": {k: old.get(k) for k in ("max_batch_size", "batch_wait_timeout_s", "grant_bytes", "admit")},
+                    "new": {k: new.get(k) for k in ("max_batch_size", "batch_wait_timeout_s", "grant_bytes", "admit")},
                     "rate_rps": inp.get("arrival_rate_rps"), "p95_ms": inp.get("p95_ms"),
                     "queue_depth": inp.get("queue_depth"), "busy_frac": inp.get("busy_frac")})
     return out, seq

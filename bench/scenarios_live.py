@@ -406,6 +406,7 @@ def burst(o: Opts) -> dict[str, Any]:
             try:
                 run = lg.run(tgt.base_url, sched, timeout_s=client_t, status_url=tgt.status_url, status_every_s=1.0)
                 code, final = sc.http_json(tgt.status_url)
+                decisions = sc.decisions_since(tgt, 0, None, kinds=())[0]
             finally:
                 tgt.delete()
             lo, hi = 5.0, duration - 1.0
@@ -421,6 +422,9 @@ def burst(o: Opts) -> dict[str, Any]:
                 "emergency_shrinks": {n: (final or {}).get("models", {}).get(n, {}).get("emergency_shrinks") for n in names},
                 "peak_used_bytes": {n: max([u for u in series[n]["used_bytes"] if u is not None] or [0]) for n in names},
                 "series": series,
+                "decisions": decisions[-400:],
+                "final_status": final,
+                "status_gpu": [{"t_s": x.get("t_s"), "gpu": (x.get("status") or {}).get("gpu")} for x in run.status_samples],
             }
             o.log(f"[burst] {arm}: " + "  ".join(f"{n} att {summ[n].attainment:.3f} (burst {in_burst[n].attainment if n in in_burst else float('nan'):.3f})"
                                                 for n in names if n in summ))
