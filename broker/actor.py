@@ -241,9 +241,16 @@ class BrokerCore:
         if snap is not None:
             used = sum(m.mem_used_bytes for m in snap.models.values())
         fresh = [(f, s) for (t, f, s) in self._replica_free.values() if now - t <= REPLICA_STALE_S]
-        frees = [f for f, _ in fresh if f is not None]
         sms = [s for _, s in fresh if s is not None]
-        free_frac = min(frees) if frees else max(0.0, 1.0 - used / self._capacity) if self._capacity else 1.0
+        measured = max(0.0, 1.0 - used / self._capacity) if self._capacity else 1.0
+        on_card = self._cfg.gpu.device.startswith("cuda") or (self._cfg.gpu.device == "auto" and bool(sms))
+        if not on_card:
+            # Host quotas: a replica reports the free share of *its own grant* (its fast loop's
+            # business); the pool's free share is what the replicas' measured use leaves.
+            free_frac = measured
+        else:  # on a card every replica reads the same NVML free share; take the most recent low
+            frees = [f for f, _ in fresh if f is not None]
+            free_frac = min(frees) if frees else measured
         return GpuLoad(self._capacity, self._usable, used, free_frac, max(sms) if sms else None)
 
     def tick(self) -> dict[str, Any]:

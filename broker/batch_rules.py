@@ -13,7 +13,8 @@ replica is free) batches size themselves instead, at ``lambda a / (1 - lambda c)
 plan keeps the wait short. The rules, first match wins:
 
 - ``emergency``: free memory under ``gpu.emergency_free_frac`` (or the replica's fast loop
-  shrank): cap = max(floor, min(cap/2, queued/2)); admission pauses below half of it.
+  shrank): cap = max(floor, min(cap/2, queued/2)); admission pauses below half of it, for at
+  most ``max_pause_s`` (memory that never frees must not starve the fleet).
 - ``p95``: recent P95 (the rate window, a few seconds) near the cap (``p95_near_frac``). With
   a backlog (more than a batch queued, or arrivals beyond what the cap serves) the latency
   is queueing: grow toward the throughput target. Without one, the batch itself is too slow:
@@ -33,8 +34,8 @@ plan keeps the wait short. The rules, first match wins:
 
 The wait timeout is the plan's fill time (without a latency model it holds, except under a
 backlog: then the time to fill the cap at the arrival rate within half the SLO), inside
-[min_ms, max_ms]. The arrival rate is the larger of the rate window's and the last two
-reports' (a burst is seen at once, a lull only after the window).
+[min_ms, max_ms]. The arrival rate is the rate window's, or the last two reports' when they
+run ``BURST_FACTOR`` over it (a burst is seen at once, a lull only after the window).
 
 Everything here is pure; guard-rails (floor, ceiling, memory ceiling) are applied by the
 caller in one place.
@@ -73,6 +74,8 @@ class RuleContext:
     idle_for_s: float  # how long the model has had no arrivals (0 when busy)
     recovering: bool  # an emergency happened recently: grow only by steps
     formation: str = "eager"  # how the runtime forms batches (broker.batch_formation)
+    paused_for_s: float = 0.0  # how long this model's admission has been paused
+    max_pause_s: float = 3.0  # a pause re-opens after this long (memory that never frees must not starve it)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class BatchPlan:
 
 
 DRAIN_RHO = 0.6  # utilisation the plan aims for while a backlog drains
+BURST_FACTOR = 1.3  # the last reports' arrival rate counts when it is this far over the window's
 LAZY_WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}
 
 
@@ -173,8 +177,11 @@ def wait_for(plan: BatchPlan | None, cap: int, units_per_s: float, unit_per_requ
 def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad, ctx: RuleContext) -> BatchWant:
     ctl = spec.control
     floor, ceiling = spec.batch.floor, spec.batch.ceiling
-    # fast attack, slow decay: a burst shows in the last couple of reports before the window
-    rate_rps = max(load.arrival_rate_rps, load.recent_arrival_rate_rps)
+    # fast attack, slow decay: a burst (the last couple of reports well over the window's rate)
+    # is taken at once; ordinary report-to-report noise is not (it would make the wait jitter)
+    rate_rps = load.arrival_rate_rps
+    if load.recent_arrival_rate_rps > BURST_FACTOR * load.arrival_rate_rps:
+        rate_rps = load.recent_arrival_rate_rps
     units_per_s = rate_rps * max(load.cost_per_request, 1e-9) / max(1, load.replicas)
     queued_units = load.queue_depth * max(load.cost_per_request, 1.0) / max(1, load.replicas)
 
@@ -201,7 +208,13 @@ def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit:
         new = max(floor, min(cap // 2, int(queued_units // 2)))
         admit = gpu.free_frac >= ctx.emergency_free_frac / 2.0
         why = f"free_frac {gpu.free_frac:.3f} < {ctx.emergency_free_frac}" if gpu.free_frac < ctx.emergency_free_frac else "replica reported an emergency shrink"
-        return want(new, "free_frac", gpu.free_frac, "emergency", f"{why}: halve batch {cap}->{new}" + ("" if admit else ", pause admission"), safety=True, admit=admit)
+        what = f"{why}: halve batch {cap}->{new}"
+        if not admit and ctx.paused_for_s >= ctx.max_pause_s:
+            admit = True  # bounded pause: re-open at the floor (the replica's fast loop still guards each batch)
+            what += f", re-open admission after {ctx.paused_for_s:.0f}s paused"
+        elif not admit:
+            what += ", pause admission"
+        return want(new, "free_frac", gpu.free_frac, "emergency", what, safety=True, admit=admit)
 
     # The AIMD reacts to the recent P95 (rate window, a few seconds, never one sample); the
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.

@@ -49,6 +49,7 @@ class ModelState:
     loaded_since_s: float | None = None  # start of the current busy spell (for reclaim hysteresis)
     quiet_since_s: float | None = None  # start of the current low-utilisation spell (for lending)
     emergency_s: float = float("-inf")  # last memory emergency
+    paused_since_s: float | None = None  # admission paused since (None: admitting)
     fit: tuple[float, float, int] | None = None  # (a_ms, c_ms, samples) of the latency model
 
     @property
@@ -187,6 +188,8 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             idle_for_s=idle_for,
             recovering=now - old.emergency_s < EMERGENCY_RECOVERY_TICKS * interval,
             formation=config.broker.batch_formation,
+            paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
+            max_pause_s=3.0 * interval,
         )
         want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
         ms = replace(
@@ -226,7 +229,9 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
         if cap != ms.max_batch:
             ms = replace(ms, last_dir=direction, last_change_s=now)
-        new_states[name] = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version)
+        paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
+        new_states[name] = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version,
+                                   paused_since_s=paused_since)
         decisions[name] = ModelDecision(
             max_batch_size=cap,
             batch_wait_timeout_s=want.wait_s,

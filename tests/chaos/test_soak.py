@@ -20,9 +20,11 @@ from bench import arrivals, loadgen
 from tests.chaos.fleet import connect, down, up
 from tests.chaos.harness import EXPLICIT_ERRORS, classify, record, rss_bytes, slope_per_min
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # per-test timeout set below, after SOAK_S
 
 SOAK_S = float(os.environ.get("GPUBROKER_SOAK_S", "600"))
+# the soak runs SOAK_S seconds plus a fleet start and a drain: more than pyproject's 600 s default
+pytestmark.append(pytest.mark.timeout(int(SOAK_S) + 600))
 APPLY_EVERY_S = 30.0
 MAX_SLOPE_MB_PER_MIN = 2.0
 MIN_SLOPE_SPAN_MIN = 2.0  # a shorter clean stretch (GPUBROKER_SOAK_S < ~300) reports the slope, does not judge it

@@ -266,3 +266,14 @@ def test_eager_formation_waits_to_fill_the_planned_batch():
     lazy = Driver(make_config())  # the default: replicas hold batches open while one runs
     dec_lazy = lazy.step(busy).models["a"]
     assert dec_lazy.batch_wait_timeout_s * 1000 < 5
+
+
+def test_admission_pause_is_bounded():
+    """Memory that never frees (host RSS, a leak) must not pause admission for good."""
+    d = Driver(make_config(models={"a": {"batch": {"initial": 16}}}))
+    admits = [d.step({"a": load("a", queue_depth=5)}, gpu_load=gpu(free_frac=0.01)).models["a"].admit for _ in range(6)]
+    assert admits[0] is False
+    assert True in admits, admits  # re-opened after max_pause_s (3 control intervals)
+    reopened = [h.models["a"].reason for h in d.history if "re-open admission" in h.models["a"].reason]
+    assert reopened
+    assert d.cap("a") == 2  # at the floor
