@@ -84,7 +84,7 @@ def plan_quota(
     confirm_after = {d: v for d, v in confirm_after.items() if d in pending_donors}
 
     def mm(name: str) -> MemoryModel:
-        return MemoryModel(loads[name].weights_bytes, loads[name].bytes_per_unit)
+        return MemoryModel.from_load(loads[name])
 
     def replicas(name: str) -> int:
         return max(1, loads[name].replicas or config.models[name].replicas)

@@ -9,6 +9,10 @@ unit 0) memory does not limit the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.types import ModelLoad
 
 HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, the rest is allocator slack
 
@@ -17,6 +21,21 @@ HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, 
 class MemoryModel:
     weights_bytes: int
     bytes_per_unit: float
+
+    @classmethod
+    def from_load(cls, load: "ModelLoad") -> "MemoryModel":
+        """The calibrated model, refined from live reports: when a replica's peak memory over
+        the window, less what its biggest recent batch needs, is above the calibrated weights (allocator
+        pools, runtime, fragmentation: on host memory RSS never shrinks back), that observed
+        fixed part is used instead, so the batch ceiling and the memory a model asks to borrow
+        follow what is measured against its grant."""
+        model = cls(int(load.weights_bytes), float(load.bytes_per_unit))
+        if model.calibrated and load.mem_peak_bytes > 0 and load.replicas > 0:
+            biggest = max((cost for cost, _ in load.batch_timings), default=load.mean_batch)
+            observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
+            if observed > model.weights_bytes:
+                model = cls(int(observed), model.bytes_per_unit)
+        return model
 
     @property
     def calibrated(self) -> bool:

@@ -154,7 +154,7 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
 
 
 def memory_model(load: ModelLoad) -> MemoryModel:
-    return MemoryModel(load.weights_bytes, load.bytes_per_unit)
+    return MemoryModel.from_load(load)
 
 
 def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> tuple[FleetDecision, PolicyState]:

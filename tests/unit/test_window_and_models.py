@@ -107,3 +107,17 @@ def test_profile_default_outside_windows():
     assert active_profile(cfg.profiles, MONDAY_UTC + 7.5 * 3600).name == "peak"
     assert active_profile(cfg.profiles, MONDAY_UTC + 6.5 * 3600).name == "off"
     assert active_profile(cfg.profiles, MONDAY_UTC + 5 * 86400 + 10 * 3600).name == "off"  # Saturday
+
+
+def test_memory_model_refined_from_live_peak():
+    from broker.types import ModelLoad
+
+    calibrated = ModelLoad(name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=2.0,
+                           mem_peak_bytes=20 * MiB)
+    assert MemoryModel.from_load(calibrated).weights_bytes == 16 * MiB  # peak explained by weights + batch
+    grown = ModelLoad(name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=1.5,
+                      batch_timings=((1.0, 300.0), (2.0, 305.0)), mem_peak_bytes=80 * MiB)
+    mm = MemoryModel.from_load(grown)
+    assert mm.weights_bytes == 72 * MiB  # 80 peak - the biggest batch's 2 x 4
+    assert mm.cap_for(64 * MiB) == 0  # a 64 MiB grant holds no batch: the model must borrow
+    assert MemoryModel.from_load(ModelLoad(name="a", mem_peak_bytes=80 * MiB)).calibrated is False
