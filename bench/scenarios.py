@@ -345,38 +345,9 @@ def live_knee(run_rate: Callable[[float], Measurement], start_rate: float, *, st
             on_row(row)
         return m.passes
 
-    lo = hi = None
-    r = float(start_rate)
-    if ok(r):
-        lo = r
-        while len(rows) < max_runs and (max_rate is None or lo < max_rate):
-            nxt = lo * step if max_rate is None else min(lo * step, max_rate)
-            if ok(nxt):
-                lo = nxt
-            else:
-                hi = nxt
-                break
-        if hi is None:
-            return lo, rows
-    else:
-        hi = r
-        while len(rows) < max_runs:
-            nxt = hi / step
-            if ok(nxt):
-                lo = nxt
-                break
-            hi = nxt
-        if lo is None:
-            return 0.0, rows
-    for _ in range(bisect_iters):
-        if len(rows) >= max_runs:
-            break
-        mid = (lo + hi) / 2.0
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, rows
+    from bench.knee import search_knee
+
+    return search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate, max_runs=max_runs), rows
 
 
 def poisson_schedule(model: str, rate: float, duration_s: float, seed: int, body: bytes = b'{"inputs": [{}]}') -> list[lg.Planned]:

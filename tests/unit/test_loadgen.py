@@ -139,3 +139,21 @@ def test_eager_saturation_is_below_the_lazy_bound():
     assert sc.eager_saturation(16, 300.0, 20.0, 0.5) == pytest.approx(16000.0 / 28.0)
     # time scale: x10 slower profile and wait -> rates / 10
     assert sc.eager_saturation(8, 100.0, 200.0, 5.0) == pytest.approx(sat / 10.0, rel=1e-6)
+
+
+def test_live_knee_uses_the_shared_search_and_its_run_budget():
+    from types import SimpleNamespace
+
+    from bench import scenarios as sc
+
+    runs: list[float] = []
+
+    def run_rate(rate):
+        runs.append(rate)
+        return SimpleNamespace(passes=rate <= 40.0, row=lambda: {"rate": rate})
+
+    knee, rows = sc.live_knee(run_rate, 10.0, step=2.0, bisect_iters=3, max_runs=12)
+    assert 20.0 <= knee <= 40.0 and len(rows) == len(runs) <= 12
+    runs.clear()
+    sc.live_knee(run_rate, 10.0, step=1.1, bisect_iters=5, max_runs=4)
+    assert len(runs) == 4
