@@ -14,6 +14,7 @@ import asyncio
 from broker.actor import BrokerCore
 from deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink
+from tests.unit.test_reliability_replica import count_predicts
 
 MIB = 1024**2
 
@@ -42,14 +43,7 @@ async def _run(formation: str, monkeypatch, tmp_path) -> list[int]:
     r = ModelReplica.__new__(ModelReplica)
     await r.__init__("prof", text)
     r._report_task.cancel()
-    sizes: list[int] = []
-    real = r.adapter.predict
-
-    def predict(items):
-        sizes.append(len(items))
-        return real(items)
-
-    r.adapter.predict = predict
+    sizes = count_predicts(r)
     for _ in range(3):  # a few batches of different sizes to fit L(b)
         await asyncio.gather(*(r.infer([{}]) for _ in range(1)))
         await asyncio.gather(*(r.infer([{}]) for _ in range(4)))
