@@ -173,7 +173,7 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
     out: dict[str, Any] = {"workload": w.label, "emulated": w.emulated}
     warm = {w.model: w.body}
     bisect = 1 if o.quick else 2
-    max_runs = 7 if o.quick else 10
+    max_runs = 4 if o.quick else 10  # --quick must stay under 3 minutes on 2 cores
     # static 8 (pinned, broker-managed deployment), wait 10 ms (scaled)
     st = _fleet(stack, {w.model: w.static_spec(10_000, 8, w.static_wait_ms)}, "s8", warm)
     try:
