@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-import yaml
 
 from bench import arrivals as arr
 from bench import loadgen as lg

@@ -5,12 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def _f(x: Any, nd: int = 1) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
+from bench.cli_simulate import _fmt as _f  # one number formatter for the simulator and live tables
 
 
 def _machine(res: dict[str, Any]) -> str:

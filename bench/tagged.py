@@ -12,7 +12,6 @@ No ray import here: the BentoML peer loads these too.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from deployments.models.minilm import MiniLmAdapter
 from deployments.models.profiled import ProfiledAdapter

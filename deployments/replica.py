@@ -31,7 +31,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from broker.types import ModelSettings, StatsReport

@@ -7,7 +7,6 @@ tests run in file order and each leaves the fleet serving.
 from __future__ import annotations
 
 import math
-import time
 
 import httpx
 import pytest

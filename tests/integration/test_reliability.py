@@ -10,7 +10,6 @@ results file (tests/chaos/harness.py) for ``make chaos``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time

@@ -32,7 +32,6 @@ def test_broker_knee_beats_static8_on_a20_c05():
     (short runs; the README has the full ones)."""
     cfg = load_config("configs/sim-a20-c0.5.yaml")
     rs = RunSettings(duration_s=60.0, warmup_s=15.0, seed=0)
-    prof = profile_for("prof", cfg.models["prof"])
     sat, ref = reference_for(cfg, "prof", rs)
     assert sat < 0.5 * 8 / (0.020 + 8 * 0.0005)  # static 8:10 saturates far below 8/(a + 8c)
     s_ms = cap_s(cfg, "prof", rs, ref)

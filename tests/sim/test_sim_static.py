@@ -10,7 +10,7 @@ import pytest
 
 from bench.sim import DONE, Arm, Simulator, parse_arm, run_sim
 from bench.sim_profile import profile_for
-from bench.sim_workload import ModelArrivals, finish, make_workload
+from bench.sim_workload import ModelArrivals, make_workload
 from quotas.config import load_config
 from tests.sim.conftest import GiB, MiB, fleet, profiled
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 
-import pytest
 
 from broker.policy import PolicyState, decide, initial_state, settings_for
 from broker.types import FleetSnapshot

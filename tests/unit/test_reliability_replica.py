@@ -12,7 +12,6 @@ import asyncio
 import gc
 import time
 
-import pytest
 
 from broker.actor import BrokerCore
 from deployments.replica import ModelReplica
