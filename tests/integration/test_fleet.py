@@ -119,7 +119,8 @@ def test_busy_model_cap_up_quota_lent_then_back(fleet):
     assert set(codes) <= {200, 503} and codes[200] >= 0.8 * sum(codes.values()), (codes, hot_end)
     peak_cap = max(s["models"]["hot"]["max_batch_size"] for s in statuses)
     wait_for(lambda: snap()["models"]["hot"]["max_batch_size"] < peak_cap, 20, what="hot cap down")
-    wait_for(lambda: snap()["models"]["hot"]["grant_bytes"] <= base_hot, 20, what="hot loan returned")
+    # idle_hold_s, then the replica's peak ageing out of the 5 s window (host RSS can lag): allow 45 s
+    wait_for(lambda: snap()["models"]["hot"]["grant_bytes"] <= base_hot, 45, what="hot loan returned")
     # cold's load comes back: it reclaims its base
     codes = open_loop(fleet.url, "cold", 20.0, 5.0, {"inputs": [{}] * 2}, seed=2)
     assert set(codes) == {200}, codes
