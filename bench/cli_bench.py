@@ -6,6 +6,7 @@ Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -19,7 +20,7 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
     time_scale: float = typer.Option(10.0, "--time-scale", help="Slow the profiled emulation by this factor (rates fall by it; ratios do not change)."),
     seeds: int = typer.Option(3, "--seeds", min=1, max=5, help="Seeds per point (full runs; --quick uses 1)."),
-    no_peer: bool = typer.Option(False, "--no-peer", help="Skip the BentoML peer arm."),
+    peer: Optional[bool] = typer.Option(None, "--peer/--no-peer", help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes)."),
     models: str = typer.Option("", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."),
 ) -> None:
     """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps)."""
@@ -35,7 +36,7 @@ def bench(
     from bench.scenarios_report import MD
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    o = live.Opts.make(quick, time_scale=time_scale, peer=not no_peer, log=log, seed_json=str(out / "seed.json"))
+    o = live.Opts.make(quick, time_scale=time_scale, peer=(not quick) if peer is None else peer, log=log, seed_json=str(out / "seed.json"))
     if not quick:
         o.seeds = tuple(range(seeds))
     t0 = time.time()

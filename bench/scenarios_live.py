@@ -34,9 +34,15 @@ class Opts:
     quick: bool = False
     time_scale: float = 10.0
     seeds: tuple[int, ...] = (0, 1, 2)
-    duration_s: float = 24.0
-    warmup_s: float = 8.0
+    duration_s: float = 24.0  # fixed-length runs (oracle, overhead, trace)
+    warmup_s: float = 6.0  # dropped from the front of each run: the broker (or BentoML) adapts to the new rate
+    static_warmup_s: float = 2.0  # a static arm only needs its pipeline filled
     cooldown_s: float = 1.0
+    # Knee runs size their measured window by the rate: at least min_requests in it, within
+    # [min_window_s, max_window_s] (a P95 needs ~100+ samples; a fast arm needs only seconds).
+    min_requests: int = 240
+    min_window_s: float = 8.0
+    max_window_s: float = 30.0
     peer: bool = True
     seed_json: str | None = None  # a `bench seed` result: oracle and trace take its measured S and reference
     log: Callable[[str], None] = print
@@ -45,7 +51,8 @@ class Opts:
     @classmethod
     def make(cls, quick: bool, **kw: Any) -> "Opts":
         if quick:
-            return cls(quick=True, seeds=(0,), duration_s=12.0, warmup_s=5.0, cooldown_s=0.5, **kw)
+            return cls(quick=True, seeds=(0,), duration_s=12.0, warmup_s=4.0, static_warmup_s=1.5, cooldown_s=0.5,
+                       min_requests=100, min_window_s=5.0, max_window_s=16.0, **kw)
         return cls(quick=False, **kw)
 
 
@@ -55,21 +62,44 @@ def _timeouts(cap_ms: float) -> tuple[float, float]:
     return rt, rt + 3.0
 
 
+def run_length(o: Opts, rate: float, adaptive: bool) -> tuple[float, float]:
+    """(warm-up, duration) of one run at ``rate``: the measured window holds at least
+    ``o.min_requests`` arrivals, within [min_window_s, max_window_s]. A static arm (``adaptive``
+    False) needs a shorter warm-up than the broker or BentoML, which adapt to each new rate."""
+    warm = o.warmup_s if adaptive else min(o.warmup_s, o.static_warmup_s)
+    window = min(o.max_window_s, max(o.min_window_s, o.min_requests / max(rate, 1e-6)))
+    return warm, warm + window + o.cooldown_s
+
+
 def _run(target: Any, model: str, rate: float, seed: int, cap_ms: float, o: Opts, body: bytes,
-         times: np.ndarray | None = None, tokens: np.ndarray | None = None, bodyf: Callable[[int], bytes] | None = None) -> sc.Measurement:
+         times: np.ndarray | None = None, tokens: np.ndarray | None = None, bodyf: Callable[[int], bytes] | None = None,
+         fixed: bool = False) -> sc.Measurement:
+    """One run at ``rate``. Knee runs size their window by the rate (``run_length``); ``fixed``
+    runs (and given ``times``) use ``o.duration_s`` / ``o.warmup_s`` as they are."""
     if hasattr(target, "idle"):
         target.idle()
-    if times is None:
-        times = arr.poisson(rate, o.duration_s, seed)
-    sched = lg.plan(model, times, bodyf or body, tokens)
-    _, client_t = _timeouts(cap_ms)
     fleet = getattr(target, "kind", "") == "fleet"
     dynamic = fleet and "strategy: static" not in getattr(target, "config_text", "")
+    if fixed or times is not None:
+        warm, duration = o.warmup_s, o.duration_s
+        if times is None:
+            times = arr.poisson(rate, duration, seed)
+    else:
+        warm, duration = run_length(o, rate, dynamic or getattr(target, "kind", "") == "bentoml")
+        # Every arm draws the same arrivals for (rate, seed): a static arm's shorter warm-up
+        # drops the front of the adaptive arms' schedule, so the measured windows hold the
+        # same requests.
+        shift = o.warmup_s - warm
+        times = arr.poisson(rate, duration + shift, seed)
+        times = times[times >= shift] - shift
+    sched = lg.plan(model, times, bodyf or body, tokens)
+    _, client_t = _timeouts(cap_ms)
     seq0 = sc.decisions_since(target, 0, model)[1] if dynamic else 0
-    m = sc.measure(target, sched, o.duration_s, {model: cap_ms}, warmup_s=o.warmup_s, cooldown_s=o.cooldown_s,
+    m = sc.measure(target, sched, duration, {model: cap_ms}, warmup_s=warm, cooldown_s=o.cooldown_s,
                    rate=rate, seed=seed, poll=fleet, timeout_s=client_t)
+    m.extra["window_s"] = round(duration - warm - o.cooldown_s, 2)
     if fleet:  # what the replicas were told during the measured window (status polls)
-        m.extra["settings"] = lg.settings_seen(m.status_samples, model, o.warmup_s, o.duration_s - o.cooldown_s)
+        m.extra["settings"] = lg.settings_seen(m.status_samples, model, warm, duration - o.cooldown_s)
     if dynamic:  # the broker's own log of what it set and why (GET /v1/decisions)
         m.extra["decisions"] = sc.decisions_since(target, seq0, model)[0][-40:]
     return m
@@ -145,7 +175,7 @@ def profiled_workload(k: float, a_ms: float = 20.0, c_ms: float = 0.5) -> Worklo
                     a_ms * k, c_ms * k, static_wait_ms=10.0 * k)
 
 
-def minilm_workload(tokens: int = 250) -> Workload:
+def minilm_workload(tokens: int = 64) -> Workload:
     return Workload(f"minilm ({tokens} tokens/request, real CPU compute, 1 thread)", "minilm", "minilm",
                     {"threads": 1, "max_tokens": 256}, None, None, tokens=tokens, static_wait_ms=10.0, emulated=False)
 
@@ -168,11 +198,17 @@ def _peer(stack: sc.Stack, w: Workload, cap_ms: float, max_batch: int, o: Opts) 
 
 # ------------------------------------------------------------------------------ seed
 def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
-    """Knee of static 8 at cap S vs the broker (and BentoML) at cap 1.2·S, next to the bound."""
+    """Knee of static 8 at cap S vs the broker (and BentoML) at cap 1.2·S, next to the bound.
+
+    Budget (2 cores: a full run of both workloads must finish in 15 minutes, ``--quick`` in 3):
+    every search starts where a model puts the knee, so a few runs bracket it. Static 8's
+    saturation starts at the eager-batching model's estimate; the broker's and BentoML's knees
+    start at half the bound (1 − 2a/C)/c (measured knees sit at 0.55–0.7 of it). ``--quick``
+    takes the reference rate from the eager model instead of measuring static 8's saturation
+    and skips the peer unless asked for."""
     out: dict[str, Any] = {"workload": w.label, "emulated": w.emulated}
     warm = {w.model: w.body}
-    bisect = 1 if o.quick else 2
-    max_runs = 4 if o.quick else 10  # --quick must stay under 3 minutes on 2 cores
+    q = o.quick
     # static 8 (pinned, broker-managed deployment), wait 10 ms (scaled)
     st = _fleet(stack, {w.model: w.static_spec(10_000, 8, w.static_wait_ms)}, "s8", warm)
     try:
@@ -191,49 +227,54 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
         sat_lazy = 8000.0 / (a_ms + 8 * c_req)
         sat_model = sc.eager_saturation(8, w.static_wait_ms, a_ms, c_req)
         loose = 8.0 * (a_ms + 8 * c_req)
-        o.log(f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; static 8 saturation: lazy {sat_lazy:.1f}/s, "
-              f"eager model {sat_model:.1f}/s; measuring it live (loose cap {loose:.0f} ms)")
-        ksat, rows_sat = sc.live_knee(lambda r: _run(st, w.model, r, 0, loose, o, w.body), 0.9 * sat_model, step=1.1,
-                                      bisect_iters=bisect, max_runs=max_runs, on_row=_say_row(o, "static 8 sat"))
-        sat8 = ksat if ksat > 0 else sat_model
+        rows_sat: list[dict[str, Any]] = []
+        if q:
+            sat8 = sat_model
+            o.log(f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; --quick: static 8 saturation from the "
+                  f"eager model {sat_model:.1f}/s (lazy {sat_lazy:.1f}/s), not measured")
+        else:
+            o.log(f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; static 8 saturation: lazy {sat_lazy:.1f}/s, "
+                  f"eager model {sat_model:.1f}/s; measuring it live (loose cap {loose:.0f} ms)")
+            ksat, rows_sat = sc.live_knee(lambda r: _run(st, w.model, r, 0, loose, o, w.body), 1.05 * sat_model, step=1.1,
+                                          bisect_iters=1, max_runs=4, on_row=_say_row(o, "static 8 sat"))
+            sat8 = ksat if ksat > 0 else sat_model
         ref = 0.5 * sat8
         s_runs = [_run(st, w.model, ref, s, 10_000, o, w.body) for s in o.seeds]
         s_ms = float(np.median([m.summary[w.model].p95_ms for m in s_runs]))
         cap = 1.2 * s_ms
-        o.log(f"[seed] static-8 measured saturation {sat8:.1f}/s (lazy bound {sat_lazy:.1f}/s), "
+        o.log(f"[seed] static-8 saturation {sat8:.1f}/s ({'model' if q else 'measured'}; lazy bound {sat_lazy:.1f}/s), "
               f"reference {ref:.1f}/s, S = {s_ms:.0f} ms, cap 1.2·S = {cap:.0f} ms")
         out.update({"a_nominal_ms": a_ms, "c_nominal_ms": c_req, "static8_saturation_rps": sat8,
+                    "static8_saturation_measured": not q,
                     "static8_saturation_lazy_rps": sat_lazy, "static8_saturation_eager_model_rps": sat_model,
                     "saturation_loose_cap_ms": loose, "saturation_rows": rows_sat, "reference_rps": ref,
                     "reference_lazy_rps": 0.5 * sat_lazy,
                     "S_ms": s_ms, "cap_ms": cap, "S_rows": [m.row() for m in s_runs]})
+        # S is static 8's P95 at the reference, so its knee under S sits near the reference
         k8, rows8 = sc.live_knee(lambda r: _run(st, w.model, r, 0, s_ms, o, w.body), ref, step=1.1,
-                                 bisect_iters=bisect, max_runs=max_runs, on_row=_say_row(o, "static 8"))
+                                 bisect_iters=0 if q else 1, max_runs=2 if q else 4, on_row=_say_row(o, "static 8"))
         out["static8"] = {"knee_rps": k8, "rows": rows8}
         o.log(f"[seed] static 8 knee at S: {k8:.1f}/s")
+        if len(o.seeds) > 1 and k8 > 0:  # the knee again with the other seeds
+            out["static8"]["seeds_at_knee"] = [_run(st, w.model, k8, s, s_ms, o, w.body).row() for s in o.seeds[1:]]
     finally:
         st.delete()
     fits = _fit_from(rows8, w.model)
     bd = bound(a_ms, c_req, cap)
-    start = ref  # a ramp from the reference rate: the app stays up, the broker follows the load
+    start = max(ref, 0.5 * bd)
     bspec = w.spec(cap)
     bspec["batch"]["initial"] = 8 * w.tokens if w.kind == "minilm" else 8  # start where static 8 is
     br = _fleet(stack, {w.model: bspec}, "brk", warm)
     try:
-        kb, rowsb = sc.live_knee(lambda r: _run(br, w.model, r, 0, cap, o, w.body), start, step=2.0,
-                                 bisect_iters=3, max_runs=max_runs + 2, on_row=_say_row(o, "broker"))
+        # the app stays up across the search: the broker follows each new rate (warm-up o.warmup_s)
+        kb, rowsb = sc.live_knee(lambda r: _run(br, w.model, r, 0, cap, o, w.body), start, step=1.2 if q else 1.15,
+                                 bisect_iters=1 if q else 2, max_runs=4 if q else 7, on_row=_say_row(o, "broker"))
         out["broker"] = {"knee_rps": kb, "rows": rowsb}
         o.log(f"[seed] broker knee at 1.2·S: {kb:.1f}/s (bound {bd:.1f}/s)")
         if len(o.seeds) > 1 and kb > 0:
             out["broker"]["seeds_at_knee"] = [_run(br, w.model, kb, s, cap, o, w.body).row() for s in o.seeds[1:]]
     finally:
         br.delete()
-    if len(o.seeds) > 1 and k8 > 0:
-        st = _fleet(stack, {w.model: w.static_spec(10_000, 8, w.static_wait_ms)}, "s8b", warm)
-        try:
-            out["static8"]["seeds_at_knee"] = [_run(st, w.model, k8, s, s_ms, o, w.body).row() for s in o.seeds[1:]]
-        finally:
-            st.delete()
     fitb = _fit_from(rowsb, w.model)
     out["fit_static8"], out["fit_broker"] = fits, fitb
     a_fit = fitb["a_ms"] if fitb["a_ms"] is not None else a_ms
@@ -245,11 +286,14 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
                 "broker_vs_bound": kb / bd if bd else None})
     if o.peer:
         try:
-            p = _peer(stack, w, cap, 128 if w.kind != "minilm" else 128, o)
+            p = _peer(stack, w, cap, 128, o)
             try:
-                kp, rowsp = sc.live_knee(lambda r: _run(p, w.model, r, 0, cap, o, w.body), ref,
-                                         step=2.0, bisect_iters=3, max_runs=max_runs + 2, on_row=_say_row(o, "bentoml"))
+                kp, rowsp = sc.live_knee(lambda r: _run(p, w.model, r, 0, cap, o, w.body), start,
+                                         step=1.2 if q else 1.15, bisect_iters=1 if q else 2, max_runs=4 if q else 7,
+                                         on_row=_say_row(o, "bentoml"))
                 out["bentoml"] = {"knee_rps": kp, "rows": rowsp, "max_batch_size": 128, "max_latency_ms": cap}
+                if len(o.seeds) > 1 and kp > 0:
+                    out["bentoml"]["seeds_at_knee"] = [_run(p, w.model, kp, s, cap, o, w.body).row() for s in o.seeds[1:]]
                 out["broker_vs_bentoml"] = kb / kp if kp else None
                 o.log(f"[seed] BentoML knee at 1.2·S: {kp:.1f}/s")
             finally:

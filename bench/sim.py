@@ -265,8 +265,8 @@ class Simulator:
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching '{batching}' is not known; use {' or '.join(BATCHING_MODES)}")
         # ``batching`` is how plain @serve.batch forms batches (what static arms get). The broker's
-        # replicas hold a forming batch open while one runs (broker.batch_formation: lazy, the
-        # default), which is lazy formation whatever the runtime does.
+        # replicas gate requests while a batch runs and let one cap in when it ends
+        # (broker.batch_formation: lazy, the default): lazy formation whatever the runtime does.
         if arm.kind == "broker" and config.broker.batch_formation == "lazy":
             batching = "lazy"
         self.eager = batching == "eager"

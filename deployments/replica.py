@@ -163,11 +163,13 @@ class ModelReplica:
         self.sm_util_frac: float | None = None
         self.calibration: dict[str, Any] = {}
         self.token_priced = False
-        # Hold batches open while the executor is busy (see _hold_open): on unless the model is
-        # pinned static, or the config says the runtime's own formation is to be left alone.
+        # Lazy formation (see _admit_to_batcher): requests wait at a gate while the executor is
+        # busy and enter Serve's batcher together when it frees. On unless the model is pinned
+        # static, or the config says the runtime's own formation is to be left alone.
         self.hold_open = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
-        self._running = 0
-        self._timings: deque[tuple[float, float]] = deque(maxlen=64)  # (cost, exec ms) of recent batches
+        self._running = 0  # batches executing
+        self._released = 0  # cost let into Serve's batcher and not running yet (forming)
+        self._gate: deque[tuple[asyncio.Future, int]] = deque()  # FIFO of (waiter, cost) held back
         # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
         # running batch and is NOT under this lock: holding it would keep new requests out of
         # Serve's queue for a whole batch, so the next batch would form from almost nothing.
@@ -349,8 +351,8 @@ class ModelReplica:
         self.settings = new
         self.cap = max(1, new.max_batch_size)
         self._batch.set_max_batch_size(self.cap)
-        if not (self.hold_open and self._running):  # a running batch holds the next one open
-            self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
+        self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
+        self._pump()  # a larger cap may let more in
         if new.grant_bytes != old.grant_bytes or old.version == 0:
             self._enforce(new)
         if new.admit:
@@ -429,40 +431,69 @@ class ModelReplica:
 
         start = time.perf_counter()
         self._running += 1
-        self._hold_open(cost)
+        self._released = max(0, self._released - int(cost))
         try:
             return await asyncio.to_thread(split_retry, self._predict, values, on_split)
         finally:
             exec_s = time.perf_counter() - start
             self._running -= 1
-            self._timings.append((float(cost), exec_s * 1000.0))
-            if self.hold_open and self._running == 0:
-                self._batch.set_batch_wait_timeout_s(max(0.0, self.settings.batch_wait_timeout_s))
+            self._pump()  # lazy formation: what waited meanwhile forms the next batch
             d = self.delta  # the report may have swapped the delta while the batch ran
             d.batches.append((float(cost), exec_s * 1000.0))
             d.batch_requests.append(len(items))
             d.busy_s += exec_s
 
-    def _hold_open(self, cost: float) -> None:
-        """Fast loop: make the batch being formed wait for this one to finish.
+    def _gate_open(self, cost: int) -> bool:
+        """May a request of ``cost`` enter Serve's batcher now? Only while a batch slot is free,
+        and only up to one batch's worth (the cap) at a time: more would be cut into several
+        small batches that queue for the slot and never merge."""
+        if self._running >= self.spec.batch.max_concurrent_batches:
+            return False
+        return self._released == 0 or self._released + cost <= self.cap
 
-        Ray 2.60's @serve.batch forms the next batch while this one runs and closes it
-        ``batch_wait_timeout_s`` after its first request, busy or not: with a short wait,
-        requests arriving during a long batch leave in many small batches, each paying the
-        fixed cost. Setting the wait to this batch's predicted run time (L(b) fitted on the
-        replica's recent batches) keeps the next batch open until the executor frees, so
-        batches grow with the load as with lazy formation; the broker's own wait applies again
-        when the replica is idle.
+    def _pump(self) -> None:
+        """Release held requests, oldest first, while the gate is open."""
+        while self._gate:
+            fut, cost = self._gate[0]
+            if fut.done():  # its request timed out at the gate
+                self._gate.popleft()
+                continue
+            if not self._gate_open(cost):
+                return
+            self._gate.popleft()
+            self._released += cost
+            fut.set_result(None)
+
+    async def _admit_to_batcher(self, item: _Item) -> Any:
+        """Lazy batch formation on Ray 2.60's ``@serve.batch``.
+
+        Serve's batcher closes a batch ``batch_wait_timeout_s`` after its first request and
+        queues it for a ``max_concurrent_batches`` slot, then starts the next one at once, busy
+        or not: while a long batch runs, arrivals leave in a string of small batches that each
+        pay the fixed cost, and a backlog cut into small batches never merges again (a queue
+        of formed batches can persist at any load). Here a request waits at a FIFO gate while
+        a batch runs; when it finishes, up to one cap's worth of the waiting requests enters
+        Serve's queue in the same event-loop turn, so the next batch takes all of them and
+        batches grow with the load, as with lazy formation. An idle replica admits at once and
+        the broker's own wait applies. A request cancelled at the gate (request timeout) never
+        reaches the model.
         """
-        if not self.hold_open or len(self._timings) < 3:
-            return
-        from broker.latency_model import fit_latency
-
-        fit = fit_latency(self._timings)
-        if fit is None:
-            return
-        hold_s = fit.predict_ms(cost) / 1000.0
-        self._batch.set_batch_wait_timeout_s(max(self.settings.batch_wait_timeout_s, hold_s))
+        if not self.hold_open:
+            return await self._batch(item)
+        cost = int(item.cost)
+        if self._gate or not self._gate_open(cost):
+            fut: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._gate.append((fut, cost))
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():  # released, then cancelled before it queued
+                    self._released = max(0, self._released - cost)
+                    self._pump()
+                raise
+        else:
+            self._released += cost
+        return await self._batch(item)
 
     # ------------------------------------------------------------------ requests
     def _validate_all(self, inputs: list) -> list[_Item] | dict[str, Any]:
@@ -516,7 +547,7 @@ class ModelReplica:
             if isinstance(items_or_error, dict):
                 return items_or_error
             self.delta.arrivals += n
-            tasks = [asyncio.ensure_future(self._batch(item)) for item in items_or_error]
+            tasks = [asyncio.ensure_future(self._admit_to_batcher(item)) for item in items_or_error]
             # asyncio.wait returns at the deadline even when an item sits in a running batch
             # (wait_for would wait for the cancelled batch to finish: a late 504).
             remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))

@@ -61,9 +61,10 @@ class BrokerSection(_Strict):
     dry_run: bool = Field(False, description="Decide and log, but apply nothing to the deployments.")
     batch_formation: Literal["eager", "lazy"] = Field(
         "lazy",
-        description="lazy (default): replicas hold each forming batch open until the running one finishes, so "
-        "batches size themselves to the load; eager: leave Ray 2.60's @serve.batch as is (a batch closes a wait "
-        "after its first request, busy or not) and let the broker set waits that fill the batches it plans.",
+        description="lazy (default): while a batch runs, replicas hold new requests at a gate and let up to one "
+        "cap's worth into @serve.batch when it finishes, so batches size themselves to the load; eager: leave Ray "
+        "2.60's @serve.batch as is (a batch closes a wait after its first request, busy or not) and let the "
+        "broker set waits that fill the batches it plans.",
     )
     checkpoint_path: str | None = Field(
         None, description="File the broker checkpoints its ledger and state to; default: under the Ray session dir."
