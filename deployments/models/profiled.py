@@ -10,6 +10,7 @@ sees the same behaviour live as in simulation.
 
 from __future__ import annotations
 
+import mmap
 import time
 from typing import Any
 
@@ -73,9 +74,12 @@ class ProfiledAdapter(ModelAdapter):
                 f"profiled: batch of {b} {self.unit} needs {need} bytes on top of {held} weight bytes, "
                 f"over the memory limit of {limit} bytes"
             )
-        scratch = bytearray(need)  # transient activations
-        time.sleep((self.a_ms + self.c_ms * b + self.token_ms * tokens) / 1000.0)
-        del scratch
+        scratch = _transient(need)  # activations: resident while the batch runs, returned after
+        try:
+            time.sleep((self.a_ms + self.c_ms * b + self.token_ms * tokens) / 1000.0)
+        finally:
+            if scratch is not None:
+                scratch.close()
         return [{"ok": True, "batch": len(items), "cost": b} for _ in items]
 
     def example_input(self, cost: int | None = None) -> dict:
@@ -86,3 +90,21 @@ class ProfiledAdapter(ModelAdapter):
 
     def declared_memory(self) -> tuple[int, float]:
         return int(self.options["weights_bytes"]), float(self.bytes_per_item)
+
+
+_PAGE = mmap.PAGESIZE
+
+
+def _transient(nbytes: int) -> mmap.mmap | None:
+    """``nbytes`` of anonymous memory, every page touched (resident), unmapped on ``close()``.
+
+    A plain ``bytearray`` goes through malloc: glibc raises its mmap threshold after the first
+    large free, so later scratch comes from the heap and the process's resident memory never
+    falls back. Host RSS stands in for VRAM on a machine without a GPU, so the emulation must
+    give its activations back after each batch, as a GPU allocator's freed blocks do."""
+    if nbytes <= 0:
+        return None
+    m = mmap.mmap(-1, nbytes)
+    m[0:nbytes:_PAGE] = b"\x01" * len(range(0, nbytes, _PAGE))  # one write per page
+    return m
+
