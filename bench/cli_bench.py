@@ -14,7 +14,7 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 
 def bench(
-    scenario: str = typer.Argument(..., help="seed | oracle | burst | overhead | trace | oracle-knee"),
+    scenario: str = typer.Argument(..., help="seed | oracle | burst | overhead | trace | oracle-knee, or report (RESULTS.md from --out)"),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."),
     quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
@@ -23,13 +23,26 @@ def bench(
     peer: Optional[bool] = typer.Option(None, "--peer/--no-peer", help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes)."),
     models: str = typer.Option("", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."),
 ) -> None:
-    """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps)."""
+    """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps), or
+    ``report``: rebuild bench/RESULTS.md's tables from the results under --out (full runs) and
+    --out/quick (``--quick`` runs)."""
     import json
     import sys
     import time
 
+    if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
+        from bench import results
+
+        if not any((out / f"{s}.json").exists() or (out / "quick" / f"{s}.json").exists() for s in results.SCENARIOS):
+            typer.echo(f"no scenario results under {out} (nor {out / 'quick'}); run `gpubroker bench SCENARIO --out {out}` "
+                       f"(and `--quick --out {out / 'quick'}`) first", err=True)
+            raise typer.Exit(2)
+        target = Path("bench/RESULTS.md")
+        results.write(target, results.build(out, plots_dir=target.parent / "results"))
+        typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
+        return
     if scenario not in SCENARIO_NAMES:
-        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)}", err=True)
+        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report)", err=True)
         raise typer.Exit(2)
     from bench import plots
     from bench import scenarios_live as live

@@ -71,6 +71,16 @@ def run_length(o: Opts, rate: float, adaptive: bool) -> tuple[float, float]:
     return warm, warm + window + o.cooldown_s
 
 
+def knee_arrivals(o: Opts, rate: float, seed: int, adaptive: bool) -> tuple[np.ndarray, float, float]:
+    """(arrival times, warm-up, duration) of a knee run. Every arm draws the same arrivals for
+    (rate, seed): a static arm's shorter warm-up drops the front of the adaptive arms'
+    schedule, so the measured windows of both hold the same requests."""
+    warm, duration = run_length(o, rate, adaptive)
+    shift = o.warmup_s - warm
+    times = arr.poisson(rate, duration + shift, seed)
+    return times[times >= shift] - shift, warm, duration
+
+
 def _run(target: Any, model: str, rate: float, seed: int, cap_ms: float, o: Opts, body: bytes,
          times: np.ndarray | None = None, tokens: np.ndarray | None = None, bodyf: Callable[[int], bytes] | None = None,
          fixed: bool = False) -> sc.Measurement:
@@ -85,13 +95,7 @@ def _run(target: Any, model: str, rate: float, seed: int, cap_ms: float, o: Opts
         if times is None:
             times = arr.poisson(rate, duration, seed)
     else:
-        warm, duration = run_length(o, rate, dynamic or getattr(target, "kind", "") == "bentoml")
-        # Every arm draws the same arrivals for (rate, seed): a static arm's shorter warm-up
-        # drops the front of the adaptive arms' schedule, so the measured windows hold the
-        # same requests.
-        shift = o.warmup_s - warm
-        times = arr.poisson(rate, duration + shift, seed)
-        times = times[times >= shift] - shift
+        times, warm, duration = knee_arrivals(o, rate, seed, dynamic or getattr(target, "kind", "") == "bentoml")
     sched = lg.plan(model, times, bodyf or body, tokens)
     _, client_t = _timeouts(cap_ms)
     seq0 = sc.decisions_since(target, 0, model)[1] if dynamic else 0
