@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv test test-fast test-integration chaos demo bench-quick gpu-check clean
+.PHONY: venv test test-fast test-integration chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,9 +46,24 @@ chaos: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-bench-quick: $(STAMP)
+# Live benchmarks (bench/RESULTS.md): each scenario starts its own local Ray + Serve. seed goes
+# first (oracle, oracle-knee and trace take its measured S and reference rate); `report`
+# rebuilds RESULTS.md's tables from the JSON. Full: under 15 min per scenario on 2 cores;
+# --quick: under 3 min each. The BentoML peer gets its own venv (bench/peer, once).
+SCENARIOS := seed oracle oracle-knee burst overhead trace
+BENCH_OUT ?= bench/out
+
+bench-setup: $(STAMP)
 	$(PY) -m pip install -q matplotlib
-	$(PY) -m broker.cli bench seed --quick --out bench/out
+	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"
+
+bench: bench-setup
+	@for s in $(SCENARIOS); do $(PY) -m broker.cli bench $$s --out $(BENCH_OUT) || exit 1; done
+	$(PY) -m broker.cli bench report --out $(BENCH_OUT)
+
+bench-quick: bench-setup
+	@for s in $(SCENARIOS); do $(PY) -m broker.cli bench $$s --quick --out $(BENCH_OUT)/quick || exit 1; done
+	$(PY) -m broker.cli bench report --out $(BENCH_OUT)
 
 bench-peer-venv:
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"
