@@ -21,6 +21,7 @@ def bench(
     time_scale: float = typer.Option(10.0, "--time-scale", help="Slow the profiled emulation by this factor (rates fall by it; ratios do not change)."),
     seeds: int = typer.Option(3, "--seeds", min=1, max=5, help="Seeds per point (full runs; --quick uses 1)."),
     peer: Optional[bool] = typer.Option(None, "--peer/--no-peer", help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes)."),
+    arrivals: str = typer.Option("poisson", "--arrivals", help="seed/oracle/oracle-knee/overhead arrivals: poisson, or gamma:CV (bursty; BENCHMARK.md uses CV 2 and 4)."),
     models: str = typer.Option("", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."),
 ) -> None:
     """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps), or
@@ -44,12 +45,19 @@ def bench(
     if scenario not in SCENARIO_NAMES:
         typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report)", err=True)
         raise typer.Exit(2)
+    from bench.scenarios_live import parse_arrivals
+
+    try:
+        parse_arrivals(arrivals)
+    except ValueError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
     from bench import plots
     from bench import scenarios_live as live
     from bench.scenarios_report import MD
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    o = live.Opts.make(quick, time_scale=time_scale, peer=(not quick) if peer is None else peer, log=log, seed_json=str(out / "seed.json"))
+    o = live.Opts.make(quick, time_scale=time_scale, peer=(not quick) if peer is None else peer, log=log, seed_json=str(out / "seed.json"), arrivals=arrivals)
     if not quick:
         o.seeds = tuple(range(seeds))
     t0 = time.time()
@@ -60,6 +68,7 @@ def bench(
     res["runtime_s"] = round(time.time() - t0, 1)
     res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     res["quick"] = quick
+    res["arrivals"] = arrivals
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{scenario}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     md = MD[scenario](res) + f"\n\nRuntime {res['runtime_s']:.0f} s{' (--quick)' if quick else ''}.\n"

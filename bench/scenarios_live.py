@@ -44,6 +44,7 @@ class Opts:
     min_window_s: float = 8.0
     max_window_s: float = 30.0
     peer: bool = True
+    arrivals: str = "poisson"  # knee and sweep runs: poisson, or gamma:CV (bursty, BENCHMARK.md's CV 2 and 4)
     seed_json: str | None = None  # a `bench seed` result: oracle and trace take its measured S and reference
     log: Callable[[str], None] = print
     out: dict[str, Any] = field(default_factory=dict)
@@ -71,13 +72,31 @@ def run_length(o: Opts, rate: float, adaptive: bool) -> tuple[float, float]:
     return warm, warm + window + o.cooldown_s
 
 
+def parse_arrivals(spec: str) -> float | None:
+    """``poisson`` -> None; ``gamma:CV`` -> CV (> 0). Anything else: ValueError naming the fix."""
+    if spec == "poisson":
+        return None
+    kind, _, cv = spec.partition(":")
+    try:
+        if kind == "gamma" and float(cv) > 0:
+            return float(cv)
+    except ValueError:
+        pass
+    raise ValueError(f"--arrivals {spec!r}: use 'poisson' or 'gamma:CV' with CV > 0 (e.g. gamma:2, gamma:4)")
+
+
+def draw_arrivals(spec: str, rate: float, duration_s: float, seed: int) -> np.ndarray:
+    cv = parse_arrivals(spec)
+    return arr.poisson(rate, duration_s, seed) if cv is None else arr.gamma(rate, duration_s, cv, seed)
+
+
 def knee_arrivals(o: Opts, rate: float, seed: int, adaptive: bool) -> tuple[np.ndarray, float, float]:
     """(arrival times, warm-up, duration) of a knee run. Every arm draws the same arrivals for
     (rate, seed): a static arm's shorter warm-up drops the front of the adaptive arms'
     schedule, so the measured windows of both hold the same requests."""
     warm, duration = run_length(o, rate, adaptive)
     shift = o.warmup_s - warm
-    times = arr.poisson(rate, duration + shift, seed)
+    times = draw_arrivals(o.arrivals, rate, duration + shift, seed)
     return times[times >= shift] - shift, warm, duration
 
 
@@ -93,7 +112,7 @@ def _run(target: Any, model: str, rate: float, seed: int, cap_ms: float, o: Opts
     if fixed or times is not None:
         warm, duration = o.warmup_s, o.duration_s
         if times is None:
-            times = arr.poisson(rate, duration, seed)
+            times = draw_arrivals(o.arrivals, rate, duration, seed)
     else:
         times, warm, duration = knee_arrivals(o, rate, seed, dynamic or getattr(target, "kind", "") == "bentoml")
     sched = lg.plan(model, times, bodyf or body, tokens)

@@ -100,3 +100,17 @@ def test_report_keeps_the_hand_written_part(tmp_path):
     assert "stale tables" not in text
     assert text.count(results.MARKER) == 1
     assert "**0.980**" in text and "**met**" in text
+
+
+def test_arrivals_option_is_checked_and_gamma_is_burstier():
+    from bench.scenarios_live import draw_arrivals, parse_arrivals
+
+    assert parse_arrivals("poisson") is None and parse_arrivals("gamma:4") == 4.0
+    for bad in ("gamma", "gamma:0", "gamma:x", "uniform"):
+        with pytest.raises(ValueError, match="gamma:CV"):
+            parse_arrivals(bad)
+    cv = lambda t: float(np.std(np.diff(t)) / np.mean(np.diff(t)))  # noqa: E731
+    assert cv(draw_arrivals("gamma:4", 50.0, 600.0, 0)) > 2.5 > 1.3 > cv(draw_arrivals("poisson", 50.0, 600.0, 0))
+    o = Opts(arrivals="gamma:2")
+    t, _, _ = knee_arrivals(o, 20.0, 0, adaptive=True)
+    assert cv(t) > 1.4
