@@ -166,7 +166,7 @@ class ModelReplica:
         # Lazy formation (see _admit_to_batcher): requests wait at a gate while the executor is
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
         # static, or the config says the runtime's own formation is to be left alone.
-        self.hold_open = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
+        self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
         self._running = 0  # batches executing
         self._released = 0  # cost let into Serve's batcher and not running yet (forming)
         self._gate: deque[tuple[asyncio.Future, int]] = deque()  # FIFO of (waiter, cost) held back
@@ -478,7 +478,7 @@ class ModelReplica:
         the broker's own wait applies. A request cancelled at the gate (request timeout) never
         reaches the model.
         """
-        if not self.hold_open:
+        if not self.lazy_gate:
             return await self._batch(item)
         cost = int(item.cost)
         if self._gate or not self._gate_open(cost):
