@@ -69,8 +69,8 @@ EV_GPU, EV_TIMER, EV_REPORT, EV_CONTROL, EV_SAMPLE = 0, 1, 2, 3, 4
 # a request arrives (first request + batch_wait_timeout_s, or max_batch_size reached), then
 # the batch waits for a max_concurrent_batches slot; batches do NOT grow while the replica is
 # busy. "lazy" is BENCHMARK.md's quick model: the next batch forms only when a slot is free,
-# from everything queued by then. gpubroker's replicas get lazy formation on Ray 2.60 by
-# holding the forming batch open while one runs (deployments/replica.py, _hold_open).
+# from everything queued by then (up to the cap). gpubroker's replicas get lazy formation on
+# Ray 2.60 by gating requests while a batch runs (deployments/replica.py, _admit_to_batcher).
 BATCHING_MODES = ("eager", "lazy")
 
 LATENCY_SAMPLES_PER_REPORT = 512  # the replica caps the samples it sends; we keep every k-th
