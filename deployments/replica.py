@@ -65,12 +65,13 @@ def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
 class _Item:
     """One input on its way through Serve's batcher."""
 
-    __slots__ = ("value", "cost", "owner")
+    __slots__ = ("value", "cost", "owner", "let_in")
 
     def __init__(self, value: Any, cost: int, owner: "ModelReplica"):
         self.value = value
         self.cost = cost
         self.owner = owner
+        self.let_in = False  # counted in the replica's let-in-not-running cost (lazy gate)
 
 
 def batch_cost(items: list) -> int:
@@ -169,7 +170,8 @@ class ModelReplica:
         self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
         self._running = 0  # batches executing
         self._released = 0  # cost let into Serve's batcher and not running yet (forming)
-        self._gate: deque[tuple[asyncio.Future, int]] = deque()  # FIFO of (waiter, cost) held back
+        self._form_until = 0.0  # monotonic end of the forming batch's wait window
+        self._gate: deque[tuple[asyncio.Future, _Item]] = deque()  # FIFO of (waiter, item) held back
         # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
         # running batch and is NOT under this lock: holding it would keep new requests out of
         # Serve's queue for a whole batch, so the next batch would form from almost nothing.
@@ -431,7 +433,8 @@ class ModelReplica:
 
         start = time.perf_counter()
         self._running += 1
-        self._released = max(0, self._released - int(cost))
+        for item in items:  # they run now: no longer pending in the batcher
+            self._settle(item)
         try:
             return await asyncio.to_thread(split_retry, self._predict, values, on_split)
         finally:
@@ -444,24 +447,47 @@ class ModelReplica:
             d.busy_s += exec_s
 
     def _gate_open(self, cost: int) -> bool:
-        """May a request of ``cost`` enter Serve's batcher now? Only while a batch slot is free,
-        and only up to one batch's worth (the cap) at a time: more would be cut into several
-        small batches that queue for the slot and never merge."""
+        """May a request of ``cost`` enter Serve's batcher now?
+
+        Only while a batch slot is free and no batch let in earlier is still waiting to run:
+        either nothing is let in yet (this request starts a new batch), or the batch being
+        formed is inside its wait window (the broker's ``batch_wait_timeout_s`` from its first
+        request) and has room under the cap. A request let in after its batch closed would
+        start a batch of its own that queues for the slot, and every later batch would then
+        wait one batch longer (a queue of formed batches persists at any load)."""
         if self._running >= self.spec.batch.max_concurrent_batches:
             return False
-        return self._released == 0 or self._released + cost <= self.cap
+        if self._released == 0:
+            return True
+        return time.monotonic() < self._form_until and self._released + cost <= self.cap
+
+    def _let_in(self, item: _Item) -> None:
+        if self._released == 0:  # the first request of a new batch opens its wait window
+            self._form_until = time.monotonic() + max(0.0, self.settings.batch_wait_timeout_s)
+        self._released += int(item.cost)
+        item.let_in = True
+
+    def _settle(self, item: _Item) -> None:
+        """The item left the batcher's queue: it runs, or it was cancelled (Serve drops a
+        cancelled request from its batch without a word, so the gate must count it out here)."""
+        if item.let_in:
+            item.let_in = False
+            self._released = max(0, self._released - int(item.cost))
 
     def _pump(self) -> None:
-        """Release held requests, oldest first, while the gate is open."""
+        """When the slot frees and nothing let in is pending: let the held requests in, oldest
+        first, up to one cap's worth, in this event-loop turn (they form one batch)."""
+        if self._running >= self.spec.batch.max_concurrent_batches or self._released > 0:
+            return
         while self._gate:
-            fut, cost = self._gate[0]
+            fut, item = self._gate[0]
             if fut.done():  # its request timed out at the gate
                 self._gate.popleft()
                 continue
-            if not self._gate_open(cost):
+            if self._released > 0 and self._released + int(item.cost) > self.cap:
                 return
             self._gate.popleft()
-            self._released += cost
+            self._let_in(item)
             fut.set_result(None)
 
     async def _admit_to_batcher(self, item: _Item) -> Any:
@@ -480,20 +506,19 @@ class ModelReplica:
         """
         if not self.lazy_gate:
             return await self._batch(item)
-        cost = int(item.cost)
-        if self._gate or not self._gate_open(cost):
-            fut: asyncio.Future = asyncio.get_running_loop().create_future()
-            self._gate.append((fut, cost))
-            try:
+        try:
+            if self._gate or not self._gate_open(int(item.cost)):
+                fut: asyncio.Future = asyncio.get_running_loop().create_future()
+                self._gate.append((fut, item))
                 await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():  # released, then cancelled before it queued
-                    self._released = max(0, self._released - cost)
-                    self._pump()
-                raise
-        else:
-            self._released += cost
-        return await self._batch(item)
+            else:
+                self._let_in(item)
+            return await self._batch(item)
+        except asyncio.CancelledError:
+            if item.let_in:  # let in, then cancelled before its batch ran
+                self._settle(item)
+                self._pump()
+            raise
 
     # ------------------------------------------------------------------ requests
     def _validate_all(self, inputs: list) -> list[_Item] | dict[str, Any]:

@@ -135,3 +135,36 @@ def test_a_backlog_cut_by_a_small_cap_merges_when_the_cap_grows(monkeypatch, tmp
 
     sizes = asyncio.run(run())
     assert sizes == [1, 2, 28], sizes
+
+
+def test_a_request_that_times_out_inside_the_batcher_does_not_jam_the_gate(monkeypatch, tmp_path):
+    """Serve drops a cancelled request from its batch without calling the model, so the gate
+    must count it out itself: a request let in (the broker's 400 ms wait is forming its batch)
+    that times out at 150 ms must not keep the next request out."""
+    async def run() -> tuple[dict, dict, list[int]]:
+        text = (CONFIG.format(formation="lazy")
+                .replace("wait: {{min_ms: 0, max_ms: 2, initial_ms: 1}}".replace("{{", "{").replace("}}", "}"),
+                         "wait: {min_ms: 0, max_ms: 400, initial_ms: 400}")
+                .replace("slo_p95_ms: 5000", "slo_p95_ms: 5000\n    request_timeout_s: 0.15"))
+        assert "initial_ms: 400" in text and "request_timeout_s: 0.15" in text
+        core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / "to.json")
+        link = CoreLink(core)
+        monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
+        from ray.serve import batching
+
+        monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
+        r = ModelReplica.__new__(ModelReplica)
+        await r.__init__("prof", text)
+        r._report_task.cancel()
+        sizes = count_predicts(r)
+        first = await r.infer([{}])  # let in; its batch waits 400 ms to form; it times out at 150 ms
+        await asyncio.sleep(0.4)  # Serve's batcher drops it: no batch runs
+        assert r._released == 0  # counted out when it was cancelled
+        r.spec = r.spec.model_copy(update={"request_timeout_s": 5.0})
+        second = await r.infer([{}])
+        return first, second, sizes
+
+    first, second, sizes = asyncio.run(run())
+    assert first["status"] == 504, first
+    assert second["status"] == 200, second
+    assert sizes == [1], sizes
