@@ -258,9 +258,11 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
         else:
             o.log(f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; static 8 saturation: lazy {sat_lazy:.1f}/s, "
                   f"eager model {sat_model:.1f}/s; measuring it live (loose cap {loose:.0f} ms)")
-            # from just under the model's estimate (real compute shares the CPU with the HTTP
-            # path, so the model is optimistic for MiniLM), 10 % steps, three runs
-            ksat, rows_sat = sc.live_knee(lambda r: _run(st, w.model, r, 0, loose, o, w.body), 0.9 * sat_model, step=1.1,
+            # from under the model's estimate, 10 % steps, three runs; real compute (MiniLM)
+            # shares the 2 CPUs with the HTTP path, so there the model is further off (measured
+            # 32/s against 43/s): an overloaded run costs twice a passing one
+            start_sat = (0.9 if w.emulated else 0.75) * sat_model
+            ksat, rows_sat = sc.live_knee(lambda r: _run(st, w.model, r, 0, loose, o, w.body), start_sat, step=1.1,
                                           bisect_iters=0, max_runs=3, on_row=_say_row(o, "static 8 sat"))
             sat8 = ksat if ksat > 0 else sat_model
         ref = 0.5 * sat8
@@ -316,9 +318,8 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
                 # from the broker's knee (the two are close on this stack): fewer runs to bracket it
                 kp, rowsp = sc.live_knee(lambda r: _run(p, w.model, r, 0, cap, o, w.body), kb if kb > 0 else start,
                                          step=1.1, bisect_iters=1, max_runs=4 if q else 5, on_row=_say_row(o, "bentoml"))
+                # one seed (the 15-minute budget): the gain's two knees get the other seeds
                 out["bentoml"] = {"knee_rps": kp, "rows": rowsp, "max_batch_size": 128, "max_latency_ms": cap}
-                if len(o.seeds) > 1 and kp > 0:
-                    out["bentoml"]["seeds_at_knee"] = [_run(p, w.model, kp, s, cap, o, w.body).row() for s in o.seeds[1:]]
                 out["broker_vs_bentoml"] = kb / kp if kp else None
                 o.log(f"[seed] BentoML knee at 1.2·S: {kp:.1f}/s")
             finally:
