@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bench.cli_simulate import _fmt
+
 SCENARIOS = ("seed", "oracle", "oracle-knee", "burst", "overhead", "trace")
 FULL_LIMIT_S = 15 * 60
 QUICK_LIMIT_S = 3 * 60
@@ -37,11 +39,7 @@ def load(out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]
 
 
 def _f(x: Any, nd: int = 2) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
+    return _fmt(x, nd)
 
 
 def _verdict(ok: bool | None, margin: str = "") -> str:
@@ -57,6 +55,14 @@ def _seed_result(doc: dict[str, Any] | None, kind: str) -> dict[str, Any] | None
     return None
 
 
+def _vs_bentoml(label: str, r: dict[str, Any]) -> tuple[str, str, str]:
+    bvb = r.get("broker_vs_bentoml")
+    bento = (r.get("bentoml") or {}).get("knee_rps")
+    return (f"broker knee ≥ BentoML's on the same workload ({label})",
+            f"broker {_f(r['broker']['knee_rps'])}/s vs BentoML {_f(bento)}/s → **{_f(bvb)}**",
+            _verdict(None if bvb is None else bvb >= 1.0 - 1e-9, "" if bvb is None or bvb >= 1 else f"by {100 * (1 - bvb):.0f} %"))
+
+
 def targets(full: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
     """(target, measured, verdict) rows, from the full runs."""
     rows: list[tuple[str, str, str]] = []
@@ -69,20 +75,14 @@ def targets(full: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
                      f"{_f(prof['broker']['knee_rps'])}/s at 1.2·S → gain **{_f(g)}**; bound (1−2a/C)/c "
                      f"{_f(prof['bound_rps'])}/s (broker {_f(prof.get('broker_vs_bound'))} of it)",
                      _verdict(None if g is None else g >= 2.5)))
-        bvb = prof.get("broker_vs_bentoml")
-        bento = (prof.get("bentoml") or {}).get("knee_rps")
-        rows.append(("broker knee ≥ BentoML's on the same workload (profiled)",
-                     f"broker {_f(prof['broker']['knee_rps'])}/s vs BentoML {_f(bento)}/s → **{_f(bvb)}**",
-                     _verdict(None if bvb is None else bvb >= 1.0 - 1e-9,
-                              "" if bvb is None or bvb >= 1 else f"by {100 * (1 - bvb):.0f} %")))
+        rows.append(_vs_bentoml("profiled", prof))
     mini = _seed_result(seed, "minilm")
     if mini:
-        bvb = mini.get("broker_vs_bentoml")
         rows.append(("MiniLM knee next to its bound (issue: little to gain on a CPU)",
                      f"fit a = {_f(mini.get('a_nominal_ms'), 1)} ms, c = {_f(mini.get('c_nominal_ms'), 1)} ms/request; static 8 "
-                     f"{_f(mini['static8']['knee_rps'])}/s, broker {_f(mini['broker']['knee_rps'])}/s (gain {_f(mini.get('gain'))}), "
-                     f"BentoML {_f((mini.get('bentoml') or {}).get('knee_rps'))}/s (broker/BentoML {_f(bvb)}); bound {_f(mini['bound_rps'])}/s",
-                     "reported" if bvb is None else _verdict(bvb >= 1.0 - 1e-9, "broker ≥ BentoML" if bvb >= 1 else f"broker < BentoML by {100 * (1 - bvb):.0f} %")))
+                     f"{_f(mini['static8']['knee_rps'])}/s at S = {_f(mini['S_ms'], 0)} ms, broker {_f(mini['broker']['knee_rps'])}/s "
+                     f"(gain {_f(mini.get('gain'))}); bound {_f(mini['bound_rps'])}/s", "reported"))
+        rows.append(_vs_bentoml("MiniLM", mini))
     ok = full.get("oracle-knee")
     if ok:
         if prof and ok.get("oracle_knee_rps"):  # the broker's knee from this seed run, not the one oracle-knee started from

@@ -33,9 +33,10 @@ models:
 """
 
 
-async def _run(formation: str, monkeypatch, tmp_path) -> list[int]:
-    text = CONFIG.format(formation=formation)
-    core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / f"{formation}.json")
+async def _replica(text: str, monkeypatch, ckpt) -> tuple[ModelReplica, list[int]]:
+    """A replica on Serve's real batcher beside an in-process broker core; the sizes of the
+    batches it runs from now on."""
+    core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=ckpt)
     link = CoreLink(core)
     monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
     from ray.serve import batching
@@ -44,7 +45,12 @@ async def _run(formation: str, monkeypatch, tmp_path) -> list[int]:
     r = ModelReplica.__new__(ModelReplica)
     await r.__init__("prof", text)
     r._report_task.cancel()
-    sizes = count_predicts(r)
+    return r, count_predicts(r)
+
+
+async def _run(formation: str, monkeypatch, tmp_path) -> list[int]:
+    text = CONFIG.format(formation=formation)
+    r, sizes = await _replica(text, monkeypatch, tmp_path / f"{formation}.json")
     sizes.clear()
 
     async def stream(n: int, gap_s: float) -> list[dict]:
@@ -77,16 +83,7 @@ def test_a_backlog_leaves_in_one_batch_up_to_the_cap(monkeypatch, tmp_path):
     paying the fixed cost, and they never merge."""
     async def burst(formation: str) -> list[int]:
         text = CONFIG.format(formation=formation)
-        core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / f"b-{formation}.json")
-        link = CoreLink(core)
-        monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
-        from ray.serve import batching
-
-        monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
-        r = ModelReplica.__new__(ModelReplica)
-        await r.__init__("prof", text)
-        r._report_task.cancel()
-        sizes = count_predicts(r)
+        r, sizes = await _replica(text, monkeypatch, tmp_path / f"b-{formation}.json")
         first = asyncio.ensure_future(r.infer([{}]))
         await asyncio.sleep(0.03)  # the first batch is running
         rest = []
@@ -111,17 +108,8 @@ def test_a_backlog_cut_by_a_small_cap_merges_when_the_cap_grows(monkeypatch, tmp
     slot, and no later cap could merge them: the backlog a slow start leaves would persist.)"""
     async def run() -> list[int]:
         text = CONFIG.format(formation="lazy").replace("initial: 64", "initial: 2")
-        core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / "cap.json")
-        link = CoreLink(core)
-        monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
-        from ray.serve import batching
-
-        monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
-        r = ModelReplica.__new__(ModelReplica)
-        await r.__init__("prof", text)
-        r._report_task.cancel()
+        r, sizes = await _replica(text, monkeypatch, tmp_path / "cap.json")
         assert r.cap == 2
-        sizes = count_predicts(r)
         first = asyncio.ensure_future(r.infer([{}]))
         await asyncio.sleep(0.01)
         rest = [asyncio.ensure_future(r.infer([{}])) for _ in range(30)]
@@ -147,16 +135,7 @@ def test_a_request_that_times_out_inside_the_batcher_does_not_jam_the_gate(monke
                          "wait: {min_ms: 0, max_ms: 400, initial_ms: 400}")
                 .replace("slo_p95_ms: 5000", "slo_p95_ms: 5000\n    request_timeout_s: 0.15"))
         assert "initial_ms: 400" in text and "request_timeout_s: 0.15" in text
-        core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / "to.json")
-        link = CoreLink(core)
-        monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
-        from ray.serve import batching
-
-        monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
-        r = ModelReplica.__new__(ModelReplica)
-        await r.__init__("prof", text)
-        r._report_task.cancel()
-        sizes = count_predicts(r)
+        r, sizes = await _replica(text, monkeypatch, tmp_path / "to.json")
         first = await r.infer([{}])  # let in; its batch waits 400 ms to form; it times out at 150 ms
         await asyncio.sleep(0.4)  # Serve's batcher drops it: no batch runs
         assert r._released == 0  # counted out when it was cancelled
