@@ -28,3 +28,14 @@ def test_screen_ranks_the_grid_and_keeps_distinct_candidates():
     cfg = parse_config_text(sc.fleet_yaml({w.model: w.spec(cap - HTTP_MS)}, broker_name="t"))
     s8 = run_at(cfg, "static:8:100", 45.0, RunSettings(duration_s=60.0, warmup_s=5.0, drain_s=2.0, batching="eager"))
     assert best["sim_goodput_rps"] > s8.models[w.model].goodput_rps
+
+
+def test_knee_screen_picks_distinct_arms_by_simulated_knee():
+    from bench.scenarios_live import screen_knees
+
+    w = profiled_workload(10.0)
+    got = screen_knees(w, 688.0, 60.0, 3, Opts(time_scale=10.0))
+    knees = [c["sim_knee_rps"] for c in got]
+    assert len(got) == 3 and knees == sorted(knees, reverse=True) and len(set(knees)) == 3
+    # the best arm's wait fits well inside the cap (a 500 ms wait alone nearly fills 688 ms)
+    assert got[0]["wait_ms"] < 500 and got[0]["sim_knee_rps"] > 40
