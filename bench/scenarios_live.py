@@ -40,9 +40,9 @@ class Opts:
     cooldown_s: float = 1.0
     # Knee runs size their measured window by the rate: at least min_requests in it, within
     # [min_window_s, max_window_s] (a P95 needs ~100+ samples; a fast arm needs only seconds).
-    min_requests: int = 200
+    min_requests: int = 180
     min_window_s: float = 8.0
-    max_window_s: float = 24.0
+    max_window_s: float = 20.0
     peer: bool = True
     arrivals: str = "poisson"  # knee and sweep runs: poisson, or gamma:CV (bursty, BENCHMARK.md's CV 2 and 4)
     seed_json: str | None = None  # a `bench seed` result: oracle and trace take its measured S and reference
