@@ -354,7 +354,6 @@ class ModelReplica:
         self.cap = max(1, new.max_batch_size)
         self._batch.set_max_batch_size(self.cap)
         self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
-        self._pump()  # held requests go in if the slot is free and nothing let in is pending
         if new.grant_bytes != old.grant_bytes or old.version == 0:
             self._enforce(new)
         if new.admit:
