@@ -435,7 +435,7 @@ models:
 
 
 def test_broker_core_feeds_its_metrics():
-    from broker.actor import BrokerCore
+    from broker.core import BrokerCore
 
     t = [1000.0]
     m = BrokerMetrics(CollectorRegistry(), gpu="cpu")

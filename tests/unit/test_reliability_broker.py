@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from broker import checkpoint as ckpt_mod
-from broker.actor import BrokerCore
+from broker.core import BrokerCore
 from broker.checkpoint import load_checkpoint
 from quotas.ledger import QuotaLedger
 from tests.chaos.harness import record

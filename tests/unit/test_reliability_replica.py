@@ -13,7 +13,7 @@ import gc
 import time
 
 
-from broker.actor import BrokerCore
+from broker.core import BrokerCore
 from deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink, FakeProbe, classify, record, rss_bytes
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.actor import BrokerCore
+from broker.core import BrokerCore
 from deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink
 from tests.unit.test_reliability_replica import count_predicts

@@ -1,0 +1,473 @@
+"""The broker core: everything the broker does, without Ray.
+
+``BrokerCore`` takes the clock (and metrics, checkpoint path) as arguments, so the same
+object runs inside the Ray actor (``broker.actor``), in unit tests on a fake clock and in the
+simulator (``bench.sim``) on its virtual clock. Replicas (or the simulator's emulated
+replicas) call ``register`` once and ``report`` every report interval, and get their settings
+back in the reply; ``tick`` runs one slow-loop step; ``apply`` swaps the config; ``status``
+is the JSON-safe view.
+
+Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.policy.decide`` ->
+versioned settings table (a model's version bumps only when its settings change) ->
+checkpoint (``broker.checkpoint``) -> decision log (bounded; one entry and one log line
+per change, with its inputs, result and reason).
+
+``status()`` returns a JSON-safe dict::
+
+    {"config_hash", "launch_hash", "profile", "price_per_gpu_hour", "dry_run", "now_s",
+     "capacity_bytes", "usable_bytes", "granted_bytes", "used_bytes", "free_frac",
+     "ticks", "last_tick_s", "restored", "checkpoint_path",
+     "models": {name: {"grant_bytes", "base_bytes", "used_bytes", "max_batch_size",
+                       "batch_wait_timeout_s", "queue_depth", "p50_ms", "p95_ms", "p99_ms",
+                       "slo_p95_ms", "attainment", "arrival_rate_rps", "completion_rate_rps",
+                       "settings_version", "replicas", "admit", "cost_per_1k_requests",
+                       "cost_unit", "calibrated", "emergency_shrinks", "oom_splits"}}}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry
+
+from broker import policy
+from broker.decision_log import finite, settings_entry, settings_view
+from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from broker.metrics import BrokerMetrics
+from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
+from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
+from broker.window import ReportWindow
+from quotas.config import ConfigError, FleetConfig, parse_config_text
+from quotas.sizes import format_size
+
+logger = logging.getLogger("gpubroker.broker")
+
+CHECKPOINT_DECISIONS = 300  # decision-log entries kept in a checkpoint
+REPLICA_STALE_S = 10.0  # a replica silent this long no longer counts in `replicas`
+
+
+
+@dataclass
+class _Tally:
+    """One report's contribution to status-only aggregates (attainment, cost)."""
+
+    t_s: float
+    completions: int
+    under_slo: float
+    misses: int  # rejections + timeouts
+    busy_s: float
+
+
+class BrokerCore:
+    """The broker without Ray. Not thread-safe: the actor calls it from one event loop."""
+
+    def __init__(
+        self,
+        config_text: str,
+        *,
+        capacity_bytes: int | None = None,
+        checkpoint_path: str | Path | None = None,
+        clock: Callable[[], float] = time.time,
+        metrics: BrokerMetrics | None = None,
+    ) -> None:
+        self._clock = clock
+        cfg = parse_config_text(config_text, "broker config")
+        # Prometheus metrics (broker/metrics.py); a private registry so one process may hold several cores.
+        self.metrics = metrics if metrics is not None else BrokerMetrics(CollectorRegistry(), gpu=cfg.gpu.device)
+        self._launch_hash = cfg.config_hash()
+        self._launch_text = config_text
+        if capacity_bytes is None:
+            capacity_bytes = cfg.gpu.capacity_bytes
+        if capacity_bytes is None:
+            raise ValueError(
+                "gpu.capacity is 'auto' and no capacity_bytes was given; the core does not probe hardware. "
+                "Pass the measured capacity (broker.actor does) or set gpu.capacity in the config"
+            )
+        self._capacity = int(capacity_bytes)
+        self._checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self._decisions: deque[dict[str, Any]] = deque(maxlen=cfg.broker.decision_log_size)
+        self._seq = 0
+        self._ticks = 0
+        self._last_tick_s: float | None = None
+        self._last_snapshot: FleetSnapshot | None = None
+        self._last_decision: FleetDecision | None = None
+        self._memory_models: dict[str, tuple[int, float]] = {}
+        self._cost_units: dict[str, str] = {}
+        self._replicas: dict[str, dict[str, float]] = {}  # model -> replica_id -> last seen
+        self._replica_free: dict[str, tuple[float, float | None, float | None]] = {}  # rid -> (t, free, sm)
+        self._tallies: dict[str, deque[_Tally]] = {}
+        self._events: dict[str, dict[str, int]] = {}
+        self.restored = False
+        self._install(cfg, config_text)
+        restored = self._restore()
+        if not restored:
+            self._state = policy.initial_state(cfg, self._usable)
+            self._settings = {name: self._initial_settings(name) for name in cfg.models}
+        self.checkpoint_now()
+
+    # ---------------------------------------------------------------- config & state
+    def _install(self, cfg: FleetConfig, text: str) -> None:
+        self._cfg = cfg
+        self._config_text = text
+        self._config_hash = cfg.config_hash()
+        self._usable = cfg.usable_bytes(self._capacity)
+        self._window = ReportWindow(cfg)
+        for name in cfg.models:
+            self._tallies.setdefault(name, deque())
+            self._replicas.setdefault(name, {})
+            self._events.setdefault(name, {"emergency_shrinks": 0, "oom_splits": 0})
+
+    def _max_ongoing(self, name: str) -> int:
+        spec = self._cfg.models[name]
+        return max(spec.batch.ceiling * spec.batch.max_concurrent_batches, spec.max_queued)
+
+    def _initial_settings(self, name: str) -> ModelSettings:
+        return self._policy_settings(self._state, name)
+
+    def _policy_settings(self, state: Any, name: str) -> ModelSettings:
+        """The policy's versioned settings (its version numbers gate two-phase confirms)."""
+        s = policy.settings_for(state, name, self._cfg)
+        return replace(s, max_ongoing_requests=s.max_ongoing_requests or self._max_ongoing(name))
+
+    def _restore(self) -> bool:
+        if self._checkpoint_path is None:
+            return False
+        try:
+            ckpt = load_checkpoint(self._checkpoint_path)
+        except ValueError as exc:
+            self._log_event("restore", f"checkpoint unreadable, starting fresh: {exc}")
+            return False
+        if ckpt is None:
+            return False
+        if ckpt.launch_hash != self._launch_hash and ckpt.config_hash != self._launch_hash:
+            self._log_event(
+                "restore",
+                f"checkpoint is for config {ckpt.config_hash} (launched {ckpt.launch_hash}), this broker runs "
+                f"{self._launch_hash}: starting fresh from the new config",
+            )
+            return False
+        try:
+            cfg = parse_config_text(ckpt.config_text, "checkpoint")
+            self._install(cfg, ckpt.config_text)
+            self._state = policy.PolicyState.from_dict(ckpt.policy_state)
+            self._settings = {name: ModelSettings(**d) for name, d in ckpt.settings.items() if name in cfg.models}
+            for name in cfg.models:
+                self._settings.setdefault(name, self._initial_settings(name))
+        except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not keep the broker down
+            self._install(parse_config_text(self._launch_text, "broker config"), self._launch_text)
+            self._log_event("restore", f"checkpoint could not be applied ({exc!r}); starting fresh")
+            return False
+        self._memory_models = {k: (int(v[0]), float(v[1])) for k, v in ckpt.memory_models.items()}
+        self._cost_units = dict(ckpt.cost_units)
+        for entry in ckpt.decisions:
+            self._decisions.append(entry)
+        self._seq = max(ckpt.decision_seq, self._seq)
+        self.restored = True
+        self._log_event("restore", f"resumed from checkpoint saved at {ckpt.saved_at_s:.3f} (config {ckpt.config_hash})")
+        return True
+
+    # ---------------------------------------------------------------- replica RPCs
+    def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None) -> dict[str, Any]:
+        self._require_model(model)
+        cal = calibration or {}
+        weights = cal.get("weights_bytes")
+        per_unit = cal.get("bytes_per_unit", cal.get("bytes_per_item"))
+        if weights is not None and per_unit is not None:
+            self._memory_models[model] = (int(weights), float(per_unit))
+        if cal.get("cost_unit"):
+            self._cost_units[model] = str(cal["cost_unit"])
+        self._replicas[model][replica_id] = self._clock()
+        self._log_event(
+            "register",
+            f"{model} replica {replica_id} registered"
+            + (f": weights {format_size(weights)}, {per_unit:.0f} B/unit" if weights is not None and per_unit is not None else ""),
+            model=model,
+        )
+        return self._settings[model].to_dict()
+
+    def report(self, report: dict[str, Any]) -> dict[str, Any]:
+        rep = StatsReport.from_dict(report)
+        self._require_model(rep.model)
+        self.metrics.observe_report(rep)
+        now = self._clock()
+        self._window.add(rep, now)
+        self._replicas[rep.model][rep.replica_id] = now
+        self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
+        slo = self._cfg.models[rep.model].slo_p95_ms * self._slack()
+        under = 0.0
+        if rep.latency_ms and rep.completions:
+            share = sum(1 for x in rep.latency_ms if x <= slo) / len(rep.latency_ms)
+            under = share * rep.completions
+        self._tallies[rep.model].append(_Tally(now, rep.completions, under, rep.rejections + rep.timeouts, rep.busy_s))
+        ev = self._events[rep.model]
+        ev["emergency_shrinks"] += rep.emergency_shrinks
+        ev["oom_splits"] += rep.oom_splits
+        return self._settings[rep.model].to_dict()
+
+    def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
+        """Rejections the ingress made itself (Serve's queue full, a replica gone): counted like a
+        replica's own in status, the window and the metrics. Unknown models are ignored."""
+        now = self._clock()
+        taken = {}
+        for model, n in counts.items():
+            if model not in self._cfg.models or int(n) <= 0:
+                continue
+            self._window.add_rejections(model, int(n), now)
+            self._tallies[model].append(_Tally(now, 0, 0.0, int(n), 0.0))
+            self.metrics.observe_rejections(model, int(n))
+            taken[model] = int(n)
+        return {"counted": taken}
+
+    def _require_model(self, model: str) -> None:
+        if model not in self._cfg.models:
+            raise KeyError(f"unknown model '{model}'; the broker manages {', '.join(self._cfg.models)}")
+
+    # ---------------------------------------------------------------- slow loop
+    def _gpu_load(self, now: float) -> GpuLoad:
+        used = 0
+        snap = self._last_snapshot
+        if snap is not None:
+            used = sum(m.mem_used_bytes for m in snap.models.values())
+        fresh = [(f, s) for (t, f, s) in self._replica_free.values() if now - t <= REPLICA_STALE_S]
+        sms = [s for _, s in fresh if s is not None]
+        measured = max(0.0, 1.0 - used / self._capacity) if self._capacity else 1.0
+        on_card = self._cfg.gpu.device.startswith("cuda") or (self._cfg.gpu.device == "auto" and bool(sms))
+        if not on_card:
+            # Host quotas: a replica reports the free share of *its own grant* (its fast loop's
+            # business); the pool's free share is what the replicas' measured use leaves.
+            free_frac = measured
+        else:  # on a card every replica reads the same NVML free share; take the most recent low
+            frees = [f for f, _ in fresh if f is not None]
+            free_frac = min(frees) if frees else measured
+        return GpuLoad(self._capacity, self._usable, used, free_frac, max(sms) if sms else None)
+
+    def tick(self) -> dict[str, Any]:
+        """One control step: snapshot -> decide -> settings table -> checkpoint -> decision log."""
+        started = time.perf_counter()
+        now = self._clock()
+        gpu = self._gpu_load(now)
+        snap = self._window.snapshot(now, gpu, dict(self._memory_models))
+        # Recompute used from this snapshot (the first _gpu_load used the previous one).
+        used = sum(m.mem_used_bytes for m in snap.models.values())
+        if used != gpu.used_bytes:
+            gpu = replace(gpu, used_bytes=used)
+            snap = replace(snap, gpu=gpu)
+        decision, new_state = policy.decide(snap, self._cfg, self._state)
+        self._state = new_state
+        self._last_snapshot, self._last_decision = snap, decision
+        self._ticks += 1
+        self._last_tick_s = now
+        dry = self._cfg.broker.dry_run
+        changed: list[str] = []
+        for name, md in decision.models.items():
+            if name not in self._settings:
+                continue
+            old = self._settings[name]
+            new = self._policy_settings(new_state, name)
+            if md.changed or settings_view(new) != settings_view(old):
+                self._append(*settings_entry(now, name, old, new, md, snap.models.get(name), dry))
+            if new != old and not dry:
+                self._settings[name] = new  # version from the policy: bumps only on change
+                changed.append(name)
+        for move in decision.moves:
+            self._append(
+                {"kind": "move", "time_s": now, "model": move.recipient or move.donor, "move": move.kind,
+                 "donor": move.donor, "recipient": move.recipient, "amount_bytes": move.amount_bytes,
+                 "reason": move.reason, "dry_run": dry},
+                f"quota {move.kind}: {move.donor or '-'} -> {move.recipient or '-'} {format_size(move.amount_bytes)} ({move.reason})",
+            )
+        for note in decision.notes:
+            self._log_event("note", note)
+        self._check_grants()
+        self.checkpoint_now()
+        tick_s = time.perf_counter() - started
+        self.metrics.observe_tick(decision, self.status(), tick_s)
+        return {"ok": True, "now_s": now, "changed": changed, "profile": decision.profile, "dry_run": dry}
+
+    def _check_grants(self) -> None:
+        total = sum(s.grant_bytes for s in self._settings.values())
+        if total > self._usable:
+            self._log_event("invariant", f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}")
+
+    # ---------------------------------------------------------------- decision log
+    def _append(self, entry: dict[str, Any], line: str) -> None:
+        self._seq += 1
+        entry = {"seq": self._seq, **entry}
+        self._decisions.append(entry)
+        logger.info("decision #%d %s", self._seq, line)
+
+    def _log_event(self, kind: str, message: str, model: str | None = None) -> None:
+        self._append({"kind": kind, "time_s": self._clock(), "model": model, "reason": message}, f"[{kind}] {message}")
+
+    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self._decisions if e["seq"] > since_seq and (model is None or e.get("model") == model)]
+
+    # ---------------------------------------------------------------- apply
+    def apply(self, config_text: str) -> dict[str, Any]:
+        """``_apply`` and the reload metrics (success, time, failures, config hash in force)."""
+        out = self._apply(config_text)
+        self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
+        return out
+
+    def _apply(self, config_text: str) -> dict[str, Any]:
+        """Validate and swap in a new config; on any problem the running one stays."""
+        old_hash = self._config_hash
+        try:
+            cfg = parse_config_text(config_text, "apply")
+        except ConfigError as exc:
+            return {"ok": False, "config_hash": old_hash, "issues": [str(i) for i in exc.issues]}
+        issues = redeploy_issues(self._cfg, cfg) + weights_issues(cfg, self._memory_models)
+        if issues:
+            self._log_event("apply", f"refused config {cfg.config_hash()}: {'; '.join(issues)}")
+            return {"ok": False, "config_hash": old_hash, "issues": issues}
+        if cfg.config_hash() == old_hash:
+            return {"ok": True, "config_hash": old_hash, "issues": [], "notes": ["config unchanged"]}
+        try:
+            usable = cfg.usable_bytes(self._capacity)
+            total_base = sum(m.quota.base for m in cfg.models.values())
+            if total_base > usable:
+                raise ValueError(f"sum of quota.base {format_size(total_base)} exceeds usable {format_size(usable)}")
+            state = _reconfigure_state(self._state, cfg, usable)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the old config in place
+            self._log_event("apply", f"refused config {cfg.config_hash()}: {exc}")
+            return {"ok": False, "config_hash": old_hash, "issues": [str(exc)]}
+        notes = next_up_notes(self._cfg, cfg)
+        old_window = self._window
+        self._install(cfg, config_text)
+        if hasattr(old_window, "reconfigure"):  # keep the report history where the window allows it
+            old_window.reconfigure(cfg)
+            self._window = old_window
+        self._decisions = deque(self._decisions, maxlen=cfg.broker.decision_log_size)
+        self._state = state
+        for name in cfg.models:
+            self._settings[name] = self._policy_settings(state, name)
+        self._log_event("apply", f"config {old_hash} -> {self._config_hash}" + (f" ({'; '.join(notes)})" if notes else ""))
+        self.checkpoint_now()
+        return {"ok": True, "config_hash": self._config_hash, "issues": [], "notes": notes}
+
+    # ---------------------------------------------------------------- checkpoint
+    def checkpoint_now(self) -> dict[str, Any]:
+        if self._checkpoint_path is None:
+            return {"ok": False, "path": None}
+        ckpt = Checkpoint(
+            config_text=self._config_text,
+            config_hash=self._config_hash,
+            launch_hash=self._launch_hash,
+            policy_state=self._state.to_dict(),
+            settings={k: v.to_dict() for k, v in self._settings.items()},
+            memory_models={k: [v[0], v[1]] for k, v in self._memory_models.items()},
+            cost_units=dict(self._cost_units),
+            decisions=list(self._decisions)[-CHECKPOINT_DECISIONS:],
+            decision_seq=self._seq,
+            saved_at_s=self._clock(),
+        )
+        save_checkpoint(self._checkpoint_path, ckpt)
+        return {"ok": True, "path": str(self._checkpoint_path), "saved_at_s": ckpt.saved_at_s}
+
+    # ---------------------------------------------------------------- status
+    def _slack(self) -> float:
+        name = self._profile_name()
+        for p in self._cfg.profiles.schedule:
+            if p.name == name:
+                return p.latency_slack
+        return 1.0
+
+    def _profile_name(self) -> str:
+        if self._last_decision is not None:
+            return self._last_decision.profile
+        return self._cfg.profiles.default_profile.name
+
+    def _price(self) -> float:
+        name = self._profile_name()
+        for p in self._cfg.profiles.schedule:
+            if p.name == name:
+                return p.price_per_gpu_hour
+        return self._cfg.profiles.default_profile.price_per_gpu_hour
+
+    def status(self) -> dict[str, Any]:
+        now = self._clock()
+        snap = self._last_snapshot
+        price = self._price()
+        models = {}
+        for name, spec in self._cfg.models.items():
+            s = self._settings[name]
+            load = snap.models.get(name) if snap is not None else None
+            window_s = spec.control.window_s
+            tallies = self._tallies[name]
+            while tallies and now - tallies[0].t_s > window_s:
+                tallies.popleft()
+            completions = sum(t.completions for t in tallies)
+            misses = sum(t.misses for t in tallies)
+            under = sum(t.under_slo for t in tallies)
+            busy = sum(t.busy_s for t in tallies)
+            total = completions + misses
+            seen = self._replicas.get(name, {})
+            models[name] = {
+                "grant_bytes": s.grant_bytes,
+                "base_bytes": spec.quota.base,
+                "used_bytes": load.mem_used_bytes if load else 0,
+                "max_batch_size": s.max_batch_size,
+                "batch_wait_timeout_s": s.batch_wait_timeout_s,
+                "batch_unit": spec.batch.unit,
+                "queue_depth": load.queue_depth if load else 0,
+                "p50_ms": finite(load.p50_ms) if load else None,
+                "p95_ms": finite(load.p95_ms) if load else None,
+                "p99_ms": finite(load.p99_ms) if load else None,
+                "slo_p95_ms": spec.slo_p95_ms * self._slack(),
+                "attainment": (under / total) if total else None,
+                "completions": completions,
+                "misses": misses,
+                "arrival_rate_rps": load.arrival_rate_rps if load else 0.0,
+                "completion_rate_rps": load.completion_rate_rps if load else 0.0,
+                "settings_version": s.version,
+                "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
+                "admit": s.admit,
+                "cost_per_1k_requests": (price * busy / 3600.0 / completions * 1000.0) if completions else None,
+                "cost_unit": self._cost_units.get(name, spec.batch.unit),
+                "calibrated": name in self._memory_models,
+                "emergency_shrinks": self._events[name]["emergency_shrinks"],
+                "oom_splits": self._events[name]["oom_splits"],
+            }
+        gpu = snap.gpu if snap is not None else None
+        return {
+            "config_hash": self._config_hash,
+            "launch_hash": self._launch_hash,
+            "profile": self._profile_name(),
+            "price_per_gpu_hour": price,
+            "dry_run": self._cfg.broker.dry_run,
+            "device": self._cfg.gpu.device,
+            "now_s": now,
+            "capacity_bytes": self._capacity,
+            "usable_bytes": self._usable,
+            "granted_bytes": sum(m["grant_bytes"] for m in models.values()),
+            "used_bytes": gpu.used_bytes if gpu else 0,
+            "free_frac": gpu.free_frac if gpu else None,
+            "ticks": self._ticks,
+            "last_tick_s": self._last_tick_s,
+            "restored": self.restored,
+            "checkpoint_path": str(self._checkpoint_path) if self._checkpoint_path else None,
+            "decision_seq": self._seq,
+            "models": models,
+        }
+
+    @property
+    def config(self) -> FleetConfig:
+        return self._cfg
+
+    def settings(self, model: str) -> dict[str, Any]:
+        self._require_model(model)
+        return self._settings[model].to_dict()
+
+
+# -------------------------------------------------------------------- helpers
+def _reconfigure_state(state: Any, cfg: FleetConfig, usable: int) -> Any:
+    """Carry the policy state over to a new config: ``QuotaLedger.reconfigure`` inside (may raise)."""
+    new_state = policy.reconfigure_state(state, cfg, usable)
+    new_state.ledger.check()
+    return new_state

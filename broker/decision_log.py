@@ -1,0 +1,56 @@
+"""Decision-log entries: pure builders for what the broker logs of each settings change."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from broker.types import ModelDecision, ModelLoad, ModelSettings
+
+
+def finite(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def settings_view(s: ModelSettings) -> dict[str, Any]:
+    return {
+        "max_batch_size": s.max_batch_size,
+        "batch_wait_timeout_s": round(s.batch_wait_timeout_s, 6),
+        "grant_bytes": s.grant_bytes,
+        "admit": s.admit,
+    }
+
+
+def settings_entry(now: float, name: str, old: ModelSettings, new: ModelSettings, md: ModelDecision,
+                   load: ModelLoad | None, dry: bool) -> tuple[dict[str, Any], str]:
+    """One settings change for the decision log: the entry (inputs, old, new, trigger) and its log line."""
+    inputs = {}
+    if load is not None:
+        inputs = {
+            "queue_depth": load.queue_depth,
+            "arrival_rate_rps": round(load.arrival_rate_rps, 3),
+            "p95_ms": None if load.p95_ms is None else round(load.p95_ms, 2),
+            "busy_frac": round(load.busy_frac, 3),
+            "mem_used_bytes": load.mem_used_bytes,
+            "replicas": load.replicas,
+        }
+    entry = {
+        "kind": "settings",
+        "time_s": now,
+        "model": name,
+        "trigger": md.trigger,
+        "trigger_value": finite(md.trigger_value),
+        "reason": md.reason,
+        "inputs": inputs,
+        "old": settings_view(old),
+        "new": settings_view(new),
+        "dry_run": dry,
+    }
+    diff = ", ".join(
+        f"{k} {entry['old'][k]}->{entry['new'][k]}" for k in entry["new"] if entry["old"][k] != entry["new"][k]
+    )
+    return entry, (f"{name}: {diff or 'no change'} [{md.trigger}={entry['trigger_value']}] {md.reason}"
+                 + (" (dry run)" if dry else ""))
