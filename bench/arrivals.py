@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 TRACE_ENV = "GPUBROKER_TRACE"
-_REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = _REPO.parent / "shared" / "data" / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
+# The trace is vendored in the repo (and shipped as package data): see bench/data/azure-llm-2023/README.md.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
 
 
 def _check(rate: float, duration_s: float) -> None:
@@ -70,7 +70,7 @@ def gamma(rate: float, duration_s: float, cv: float, seed: int = 0) -> np.ndarra
 
 
 def trace_path(path: str | os.PathLike | None = None) -> Path:
-    """The trace file: ``path``, else env GPUBROKER_TRACE, else ../shared/data/... next to the repo."""
+    """The trace file: ``path``, else env GPUBROKER_TRACE, else the vendored copy (``DEFAULT_TRACE``)."""
     if path is not None:
         return Path(path)
     env = os.environ.get(TRACE_ENV)
@@ -88,7 +88,8 @@ def load_trace(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.nd
         return _TRACE_CACHE[key]
     if not p.exists():
         raise FileNotFoundError(
-            f"arrival trace {p} not found; put AzureLLMInferenceTrace_code.csv there or set {TRACE_ENV}=/path/to/it"
+            f"arrival trace {p} not found; the repo ships it as {DEFAULT_TRACE} (restore it from git), "
+            f"or set {TRACE_ENV}=/path/to/AzureLLMInferenceTrace_code.csv"
         )
     stamps: list[str] = []
     tokens: list[int] = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -32,9 +34,16 @@ def test_same_seed_same_arrivals_and_different_seed_differs():
     assert not np.array_equal(arr.poisson(50, 10, 3), arr.poisson(50, 10, 4))
 
 
-def test_trace_scales_to_target_rate_and_returns_context_tokens():
-    if not arr.trace_path().exists():  # the trace lives outside the repo (../shared/data or GPUBROKER_TRACE)
-        pytest.skip(f"Azure trace not found at {arr.trace_path()}; set GPUBROKER_TRACE to its path")
+def test_the_vendored_trace_is_in_the_repo(monkeypatch):
+    monkeypatch.delenv(arr.TRACE_ENV, raising=False)
+    assert arr.trace_path() == arr.DEFAULT_TRACE
+    assert arr.DEFAULT_TRACE.is_relative_to(Path(arr.__file__).resolve().parent)  # inside bench/, not ../shared
+    gaps, tokens = arr.load_trace()
+    assert len(gaps) == len(tokens) == 8819  # every row of the code trace (row 0's gap is the mean, for wrap-around)
+
+
+def test_trace_scales_to_target_rate_and_returns_context_tokens(monkeypatch):
+    monkeypatch.delenv(arr.TRACE_ENV, raising=False)
     gaps, tokens = arr.load_trace()
     n = len(gaps)
     for rate in (20.0, 300.0):
