@@ -48,20 +48,9 @@ from dataclasses import dataclass
 
 from broker.latency_model import LatencyFit
 from broker.profiles import BATCH_HEADROOM, RHO_MAX
+from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
 from quotas.config import ModelSpec
-
-
-@dataclass(frozen=True)
-class BatchWant:
-    cap: int  # wanted batch cap before guard-rails
-    wait_s: float  # wanted wait timeout (already inside [min_ms, max_ms])
-    admit: bool
-    trigger: str  # metric that drove it
-    value: float  # its value
-    rule: str  # rule name
-    reason: str  # human explanation
-    safety: bool = False  # emergency / breach: bypasses the anti-oscillation hold
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,15 @@ uncalibrated model neither borrows nor is sized (it keeps its base).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from broker.memory_model import MemoryModel
+from broker.state import BatchWant, ModelState
 from broker.types import FleetSnapshot, ModelLoad, QuotaMove
 from quotas.config import FleetConfig
 from quotas.ledger import LedgerError, QuotaLedger
 from quotas.sizes import format_size
 
-if TYPE_CHECKING:  # pragma: no cover
-    from broker.batch_rules import BatchWant
-    from broker.policy import ModelState
 
 WORKING_SET_MARGIN = 1.1
 

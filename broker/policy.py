@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
-from broker.batch_rules import BatchWant, RuleContext, decide_batch
-from broker.latency_model import LatencyFit, fit_latency
+from broker.batch_rules import RuleContext, decide_batch
+from broker.latency_model import fit_latency
 from broker.lending import plan_quota
 from broker.memory_model import MemoryModel
 from broker.profiles import active_profile
+from broker.state import BatchWant, ModelState
 from broker.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
 from quotas.config import FleetConfig, ModelSpec
 from quotas.ledger import ModelQuota, QuotaLedger
@@ -31,30 +32,6 @@ from quotas.ledger import ModelQuota, QuotaLedger
 BAND_SCALE_MAX = 4.0
 HOLD_MAX_TICKS = 8
 EMERGENCY_RECOVERY_TICKS = 5
-
-
-@dataclass(frozen=True)
-class ModelState:
-    max_batch: int
-    wait_s: float
-    admit: bool = True
-    version: int = 1
-    last_dir: int = 0  # direction of the last cap change: -1, 0, +1
-    last_change_s: float = float("-inf")
-    reversals: tuple[float, ...] = ()  # times of direction reversals (pruned to the window)
-    band_scale: float = 1.0  # dead band widening factor from anti-oscillation
-    hold_s: float = 0.0  # minimum time between non-safety changes
-    last_reversal_s: float = float("-inf")
-    last_arrival_s: float | None = None  # last tick that saw arrivals or queue
-    loaded_since_s: float | None = None  # start of the current busy spell (for reclaim hysteresis)
-    quiet_since_s: float | None = None  # start of the current low-utilisation spell (for lending)
-    emergency_s: float = float("-inf")  # last memory emergency
-    paused_since_s: float | None = None  # admission paused since (None: admitting)
-    fit: tuple[float, float, int] | None = None  # (a_ms, c_ms, samples) of the latency model
-
-    @property
-    def latency_fit(self) -> LatencyFit | None:
-        return None if self.fit is None else LatencyFit(*self.fit)
 
 
 @dataclass(frozen=True)
