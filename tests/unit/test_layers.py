@@ -1,0 +1,257 @@
+"""Import contract: the layers' arrows run one way, pure code stays pure, no cycles, small files.
+
+Every ``.py`` under the five packages is parsed (not imported), and every ``import`` in it
+counts: at module level, inside functions and under ``if TYPE_CHECKING:``. A lazy import
+is still an arrow.
+
+    quotas -> nothing of ours
+    broker -> quotas
+    deployments -> broker, quotas
+    bench -> deployments, broker, quotas (never the CLI)
+    cli -> everything
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("quotas", "broker", "deployments", "bench", "cli")
+ALLOWED: dict[str, frozenset[str]] = {
+    "quotas": frozenset(),
+    "broker": frozenset({"quotas"}),
+    "deployments": frozenset({"broker", "quotas"}),
+    "bench": frozenset({"deployments", "broker", "quotas"}),
+    "cli": frozenset({"bench", "deployments", "broker", "quotas"}),
+}
+# Pure policy code: a function of its inputs. No hardware, no Ray, no clock (time comes in
+# the snapshot), and only other pure modules of ours, so nothing impure arrives indirectly.
+POLICY_MODULES = frozenset({
+    "broker.batch_rules", "broker.decision_log", "broker.latency_model", "broker.lending", "broker.memory_model",
+    "broker.policy", "broker.profiles", "broker.reconfig", "broker.state", "broker.types", "broker.window",
+})
+# The broker core takes its clock and capacity injected: it may import the standard clock as
+# the default, but never hardware, Ray or the probes, not even through another module.
+NO_HARDWARE_MODULES = frozenset({"broker.core"})
+HARDWARE = frozenset({"ray", "torch", "pynvml", "psutil", "broker.probes"})
+CLOCKS = frozenset({"time"})
+CLOCK_CALLS = frozenset({"now", "utcnow", "today", "time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"})
+PROBES = "broker.probes"
+MAX_LINES = 500
+# importlib loads only what a user's config names ('pkg.module:Class'), never a module of ours.
+IMPORTLIB_ALLOWED = frozenset({"deployments.models"})
+
+
+@dataclass(frozen=True)
+class Import:
+    target: str  # dotted name as resolved (our module, or an outside top-level name + rest)
+    line: int
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def source_files() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(ROOT).parts):
+                continue
+            out[_module_name(path)] = path
+    return out
+
+
+def _is_package(module: str) -> bool:
+    return source_files()[module].name == "__init__.py"
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if not _is_package(module):
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_in(tree: ast.AST, module: str) -> tuple[Import, ...]:
+    """Every import anywhere in ``tree`` (functions and TYPE_CHECKING blocks too), resolved."""
+    known = source_files()
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend(Import(alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node)
+            for alias in node.names:  # `from broker import policy` is an arrow to broker.policy
+                sub = f"{base}.{alias.name}"
+                found.append(Import(sub if sub in known else base, node.lineno))
+    return tuple(found)
+
+
+@cache
+def imports_of(module: str) -> tuple[Import, ...]:
+    return imports_in(ast.parse(source_files()[module].read_text(encoding="utf-8")), module)
+
+
+def _ours(target: str) -> str | None:
+    """The module of ours an import names (the longest known prefix), or None if outside."""
+    known = source_files()
+    parts = target.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in known:
+            return name
+    return None
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def graph() -> dict[str, set[str]]:
+    return {m: {o for i in imports_of(m) if (o := _ours(i.target)) and o != m} for m in source_files()}
+
+
+def _closure(start: str) -> Iterator[tuple[str, Import]]:
+    """Every import of ``start`` and of the modules of ours it reaches, with the module that makes it."""
+    seen, todo = {start}, [start]
+    while todo:
+        mod = todo.pop()
+        for imp in imports_of(mod):
+            yield mod, imp
+            ours = _ours(imp.target)
+            if ours and ours not in seen:
+                seen.add(ours)
+                todo.append(ours)
+
+
+def _where(module: str, imp: Import) -> str:
+    return f"{source_files()[module].relative_to(ROOT)}:{imp.line} imports {imp.target}"
+
+
+def _hits(target: str, names: frozenset[str]) -> bool:
+    return any(target == n or target.startswith(n + ".") for n in names)
+
+
+# ------------------------------------------------------------------------------- the tests
+def test_every_package_is_found():
+    tops = {_top(m) for m in source_files()}
+    assert tops == set(PACKAGES), f"packages without sources: {set(PACKAGES) - tops}"
+    assert POLICY_MODULES | NO_HARDWARE_MODULES | {PROBES} <= set(source_files()), (
+        f"named in this test but missing: {sorted(POLICY_MODULES | NO_HARDWARE_MODULES - set(source_files()))}")
+
+
+def test_arrows_run_one_way():
+    bad = []
+    for mod in source_files():
+        layer = _top(mod)
+        for imp in imports_of(mod):
+            ours = _ours(imp.target)
+            if ours and _top(ours) != layer and _top(ours) not in ALLOWED[layer]:
+                bad.append(f"{_where(mod, imp)}: {layer} may import only {sorted(ALLOWED[layer]) or 'nothing of ours'}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    g = graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not cycles, "import cycles (each group imports itself through the others): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize("module", sorted(POLICY_MODULES | NO_HARDWARE_MODULES | {
+    m for m in source_files() if _top(m) == "quotas"}))
+def test_pure_code_touches_no_hardware_and_no_ray(module: str):
+    bad = [_where(m, i) for m, i in _closure(module) if _hits(i.target, HARDWARE)]
+    assert not bad, f"{module} reaches hardware, Ray or the probes:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", sorted(POLICY_MODULES | {m for m in source_files() if _top(m) == "quotas"}))
+def test_policy_code_reads_no_clock_and_imports_only_pure_code(module: str):
+    bad = []
+    for imp in imports_of(module):
+        ours = _ours(imp.target)
+        if _hits(imp.target, CLOCKS):
+            bad.append(f"{_where(module, imp)} (a clock: take now_s as an input)")
+        elif ours and ours not in POLICY_MODULES and _top(ours) != "quotas" and ours != "broker":
+            bad.append(f"{_where(module, imp)} (not a pure module)")
+    tree = ast.parse(source_files()[module].read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCK_CALLS
+                and isinstance(node.func.value, ast.Name) and node.func.value.id in {"datetime", "date", "time"}):
+            bad.append(f"{source_files()[module].relative_to(ROOT)}:{node.lineno} calls "
+                       f"{node.func.value.id}.{node.func.attr}() (a clock: take now_s as an input)")
+    assert not bad, "\n".join(bad)
+
+
+def test_probes_are_a_leaf():
+    bad = [_where(PROBES, i) for i in imports_of(PROBES) if _ours(i.target) not in (None, "broker")]
+    assert not bad, "broker/probes.py must import nothing of ours:\n" + "\n".join(bad)
+
+
+def test_no_importlib_registration():
+    bad = []
+    for mod in source_files():
+        if mod in IMPORTLIB_ALLOWED:
+            continue
+        bad += [_where(mod, i) for i in imports_of(mod) if _top(i.target) == "importlib"]
+        tree = ast.parse(source_files()[mod].read_text(encoding="utf-8"))
+        bad += [f"{source_files()[mod].relative_to(ROOT)}:{n.lineno} calls __import__" for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "__import__"]
+    assert not bad, "static imports only (a module registered by importlib is an arrow nobody sees):\n" + "\n".join(bad)
+
+
+def test_no_source_file_over_the_line_limit():
+    long = {str(p.relative_to(ROOT)): n for p in source_files().values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them): {dict(sorted(long.items()))}"
+
+
+def test_the_contract_sees_lazy_and_type_checking_imports():
+    """The parser counts imports inside functions and TYPE_CHECKING blocks (guards the checks above)."""
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from broker.policy import decide\n"
+           "def f():\n    import torch\n    from . import window\n    from .types import ModelLoad\n")
+    targets = [i.target for i in imports_in(ast.parse(src), "broker.lending")]
+    assert targets == ["typing", "broker.policy", "torch", "broker.window", "broker.types"]
