@@ -371,7 +371,6 @@ class Simulator:
         rep.wait_s = max(0.0, float(s.batch_wait_timeout_s))
         rep.grant = float(s.grant_bytes) / reps if s.grant_bytes and s.grant_bytes > 0 else math.inf
         rep.admit = bool(s.admit)
-        rep.max_ongoing = int(s.max_ongoing_requests or 0)
         rep.version = int(s.version)
         rep.local_cap = None
         if self.eager:
@@ -386,7 +385,7 @@ class Simulator:
             b = max(1, int(round(b * self.mean_cost[name])))
         return ModelSettings(
             model=name, version=0, max_batch_size=b, batch_wait_timeout_s=self.arm.wait_ms / 1000.0,
-            grant_bytes=int(spec.quota.base), admit=True, max_ongoing_requests=0,
+            grant_bytes=int(spec.quota.base), admit=True,
         )
 
     # -- arrivals and batching -----------------------------------------------------------------
@@ -766,6 +765,7 @@ class Simulator:
             rep_iv = self.config.broker.report_interval_s
             n = len(self.all_reps)
             for k, rep in enumerate(self.all_reps):
+                rep.max_ongoing = self.config.models[rep.name].max_ongoing_requests  # as the fleet deploys it
                 self._apply(rep, _policy.settings_for(self.state, rep.name, self.config))
                 self._push(rep_iv * (k + 1) / n, EV_REPORT, rep)
             self._push(ctrl, EV_CONTROL)

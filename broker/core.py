@@ -123,17 +123,12 @@ class BrokerCore:
             self._replicas.setdefault(name, {})
             self._events.setdefault(name, {"emergency_shrinks": 0, "oom_splits": 0})
 
-    def _max_ongoing(self, name: str) -> int:
-        spec = self._cfg.models[name]
-        return max(spec.batch.ceiling * spec.batch.max_concurrent_batches, spec.max_queued)
-
     def _initial_settings(self, name: str) -> ModelSettings:
         return self._policy_settings(self._state, name)
 
     def _policy_settings(self, state: Any, name: str) -> ModelSettings:
         """The policy's versioned settings (its version numbers gate two-phase confirms)."""
-        s = policy.settings_for(state, name, self._cfg)
-        return replace(s, max_ongoing_requests=s.max_ongoing_requests or self._max_ongoing(name))
+        return policy.settings_for(state, name, self._cfg)
 
     def _restore(self) -> bool:
         if self._checkpoint_path is None:
@@ -156,7 +151,7 @@ class BrokerCore:
             cfg = parse_config_text(ckpt.config_text, "checkpoint")
             self._install(cfg, ckpt.config_text)
             self._state = policy.PolicyState.from_dict(ckpt.policy_state)
-            self._settings = {name: ModelSettings(**d) for name, d in ckpt.settings.items() if name in cfg.models}
+            self._settings = {name: ModelSettings.from_dict(d) for name, d in ckpt.settings.items() if name in cfg.models}
             for name in cfg.models:
                 self._settings.setdefault(name, self._initial_settings(name))
         except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not keep the broker down

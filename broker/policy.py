@@ -117,8 +117,6 @@ def reconfigure_state(state: PolicyState, config: FleetConfig, usable_bytes: int
 
 def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSettings:
     ms = state.models[model]
-    spec = config.models[model]
-    per_batch = ms.max_batch if spec.batch.unit == "requests" else max(1, ms.max_batch)
     return ModelSettings(
         model=model,
         version=ms.version,
@@ -126,7 +124,6 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
         batch_wait_timeout_s=ms.wait_s,
         grant_bytes=state.ledger.grant(model),
         admit=ms.admit,
-        max_ongoing_requests=per_batch * spec.batch.max_concurrent_batches + spec.max_queued,
     )
 
 

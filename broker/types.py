@@ -60,10 +60,15 @@ class ModelSettings:
     batch_wait_timeout_s: float  # Serve batch wait timeout
     grant_bytes: int  # memory quota granted now (per model; replicas split it evenly)
     admit: bool = True  # False pauses admission (memory emergency)
-    max_ongoing_requests: int = 0  # >= max_batch x max_concurrent_batches (0: replica decides)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelSettings":
+        """Known fields only: a checkpoint or a reply from an older broker may carry retired ones."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass(frozen=True)

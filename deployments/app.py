@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.ingress import Ingress
-from deployments.replica import ModelReplica, max_ongoing_for
+from deployments.replica import ModelReplica
 from quotas.config import FleetConfig, parse_config_text
 
 INGRESS_NAME = "ingress"
@@ -51,7 +51,7 @@ def build_fleet(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = M
         handles[name] = serve.deployment(ModelReplica).options(
             name=name,
             num_replicas=spec.replicas,
-            max_ongoing_requests=max_ongoing_for(spec),
+            max_ongoing_requests=spec.max_ongoing_requests,
             max_queued_requests=spec.max_queued * spec.replicas,
             ray_actor_options={"num_cpus": model_num_cpus},
             health_check_period_s=5,

@@ -1,4 +1,4 @@
-"""The batched model deployment: one Serve replica of one model.
+"""The batched model deployment: one Serve replica of one model (the Serve glue).
 
 Per request (``infer``): admission (paused? queue over ``max_queued``? body over
 ``max_body_bytes``?) and input validation (``adapter.validate``) happen before anything
@@ -6,17 +6,18 @@ touches the model; each item then goes through Ray Serve's own ``@serve.batch`` 
 ``batch_size_fn`` that counts ``adapter.cost`` for token-priced models). A request still
 queued after ``request_timeout_s`` gets an explicit timeout (its items leave the queue).
 
-Per batch (the fast loop): read memory headroom from the probe; below
-``gpu.emergency_free_frac`` halve the local batch cap at once (never below the floor), pause
-admission if it stays critical, count the event; widen back step by step when headroom
-returns. The model runs through ``deployments.oom.split_retry``: an OOM splits the batch in
-two and retries each half, so no request is lost to an OOM.
+The parts with logic of their own are units with an injected clock, tested without Serve
+and run unchanged by the simulator (``bench.sim``):
 
-Per report interval: ONE ``StatsReport`` delta to the broker (``ray.get_actor(name,
-namespace=...)``, async, never on a request's path); the ``ModelSettings`` in the reply are
-applied when their version changes (``set_max_batch_size``, ``set_batch_wait_timeout_s``,
-``probe.enforce`` and ``adapter.set_memory_limit`` with this replica's share of the grant).
-If the broker is unreachable the replica keeps serving on its last settings and retries.
+- ``deployments.gate.LazyGate``: lazy batch formation in front of Serve's eager batcher;
+- ``deployments.fast_loop.fast_loop_step``: per batch, memory reading -> local cap, pause;
+- ``deployments.broker_link.BrokerLink``: stats deltas, one report per interval, retry.
+
+The model runs through ``deployments.oom.split_retry``: an OOM splits the batch in two and
+retries each half. Settings from the broker are applied when their version changes
+(``set_max_batch_size``, ``set_batch_wait_timeout_s``, ``probe.enforce`` and
+``adapter.set_memory_limit`` with this replica's share of the grant). If the broker is
+unreachable the replica keeps serving on its last settings and retries.
 
 Results of ``infer`` are plain dicts with an HTTP-like ``status`` (200/413/422/503/504/500)
 so the ingress maps them without depending on exception types crossing processes.
@@ -26,27 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 import os
-import random
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from broker.types import ModelSettings, StatsReport
+from broker.types import ModelSettings
+from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
+from deployments.fast_loop import FastEvent, FastLoopParams, fast_loop_step
+from deployments.gate import LazyGate
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
 
-MAX_LATENCY_SAMPLES = 2000  # per report; a uniform sample beyond that
 RECOVER_STEP_FRAC = 0.125  # fast loop widens the cap back by this share of the broker's cap per batch
 CRITICAL_FREE_FACTOR = 0.5  # below emergency_free_frac x this at the floor: pause admission
-
-
-def max_ongoing_for(spec: ModelSpec) -> int:
-    """max_ongoing_requests >= largest batch x max_concurrent_batches (and room for the queue)."""
-    return max(spec.batch.ceiling * spec.batch.max_concurrent_batches, spec.max_queued) + spec.batch.max_concurrent_batches
 
 
 def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
@@ -58,7 +53,6 @@ def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
         batch_wait_timeout_s=spec.wait.initial_s,
         grant_bytes=spec.quota.base,
         admit=True,
-        max_ongoing_requests=max_ongoing_for(spec),
     )
 
 
@@ -86,48 +80,6 @@ def batch_cost(items: list) -> int:
     return total
 
 
-@dataclass
-class _Delta:
-    """Counters since the last report that reached the broker."""
-
-    started_s: float
-    arrivals: int = 0
-    completions: int = 0
-    rejections: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    latency_ms: list[float] = field(default_factory=list)
-    latency_seen: int = 0
-    batches: list[tuple[float, float]] = field(default_factory=list)
-    batch_requests: list[int] = field(default_factory=list)
-    busy_s: float = 0.0
-    mem_peak_bytes: int = 0
-    oom_splits: int = 0
-    emergency_shrinks: int = 0
-
-    def add_latency(self, ms: float) -> None:
-        self.latency_seen += 1
-        if len(self.latency_ms) < MAX_LATENCY_SAMPLES:
-            self.latency_ms.append(ms)
-        else:  # reservoir sample: every completion equally likely to be kept
-            j = random.randrange(self.latency_seen)
-            if j < MAX_LATENCY_SAMPLES:
-                self.latency_ms[j] = ms
-
-    def merge(self, older: "_Delta") -> None:
-        """Fold an unsent older delta into this one (the broker was unreachable)."""
-        self.started_s = min(self.started_s, older.started_s)
-        for name in ("arrivals", "completions", "rejections", "timeouts", "errors", "oom_splits", "emergency_shrinks"):
-            setattr(self, name, getattr(self, name) + getattr(older, name))
-        for ms in older.latency_ms:
-            self.add_latency(ms)
-        keep = 512
-        self.batches = (older.batches + self.batches)[-keep:]
-        self.batch_requests = (older.batch_requests + self.batch_requests)[-keep:]
-        self.busy_s += older.busy_s
-        self.mem_peak_bytes = max(self.mem_peak_bytes, older.mem_peak_bytes)
-
-
 def _error(status: int, detail: str, **extra: Any) -> dict[str, Any]:
     return {"status": status, "detail": detail, **extra}
 
@@ -150,15 +102,17 @@ class ModelReplica:
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             self.replica_id = f"{model_name}-{os.getpid()}"
         self.settings = initial_settings(model_name, self.spec)
-        self.cap = self.settings.max_batch_size  # local cap: broker's, halved by the fast loop
+        self.gate: LazyGate[tuple[asyncio.Future, _Item]] = LazyGate(
+            max_concurrent_batches=self.spec.batch.max_concurrent_batches,
+            cap=self.settings.max_batch_size,  # the local cap (``cap``): broker's, halved by the fast loop
+            wait_s=self.settings.batch_wait_timeout_s,
+        )
         self.paused = False  # fast-loop pause (memory critical)
         self.waiting = 0  # requests admitted and not answered yet
-        self.delta = _Delta(time.time())
-        self.seq = 0
-        self.broker = None
-        self.registered = False
-        self.broker_failures = 0
-        self.last_broker_ok_s: float | None = None
+        self.link = BrokerLink(model_name, self.replica_id, lambda: self._broker_handle(),
+                               rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s))
+        self.fast = FastLoopParams(self.spec.batch.floor, cfg.gpu.emergency_free_frac,
+                                   CRITICAL_FREE_FACTOR, RECOVER_STEP_FRAC)
         self.mem_used_bytes = 0
         self.device_free_frac: float | None = None
         self.sm_util_frac: float | None = None
@@ -168,10 +122,6 @@ class ModelReplica:
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
         # static, or the config says the runtime's own formation is to be left alone.
         self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
-        self._running = 0  # batches executing
-        self._released = 0  # cost let into Serve's batcher and not running yet (forming)
-        self._form_until = 0.0  # monotonic end of the forming batch's wait window
-        self._gate: deque[tuple[asyncio.Future, _Item]] = deque()  # FIFO of (waiter, item) held back
         # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
         # running batch and is NOT under this lock: holding it would keep new requests out of
         # Serve's queue for a whole batch, so the next batch would form from almost nothing.
@@ -242,40 +192,32 @@ class ModelReplica:
         return out
 
     async def _register(self) -> None:
-        try:
-            broker = self._broker_handle()
-            reply = await asyncio.wait_for(
-                broker.register.remote(self.name, self.replica_id, self.calibration), timeout=self._rpc_timeout_s()
-            )
-            self.registered = True
+        reply = await self.link.register(self.calibration, self.settings.version)
+        if reply is not None:
             self._apply(reply)
-            self._broker_ok()
-        except Exception as exc:  # noqa: BLE001 - serve on config settings, retry from the report loop
-            self._broker_failed(exc, "register")
 
     # ------------------------------------------------------------------ broker link
-    def _rpc_timeout_s(self) -> float:
-        return max(2.0, 4.0 * self.cfg.broker.report_interval_s)
+    @property
+    def cap(self) -> int:
+        """The local batch cap: the broker's, halved by the fast loop (the gate lets in one cap)."""
+        return self.gate.cap
+
+    @cap.setter
+    def cap(self, value: int) -> None:
+        self.gate.cap = int(value)
+
+    @property
+    def delta(self) -> StatsDelta:
+        return self.link.delta
+
+    @property
+    def registered(self) -> bool:
+        return self.link.registered
 
     def _broker_handle(self):
-        if self.broker is None:
-            import ray
+        import ray
 
-            self.broker = ray.get_actor(self.cfg.broker.name, namespace=self.cfg.broker.namespace)
-        return self.broker
-
-    def _broker_ok(self) -> None:
-        self.last_broker_ok_s = time.time()
-        self.broker_failures = 0
-
-    def _broker_failed(self, exc: BaseException, what: str) -> None:
-        self.broker_failures += 1
-        self.broker = None  # look the actor up again next time (it may have been re-created)
-        if self.broker_failures in (1, 10) or self.broker_failures % 100 == 0:
-            logger.warning(
-                "gpubroker replica %s: broker %s failed (%d in a row, %r); serving on settings v%d",
-                self.name, what, self.broker_failures, exc, self.settings.version,
-            )
+        return ray.get_actor(self.cfg.broker.name, namespace=self.cfg.broker.namespace)
 
     async def _report_loop(self) -> None:
         while True:
@@ -285,68 +227,24 @@ class ModelReplica:
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 logger.exception("gpubroker replica %s: report loop error", self.name)
 
-    def build_report(self, delta: _Delta, now: float) -> StatsReport:
-        return StatsReport(
-            model=self.name,
-            replica_id=self.replica_id,
-            seq=self.seq,
-            now_s=now,
-            interval_s=max(1e-3, now - delta.started_s),
-            arrivals=delta.arrivals,
-            completions=delta.completions,
-            rejections=delta.rejections,
-            timeouts=delta.timeouts,
-            errors=delta.errors,
-            latency_ms=tuple(round(x, 3) for x in delta.latency_ms),
-            batches=tuple(delta.batches),
-            batch_requests=tuple(delta.batch_requests),
-            busy_s=delta.busy_s,
-            queue_depth=self.waiting,
-            mem_used_bytes=self.mem_used_bytes,
-            mem_peak_bytes=max(delta.mem_peak_bytes, self.mem_used_bytes),
-            device_free_frac=self.device_free_frac,
-            sm_util_frac=self.sm_util_frac,
-            oom_splits=delta.oom_splits,
-            emergency_shrinks=delta.emergency_shrinks,
-            settings_version=self.settings.version,
-        )
-
     async def report_once(self) -> bool:
         """Send the delta since the last report; apply the settings in the reply."""
-        if not self.registered:
+        if not self.link.registered:
             await self._register()
-            if not self.registered:
+            if not self.link.registered:
                 return False
-        now = time.time()
         self._read_memory()
-        delta, self.delta = self.delta, _Delta(now)
-        report = self.build_report(delta, now)
-        try:
-            broker = self._broker_handle()
-        except Exception as exc:  # noqa: BLE001 - no broker: keep the counts for the next try
-            self.delta.merge(delta)
-            self._broker_failed(exc, "lookup")
-            return False
-        self.seq += 1
-        try:
-            reply = await asyncio.wait_for(broker.report.remote(report.to_dict()), timeout=self._rpc_timeout_s())
-        except asyncio.TimeoutError as exc:
-            # The call may still land (the actor retries tasks across restarts): do not resend.
-            self._broker_failed(exc, "report (timeout)")
-            return False
-        except Exception as exc:  # noqa: BLE001 - actor gone: keep the counts for the next try
-            self.delta.merge(delta)
-            self._broker_failed(exc, "report")
-            if "unknown model" in str(exc):
-                self.registered = False
+        gauges = ReplicaGauges(self.waiting, self.mem_used_bytes, self.device_free_frac, self.sm_util_frac,
+                               self.settings.version)
+        reply = await self.link.report(gauges)
+        if reply is None:
             return False
         self._apply(reply)
-        self._broker_ok()
         return True
 
     # ------------------------------------------------------------------ settings
     def _apply(self, reply: dict[str, Any]) -> None:
-        new = ModelSettings(**reply)
+        new = ModelSettings.from_dict(reply)
         if new.version == self.settings.version and self.registered and new == self.settings:
             return
         old = self.settings
@@ -354,6 +252,7 @@ class ModelReplica:
         self.cap = max(1, new.max_batch_size)
         self._batch.set_max_batch_size(self.cap)
         self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
+        self.gate.wait_s = max(0.0, new.batch_wait_timeout_s)
         if new.grant_bytes != old.grant_bytes or old.version == 0:
             self._enforce(new)
         if new.admit:
@@ -395,30 +294,16 @@ class ModelReplica:
 
     def _fast_loop(self) -> None:
         free = self._read_memory()
-        if free is None:
-            return
-        threshold = self.cfg.gpu.emergency_free_frac
-        floor = self.spec.batch.floor
-        if free < threshold:
-            new_cap = max(floor, self.cap // 2)
-            if new_cap < self.cap:
-                self.cap = new_cap
-                self._batch.set_max_batch_size(new_cap)
-                self.delta.emergency_shrinks += 1
-                logger.warning("gpubroker replica %s: free %.1f%% < %.1f%%: batch cap -> %d",
-                               self.name, 100 * free, 100 * threshold, new_cap)
-            elif free < threshold * CRITICAL_FREE_FACTOR or self.cap <= floor:
-                if not self.paused:
-                    self.delta.emergency_shrinks += 1
-                    logger.warning("gpubroker replica %s: free %.1f%% still critical at the floor: admission paused",
-                                   self.name, 100 * free)
-                self.paused = True
-        else:
-            self.paused = False
-            target = max(1, self.settings.max_batch_size)
-            if self.cap < target:
-                self.cap = min(target, self.cap + max(1, int(target * RECOVER_STEP_FRAC)))
-                self._batch.set_max_batch_size(self.cap)
+        out = fast_loop_step(free, self.cap, self.settings.max_batch_size, self.paused, self.fast)
+        if out.cap != self.cap:
+            self.cap = out.cap
+            self._batch.set_max_batch_size(out.cap)
+        self.paused = out.paused
+        if out.counted:
+            self.delta.emergency_shrinks += 1
+        if out.event in (FastEvent.SHRINK, FastEvent.PAUSE) and out.counted:
+            logger.warning("gpubroker replica %s: free %.1f%% < %.1f%%: %s, batch cap %d", self.name,
+                           100 * (free or 0.0), 100 * self.fast.emergency_free_frac, out.event, out.cap)
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
         from deployments.oom import split_retry
@@ -431,92 +316,57 @@ class ModelReplica:
             self.delta.oom_splits += 1
 
         start = time.perf_counter()
-        self._running += 1
+        self.gate.batch_started()
         for item in items:  # they run now: no longer pending in the batcher
             self._settle(item)
         try:
             return await asyncio.to_thread(split_retry, self._predict, values, on_split)
         finally:
             exec_s = time.perf_counter() - start
-            self._running -= 1
+            self.gate.batch_ended()
             self._pump()  # lazy formation: what waited meanwhile forms the next batch
             d = self.delta  # the report may have swapped the delta while the batch ran
             d.batches.append((float(cost), exec_s * 1000.0))
             d.batch_requests.append(len(items))
             d.busy_s += exec_s
 
-    def _gate_open(self, cost: int) -> bool:
-        """May a request of ``cost`` enter Serve's batcher now?
-
-        Only while a batch slot is free and no batch let in earlier is still waiting to run:
-        either nothing is let in yet (this request starts a new batch), or the batch being
-        formed is inside its wait window (the broker's ``batch_wait_timeout_s`` from its first
-        request) and has room under the cap. A request let in after its batch closed would
-        start a batch of its own that queues for the slot, and every later batch would then
-        wait one batch longer (a queue of formed batches persists at any load)."""
-        if self._running >= self.spec.batch.max_concurrent_batches:
-            return False
-        if self._released == 0:
-            return True
-        return time.monotonic() < self._form_until and self._released + cost <= self.cap
-
-    def _let_in(self, item: _Item) -> None:
-        if self._released == 0:  # the first request of a new batch opens its wait window
-            self._form_until = time.monotonic() + max(0.0, self.settings.batch_wait_timeout_s)
-        self._released += int(item.cost)
-        item.let_in = True
+    @property
+    def _released(self) -> int:
+        return self.gate.released
 
     def _settle(self, item: _Item) -> None:
         """The item left the batcher's queue: it runs, or it was cancelled (Serve drops a
         cancelled request from its batch without a word, so the gate must count it out here)."""
         if item.let_in:
             item.let_in = False
-            self._released = max(0, self._released - int(item.cost))
+            self.gate.settle(item.cost)
 
     def _pump(self) -> None:
-        """When the slot frees and nothing let in is pending: let the held requests in, oldest
-        first, up to one cap's worth, in this event-loop turn (they form one batch)."""
-        if self._running >= self.spec.batch.max_concurrent_batches or self._released > 0:
-            return
-        while self._gate:
-            fut, item = self._gate[0]
-            if fut.done():  # its request timed out at the gate
-                self._gate.popleft()
-                continue
-            if self._released > 0 and self._released + int(item.cost) > self.cap:
-                return
-            self._gate.popleft()
-            self._let_in(item)
+        """The slot freed: the gate releases up to one cap's worth of held requests, which enter
+        Serve's queue in this event-loop turn and form one batch."""
+        for fut, item in self.gate.pump(alive=lambda tok: not tok[0].done()):
+            item.let_in = True
             fut.set_result(None)
 
     async def _admit_to_batcher(self, item: _Item) -> Any:
-        """Lazy batch formation on Ray 2.60's ``@serve.batch``.
-
-        Serve's batcher closes a batch ``batch_wait_timeout_s`` after its first request and
-        queues it for a ``max_concurrent_batches`` slot, then starts the next one at once, busy
-        or not: while a long batch runs, arrivals leave in a string of small batches that each
-        pay the fixed cost, and a backlog cut into small batches never merges again (a queue
-        of formed batches can persist at any load). Here a request waits at a FIFO gate while
-        a batch runs; when it finishes, up to one cap's worth of the waiting requests enters
-        Serve's queue in the same event-loop turn, so the next batch takes all of them and
-        batches grow with the load, as with lazy formation. An idle replica admits at once and
-        the broker's own wait applies. A request cancelled at the gate (request timeout) never
-        reaches the model.
-        """
+        """Lazy batch formation on Ray 2.60's ``@serve.batch`` (``deployments.gate``): a request
+        waits at the gate while a batch runs and enters Serve's queue with the others when it
+        ends. A request cancelled at the gate (request timeout) never reaches the model."""
         if not self.lazy_gate:
             return await self._batch(item)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
         try:
-            if self._gate or not self._gate_open(int(item.cost)):
-                fut: asyncio.Future = asyncio.get_running_loop().create_future()
-                self._gate.append((fut, item))
-                await fut
+            if self.gate.admit((fut, item), item.cost):
+                item.let_in = True
             else:
-                self._let_in(item)
+                await fut
             return await self._batch(item)
         except asyncio.CancelledError:
             if item.let_in:  # let in, then cancelled before its batch ran
                 self._settle(item)
                 self._pump()
+            else:
+                self.gate.drop((fut, item))
             raise
 
     # ------------------------------------------------------------------ requests
@@ -605,9 +455,9 @@ class ModelReplica:
             "cap": self.cap,
             "paused": self.paused,
             "waiting": self.waiting,
-            "registered": self.registered,
-            "broker_failures": self.broker_failures,
-            "last_broker_ok_s": self.last_broker_ok_s,
+            "registered": self.link.registered,
+            "broker_failures": self.link.failures,
+            "last_broker_ok_s": self.link.last_ok_s,
             "mem_used_bytes": self.mem_used_bytes,
             "device_free_frac": self.device_free_frac,
             "calibration": self.calibration,

@@ -233,6 +233,14 @@ class ModelSpec(_Strict):
     max_body_bytes: Size = Field(1024**2, description="Request bodies over this are refused with 413 before they reach the model.")
     control: ControlSpec = Field(default_factory=ControlSpec, description="Control loop parameters (defaults from DESIGN.md).")
 
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` per replica, fixed at deploy time: the largest batch
+        (the ceiling) times ``max_concurrent_batches``, and room for the queue, so batches can
+        fill at any cap the broker may set. The one owner of this number: the deployment and
+        the simulator both read it here; the broker never sends it."""
+        return max(self.batch.ceiling * self.batch.max_concurrent_batches, self.max_queued) + self.batch.max_concurrent_batches
+
     @field_validator("model")
     @classmethod
     def _model_ref(cls, value: str) -> str:

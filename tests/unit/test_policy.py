@@ -218,7 +218,8 @@ def test_settings_version_bumps_only_on_change():
     d.step({"a": load("a", queue_depth=60, arrival_rate_rps=20)})
     s = settings_for(d.state, "a", d.config)
     assert s.version == v0 + 1
-    assert s.max_ongoing_requests >= s.max_batch_size
+    spec = d.config.models["a"]
+    assert spec.max_ongoing_requests >= spec.batch.ceiling * spec.batch.max_concurrent_batches
 
 
 def test_every_decision_names_trigger_and_value():

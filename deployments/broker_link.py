@@ -1,0 +1,189 @@
+"""The replica's link to the broker: stats deltas, one report per interval, retry.
+
+Design note. A replica sends ONE ``StatsReport`` delta per report interval and gets its
+``ModelSettings`` back in the same round trip; the broker never calls a replica. The link
+keeps the counters since the last report that reached the broker (``StatsDelta``): a report
+that fails before it was sent (no broker, actor gone) is merged back into the next delta, so
+nothing is lost; one that timed out may still land (the actor retries tasks across restarts)
+and is not resent, so nothing is counted twice. The broker handle comes from an injected
+``get_handle`` (``ray.get_actor`` in the replica, a fake in tests), the clock is injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from broker.types import StatsReport
+
+logger = logging.getLogger("ray.serve")
+
+MAX_LATENCY_SAMPLES = 2000  # per report; a uniform sample beyond that
+MERGED_BATCHES_KEPT = 512  # batch timings kept when an unsent delta is merged
+
+
+@dataclass
+class StatsDelta:
+    """Counters since the last report that reached the broker."""
+
+    started_s: float
+    arrivals: int = 0
+    completions: int = 0
+    rejections: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    latency_ms: list[float] = field(default_factory=list)
+    latency_seen: int = 0
+    batches: list[tuple[float, float]] = field(default_factory=list)
+    batch_requests: list[int] = field(default_factory=list)
+    busy_s: float = 0.0
+    mem_peak_bytes: int = 0
+    oom_splits: int = 0
+    emergency_shrinks: int = 0
+
+    def add_latency(self, ms: float) -> None:
+        self.latency_seen += 1
+        if len(self.latency_ms) < MAX_LATENCY_SAMPLES:
+            self.latency_ms.append(ms)
+        else:  # reservoir sample: every completion equally likely to be kept
+            j = random.randrange(self.latency_seen)
+            if j < MAX_LATENCY_SAMPLES:
+                self.latency_ms[j] = ms
+
+    def merge(self, older: StatsDelta) -> None:
+        """Fold an unsent older delta into this one (the broker was unreachable)."""
+        self.started_s = min(self.started_s, older.started_s)
+        for name in ("arrivals", "completions", "rejections", "timeouts", "errors", "oom_splits", "emergency_shrinks"):
+            setattr(self, name, getattr(self, name) + getattr(older, name))
+        for ms in older.latency_ms:
+            self.add_latency(ms)
+        self.batches = (older.batches + self.batches)[-MERGED_BATCHES_KEPT:]
+        self.batch_requests = (older.batch_requests + self.batch_requests)[-MERGED_BATCHES_KEPT:]
+        self.busy_s += older.busy_s
+        self.mem_peak_bytes = max(self.mem_peak_bytes, older.mem_peak_bytes)
+
+
+@dataclass(frozen=True)
+class ReplicaGauges:
+    """What the replica reads at report time (not deltas)."""
+
+    queue_depth: int
+    mem_used_bytes: int
+    device_free_frac: float | None
+    sm_util_frac: float | None
+    settings_version: int
+
+
+def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s: float, g: ReplicaGauges) -> StatsReport:
+    return StatsReport(
+        model=model,
+        replica_id=replica_id,
+        seq=seq,
+        now_s=now_s,
+        interval_s=max(1e-3, now_s - delta.started_s),
+        arrivals=delta.arrivals,
+        completions=delta.completions,
+        rejections=delta.rejections,
+        timeouts=delta.timeouts,
+        errors=delta.errors,
+        latency_ms=tuple(round(x, 3) for x in delta.latency_ms),
+        batches=tuple(delta.batches),
+        batch_requests=tuple(delta.batch_requests),
+        busy_s=delta.busy_s,
+        queue_depth=g.queue_depth,
+        mem_used_bytes=g.mem_used_bytes,
+        mem_peak_bytes=max(delta.mem_peak_bytes, g.mem_used_bytes),
+        device_free_frac=g.device_free_frac,
+        sm_util_frac=g.sm_util_frac,
+        oom_splits=delta.oom_splits,
+        emergency_shrinks=delta.emergency_shrinks,
+        settings_version=g.settings_version,
+    )
+
+
+class BrokerLink:
+    """Register once, then one report per interval; settings come back in each reply."""
+
+    def __init__(
+        self,
+        model: str,
+        replica_id: str,
+        get_handle: Callable[[], Any],
+        *,
+        rpc_timeout_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.replica_id = replica_id
+        self._get_handle = get_handle
+        self._handle: Any = None
+        self.rpc_timeout_s = rpc_timeout_s
+        self.clock = clock
+        self.delta = StatsDelta(clock())
+        self.seq = 0
+        self.registered = False
+        self.failures = 0
+        self.last_ok_s: float | None = None
+
+    def _handle_or_lookup(self) -> Any:
+        if self._handle is None:
+            self._handle = self._get_handle()
+        return self._handle
+
+    def _ok(self) -> None:
+        self.last_ok_s = self.clock()
+        self.failures = 0
+
+    def _failed(self, exc: BaseException, what: str, version: int) -> None:
+        self.failures += 1
+        self._handle = None  # look the actor up again next time (it may have been re-created)
+        if self.failures in (1, 10) or self.failures % 100 == 0:
+            logger.warning(
+                "gpubroker replica %s: broker %s failed (%d in a row, %r); serving on settings v%d",
+                self.model, what, self.failures, exc, version,
+            )
+
+    async def register(self, calibration: dict[str, Any], version: int) -> dict[str, Any] | None:
+        """The broker's settings for this model, or None (serve on what we have, retry later)."""
+        try:
+            handle = self._handle_or_lookup()
+            reply = await asyncio.wait_for(
+                handle.register.remote(self.model, self.replica_id, calibration), timeout=self.rpc_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - serve on config settings, retry from the report loop
+            self._failed(exc, "register", version)
+            return None
+        self.registered = True
+        self._ok()
+        return reply
+
+    async def report(self, gauges: ReplicaGauges) -> dict[str, Any] | None:
+        """Send the delta since the last report; the settings reply, or None."""
+        now = self.clock()
+        delta, self.delta = self.delta, StatsDelta(now)
+        report = build_report(self.model, self.replica_id, self.seq, delta, now, gauges)
+        try:
+            handle = self._handle_or_lookup()
+        except Exception as exc:  # noqa: BLE001 - no broker: keep the counts for the next try
+            self.delta.merge(delta)
+            self._failed(exc, "lookup", gauges.settings_version)
+            return None
+        self.seq += 1
+        try:
+            reply = await asyncio.wait_for(handle.report.remote(report.to_dict()), timeout=self.rpc_timeout_s)
+        except asyncio.TimeoutError as exc:
+            # The call may still land (the actor retries tasks across restarts): do not resend.
+            self._failed(exc, "report (timeout)", gauges.settings_version)
+            return None
+        except Exception as exc:  # noqa: BLE001 - actor gone: keep the counts for the next try
+            self.delta.merge(delta)
+            self._failed(exc, "report", gauges.settings_version)
+            if "unknown model" in str(exc):
+                self.registered = False
+            return None
+        self._ok()
+        return reply
