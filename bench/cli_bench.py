@@ -45,7 +45,7 @@ def bench(
     if scenario not in SCENARIO_NAMES:
         typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report)", err=True)
         raise typer.Exit(2)
-    from bench.scenarios_live import parse_arrivals
+    from bench.live_runs import parse_arrivals
 
     try:
         parse_arrivals(arrivals)

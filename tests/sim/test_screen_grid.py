@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from bench.knee import RunSettings, run_at
 from bench import scenarios as sc
-from bench.scenarios_live import HTTP_MS, Opts, profiled_workload, screen_grid
+from bench.live_oracle import HTTP_MS, screen_grid
+from bench.live_runs import Opts, profiled_workload
 from quotas.config import parse_config_text
 
 
@@ -31,7 +32,7 @@ def test_screen_ranks_the_grid_and_keeps_distinct_candidates():
 
 
 def test_knee_screen_picks_distinct_arms_by_simulated_knee():
-    from bench.scenarios_live import screen_knees
+    from bench.live_oracle import screen_knees
 
     w = profiled_workload(10.0)
     got = screen_knees(w, 688.0, 60.0, 3, Opts(time_scale=10.0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench import results
-from bench.scenarios_live import Opts, knee_arrivals, run_length
+from bench.live_runs import Opts, knee_arrivals, run_length
 
 
 def test_window_holds_min_requests_within_bounds():
@@ -103,7 +103,7 @@ def test_report_keeps_the_hand_written_part(tmp_path):
 
 
 def test_arrivals_option_is_checked_and_gamma_is_burstier():
-    from bench.scenarios_live import draw_arrivals, parse_arrivals
+    from bench.live_runs import draw_arrivals, parse_arrivals
 
     assert parse_arrivals("poisson") is None and parse_arrivals("gamma:4") == 4.0
     for bad in ("gamma", "gamma:0", "gamma:x", "uniform"):
