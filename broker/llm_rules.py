@@ -1,0 +1,321 @@
+"""LLM engine rules: from one engine's load to its bounds and KV-cache size.
+
+Design note. A continuous-batching engine batches every step, so the broker sets its bounds
+instead of a batch: ``max_num_seqs`` (sequences in flight), ``max_batched_tokens`` (tokens
+per step), whether new prefills are admitted, and the KV cache size inside the model's
+grant. The problem statement's rules, as a table in precedence order (first match wins):
+
+- ``squeeze``: card free memory under ``squeeze_free_frac`` (15%): halve ``max_num_seqs`` and
+  pause new prefills; running sequences keep decoding. Halves again at most every ``hold_s``.
+- ``resume``: prefills paused and free memory back over ``resume_free_frac``: admit again
+  (at the halved bound). Between the two thresholds it holds the pause (hysteresis).
+- ``prefill_bound``: TTFT P95 over its SLO while TPOT P95 is within its SLO and prefill holds
+  most of the sequence time (``prefill_dominant_frac``): lower ``max_num_seqs`` (x
+  ``seqs_backoff``) and ``max_batched_tokens`` (halved): fewer prefills compete, and shorter
+  steps let the scheduler run more often.
+- ``recover``: after a squeeze, step ``max_num_seqs`` back toward its pre-squeeze value,
+  ``seqs_step`` per ``hold_s``, while free memory stays over ``resume_free_frac``.
+- ``idle_shrink``: nothing running or waiting for ``idle_hold_s``: shrink the KV cache to
+  ``kv_blocks_min``, so the grant's rest can be lent.
+- ``busy_grow``: sequences waiting (or the cache's reservations over ``busy_used_frac``):
+  grow the KV cache up to what the grant allows (``kv_blocks_max`` at most).
+- ``seqs_grow``: sequences waiting behind a binding ``max_num_seqs`` while TTFT and TPOT are
+  within their SLOs: raise it by ``seqs_step`` (it starts at half the expected peak).
+- ``hold``: nothing to do.
+
+``start`` (no state yet) sets ``max_num_seqs`` to half the expected peak concurrency, capped
+by what memory allows: the KV blocks that fit in the grant after ``base_bytes``, divided by
+the blocks one sequence of ``seq_tokens`` tokens reserves. Guard-rails (floors, ceilings, the
+grant) are applied after the rule in one place (``_clamp``). Pure: no clock, no torch or ray.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Callable
+
+
+class LlmRule(StrEnum):
+    START = "start"  # first decision: half the expected peak, within memory
+    SQUEEZE = "squeeze"  # free memory under 15%: halve max_num_seqs, pause prefills
+    RESUME = "resume"  # headroom back: admit prefills again (or hold the pause in the hysteresis band)
+    PREFILL_BOUND = "prefill_bound"  # TTFT over SLO, TPOT fine, prefill dominating: lower the bounds
+    RECOVER = "recover"  # after a squeeze: step max_num_seqs back up
+    IDLE_SHRINK = "idle_shrink"  # idle: shrink the KV cache to lend memory
+    BUSY_GROW = "busy_grow"  # busy: grow the KV cache up to its max
+    SEQS_GROW = "seqs_grow"  # waiting behind max_num_seqs with SLOs met: raise it
+    HOLD = "hold"  # nothing to do
+
+
+class LlmTrigger(StrEnum):
+    EXPECTED_PEAK = "expected_peak_concurrency"
+    FREE_MEM_FRAC = "free_mem_frac"
+    TTFT_P95_MS = "ttft_p95_ms"
+    IDLE_FOR_S = "idle_for_s"
+    WAITING = "waiting"
+    HOLD = "hold"
+
+
+@dataclass(frozen=True)
+class LlmRuleConfig:
+    """One engine's rule parameters (from its model config and the engine's geometry)."""
+
+    expected_peak_concurrency: int  # sequences in flight at the expected peak (config)
+    ttft_slo_ms: float  # TTFT P95 objective
+    tpot_slo_ms: float  # TPOT P95 objective
+    kv_block_bytes: int  # bytes per KV block (all layers, K and V)
+    kv_block_tokens: int  # tokens per KV block
+    seq_tokens: int  # tokens one sequence reserves (prompt + max_tokens; the context length at worst)
+    base_bytes: int = 0  # the model's footprint besides the KV cache (weights, step buffers)
+    max_num_seqs_max: int = 64
+    max_batched_tokens_min: int = 16
+    max_batched_tokens_max: int = 512
+    kv_blocks_min: int = 4
+    kv_blocks_max: int = 256
+    kv_spare_blocks: int = 2  # blocks the cache tensor holds besides the usable ones
+    squeeze_free_frac: float = 0.15
+    resume_free_frac: float = 0.25
+    prefill_dominant_frac: float = 0.5  # prefill share of sequence time that counts as dominating
+    min_samples: int = 8  # TTFT/TPOT samples before latency rules fire
+    hold_s: float = 2.0  # seconds between non-safety changes (and between recovery steps)
+    idle_hold_s: float = 5.0
+    busy_used_frac: float = 0.8  # cache reservations over this share count as busy
+    seqs_backoff: float = 0.75
+    seqs_step: int = 2
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return max(1, math.ceil(self.seq_tokens / self.kv_block_tokens))
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's load, as the broker folds it from the replica's reports."""
+
+    now_s: float
+    running: int  # sequences in flight
+    waiting: int  # sequences held by the admission layer
+    ttft_p95_ms: float | None  # over the window; None without samples
+    tpot_p95_ms: float | None
+    samples: int  # completions behind the P95s
+    prefill_time_frac: float  # share of sequence time before the first token (engine stats)
+    kv_blocks_total: int  # cache size the engine runs now
+    kv_blocks_reserved: int  # blocks reserved by running sequences
+    free_mem_frac: float  # free share of the card (host memory quota on cpu)
+    grant_bytes: int  # the model's grant now
+    idle_for_s: float = 0.0  # how long nothing has run or waited (0 when busy)
+
+
+@dataclass(frozen=True)
+class LlmState:
+    """Between ticks: what the broker set last, and the squeeze's memory."""
+
+    max_num_seqs: int
+    max_batched_tokens: int
+    kv_blocks: int  # target cache size
+    prefill_paused: bool = False
+    recover_to: int = 0  # max_num_seqs before the squeeze (0: nothing to recover)
+    last_change_s: float = float("-inf")
+
+
+@dataclass(frozen=True)
+class LlmDecision:
+    max_num_seqs: int
+    max_batched_tokens: int
+    kv_blocks: int
+    prefill_paused: bool
+    kv_cache_bytes: int  # bytes of the decided cache (usable + spare blocks)
+    want_grant_bytes: int  # grant this engine would use: base + the largest cache it may grow to when busy
+    rule: LlmRule
+    trigger: LlmTrigger
+    value: float  # the trigger metric's value
+    reason: str  # names the trigger metric and its value, and what changed
+
+    def bounds_changed(self, state: LlmState | None) -> bool:
+        return state is None or (self.max_num_seqs, self.max_batched_tokens, self.kv_blocks, self.prefill_paused) != (
+            state.max_num_seqs, state.max_batched_tokens, state.kv_blocks, state.prefill_paused)
+
+
+@dataclass(frozen=True)
+class _Want:
+    state: LlmState  # proposed state before guard-rails
+    trigger: LlmTrigger
+    value: float
+    reason: str
+
+
+def kv_blocks_in_grant(cfg: LlmRuleConfig, grant_bytes: int) -> int:
+    """Largest usable cache that fits in the grant after the base footprint, within kv_blocks_max."""
+    room = (grant_bytes - cfg.base_bytes) // max(1, cfg.kv_block_bytes) - cfg.kv_spare_blocks
+    return int(max(0, min(cfg.kv_blocks_max, room)))
+
+
+def seqs_in_grant(cfg: LlmRuleConfig, grant_bytes: int) -> int:
+    """Sequences whose reservations fit in the largest cache the grant allows (at least 1)."""
+    return max(1, min(cfg.max_num_seqs_max, kv_blocks_in_grant(cfg, grant_bytes) // cfg.blocks_per_seq))
+
+
+def cache_bytes(cfg: LlmRuleConfig, blocks: int) -> int:
+    return (blocks + cfg.kv_spare_blocks) * cfg.kv_block_bytes
+
+
+def _held(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> bool:
+    return load.now_s - s.last_change_s < cfg.hold_s
+
+
+def _squeeze(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    f = load.free_mem_frac
+    if f >= cfg.squeeze_free_frac:
+        return None
+    if s.prefill_paused and (_held(load, cfg, s) or s.max_num_seqs <= 1):
+        return _Want(s, LlmTrigger.FREE_MEM_FRAC, f,
+                     f"free_mem_frac {f:.3f} < {cfg.squeeze_free_frac}: prefills stay paused at max_num_seqs {s.max_num_seqs}")
+    new = max(1, s.max_num_seqs // 2)
+    recover_to = max(s.recover_to, s.max_num_seqs)
+    return _Want(replace(s, max_num_seqs=new, prefill_paused=True, recover_to=recover_to), LlmTrigger.FREE_MEM_FRAC, f,
+                 f"free_mem_frac {f:.3f} < {cfg.squeeze_free_frac}: halve max_num_seqs {s.max_num_seqs}->{new}, pause new prefills")
+
+
+def _resume(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    if not s.prefill_paused:
+        return None
+    f = load.free_mem_frac
+    if f < cfg.resume_free_frac:
+        return _Want(s, LlmTrigger.FREE_MEM_FRAC, f,
+                     f"free_mem_frac {f:.3f} < resume {cfg.resume_free_frac}: keep prefills paused")
+    return _Want(replace(s, prefill_paused=False), LlmTrigger.FREE_MEM_FRAC, f,
+                 f"free_mem_frac {f:.3f} >= {cfg.resume_free_frac}: resume prefills at max_num_seqs {s.max_num_seqs}")
+
+
+def _prefill_bound(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    ttft, tpot = load.ttft_p95_ms, load.tpot_p95_ms
+    if load.samples < cfg.min_samples or ttft is None or ttft <= cfg.ttft_slo_ms:
+        return None
+    if tpot is not None and tpot > cfg.tpot_slo_ms:
+        return None  # decode is slow too: not a prefill problem
+    if load.prefill_time_frac < cfg.prefill_dominant_frac or _held(load, cfg, s):
+        return None
+    seqs = max(1, math.floor(s.max_num_seqs * cfg.seqs_backoff))
+    tokens = max(cfg.max_batched_tokens_min, s.max_batched_tokens // 2)
+    if (seqs, tokens) == (s.max_num_seqs, s.max_batched_tokens):
+        return None
+    tpot_txt = "n/a" if tpot is None else f"{tpot:.1f}"
+    return _Want(replace(s, max_num_seqs=seqs, max_batched_tokens=tokens, recover_to=0), LlmTrigger.TTFT_P95_MS, ttft,
+                 f"ttft_p95_ms {ttft:.1f} > SLO {cfg.ttft_slo_ms:g} with tpot_p95_ms {tpot_txt} <= {cfg.tpot_slo_ms:g} "
+                 f"and prefill {load.prefill_time_frac:.2f} of sequence time: max_num_seqs {s.max_num_seqs}->{seqs}, "
+                 f"max_batched_tokens {s.max_batched_tokens}->{tokens}")
+
+
+def _recover(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    if s.recover_to <= s.max_num_seqs:
+        return None
+    f = load.free_mem_frac
+    if f < cfg.resume_free_frac or _held(load, cfg, s):
+        return _Want(s, LlmTrigger.FREE_MEM_FRAC, f,
+                     f"free_mem_frac {f:.3f}: hold max_num_seqs {s.max_num_seqs} (recovering to {s.recover_to})")
+    new = min(s.recover_to, s.max_num_seqs + cfg.seqs_step)
+    left = 0 if new >= s.recover_to else s.recover_to
+    return _Want(replace(s, max_num_seqs=new, recover_to=left), LlmTrigger.FREE_MEM_FRAC, f,
+                 f"free_mem_frac {f:.3f} >= {cfg.resume_free_frac}: step max_num_seqs {s.max_num_seqs}->{new} "
+                 f"toward {s.recover_to}")
+
+
+def _idle_shrink(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    if load.running or load.waiting or load.idle_for_s < cfg.idle_hold_s or s.kv_blocks <= cfg.kv_blocks_min:
+        return None
+    lent = cache_bytes(cfg, s.kv_blocks) - cache_bytes(cfg, cfg.kv_blocks_min)
+    return _Want(replace(s, kv_blocks=cfg.kv_blocks_min), LlmTrigger.IDLE_FOR_S, load.idle_for_s,
+                 f"idle_for_s {load.idle_for_s:.1f} >= {cfg.idle_hold_s:g}: shrink KV cache {s.kv_blocks}->"
+                 f"{cfg.kv_blocks_min} blocks (frees {lent} bytes to lend)")
+
+
+def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    cap = kv_blocks_in_grant(cfg, load.grant_bytes)
+    full = load.kv_blocks_reserved >= cfg.busy_used_frac * max(1, load.kv_blocks_total)
+    if not (load.waiting > 0 or full) or s.kv_blocks >= cap or _held(load, cfg, s):
+        return None
+    new = min(cap, max(2 * s.kv_blocks, s.max_num_seqs * cfg.blocks_per_seq))
+    return _Want(replace(s, kv_blocks=new), LlmTrigger.WAITING, load.waiting,
+                 f"waiting {load.waiting} with {load.kv_blocks_reserved}/{load.kv_blocks_total} KV blocks reserved: "
+                 f"grow KV cache {s.kv_blocks}->{new} blocks (grant allows {cap})")
+
+
+def _seqs_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    if load.waiting <= 0 or load.running < s.max_num_seqs or _held(load, cfg, s):
+        return None
+    if s.max_num_seqs >= seqs_in_grant(cfg, load.grant_bytes):
+        return None
+    ttft, tpot = load.ttft_p95_ms, load.tpot_p95_ms
+    if load.samples >= cfg.min_samples and ((tpot is not None and tpot > cfg.tpot_slo_ms)
+                                            or (ttft is not None and ttft > cfg.ttft_slo_ms
+                                                and load.prefill_time_frac >= cfg.prefill_dominant_frac)):
+        return None
+    new = s.max_num_seqs + cfg.seqs_step
+    return _Want(replace(s, max_num_seqs=new), LlmTrigger.WAITING, load.waiting,
+                 f"waiting {load.waiting} behind max_num_seqs {s.max_num_seqs} with SLOs met: raise it to {new}")
+
+
+def _hold(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
+    return _Want(s, LlmTrigger.HOLD, float(load.running),
+                 f"running {load.running}, waiting {load.waiting}: hold max_num_seqs {s.max_num_seqs}")
+
+
+RULES: tuple[tuple[LlmRule, Callable[[EngineLoad, LlmRuleConfig, LlmState], _Want | None]], ...] = (
+    (LlmRule.SQUEEZE, _squeeze),
+    (LlmRule.RESUME, _resume),
+    (LlmRule.PREFILL_BOUND, _prefill_bound),
+    (LlmRule.RECOVER, _recover),
+    (LlmRule.IDLE_SHRINK, _idle_shrink),
+    (LlmRule.BUSY_GROW, _busy_grow),
+    (LlmRule.SEQS_GROW, _seqs_grow),
+    (LlmRule.HOLD, _hold),
+)
+
+
+def start_state(cfg: LlmRuleConfig, grant_bytes: int) -> _Want:
+    fits = seqs_in_grant(cfg, grant_bytes)
+    half = max(1, math.ceil(0.5 * cfg.expected_peak_concurrency))
+    seqs = min(half, fits)
+    blocks = max(cfg.kv_blocks_min, cfg.expected_peak_concurrency * cfg.blocks_per_seq)
+    state = LlmState(seqs, cfg.max_batched_tokens_max, blocks)
+    return _Want(state, LlmTrigger.EXPECTED_PEAK, float(cfg.expected_peak_concurrency),
+                 f"expected_peak_concurrency {cfg.expected_peak_concurrency}: max_num_seqs {seqs} "
+                 f"(half the peak is {half}, memory allows {fits})")
+
+
+def _clamp(s: LlmState, cfg: LlmRuleConfig, grant_bytes: int) -> LlmState:
+    kv_cap = max(cfg.kv_blocks_min, kv_blocks_in_grant(cfg, grant_bytes))
+    return replace(
+        s,
+        max_num_seqs=max(1, min(s.max_num_seqs, seqs_in_grant(cfg, grant_bytes))),
+        max_batched_tokens=max(cfg.max_batched_tokens_min, min(s.max_batched_tokens, cfg.max_batched_tokens_max)),
+        kv_blocks=max(cfg.kv_blocks_min, min(s.kv_blocks, kv_cap)),
+    )
+
+
+def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> tuple[LlmDecision, LlmState]:
+    """The first matching rule's bounds and cache size, after guard-rails, and the new state."""
+    if state is None:
+        rule, want = LlmRule.START, start_state(cfg, load.grant_bytes)
+    else:
+        for rule, fn in RULES:
+            want = fn(load, cfg, state)
+            if want is not None:
+                break
+    new = _clamp(want.state, cfg, load.grant_bytes)
+    if state is not None and (new.max_num_seqs, new.max_batched_tokens, new.kv_blocks, new.prefill_paused) != (
+            state.max_num_seqs, state.max_batched_tokens, state.kv_blocks, state.prefill_paused):
+        new = replace(new, last_change_s=load.now_s)
+    elif state is None:
+        new = replace(new, last_change_s=load.now_s)
+    busy_blocks = kv_blocks_in_grant(cfg, 1 << 62)  # the largest cache it may grow to
+    want_blocks = new.kv_blocks if (load.running == 0 and load.waiting == 0) else busy_blocks
+    decision = LlmDecision(
+        max_num_seqs=new.max_num_seqs, max_batched_tokens=new.max_batched_tokens, kv_blocks=new.kv_blocks,
+        prefill_paused=new.prefill_paused, kv_cache_bytes=cache_bytes(cfg, new.kv_blocks),
+        want_grant_bytes=cfg.base_bytes + cache_bytes(cfg, want_blocks),
+        rule=rule, trigger=want.trigger, value=float(want.value), reason=want.reason,
+    )
+    return decision, new
