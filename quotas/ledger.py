@@ -94,141 +94,43 @@ the human form rounds) and the fix; ``.model`` holds the model's name where ther
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
-from quotas.sizes import format_size, parse_size
+from quotas.ledger_base import (
+    FREE_POOL,
+    LedgerError,
+    LedgerInvariantError,
+    ModelQuota,
+    as_bytes,
+    as_time,
+    fmt,
+    validate_quotas,
+)
+from quotas.ledger_checkpoint import parse_checkpoint
+from quotas.ledger_checks import ledger_problems
+from quotas.transfers import TRANSFER_KINDS, Transfer, TransferOps
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module free of pydantic at run time
     from quotas.config import FleetConfig
 
 __all__ = [
     "CHECKPOINT_VERSION",
+    "FREE_POOL",
+    "TRANSFER_KINDS",
     "LedgerError",
     "LedgerInvariantError",
     "ModelQuota",
     "QuotaLedger",
     "Transfer",
-    "TRANSFER_KINDS",
 ]
 
 CHECKPOINT_VERSION = 1
-TRANSFER_KINDS = ("lend", "reclaim")
-FREE_POOL = ""  # the "borrower" name reclaim_plan uses for the free pool
+_fmt, _as_bytes, _as_time = fmt, as_bytes, as_time
 
 
-class LedgerError(ValueError):
-    """A refused ledger operation or bad ledger input; the message names model, bytes and fix."""
-
-    def __init__(self, message: str, model: str | None = None):
-        super().__init__(message)
-        self.model = model
-
-
-class LedgerInvariantError(LedgerError):
-    """The ledger's state breaks one or more invariants; ``problems`` lists each one."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"quota ledger breaks {len(self.problems)} invariant(s):\n{lines}")
-
-
-def _fmt(num_bytes: int) -> str:
-    """Human size, with the exact byte count when the human form rounds."""
-    text = format_size(num_bytes)
-    try:
-        exact = parse_size(text.lstrip("-")) == abs(num_bytes)
-    except ValueError:  # pragma: no cover - format_size always parses
-        exact = False
-    return text if exact else f"{text} ({num_bytes} bytes)"
-
-
-def _as_bytes(value: Any, what: str, model: str | None = None) -> int:
-    """An integer byte count (ints and numpy-style integers; not bools, not floats)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        where = f" for '{model}'" if model else ""
-        raise LedgerError(f"{what}{where} is {value!r}, not a whole number of bytes; pass an int", model)
-    return operator.index(value)
-
-
-def _as_time(value: Any, what: str = "now_s") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise LedgerError(f"{what} is {value!r}; pass a finite number of seconds")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class ModelQuota:
-    """One model's quota; validated on construction (integers, 0 <= min <= base <= max)."""
-
-    min_bytes: int  # working set the model never goes under, even when it lends
-    base_bytes: int  # guaranteed share: the owner can always reclaim it
-    max_bytes: int  # most the model may borrow up to
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = _as_bytes(getattr(self, f.name), f.name)
-            if value < 0:
-                raise LedgerError(f"{f.name} ({value}) is negative; quota sizes must be >= 0")
-            object.__setattr__(self, f.name, value)
-        if self.min_bytes > self.base_bytes:
-            raise LedgerError(
-                f"min_bytes ({_fmt(self.min_bytes)}) is above base_bytes ({_fmt(self.base_bytes)}); "
-                "lower min or raise base"
-            )
-        if self.base_bytes > self.max_bytes:
-            raise LedgerError(
-                f"base_bytes ({_fmt(self.base_bytes)}) is above max_bytes ({_fmt(self.max_bytes)}); "
-                "lower base or raise max"
-            )
-
-    def to_dict(self) -> dict[str, int]:
-        return {"min_bytes": self.min_bytes, "base_bytes": self.base_bytes, "max_bytes": self.max_bytes}
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """Bytes that left ``donor``'s grant and have not yet been added to ``recipient``'s."""
-
-    id: int  # unique within the ledger, never reused
-    donor: str  # model whose grant was lowered at begin_transfer
-    recipient: str  # model whose grant rises at confirm
-    amount_bytes: int  # bytes in flight
-    kind: str  # "lend" (idle model lends) or "reclaim" (owner takes a loan back)
-    started_s: float  # now_s at begin_transfer; only reports from then on can confirm it
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "donor": self.donor,
-            "recipient": self.recipient,
-            "amount_bytes": self.amount_bytes,
-            "kind": self.kind,
-            "started_s": self.started_s,
-        }
-
-
-def _validate_quotas(quotas: Mapping[str, ModelQuota]) -> dict[str, ModelQuota]:
-    if not isinstance(quotas, Mapping):
-        raise LedgerError(f"quotas is {type(quotas).__name__}; pass a mapping of model name -> ModelQuota")
-    out: dict[str, ModelQuota] = {}
-    for name, quota in quotas.items():
-        if not isinstance(name, str) or not name:
-            raise LedgerError(f"model name {name!r} is not allowed; use a non-empty string (\"\" means the free pool)")
-        if not isinstance(quota, ModelQuota):
-            raise LedgerError(
-                f"quota for '{name}' is {type(quota).__name__}; pass ModelQuota(min_bytes, base_bytes, max_bytes)", name
-            )
-        out[name] = quota
-    return out
-
-
-class QuotaLedger:
+class QuotaLedger(TransferOps):
     """Grants, loans and in-flight transfers of one card. See the module docstring."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable; equality compares state
@@ -242,7 +144,7 @@ class QuotaLedger:
         usable = _as_bytes(usable_bytes, "usable_bytes")
         if usable < 0:
             raise LedgerError(f"usable_bytes ({usable}) is negative; pass the card's usable memory in bytes")
-        checked = _validate_quotas(quotas)
+        checked = validate_quotas(quotas)
         given = dict(grants or {})
         unknown = [name for name in given if name not in checked]
         if unknown:
@@ -265,7 +167,7 @@ class QuotaLedger:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: "FleetConfig", usable_bytes: int) -> "QuotaLedger":
+    def from_config(cls, config: FleetConfig, usable_bytes: int) -> QuotaLedger:
         """Ledger with every model of ``config`` at its base; ``usable_bytes`` measured or configured."""
         quotas: dict[str, ModelQuota] = {}
         for name, spec in config.models.items():
@@ -284,7 +186,7 @@ class QuotaLedger:
         grants: Mapping[str, int],
         pending: tuple[Transfer, ...],
         next_id: int,
-    ) -> "QuotaLedger":
+    ) -> QuotaLedger:
         """Build without checking (the caller runs check())."""
         ledger = cls.__new__(cls)
         ledger._usable = usable_bytes
@@ -300,7 +202,7 @@ class QuotaLedger:
         ledger._next_id = next_id
         return ledger
 
-    def copy(self) -> "QuotaLedger":
+    def copy(self) -> QuotaLedger:
         return QuotaLedger._restore(self._usable, self._quotas, self._grants, self.pending, self._next_id)
 
     # -- reading ----------------------------------------------------------------------------
@@ -361,104 +263,6 @@ class QuotaLedger:
         """How much more ``name`` may receive or grow: max - grant - incoming - outgoing (I2)."""
         self._known(name, "headroom_bytes")
         return self._quotas[name].max_bytes - self._grants[name] - self.incoming_bytes(name) - self.outgoing_bytes(name)
-
-    # -- two-phase transfers ------------------------------------------------------------------
-
-    def begin_transfer(
-        self, donor: str, recipient: str, amount_bytes: int, now_s: float, kind: str = "lend"
-    ) -> Transfer:
-        """Phase 1: lower ``donor``'s grant by ``amount_bytes`` now; the amount is in flight."""
-        self._known(donor, "begin_transfer donor")
-        self._known(recipient, "begin_transfer recipient")
-        amount = _as_bytes(amount_bytes, "amount_bytes", donor)
-        started_s = _as_time(now_s)
-        if kind not in TRANSFER_KINDS:
-            raise LedgerError(
-                f"transfer kind {kind!r} from '{donor}' to '{recipient}' is unknown; use 'lend' or 'reclaim'", donor
-            )
-        if donor == recipient:
-            raise LedgerError(
-                f"cannot transfer {_fmt(amount)} from '{donor}' to itself; pick a different recipient", donor
-            )
-        if amount <= 0:
-            raise LedgerError(
-                f"cannot transfer {_fmt(amount)} from '{donor}' to '{recipient}': amount_bytes must be > 0; "
-                "pass a positive number of bytes",
-                donor,
-            )
-        q_donor = self._quotas[donor]
-        grant = self._grants[donor]
-        if grant - amount < q_donor.min_bytes:
-            room = max(0, grant - q_donor.min_bytes)
-            raise LedgerError(
-                f"cannot {kind} {_fmt(amount)} from '{donor}': its grant would fall to {_fmt(grant - amount)}, "
-                f"under its min {_fmt(q_donor.min_bytes)}; move at most {_fmt(room)}, "
-                f"or lower models.{donor}.quota.min",
-                donor,
-            )
-        if kind == "reclaim":
-            loan = max(0, grant - q_donor.base_bytes)
-            if amount > loan:
-                raise LedgerError(
-                    f"cannot reclaim {_fmt(amount)} from '{donor}': only {_fmt(loan)} of its grant "
-                    f"{_fmt(grant)} is a loan above its base {_fmt(q_donor.base_bytes)}; reclaim at most "
-                    f"{_fmt(loan)} (see reclaim_plan) or use kind='lend'",
-                    donor,
-                )
-        room = self.headroom_bytes(recipient)
-        if amount > room:
-            q_rec = self._quotas[recipient]
-            raise LedgerError(
-                f"cannot {kind} {_fmt(amount)} to '{recipient}': its grant {_fmt(self._grants[recipient])} "
-                f"+ in flight to/from it {_fmt(self.incoming_bytes(recipient) + self.outgoing_bytes(recipient))} "
-                f"+ {_fmt(amount)} would exceed its max {_fmt(q_rec.max_bytes)}; move at most {_fmt(max(0, room))}, "
-                f"or raise models.{recipient}.quota.max",
-                recipient,
-            )
-        transfer = Transfer(
-            id=self._next_id, donor=donor, recipient=recipient, amount_bytes=amount, kind=kind, started_s=started_s
-        )
-        self._next_id += 1
-        self._grants[donor] = grant - amount
-        self._pending[transfer.id] = transfer
-        return transfer
-
-    def confirm(self, donor: str, used_bytes: int | float, now_s: float) -> tuple[Transfer, ...]:
-        """Phase 2: ``donor`` reports ``used_bytes`` measured at ``now_s``.
-
-        If ``used_bytes <= grant(donor)``, every pending transfer from it begun at or before
-        ``now_s`` completes (recipients' grants rise) and is returned; otherwise nothing
-        changes and ``()`` is returned.
-        """
-        self._known(donor, "confirm")
-        measured = isinstance(used_bytes, numbers.Real) and not isinstance(used_bytes, bool)
-        if not measured or not math.isfinite(used_bytes) or used_bytes < 0:
-            raise LedgerError(
-                f"used_bytes reported by '{donor}' is {used_bytes!r}; pass the measured bytes (a number >= 0)", donor
-            )
-        at = _as_time(now_s)
-        if used_bytes > self._grants[donor]:
-            return ()
-        done = tuple(t for t in self._pending.values() if t.donor == donor and t.started_s <= at)
-        for t in done:
-            del self._pending[t.id]
-            self._grants[t.recipient] += t.amount_bytes
-        return done
-
-    def abort(self, transfer_id: int) -> Transfer:
-        """Give a pending transfer's amount back to its donor; returns the aborted transfer."""
-        if isinstance(transfer_id, bool) or not isinstance(transfer_id, numbers.Integral):
-            raise LedgerError(f"transfer id {transfer_id!r} is not an int; pass Transfer.id")
-        transfer = self._pending.get(operator.index(transfer_id))
-        if transfer is None:
-            shown = ", ".join(str(i) for i in self._pending) or "none"
-            raise LedgerError(
-                f"transfer {transfer_id} is not pending (pending ids: {shown}); it was already confirmed or "
-                "aborted, or never begun; pass an id from ledger.pending"
-            )
-        del self._pending[transfer.id]
-        self._grants[transfer.donor] += transfer.amount_bytes
-        return transfer
 
     # -- one-phase moves against the free pool -------------------------------------------------
 
@@ -542,64 +346,7 @@ class QuotaLedger:
 
     def problems(self) -> list[str]:
         """Every broken invariant, as messages that name the model, the bytes and the fix."""
-        out: list[str] = []
-        out.extend(
-            f"transfer id {i} appears twice; checkpoints must list each pending transfer once" for i in self._dupe_ids
-        )
-        usable = self._usable
-        for name in self._quotas:
-            if name not in self._grants:
-                base = _fmt(self._quotas[name].base_bytes)
-                out.append(f"'{name}' has a quota but no grant; give it a grant (its base {base})")
-        for name in self._grants:
-            if name not in self._quotas:
-                out.append(f"'{name}' has a grant but no quota; drop its grant or add its quota")
-        incoming: dict[str, int] = {}
-        outgoing: dict[str, int] = {}
-        for t in self._pending.values():
-            for role, who in (("donor", t.donor), ("recipient", t.recipient)):
-                if who not in self._quotas:
-                    out.append(f"transfer {t.id} names unknown {role} '{who}'; abort it or add the model")
-            if t.donor == t.recipient:
-                out.append(f"transfer {t.id} moves {_fmt(t.amount_bytes)} from '{t.donor}' to itself; abort it")
-            if t.amount_bytes <= 0:
-                out.append(f"transfer {t.id} from '{t.donor}' has amount {_fmt(t.amount_bytes)}; amounts must be > 0")
-            if t.kind not in TRANSFER_KINDS:
-                out.append(f"transfer {t.id} from '{t.donor}' has kind {t.kind!r}; use 'lend' or 'reclaim'")
-            if t.id >= self._next_id:
-                out.append(f"transfer {t.id} from '{t.donor}' is not below the next id {self._next_id}; raise next_id")
-            incoming[t.recipient] = incoming.get(t.recipient, 0) + t.amount_bytes
-            outgoing[t.donor] = outgoing.get(t.donor, 0) + t.amount_bytes
-        in_flight = sum(t.amount_bytes for t in self._pending.values())
-        granted = sum(self._grants.values())
-        if granted + in_flight > usable:
-            out.append(
-                f"sum of grants {_fmt(granted)} + in flight {_fmt(in_flight)} = {_fmt(granted + in_flight)} exceeds "
-                f"usable {_fmt(usable)} by {_fmt(granted + in_flight - usable)}; lower some grants or abort transfers"
-            )
-        total_base = sum(q.base_bytes for q in self._quotas.values())
-        if total_base > usable:
-            out.append(
-                f"sum of base quotas {_fmt(total_base)} exceeds usable {_fmt(usable)}, so not every owner can reclaim "
-                "its base; lower some models' quota.base or raise gpu.capacity"
-            )
-        for name, q in self._quotas.items():
-            grant = self._grants.get(name)
-            if grant is None:
-                continue
-            if grant < q.min_bytes:
-                out.append(
-                    f"'{name}': grant {_fmt(grant)} is under its min {_fmt(q.min_bytes)}; raise it by "
-                    f"{_fmt(q.min_bytes - grant)} or lower models.{name}.quota.min"
-                )
-            ceiling = grant + incoming.get(name, 0) + outgoing.get(name, 0)
-            if ceiling > q.max_bytes:
-                out.append(
-                    f"'{name}': grant {_fmt(grant)} + in flight to/from it "
-                    f"{_fmt(incoming.get(name, 0) + outgoing.get(name, 0))} = {_fmt(ceiling)} exceeds its max "
-                    f"{_fmt(q.max_bytes)}; lower it by {_fmt(ceiling - q.max_bytes)} or raise models.{name}.quota.max"
-                )
-        return out
+        return ledger_problems(self)
 
     def check(self) -> None:
         """Raise ``LedgerInvariantError`` listing every broken invariant (I1-I4)."""
@@ -609,12 +356,12 @@ class QuotaLedger:
 
     # -- new config -----------------------------------------------------------------------------
 
-    def reconfigure(self, usable_bytes: int, quotas: Mapping[str, ModelQuota]) -> "QuotaLedger":
+    def reconfigure(self, usable_bytes: int, quotas: Mapping[str, ModelQuota]) -> QuotaLedger:
         """A new ledger for a new config (see module docstring); never changes ``self``."""
         usable = _as_bytes(usable_bytes, "usable_bytes")
         if usable < 0:
             raise LedgerError(f"usable_bytes ({usable}) is negative; pass the card's usable memory in bytes")
-        new_quotas = _validate_quotas(quotas)
+        new_quotas = validate_quotas(quotas)
         for what, attr in (("min", "min_bytes"), ("base", "base_bytes")):
             total = sum(getattr(q, attr) for q in new_quotas.values())
             if total > usable:
@@ -662,55 +409,10 @@ class QuotaLedger:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "QuotaLedger":
+    def from_dict(cls, d: Mapping[str, Any]) -> QuotaLedger:
         """Restore a checkpoint written by ``to_dict``; runs ``check()``."""
-        if not isinstance(d, Mapping):
-            raise LedgerError(f"checkpoint is {type(d).__name__}; pass the dict that QuotaLedger.to_dict() wrote")
-        missing = [k for k in ("version", "usable_bytes", "quotas", "grants", "pending", "next_id") if k not in d]
-        if missing:
-            raise LedgerError(f"checkpoint lacks {', '.join(missing)}; pass the dict that QuotaLedger.to_dict() wrote")
-        if d["version"] != CHECKPOINT_VERSION:
-            raise LedgerError(
-                f"checkpoint version {d['version']!r} is not {CHECKPOINT_VERSION}; start from the config "
-                "(QuotaLedger.from_config) instead of this checkpoint"
-            )
-        usable = _as_bytes(d["usable_bytes"], "usable_bytes")
-        quotas: dict[str, ModelQuota] = {}
-        if not isinstance(d["quotas"], Mapping):
-            raise LedgerError("checkpoint quotas is not a mapping; pass the dict that QuotaLedger.to_dict() wrote")
-        for name, q in d["quotas"].items():
-            try:
-                quotas[name] = ModelQuota(q["min_bytes"], q["base_bytes"], q["max_bytes"])
-            except (KeyError, TypeError) as exc:
-                raise LedgerError(
-                    f"checkpoint quota for '{name}' is malformed ({exc}); it needs min_bytes, base_bytes, max_bytes",
-                    name,
-                ) from None
-            except LedgerError as exc:
-                raise LedgerError(f"checkpoint quota for '{name}': {exc}", name) from None
-        quotas = _validate_quotas(quotas)
-        if not isinstance(d["grants"], Mapping):
-            raise LedgerError("checkpoint grants is not a mapping; pass the dict that QuotaLedger.to_dict() wrote")
-        grants = {name: _as_bytes(g, "grant", name) for name, g in d["grants"].items()}
-        pending = []
-        for raw in d["pending"]:
-            try:
-                pending.append(
-                    Transfer(
-                        id=_as_bytes(raw["id"], "transfer id"),
-                        donor=str(raw["donor"]),
-                        recipient=str(raw["recipient"]),
-                        amount_bytes=_as_bytes(raw["amount_bytes"], "amount_bytes", str(raw["donor"])),
-                        kind=str(raw["kind"]),
-                        started_s=_as_time(raw["started_s"], "started_s"),
-                    )
-                )
-            except (KeyError, TypeError) as exc:
-                raise LedgerError(
-                    f"checkpoint transfer {raw!r} is malformed ({exc}); each needs id, donor, recipient, "
-                    "amount_bytes, kind, started_s"
-                ) from None
-        ledger = cls._restore(usable, quotas, grants, tuple(pending), _as_bytes(d["next_id"], "next_id"))
+        usable, quotas, grants, pending, next_id = parse_checkpoint(d, CHECKPOINT_VERSION)
+        ledger = cls._restore(usable, quotas, grants, pending, next_id)
         ledger.check()
         return ledger
 
