@@ -37,6 +37,7 @@ class StatsReport:
     oom_splits: int = 0  # batches split in two after an out-of-memory error
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
     settings_version: int = 0  # version of the settings the replica runs now
+    oom_costs: tuple[float, ...] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.oom)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +45,7 @@ class StatsReport:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StatsReport":
         data = dict(data)
+        data["oom_costs"] = tuple(float(c) for c in data.get("oom_costs", ()))
         data["latency_ms"] = tuple(data.get("latency_ms", ()))
         data["batches"] = tuple(tuple(b) for b in data.get("batches", ()))
         data["batch_requests"] = tuple(data.get("batch_requests", ()))
@@ -108,6 +110,7 @@ class ModelLoad:
     mem_peak_bytes: int = 0  # max over the window
     emergency: bool = False  # a replica shrank in its fast loop since the last tick
     oom_splits: int = 0  # OOM splits since the last tick
+    oom_costs: tuple[float, ...] = ()  # costs of batches that ran out of memory, over the window (memory ceiling below the smallest)
     settings_version: int = 0  # lowest settings version the replicas report running
     weights_bytes: int = 0  # calibrated memory model: weights (0 = not calibrated yet)
     bytes_per_unit: float = 0.0  # calibrated memory model: bytes per batch unit (request or token)

@@ -100,6 +100,7 @@ class ReportWindow:
         batches = 0
         emergency = False
         oom_splits = 0
+        oom_costs: list[float] = []  # every OOMed batch in the window: the memory ceiling stays below them
         done = misses = 0
         slo = spec.slo_p95_ms
         for t, r in events:
@@ -110,6 +111,7 @@ class ReportWindow:
             done += len(r.latency_ms)
             misses += sum(1 for x in r.latency_ms if x > slo) + r.rejections + r.timeouts + r.errors
             timings.extend(r.batches)
+            oom_costs.extend(r.oom_costs)
             for (cost, _), reqs in zip(r.batches, r.batch_requests):
                 batch_cost += cost
                 batch_requests += reqs
@@ -170,6 +172,7 @@ class ReportWindow:
             mem_peak_bytes=sum(peak.get(rid, 0) for rid in latest),
             emergency=emergency,
             oom_splits=oom_splits,
+            oom_costs=tuple(oom_costs),
             settings_version=min((r.settings_version for r in latest.values()), default=0),
             weights_bytes=int(memory[0]),
             bytes_per_unit=float(memory[1]),
