@@ -4,10 +4,16 @@ Calibrated at start-up by the replica (running a few batch sizes and measuring p
 and carried in the snapshot. The batch ceiling from memory is
 ``cap_mem = (grant_per_replica - weights) / bytes_per_unit``; with no calibration (bytes per
 unit 0) memory does not limit the batch.
+
+Every out-of-memory error teaches it at once: a batch of cost ``c`` that ran out of memory
+(``ModelLoad.oom_costs``, over the window) caps the ceiling at ``ceil(c) - 1`` below the smallest
+such cost, calibrated or not, whatever the grant arithmetic says, so the cap that ran out of
+memory is not used again while the OOM is in the window.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +27,7 @@ HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, 
 class MemoryModel:
     weights_bytes: int
     bytes_per_unit: float
+    oom_cost: float | None = None  # smallest batch cost that ran out of memory in the window, None: none did
 
     @classmethod
     def from_load(cls, load: "ModelLoad") -> "MemoryModel":
@@ -29,12 +36,13 @@ class MemoryModel:
         pools, runtime, fragmentation: on host memory RSS never shrinks back), that observed
         fixed part is used instead, so the batch ceiling and the memory a model asks to borrow
         follow what is measured against its grant."""
-        model = cls(int(load.weights_bytes), float(load.bytes_per_unit))
+        oom = min(load.oom_costs) if load.oom_costs else None
+        model = cls(int(load.weights_bytes), float(load.bytes_per_unit), oom)
         if model.calibrated and load.mem_peak_bytes > 0 and load.replicas > 0:
             biggest = max((cost for cost, _ in load.batch_timings), default=load.mean_batch)
             observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
             if observed > model.weights_bytes:
-                model = cls(int(observed), model.bytes_per_unit)
+                model = cls(int(observed), model.bytes_per_unit, oom)
         return model
 
     @property
@@ -46,11 +54,14 @@ class MemoryModel:
         return int(self.weights_bytes + self.bytes_per_unit * batch)
 
     def cap_for(self, grant_per_replica_bytes: float) -> int | None:
-        """Largest batch that fits the grant (None: unlimited, not calibrated)."""
+        """Largest batch that fits the grant and is below every batch that ran out of memory
+        (None: unlimited, not calibrated and no OOM)."""
+        below_oom = None if self.oom_cost is None else max(0, math.ceil(self.oom_cost) - 1)
         if not self.calibrated:
-            return None
+            return below_oom
         room = grant_per_replica_bytes * HEADROOM_FRAC - self.weights_bytes
-        return max(0, int(room // self.bytes_per_unit))
+        fits = max(0, int(room // self.bytes_per_unit))
+        return fits if below_oom is None else min(fits, below_oom)
 
     def grant_for(self, batch: float) -> int:
         """Grant per replica that lets a batch of this cost run, with the same slack."""

@@ -11,6 +11,12 @@ A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
 - ``HostProbe(capacity_bytes)``: CPU-only machines; RSS per process from /proc, the same
   ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``).
 
+Readings the limiters of ``deployments/enforce.py`` use (the limit itself is set there):
+``proc_status_bytes`` (VmData, VmRSS, RssAnon/RssFile/RssShmem from /proc/<pid>/status: what
+``RLIMIT_DATA`` counts beside what is resident), ``thread_count``, and on NVML
+``NvmlProbe.process_bytes`` / ``NvmlProbe.process_sm_util_frac`` (this pid's memory and SM
+share from ``nvmlDeviceGetComputeRunningProcesses`` / ``nvmlDeviceGetProcessUtilization``).
+
 Policies never see a probe: the replica reads it and sends numbers in its StatsReport.
 """
 
@@ -71,6 +77,7 @@ class NvmlProbe:
         self.index = index  # NVML index (physical order, ignores CUDA_VISIBLE_DEVICES)
         self.pid = os.getpid() if pid is None else pid
         self.limit_bytes: int | None = None
+        self._util_seen_us = 0  # newest process-utilisation sample already read (NVML µs timestamp)
         nvml = _nvml()
         if uuid:  # the card torch calls cuda:N, whatever CUDA_VISIBLE_DEVICES says
             self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
@@ -109,6 +116,21 @@ class NvmlProbe:
             if proc.pid == self.pid:
                 used += int(proc.usedGpuMemory or 0)  # None when the driver does not say
         return used
+
+    def process_sm_util_frac(self) -> float | None:
+        """This pid's SM share in [0, 1] from ``nvmlDeviceGetProcessUtilization`` (samples since the
+        previous call); 0.0 when the pid has no sample, None where the driver does not say."""
+        nvml = _nvml()
+        try:
+            samples = nvml.nvmlDeviceGetProcessUtilization(self._handle, self._util_seen_us)
+        except (nvml.NVMLError, AttributeError):  # not supported, or no sample since the timestamp
+            return None
+        mine = [s for s in samples if s.pid == self.pid]
+        if samples:
+            self._util_seen_us = max(int(s.timeStamp) for s in samples)
+        if not mine:
+            return 0.0
+        return min(1.0, max(0.0, sum(float(s.smUtil) for s in mine) / len(mine) / 100.0))
 
     def sm_util_frac(self) -> float | None:
         nvml = _nvml()
@@ -215,6 +237,34 @@ def rss_bytes(pid: int | None = None) -> int | None:
         return int(psutil.Process(pid).memory_info().rss)
     except Exception:
         return None
+
+
+_STATUS_KB_FIELDS = ("VmSize", "VmData", "VmStk", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def proc_status_bytes(pid: int | None = None) -> dict[str, int]:
+    """Memory lines of /proc/<pid>/status in bytes: ``VmData`` is what ``RLIMIT_DATA`` counts
+    (private writable mappings and the heap, reserved or touched), ``VmRSS`` what is resident
+    (= RssAnon + RssFile + RssShmem). Empty when the file cannot be read (not Linux, pid gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{'self' if pid is None else pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in _STATUS_KB_FIELDS:
+                    out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
+def thread_count(pid: int | None = None) -> int:
+    """Threads of ``pid`` (this process by default); 0 when unknown. Each thread's stack is a
+    private writable mapping: ``RLIMIT_DATA`` counts its whole reserved size."""
+    try:
+        return len(os.listdir(f"/proc/{'self' if pid is None else pid}/task"))
+    except OSError:
+        return 0
 
 
 def host_total_bytes() -> int:

@@ -25,8 +25,13 @@ class EmulatedOOM(MemoryError):
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True for CUDA/torch out-of-memory errors, MemoryError and EmulatedOOM."""
+    """True for CUDA/torch out-of-memory errors, MemoryError and EmulatedOOM, and the host
+    allocation failures past an RLIMIT_DATA limit (torch's "can't allocate memory", ENOMEM)."""
     if isinstance(exc, MemoryError):  # includes EmulatedOOM
+        return True
+    if isinstance(exc, OSError) and exc.errno == 12:  # ENOMEM, e.g. mmap past RLIMIT_DATA
+        return True
+    if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):  # torch DefaultCPUAllocator
         return True
     torch = sys.modules.get("torch")
     if torch is None:

@@ -1,15 +1,17 @@
 """``profiled``: an EMULATION of the simulator's model, for demos and tests without a real model.
 
 It does no real compute. A batch of cost ``b`` (requests, or tokens when ``unit: tokens``)
-sleeps ``a_ms + c_ms * b + token_ms * tokens`` milliseconds (time.sleep), holds a bytearray
-of ``weights_bytes`` from load, allocates ``bytes_per_item * b`` transiently during predict,
-and raises ``EmulatedOOM`` when weights + batch bytes exceed the limit set by
-``set_memory_limit`` -- the same latency and memory model the simulator uses, so the broker
-sees the same behaviour live as in simulation.
+sleeps ``a_ms + c_ms * b + token_ms * tokens`` milliseconds (time.sleep), holds
+``weights_bytes`` of touched memory from load, and allocates ``bytes_per_item * b`` of touched
+memory while the batch runs -- the same latency and memory model the simulator uses. It does
+not check its grant itself: its memory is real (private anonymous pages, which RLIMIT_DATA
+counts), so the replica's limiter (``deployments.enforce``) refuses a batch past the grant the
+way it refuses a real model's, and that failure surfaces as ``EmulatedOOM`` (a MemoryError).
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import time
 from typing import Any
@@ -25,8 +27,8 @@ class ProfiledAdapter(ModelAdapter):
         "a_ms": 5.0,  # fixed cost per batch
         "c_ms": 1.0,  # cost per batch unit
         "token_ms": 0.0,  # extra cost per token, whatever the unit
-        "weights_bytes": 0,  # held from load()
-        "bytes_per_item": 0,  # per batch unit, allocated during predict
+        "weights_bytes": 0,  # held (touched) from load()
+        "bytes_per_item": 0,  # per batch unit, allocated (touched) during predict
         "unit": "requests",  # "requests" or "tokens"
         "max_tokens": 1_000_000,  # larger inputs are refused with 422
     }
@@ -40,11 +42,11 @@ class ProfiledAdapter(ModelAdapter):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"model 'profiled': option {key} must be a number >= 0, got {value!r}")
         self.cost_unit = self.unit  # instance attribute: the unit is an option here
-        self._weights: bytearray | None = None
+        self._weights: mmap.mmap | None = None
 
     def load(self, device: str) -> None:
         super().load(device)
-        self._weights = bytearray(int(self.options["weights_bytes"]))
+        self._weights = _touched(int(self.options["weights_bytes"]), "weights")
 
     def validate(self, item: Any) -> dict:
         data = require_fields(item if item is not None else {}, (), ("tokens",))
@@ -67,19 +69,12 @@ class ProfiledAdapter(ModelAdapter):
         b = sum(self.cost(item) for item in items)
         tokens = sum(self._tokens(item) for item in items)
         need = int(self.bytes_per_item * b)
-        held = len(self._weights) if self._weights is not None else self.weights_bytes()
-        limit = self.memory_limit_bytes
-        if limit is not None and held + need > limit:
-            raise EmulatedOOM(
-                f"profiled: batch of {b} {self.unit} needs {need} bytes on top of {held} weight bytes, "
-                f"over the memory limit of {limit} bytes"
-            )
-        scratch = _transient(need)  # activations: resident while the batch runs, returned after
+        scratch = _touched(need, f"a batch of {b} {self.unit}")  # activations: resident while the batch runs
         try:
             time.sleep((self.a_ms + self.c_ms * b + self.token_ms * tokens) / 1000.0)
         finally:
             if scratch is not None:
-                scratch.close()
+                scratch.close()  # returned after the batch, as a GPU allocator's freed blocks are
         return [{"ok": True, "batch": len(items), "cost": b} for _ in items]
 
     def example_input(self, cost: int | None = None) -> dict:
@@ -95,16 +90,21 @@ class ProfiledAdapter(ModelAdapter):
 _PAGE = mmap.PAGESIZE
 
 
-def _transient(nbytes: int) -> mmap.mmap | None:
-    """``nbytes`` of anonymous memory, every page touched (resident), unmapped on ``close()``.
+def _touched(nbytes: int, what: str) -> mmap.mmap | None:
+    """``nbytes`` of private anonymous memory, every page touched (resident), unmapped on ``close()``.
 
-    A plain ``bytearray`` goes through malloc: glibc raises its mmap threshold after the first
-    large free, so later scratch comes from the heap and the process's resident memory never
-    falls back. Host RSS stands in for VRAM on a machine without a GPU, so the emulation must
-    give its activations back after each batch, as a GPU allocator's freed blocks do."""
+    Private, not Python's default shared mapping: RLIMIT_DATA counts private writable mappings
+    and not shared ones, so only this way does the replica's limit hold the emulation. Not a
+    ``bytearray``: glibc raises its mmap threshold after the first large free, so later scratch
+    would come from the heap and the process's resident memory would never fall back (host RSS
+    stands in for VRAM here). Past the limit the mapping fails with ENOMEM: ``EmulatedOOM``."""
     if nbytes <= 0:
         return None
-    m = mmap.mmap(-1, nbytes)
+    try:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise EmulatedOOM(f"profiled: {what} needs {nbytes} bytes: can't allocate memory ({exc.strerror})") from None
     m[0:nbytes:_PAGE] = b"\x01" * len(range(0, nbytes, _PAGE))  # one write per page
     return m
-

@@ -282,11 +282,9 @@ def test_profiled_tokens_unit_and_memory():
     assert adapter.cost_unit == "tokens"
     assert adapter.cost(adapter.validate({"tokens": 7})) == 7
     assert adapter.weights_bytes() == 1000
-    adapter.set_memory_limit(1100)
+    adapter.set_memory_limit(1100)  # recorded only: the replica's OS limit refuses it (tests/unit/test_enforce.py)
     assert adapter.predict([{"tokens": 5}, {"tokens": 5}])[0]["cost"] == 10
-    with pytest.raises(EmulatedOOM) as err:
-        adapter.predict([{"tokens": 6}, {"tokens": 5}])
-    assert is_oom(err.value)
+    assert adapter.predict([{"tokens": 6}, {"tokens": 5}])[0]["cost"] == 11
     adapter.set_memory_limit(None)
     adapter.predict([{"tokens": 600}])
     cal = calibrate(adapter)
@@ -370,6 +368,8 @@ def test_is_oom():
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory"))
     assert not is_oom(ValueError("x")) and not is_oom(RuntimeError("shape mismatch"))
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert is_oom(OSError(12, "Cannot allocate memory")) and not is_oom(OSError(2, "No such file"))
 
 
 def test_fit_line_clamps():

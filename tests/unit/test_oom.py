@@ -1,17 +1,26 @@
-"""OOM split-retry: every request answered, in order, when a batch runs out of memory."""
+"""Out of memory inside a batch: every item that fits is answered, in order; an item that cannot
+run even alone fails alone (naming its need and the grant); the OOM's cost reaches the policy,
+which lowers the memory ceiling below it at once."""
 
 from __future__ import annotations
 
 import pytest
 
-from deployments.models import EmulatedOOM, load_adapter
-from deployments.oom import split_retry
+from broker.core import BrokerCore
+from broker.memory_model import MemoryModel
+from broker.types import ModelLoad
+from deployments.models import EmulatedOOM
+from deployments.oom import OOM_STATUS, BatchResult, ItemOOM, ItemOutOfMemory, attempted_bytes, run_items, split_retry
+
+MiB = 1024**2
 
 
-def fake_predict(limit: int, calls: list):
+def fake_predict(limit: int, calls: list, oversize: frozenset = frozenset()):
+    """A batch over ``limit`` items, or holding an oversize item, runs out of memory."""
+
     def run(items):
         calls.append(len(items))
-        if len(items) > limit:
+        if len(items) > limit or oversize & set(items):
             raise EmulatedOOM(f"{len(items)} items > {limit}")
         return [item * 10 for item in items]
 
@@ -35,9 +44,41 @@ def test_split_halves_recursively():
     assert calls == [8, 4, 2, 2, 4, 2, 2]
 
 
-def test_single_item_oom_reraises():
-    with pytest.raises(EmulatedOOM):
+def test_one_oversize_item_fails_alone_and_the_rest_succeed():
+    calls: list[int] = []
+    released = []
+    result = run_items(fake_predict(3, calls, oversize=frozenset({5})), list(range(8)),
+                       cost=lambda item: 1.0, need_bytes=lambda c: int(c * 300 * MiB), grant_bytes=256 * MiB,
+                       release=lambda: released.append(1))
+    assert isinstance(result, BatchResult)
+    assert [o for i, o in enumerate(result.outputs) if i != 5] == [i * 10 for i in range(8) if i != 5]
+    (failed,) = result.failed
+    assert isinstance(result.outputs[5], ItemOOM) and failed.index == 5 and failed.cost == 1.0
+    assert failed.need_bytes == 300 * MiB and failed.grant_bytes == 256 * MiB
+    detail = failed.detail()
+    assert "300.0 MiB" in detail and "256.0 MiB" in detail and "EmulatedOOM" in detail and "quota.max" in detail
+    # 8 OOMs (5 is in it), [0..3] OOMs (4 > 3 items) and then fits in halves: only that batch was
+    # too big as a batch; the ones holding item 5 are explained by it and do not count.
+    assert result.oom_costs == (4.0,)
+    assert result.splits == len(released) - 1  # every OOM released caches; the lone item's did not split
+    assert OOM_STATUS == 507
+
+
+def test_every_item_oversize_fails_each_alone_without_lowering_the_ceiling():
+    result = run_items(fake_predict(0, []), [1, 2, 3], release=lambda: None)
+    assert [o.index for o in result.failed] == [0, 1, 2]
+    assert result.oom_costs == ()
+
+
+def test_oom_costs_count_batches_too_big_as_batches():
+    result = run_items(fake_predict(3, []), list(range(8)), cost=lambda item: 2.0, release=lambda: None)
+    assert result.failed == () and sorted(result.oom_costs) == [8.0, 8.0, 16.0]  # 8 items, then two halves of 4
+
+
+def test_split_retry_raises_the_lone_items_oom():
+    with pytest.raises(ItemOutOfMemory, match="out of memory running this item alone") as err:
         split_retry(fake_predict(0, []), [1, 2])
+    assert err.value.item.index == 0 and isinstance(err.value, MemoryError)
 
 
 def test_other_errors_are_not_split():
@@ -48,7 +89,7 @@ def test_other_errors_are_not_split():
         raise ValueError("bad input")
 
     with pytest.raises(ValueError):
-        split_retry(run, [1, 2, 3, 4])
+        run_items(run, [1, 2, 3, 4])
     assert calls == [4]
 
 
@@ -58,11 +99,87 @@ def test_wrong_output_count_is_an_error():
     assert split_retry(lambda items: items, []) == []
 
 
-def test_split_retry_with_profiled_model_over_its_limit():
-    adapter = load_adapter("profiled", {"a_ms": 0, "c_ms": 0, "weights_bytes": 1000, "bytes_per_item": 100})
-    adapter.set_memory_limit(1000 + 3 * 100)
-    items = [adapter.validate({}) for _ in range(10)]
-    with pytest.raises(EmulatedOOM):
-        adapter.predict(items)
-    out = split_retry(adapter.predict, items)
-    assert len(out) == 10 and all(o["ok"] and o["batch"] <= 3 for o in out)
+def test_torch_cpu_allocation_failure_is_split_and_its_size_read():
+    msg = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+           "you tried to allocate 314572800 bytes. Error code 12 (Cannot allocate memory)")
+
+    def run(items):
+        if len(items) > 1 or items[0] == "big":
+            raise RuntimeError(msg)
+        return items
+
+    result = run_items(run, ["a", "big", "c"], release=lambda: None)
+    assert result.outputs[0] == "a" and result.outputs[2] == "c"
+    assert result.outputs[1].attempted_bytes == 314572800 and "300.0 MiB" in result.outputs[1].detail()
+    assert attempted_bytes("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; ...)") == 2 * 1024**3
+    assert attempted_bytes("no size here") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy learns: memory ceiling below the smallest cost that OOMed
+
+
+def test_memory_model_ceiling_below_the_smallest_oom():
+    load = ModelLoad(name="m", weights_bytes=10 * MiB, bytes_per_unit=1 * MiB, oom_costs=(12.0, 9.0))
+    mm = MemoryModel.from_load(load)
+    assert mm.oom_cost == 9.0
+    assert mm.cap_for(1000 * MiB) == 8  # the grant alone would allow 890
+    assert MemoryModel.from_load(ModelLoad(name="m", oom_costs=(5.0,))).cap_for(1) == 4  # uncalibrated too
+    assert MemoryModel.from_load(ModelLoad(name="m")).cap_for(1) is None
+
+
+CONFIG = """
+broker: {name: oom, namespace: oom, control_interval_s: 1.0, report_interval_s: 0.5, metrics_port: 0}
+gpu: {device: cpu, capacity: 2GiB, reserve_frac: 0.0}
+models:
+  m:
+    model: profiled
+    quota: {min: 64MiB, base: 1GiB, max: 1GiB}
+    batch: {floor: 2, ceiling: 64, initial: 32}
+    slo_p95_ms: 5000
+    control: {window_s: 30, min_samples: 5}
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000  # integer ticks (STYLE.md #4)
+
+    def __call__(self) -> float:
+        return float(self.t)
+
+
+def _report(core: BrokerCore, clock: Clock, seq: int, cap: int, oom_costs: tuple[float, ...] = ()) -> None:
+    """A busy replica running full batches at ``cap``, a deep queue, latency far under the SLO."""
+    core.report({
+        "model": "m", "replica_id": "m-r0", "seq": seq, "now_s": clock(), "interval_s": 1.0,
+        "arrivals": 2 * cap, "completions": 2 * cap, "latency_ms": [50.0] * (2 * cap),
+        "batches": [[float(cap), 20.0], [float(cap), 20.0]], "batch_requests": [cap, cap], "busy_s": 0.9,
+        "queue_depth": 4 * cap, "mem_used_bytes": 100 * MiB, "mem_peak_bytes": 100 * MiB,
+        "oom_splits": len(oom_costs), "oom_costs": list(oom_costs),
+        "settings_version": core.settings("m")["version"],
+    })
+
+
+def test_an_oom_lowers_the_cap_at_the_next_tick_and_it_stays_below():
+    clock = Clock()
+    core = BrokerCore(CONFIG, clock=clock)
+    core.register("m", "m-r0", {"weights_bytes": 10 * MiB, "bytes_per_unit": 1 * MiB, "cost_unit": "requests"})
+    caps = []
+    for seq in range(4):  # busy and far under the SLO: the cap grows (or holds), never shrinks
+        clock.t += 1
+        _report(core, clock, seq, core.settings("m")["max_batch_size"])
+        core.tick()
+        caps.append(core.settings("m")["max_batch_size"])
+    before = caps[-1]
+    assert before >= 32
+    clock.t += 1
+    _report(core, clock, 4, before, oom_costs=(float(before),))  # the replica's batch at the cap ran out of memory
+    core.tick()
+    after = core.settings("m")["max_batch_size"]
+    assert after == before - 1  # at once, on the first tick that sees it
+    for seq in range(5, 12):  # still busy, no further OOM: the ceiling holds while the OOM is in the window
+        clock.t += 1
+        _report(core, clock, seq, core.settings("m")["max_batch_size"])
+        core.tick()
+        assert core.settings("m")["max_batch_size"] < before
