@@ -53,186 +53,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from broker.types import GpuLoad, ModelSettings, StatsReport
-from bench.sim_profile import Profile, profile_for
+from bench.sim_broker import SimBroker
+from broker.types import ModelSettings
+from deployments.fast_loop import FastLoopParams, fast_loop_step, params_for
+from deployments.gate import LazyGate
+from bench.sim_profile import profile_for
+from bench.sim_types import (  # noqa: F401 - re-exported: bench.sim is the simulator's public face
+    BATCHING_MODES, DONE, EV_CONTROL, EV_GPU, EV_REPORT, EV_SAMPLE, EV_TIMER, FAILED, LATENCY_SAMPLES_PER_REPORT,
+    PENDING, POLICY_FORMS, REJECTED, START_EPOCH_S, TIMED_OUT, Arm, ModelResult, SimBatch, SimReplica, SimResult,
+    parse_arm,
+)
 from bench.sim_workload import ModelArrivals
 from quotas.config import FleetConfig
-
-START_EPOCH_S = 1_700_000_000.0  # Tue 2023-11-14 22:13 UTC: the default profile's hours
-
-# request status codes
-PENDING, DONE, REJECTED, TIMED_OUT, FAILED = 0, 1, 2, 3, 4
-
-# event kinds (ints order ties: completions before timers before reports)
-EV_GPU, EV_TIMER, EV_REPORT, EV_CONTROL, EV_SAMPLE = 0, 1, 2, 3, 4
-# How @serve.batch forms batches. "eager" is Ray 2.60: its loop forms the next batch as soon as
-# a request arrives (first request + batch_wait_timeout_s, or max_batch_size reached), then
-# the batch waits for a max_concurrent_batches slot; batches do NOT grow while the replica is
-# busy. "lazy" is BENCHMARK.md's quick model: the next batch forms only when a slot is free,
-# from everything queued by then (up to the cap). gpubroker's replicas get lazy formation on
-# Ray 2.60 by gating requests while a batch runs (deployments/replica.py, _admit_to_batcher).
-BATCHING_MODES = ("eager", "lazy")
-
-LATENCY_SAMPLES_PER_REPORT = 512  # the replica caps the samples it sends; we keep every k-th
-
-
-@dataclass(frozen=True)
-class Arm:
-    """What sets the batch knobs: a fixed static setting or the broker's policy."""
-
-    kind: str  # "static" or "broker"
-    batch: int = 0  # static: batch cap in requests
-    wait_ms: float = 10.0  # static: batch wait timeout
-
-    @property
-    def label(self) -> str:
-        return "broker" if self.kind == "broker" else f"static:{self.batch}:{self.wait_ms:g}"
-
-
-POLICY_FORMS = "'broker', 'static:B' or 'static:B:WAIT_MS' (e.g. static:8 or static:32:5)"
-
-
-def parse_arm(text: str) -> Arm:
-    """``broker``, ``static:B`` or ``static:B:WAIT_MS``."""
-    t = str(text).strip().lower()
-    if t == "broker":
-        return Arm("broker")
-    parts = t.split(":")
-    if parts[0] == "static" and len(parts) in (2, 3):
-        try:
-            b = int(parts[1])
-            w = float(parts[2]) if len(parts) == 3 else 10.0
-        except ValueError:
-            b, w = 0, -1.0
-        if b >= 1 and w >= 0:
-            return Arm("static", b, w)
-    raise ValueError(f"policy '{text}' is not known; use {POLICY_FORMS}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Emulated replicas
-
-
-class _Batch:
-    __slots__ = ("rep", "ids", "chunks", "chunk", "chunk_cost", "chunk_t0", "mem", "start_t")
-
-    def __init__(self, rep: "_Replica", ids: list[int], start_t: float):
-        self.rep = rep
-        self.ids = ids
-        self.chunks: deque[list[int]] = deque([ids])
-        self.chunk: list[int] | None = None  # the part running now (None: an OOM attempt)
-        self.chunk_cost = 0
-        self.chunk_t0 = start_t
-        self.mem = 0.0
-        self.start_t = start_t
-
-
-class _Replica:
-    __slots__ = (
-        "m", "name", "rid", "prof", "queue", "running", "timer_at", "timer_ver", "max_batch", "wait_s",
-        "grant", "admit", "max_ongoing", "version", "local_cap", "floor", "mcb", "max_queued", "timeout_s",
-        "mem_now", "seq", "last_report_t", "card_busy_mark", "busy_acc",
-        "st_arr", "st_done", "st_rej", "st_to", "st_err", "st_lat", "st_batches", "st_breq", "st_peak",
-        "st_oom", "st_emerg", "forming", "form_cost", "formed",
-    )
-
-    def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):
-        self.m = m
-        self.name = name
-        self.rid = rid
-        self.prof = prof
-        self.queue: deque[int] = deque()
-        self.running: list[_Batch] = []
-        self.timer_at = math.inf
-        self.timer_ver = 0
-        self.max_batch = 1
-        self.wait_s = 0.0
-        self.grant = math.inf
-        self.admit = True
-        self.max_ongoing = 0
-        self.version = -1
-        self.local_cap: int | None = None
-        self.floor = spec.batch.floor
-        self.mcb = spec.batch.max_concurrent_batches
-        self.max_queued = spec.max_queued
-        self.timeout_s = spec.request_timeout_s
-        self.mem_now = float(prof.weights_bytes)
-        self.seq = 0
-        self.last_report_t = 0.0
-        self.card_busy_mark = 0.0
-        self.busy_acc = 0.0
-        self.forming: list[int] | None = None  # eager mode: the batch being formed
-        self.form_cost = 0
-        self.formed: deque[list[int]] = deque()  # eager mode: formed batches waiting for a slot
-        self._reset_stats()
-
-    def _reset_stats(self) -> None:
-        self.st_arr = self.st_done = self.st_rej = self.st_to = self.st_err = 0
-        self.st_lat: list[float] = []
-        self.st_batches: list[tuple[float, float]] = []
-        self.st_breq: list[int] = []
-        self.st_peak = self.mem_now
-        self.st_oom = 0
-        self.st_emerg = 0
-
-
-@dataclass
-class ModelResult:
-    """Per-model outcome over requests that arrived in [warmup_s, duration_s)."""
-
-    model: str
-    cap_ms: float  # latency cap (the model's slo_p95_ms)
-    offered: int
-    offered_rps: float
-    completed: int
-    completed_rps: float
-    attainment: float  # share of offered completed within the cap
-    goodput_rps: float  # completed within the cap per second
-    p50_ms: float | None
-    p95_ms: float | None
-    p99_ms: float | None
-    mean_batch: float  # requests per executed batch
-    mean_batch_cost: float  # cost units per executed batch
-    batches: int
-    ooms: int  # OOM splits over the whole run
-    rejects: int
-    timeouts: int
-    errors: int
-    unfinished: int
-    oversize: int
-    mem_peak_bytes: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class SimResult:
-    arm: str
-    duration_s: float
-    warmup_s: float
-    seed: int | None
-    models: dict[str, ModelResult]
-    series: dict[str, dict[str, list[float]]]  # model -> column -> values, one per control interval
-    decisions: list[dict[str, Any]] = field(default_factory=list)  # changed decisions (broker arm)
-    events: int = 0
-    wall_s: float = 0.0
-
-    def to_dict(self, series: bool = True) -> dict[str, Any]:
-        out = {
-            "arm": self.arm,
-            "duration_s": self.duration_s,
-            "warmup_s": self.warmup_s,
-            "seed": self.seed,
-            "models": {k: v.to_dict() for k, v in self.models.items()},
-            "events": self.events,
-            "wall_s": self.wall_s,
-        }
-        if series:
-            out["series"] = self.series
-            out["decisions"] = self.decisions
-        return out
-
 
 # ---------------------------------------------------------------------------------------------
 
@@ -253,6 +85,7 @@ class Simulator:
         start_epoch_s: float = START_EPOCH_S,
         keep_decisions: int = 2000,
         batching: str = "eager",
+        record: bool = False,
     ):
         capacity = config.gpu.capacity_bytes
         if capacity is None:
@@ -265,10 +98,11 @@ class Simulator:
         if batching not in BATCHING_MODES:
             raise ValueError(f"batching '{batching}' is not known; use {' or '.join(BATCHING_MODES)}")
         # ``batching`` is how plain @serve.batch forms batches (what static arms get). The broker's
-        # replicas gate requests while a batch runs and let one cap in when it ends
-        # (broker.batch_formation: lazy, the default): lazy formation whatever the runtime does.
-        if arm.kind == "broker" and config.broker.batch_formation == "lazy":
-            batching = "lazy"
+        # replicas run Ray's eager batcher behind the replica's own lazy gate
+        # (broker.batch_formation: lazy, the default): deployments.gate.LazyGate, the same code.
+        self.gated = arm.kind == "broker" and config.broker.batch_formation == "lazy"
+        if arm.kind == "broker":
+            batching = "eager"
         self.eager = batching == "eager"
         self.config = config
         self.arm = arm
@@ -319,11 +153,11 @@ class Simulator:
         self.batch_log: list[tuple[int, float, int, float, int]] = []  # (model, start_t, n, cost, oversize)
 
         # Replicas.
-        self.replicas: list[list[_Replica]] = []
+        self.replicas: list[list[SimReplica]] = []
         for m, name in enumerate(self.names):
             spec = config.models[name]
             self.replicas.append(
-                [_Replica(m, name, f"{name}#{r}", self.profiles[name], spec) for r in range(spec.replicas)]
+                [SimReplica(m, name, f"{name}#{r}", self.profiles[name], spec) for r in range(spec.replicas)]
             )
         self.all_reps = [r for reps in self.replicas for r in reps]
         self.oom_total = [0] * len(self.names)
@@ -335,7 +169,7 @@ class Simulator:
         }
 
         # Card (processor sharing).
-        self.gpu_jobs: dict[_Batch, float] = {}  # batch -> remaining solo work, ms
+        self.gpu_jobs: dict[SimBatch, float] = {}  # batch -> remaining solo work, ms
         self.gpu_t = 0.0
         self.gpu_ver = 0
         self.card_busy = 0.0  # seconds with >= 1 batch executing
@@ -352,9 +186,9 @@ class Simulator:
             for name in self.names
         }
         self.decisions: list[dict[str, Any]] = []
-        self.window = None
-        self.state = None
-        self._card_busy_ctrl = 0.0
+        self.broker: SimBroker | None = None
+        self.record = record
+        self.fast: dict[str, FastLoopParams] = {n: params_for(s, config) for n, s in config.models.items()}
 
     # -- event plumbing ------------------------------------------------------------------------
 
@@ -364,15 +198,20 @@ class Simulator:
 
     # -- settings ------------------------------------------------------------------------------
 
-    def _apply(self, rep: _Replica, s: ModelSettings) -> None:
+    def _apply(self, rep: SimReplica, s: ModelSettings) -> None:
         spec = self.config.models[rep.name]
         reps = spec.replicas
         rep.max_batch = max(1, int(s.max_batch_size))
         rep.wait_s = max(0.0, float(s.batch_wait_timeout_s))
         rep.grant = float(s.grant_bytes) / reps if s.grant_bytes and s.grant_bytes > 0 else math.inf
         rep.admit = bool(s.admit)
+        if s.admit:
+            rep.paused = False  # as the replica does: the broker re-opened admission
         rep.version = int(s.version)
         rep.local_cap = None
+        if rep.gate is not None:
+            rep.gate.cap = rep.max_batch
+            rep.gate.wait_s = rep.wait_s
         if self.eager:
             self._form(rep)
         elif rep.queue and len(rep.running) < rep.mcb:
@@ -390,24 +229,51 @@ class Simulator:
 
     # -- arrivals and batching -----------------------------------------------------------------
 
+    def held_requests(self, rep: SimReplica) -> int:
+        """Requests the replica holds (its ``waiting``): at the gate, queued, forming, formed, running."""
+        n = len(rep.queue) + len(rep.forming or ()) + sum(len(f) for f in rep.formed) + sum(len(b.ids) for b in rep.running)
+        return n + (len(rep.gate.held) if rep.gate is not None else 0)
+
     def _arrive(self, i: int) -> None:
         reps = self.replicas[self.arr_m[i]]
         rep = reps[0] if len(reps) == 1 else min(reps, key=lambda r: len(r.queue) + len(r.running))
-        waiting = len(rep.queue)
-        if self.eager:  # the replica counts every request it holds: queued, forming, formed, running
-            waiting += len(rep.forming or ()) + sum(len(f) for f in rep.formed) + sum(len(b.ids) for b in rep.running)
-        if not rep.admit or waiting >= rep.max_queued:
+        # the replica counts every request it holds: at the gate, queued, forming, formed, running
+        waiting = self.held_requests(rep) if self.eager else len(rep.queue)
+        if not rep.admit or rep.paused or waiting >= rep.max_queued:
             self.status[i] = REJECTED
             rep.st_rej += 1
             return
-        rep.queue.append(i)
         rep.st_arr += 1
+        if rep.gate is not None and not rep.gate.admit(i, self._unit_cost(rep, i)):
+            return  # held at the gate until a batch ends
+        rep.queue.append(i)
         if self.eager:
             self._form(rep)
         elif len(rep.running) < rep.mcb:
             self._try_start(rep)
 
-    def _expire(self, rep: _Replica) -> None:
+    def _unit_cost(self, rep: SimReplica, i: int) -> int:
+        return self.cost[i] if rep.prof.unit == "tokens" else 1
+
+    def _pump(self, rep: SimReplica) -> None:
+        """The slot freed: the gate lets up to one cap in; requests that timed out while held
+        were answered 504 by the replica and are dropped."""
+        limit = self.now - rep.timeout_s
+        arr_t, status = self.arr_t, self.status
+
+        def alive(i: int) -> bool:
+            if arr_t[i] < limit:
+                status[i] = TIMED_OUT
+                rep.st_to += 1
+                return False
+            return True
+
+        released = rep.gate.pump(alive)
+        if released:
+            rep.queue.extend(released)
+            self._form(rep)
+
+    def _expire(self, rep: SimReplica) -> None:
         q = rep.queue
         limit = self.now - rep.timeout_s
         arr_t = self.arr_t
@@ -416,10 +282,10 @@ class Simulator:
             self.status[i] = TIMED_OUT
             rep.st_to += 1
 
-    def _cap(self, rep: _Replica) -> int:
+    def _cap(self, rep: SimReplica) -> int:
         return rep.max_batch if rep.local_cap is None else min(rep.max_batch, rep.local_cap)
 
-    def _try_start(self, rep: _Replica) -> None:
+    def _try_start(self, rep: SimReplica) -> None:
         """A slot is free: start a batch if it is full or its oldest request waited long enough."""
         q = rep.queue
         if not q:
@@ -452,7 +318,7 @@ class Simulator:
 
     # -- eager formation (Ray 2.60's @serve.batch loop) -----------------------------------------
 
-    def _form(self, rep: _Replica) -> None:
+    def _form(self, rep: SimReplica) -> None:
         """Pull queued requests into the batch being formed, closing it when it is full or its
         timer has run out, and starting the next one (Ray's loop pulls the next request at once)."""
         q = rep.queue
@@ -460,27 +326,32 @@ class Simulator:
         tokens = rep.prof.unit == "tokens"
         cost = self.cost
         while True:
-            if rep.forming is not None and (rep.form_cost >= cap or self.now >= rep.timer_at - 1e-12):
-                self._close_forming(rep)
+            if rep.forming is not None:
+                if rep.form_cost >= cap:
+                    self._close_forming(rep)
+                    continue
+                if q:  # Ray adds every queued request that fits, even after the timer ran out
+                    nxt = cost[q[0]] if tokens else 1
+                    if rep.form_cost + nxt > cap:
+                        self._close_forming(rep)
+                        continue
+                    rep.forming.append(q.popleft())
+                    rep.form_cost += nxt
+                    continue
+                if self.now >= rep.timer_at - 1e-12:
+                    self._close_forming(rep)
+                return
             if not q:
                 return
-            if rep.forming is None:
-                i = q.popleft()
-                rep.forming = [i]
-                rep.form_cost = cost[i] if tokens else 1
-                rep.timer_at = self.now + rep.wait_s  # the timer starts when the first request is pulled
-                rep.timer_ver += 1
-                if rep.wait_s > 0:
-                    self._push(rep.timer_at, EV_TIMER, rep, rep.timer_ver)
-                continue
-            nxt = cost[q[0]] if tokens else 1
-            if rep.form_cost + nxt > cap:
-                self._close_forming(rep)
-                continue
-            rep.forming.append(q.popleft())
-            rep.form_cost += nxt
+            i = q.popleft()
+            rep.forming = [i]
+            rep.form_cost = cost[i] if tokens else 1
+            rep.timer_at = self.now + rep.wait_s  # the timer starts when the first request is pulled
+            rep.timer_ver += 1
+            if rep.wait_s > 0:
+                self._push(rep.timer_at, EV_TIMER, rep, rep.timer_ver)
 
-    def _close_forming(self, rep: _Replica) -> None:
+    def _close_forming(self, rep: SimReplica) -> None:
         if rep.forming is None:
             return
         rep.formed.append(rep.forming)
@@ -490,32 +361,39 @@ class Simulator:
         rep.timer_ver += 1
         self._exec_formed(rep)
 
-    def _exec_formed(self, rep: _Replica) -> None:
+    def _exec_formed(self, rep: SimReplica) -> None:
         """Formed batches take free max_concurrent_batches slots in order."""
         limit = self.now - rep.timeout_s
         while rep.formed and len(rep.running) < rep.mcb:
             ids = rep.formed.popleft()
             live = []
+            gate = rep.gate
             for i in ids:  # the replica answered these with 504 at their deadline; Serve drops them
+                if gate is not None:
+                    gate.settle(self._unit_cost(rep, i))  # out of the batcher's queue: run or dropped
                 if self.arr_t[i] < limit:
                     self.status[i] = TIMED_OUT
                     rep.st_to += 1
                 else:
                     live.append(i)
             if not live:
+                if gate is not None:
+                    self._pump(rep)
                 continue
-            if self.window is not None:
+            if self.broker is not None:
                 self._fast_loop(rep)
-            b = _Batch(rep, live, self.now)
+            if gate is not None:
+                gate.batch_started()
+            b = SimBatch(rep, live, self.now)
             rep.running.append(b)
             self._run_chunk(b)
             self.batch_log.append((rep.m, self.now, len(live), float(sum(self.cost[i] for i in live)), 0))
 
-    def _start_batch(self, rep: _Replica, cap: int, visible: int) -> None:
+    def _start_batch(self, rep: SimReplica, cap: int, visible: int) -> None:
         q = rep.queue
         rep.timer_at = math.inf
         rep.timer_ver += 1
-        if self.window is not None:
+        if self.broker is not None:
             self._fast_loop(rep)
             cap = self._cap(rep)
         oversize = 0
@@ -532,22 +410,27 @@ class Simulator:
         else:
             k = min(cap, visible)
             ids = [q.popleft() for _ in range(k)]
-        b = _Batch(rep, ids, self.now)
+        b = SimBatch(rep, ids, self.now)
         rep.running.append(b)
         self._run_chunk(b)
         self.batch_log.append((rep.m, self.now, len(ids), float(sum(self.cost[i] for i in ids)), oversize))
 
-    def _fast_loop(self, rep: _Replica) -> None:
+    def _fast_loop(self, rep: SimReplica) -> None:
+        """The replica's own fast-loop step (``deployments.fast_loop``) on the emulated card's
+        free share (what a CUDA replica reads from NVML)."""
         used = sum(r.mem_now for r in self.all_reps)
         free = 1.0 - used / self.capacity
-        if free < self.config.gpu.emergency_free_frac:
-            cur = self._cap(rep)
-            new = max(rep.floor, cur // 2)
-            if new < cur:
-                rep.local_cap = new
-                rep.st_emerg += 1
+        cur = self._cap(rep)
+        out = fast_loop_step(free, cur, rep.max_batch, rep.paused, self.fast[rep.name])
+        if out.cap != cur:
+            rep.local_cap = out.cap
+            if rep.gate is not None:
+                rep.gate.cap = out.cap
+        rep.paused = out.paused
+        if out.counted:
+            rep.st_emerg += 1
 
-    def _run_chunk(self, b: _Batch) -> None:
+    def _run_chunk(self, b: SimBatch) -> None:
         rep, prof = b.rep, b.rep.prof
         chunk = b.chunks.popleft()
         cost_units = sum(self.cost[i] for i in chunk)
@@ -584,7 +467,7 @@ class Simulator:
             self.peak[rep.m] = rep.mem_now
         self._gpu_add(b, work)
 
-    def _chunk_done(self, b: _Batch) -> None:
+    def _chunk_done(self, b: SimBatch) -> None:
         rep = b.rep
         if b.chunk is not None:
             rep.st_batches.append((float(b.chunk_cost), (self.now - b.chunk_t0) * 1000.0))
@@ -594,7 +477,7 @@ class Simulator:
             return
         self._finish_batch(b)
 
-    def _finish_batch(self, b: _Batch) -> None:
+    def _finish_batch(self, b: SimBatch) -> None:
         rep = b.rep
         rep.running.remove(b)
         b.mem = 0.0
@@ -609,7 +492,11 @@ class Simulator:
                 done_t[i] = now
                 lat.append((now - arr_t[i]) * 1000.0)
         rep.st_done += len(b.ids)
-        if self.eager:
+        if rep.gate is not None:
+            rep.gate.batch_ended()
+            self._exec_formed(rep)
+            self._pump(rep)
+        elif self.eager:
             self._exec_formed(rep)
         elif rep.queue:
             self._try_start(rep)
@@ -633,7 +520,7 @@ class Simulator:
                     r.busy_acc += dt
         self.gpu_t = self.now
 
-    def _gpu_add(self, b: _Batch, work_ms: float) -> None:
+    def _gpu_add(self, b: SimBatch, work_ms: float) -> None:
         self._gpu_advance()
         self.gpu_jobs[b] = work_ms
         if not self._in_gpu_event:
@@ -661,82 +548,14 @@ class Simulator:
 
     # -- broker --------------------------------------------------------------------------------
 
-    def _memory_models(self) -> dict[str, tuple[int, float]]:
-        return {n: (p.weights_bytes, p.bytes_per_item) for n, p in self.profiles.items()}
-
-    def _gpu_load(self, busy_frac: float | None) -> GpuLoad:
-        used = int(sum(r.mem_now for r in self.all_reps))
-        return GpuLoad(
-            capacity_bytes=self.capacity,
-            usable_bytes=self.usable,
-            used_bytes=used,
-            free_frac=max(0.0, 1.0 - used / self.capacity),
-            sm_util_frac=busy_frac,
-        )
-
-    def _report(self, rep: _Replica) -> None:
-        self._gpu_advance()
-        now = self.now
-        interval = now - rep.last_report_t
-        card_share = (self.card_busy - rep.card_busy_mark) / interval if interval > 0 else 0.0
-        lat = rep.st_lat
-        if len(lat) > LATENCY_SAMPLES_PER_REPORT:
-            step = len(lat) / LATENCY_SAMPLES_PER_REPORT
-            lat = [lat[int(k * step)] for k in range(LATENCY_SAMPLES_PER_REPORT)]
-        used = sum(r.mem_now for r in self.all_reps)
-        report = StatsReport(
-            model=rep.name,
-            replica_id=rep.rid,
-            seq=rep.seq,
-            now_s=self.epoch0 + now,
-            interval_s=interval,
-            arrivals=rep.st_arr,
-            completions=rep.st_done,
-            rejections=rep.st_rej,
-            timeouts=rep.st_to,
-            errors=rep.st_err,
-            latency_ms=tuple(lat),
-            batches=tuple(rep.st_batches),
-            batch_requests=tuple(rep.st_breq),
-            busy_s=rep.busy_acc,
-            queue_depth=len(rep.queue) + len(rep.forming or ()) + sum(len(f) for f in rep.formed)
-            + sum(len(b.ids) for b in rep.running),
-            mem_used_bytes=int(rep.mem_now),
-            mem_peak_bytes=int(rep.st_peak),
-            device_free_frac=max(0.0, 1.0 - used / self.capacity),
-            sm_util_frac=min(1.0, card_share),
-            oom_splits=rep.st_oom,
-            emergency_shrinks=rep.st_emerg,
-            settings_version=max(0, rep.version),
-        )
-        self.window.add(report, self.epoch0 + now)
-        rep.seq += 1
-        rep.last_report_t = now
-        rep.card_busy_mark = self.card_busy
-        rep.busy_acc = 0.0
-        rep._reset_stats()
-        s = self._policy.settings_for(self.state, rep.name, self.config)
+    def _report(self, rep: SimReplica) -> None:
+        s = self.broker.report(rep)
         if s.version != rep.version:
             self._apply(rep, s)
 
     def _control(self) -> None:
         self._gpu_advance()
-        interval = self.config.broker.control_interval_s
-        busy = min(1.0, (self.card_busy - self._card_busy_ctrl) / interval)
-        self._card_busy_ctrl = self.card_busy
-        snap = self.window.snapshot(self.epoch0 + self.now, self._gpu_load(busy), self._memory_models())
-        decision, self.state = self._policy.decide(snap, self.config, self.state)
-        if len(self.decisions) < self.keep_decisions:
-            for name, d in decision.models.items():
-                if d.changed:
-                    self.decisions.append({
-                        "t": round(self.now, 3), "model": name, "max_batch": d.max_batch_size,
-                        "wait_ms": round(d.batch_wait_timeout_s * 1000, 3), "grant_bytes": d.grant_bytes,
-                        "admit": d.admit, "trigger": d.trigger, "value": d.trigger_value, "reason": d.reason,
-                    })
-            for mv in decision.moves:
-                self.decisions.append({"t": round(self.now, 3), "move": mv.kind, "donor": mv.donor,
-                                       "recipient": mv.recipient, "amount_bytes": mv.amount_bytes, "reason": mv.reason})
+        self.broker.tick()
 
     def _sample(self) -> None:
         for m, name in enumerate(self.names):
@@ -756,17 +575,15 @@ class Simulator:
         wall0 = _time.perf_counter()
         ctrl = self.config.broker.control_interval_s
         if self.arm.kind == "broker":
-            from broker import policy as _policy  # noqa: PLC0415 - the live broker's own code
-            from broker.window import ReportWindow  # noqa: PLC0415
-
-            self._policy = _policy
-            self.window = ReportWindow(self.config)
-            self.state = _policy.initial_state(self.config, self.usable)
+            self.broker = SimBroker(self, record=self.record)
             rep_iv = self.config.broker.report_interval_s
             n = len(self.all_reps)
             for k, rep in enumerate(self.all_reps):
-                rep.max_ongoing = self.config.models[rep.name].max_ongoing_requests  # as the fleet deploys it
-                self._apply(rep, _policy.settings_for(self.state, rep.name, self.config))
+                spec = self.config.models[rep.name]
+                rep.max_ongoing = spec.max_ongoing_requests  # as the fleet deploys it
+                if self.gated and spec.control.strategy != "static":
+                    rep.gate = LazyGate(max_concurrent_batches=rep.mcb, clock=lambda: self.now)
+                self._apply(rep, self.broker.register(rep))
                 self._push(rep_iv * (k + 1) / n, EV_REPORT, rep)
             self._push(ctrl, EV_CONTROL)
         else:

@@ -26,8 +26,8 @@ per change, with its inputs, result and reason).
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -40,6 +40,7 @@ from broker import policy
 from broker.decision_log import finite, settings_entry, settings_view
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.metrics import BrokerMetrics
+from broker.profiles import active_profile
 from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
 from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
 from broker.window import ReportWindow
@@ -59,25 +60,51 @@ class _Tally:
 
     t_s: float
     completions: int
-    under_slo: float
-    misses: int  # rejections + timeouts
+    misses: int  # rejections + timeouts + errors
     busy_s: float
 
 
+class NullMetrics:
+    """Metrics that record nothing: for the simulator, whose thousands of virtual ticks a second
+    need no Prometheus series (and no ``status()`` per tick to feed them)."""
+
+    active = False
+
+    def observe_report(self, report: StatsReport) -> None:
+        pass
+
+    def observe_rejections(self, model: str, count: int) -> None:
+        pass
+
+    def observe_tick(self, decision: FleetDecision, status: dict[str, Any], tick_s: float) -> None:
+        pass
+
+    def observe_reload(self, ok: bool, config_hash: str) -> None:
+        pass
+
+
 class BrokerCore:
-    """The broker without Ray. Not thread-safe: the actor calls it from one event loop."""
+    """The broker without Ray. Not thread-safe: the actor calls it from one event loop.
+
+    ``config`` is the fleet YAML (what ``apply`` and the checkpoint keep) or a parsed
+    ``FleetConfig`` (the simulator's; its JSON dump stands in for the text)."""
 
     def __init__(
         self,
-        config_text: str,
+        config: str | FleetConfig,
         *,
         capacity_bytes: int | None = None,
         checkpoint_path: str | Path | None = None,
         clock: Callable[[], float] = time.time,
-        metrics: BrokerMetrics | None = None,
+        metrics: BrokerMetrics | NullMetrics | None = None,
     ) -> None:
         self._clock = clock
-        cfg = parse_config_text(config_text, "broker config")
+        if isinstance(config, FleetConfig):
+            cfg = config
+            config_text = json.dumps(config.model_dump(mode="json"))
+        else:
+            config_text = config
+            cfg = parse_config_text(config_text, "broker config")
         # Prometheus metrics (broker/metrics.py); a private registry so one process may hold several cores.
         self.metrics = metrics if metrics is not None else BrokerMetrics(CollectorRegistry(), gpu=cfg.gpu.device)
         self._launch_hash = cfg.config_hash()
@@ -186,20 +213,21 @@ class BrokerCore:
         )
         return self._settings[model].to_dict()
 
-    def report(self, report: dict[str, Any]) -> dict[str, Any]:
-        rep = StatsReport.from_dict(report)
+    def report(self, report: dict[str, Any] | StatsReport) -> dict[str, Any]:
+        """One replica's delta in, its current settings out (the same round trip for every
+        replica, live or simulated)."""
+        rep = report if isinstance(report, StatsReport) else StatsReport.from_dict(report)
         self._require_model(rep.model)
         self.metrics.observe_report(rep)
         now = self._clock()
         self._window.add(rep, now)
         self._replicas[rep.model][rep.replica_id] = now
         self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
-        slo = self._cfg.models[rep.model].slo_p95_ms * self._slack()
-        under = 0.0
-        if rep.latency_ms and rep.completions:
-            share = sum(1 for x in rep.latency_ms if x <= slo) / len(rep.latency_ms)
-            under = share * rep.completions
-        self._tallies[rep.model].append(_Tally(now, rep.completions, under, rep.rejections + rep.timeouts, rep.busy_s))
+        tallies = self._tallies[rep.model]
+        tallies.append(_Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors, rep.busy_s))
+        horizon = now - self._cfg.models[rep.model].control.window_s
+        while tallies and tallies[0].t_s < horizon:
+            tallies.popleft()
         ev = self._events[rep.model]
         ev["emergency_shrinks"] += rep.emergency_shrinks
         ev["oom_splits"] += rep.oom_splits
@@ -214,7 +242,7 @@ class BrokerCore:
             if model not in self._cfg.models or int(n) <= 0:
                 continue
             self._window.add_rejections(model, int(n), now)
-            self._tallies[model].append(_Tally(now, 0, 0.0, int(n), 0.0))
+            self._tallies[model].append(_Tally(now, 0, int(n), 0.0))
             self.metrics.observe_rejections(model, int(n))
             taken[model] = int(n)
         return {"counted": taken}
@@ -247,7 +275,9 @@ class BrokerCore:
         started = time.perf_counter()
         now = self._clock()
         gpu = self._gpu_load(now)
-        snap = self._window.snapshot(now, gpu, dict(self._memory_models))
+        slack = active_profile(self._cfg.profiles, now).latency_slack
+        slo_ms = {name: spec.slo_p95_ms * slack for name, spec in self._cfg.models.items()}
+        snap = self._window.snapshot(now, gpu, dict(self._memory_models), slo_ms)
         # Recompute used from this snapshot (the first _gpu_load used the previous one).
         used = sum(m.mem_used_bytes for m in snap.models.values())
         if used != gpu.used_bytes:
@@ -282,7 +312,8 @@ class BrokerCore:
         self._check_grants()
         self.checkpoint_now()
         tick_s = time.perf_counter() - started
-        self.metrics.observe_tick(decision, self.status(), tick_s)
+        if getattr(self.metrics, "active", True):
+            self.metrics.observe_tick(decision, self.status(), tick_s)
         return {"ok": True, "now_s": now, "changed": changed, "profile": decision.profile, "dry_run": dry}
 
     def _check_grants(self) -> None:
@@ -399,9 +430,7 @@ class BrokerCore:
                 tallies.popleft()
             completions = sum(t.completions for t in tallies)
             misses = sum(t.misses for t in tallies)
-            under = sum(t.under_slo for t in tallies)
             busy = sum(t.busy_s for t in tallies)
-            total = completions + misses
             seen = self._replicas.get(name, {})
             models[name] = {
                 "grant_bytes": s.grant_bytes,
@@ -415,7 +444,7 @@ class BrokerCore:
                 "p95_ms": finite(load.p95_ms) if load else None,
                 "p99_ms": finite(load.p99_ms) if load else None,
                 "slo_p95_ms": spec.slo_p95_ms * self._slack(),
-                "attainment": (under / total) if total else None,
+                "attainment": load.attainment if load else None,  # broker.attainment, as the policy sees it
                 "completions": completions,
                 "misses": misses,
                 "arrival_rate_rps": load.arrival_rate_rps if load else 0.0,

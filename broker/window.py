@@ -4,6 +4,11 @@ Not a policy, but pure all the same: the time of each report and of each snapsho
 as an argument, so the simulator and the live broker share this code. Percentiles are taken
 over ``control.window_s`` (never a single sample); rates and utilisation over a shorter
 window (``rate_window_s``) so the controller sees a burst within seconds.
+
+Each snapshot also lists, per model, every live replica (one that reported within
+``stale_after_s``) with the broker time of its latest report, the settings version it ran and
+the memory it measured (``ModelLoad.replica_reports``): a two-phase quota transfer completes
+only on reports from all of them that arrived after it began (``broker.lending``).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import math
 from collections import deque
 from typing import Mapping
 
-from broker.types import FleetSnapshot, GpuLoad, ModelLoad, StatsReport
+from broker.attainment import attainment, met_and_total
+from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
 from quotas.config import FleetConfig
 
 MAX_LATENCY_SAMPLES = 20_000  # per model per window, newest kept
@@ -31,6 +37,7 @@ class ReportWindow:
         self._events: dict[str, deque[tuple[float, StatsReport]]] = {}
         self._edge: dict[str, deque[tuple[float, int]]] = {}  # rejections at the ingress (Serve queue full, replica gone)
         self._last_snapshot_s = float("-inf")
+        self._slo_ms: dict[str, float] = {}  # effective P95 caps of the last snapshot call
         self.reconfigure(config)
 
     def reconfigure(self, config: FleetConfig) -> None:
@@ -68,9 +75,16 @@ class ReportWindow:
         return max(2.0, 5.0 * self._config.broker.report_interval_s)
 
     def snapshot(
-        self, now_s: float, gpu: GpuLoad, memory_models: Mapping[str, tuple[int, float]] | None = None
+        self,
+        now_s: float,
+        gpu: GpuLoad,
+        memory_models: Mapping[str, tuple[int, float]] | None = None,
+        slo_ms: Mapping[str, float] | None = None,
     ) -> FleetSnapshot:
+        """``slo_ms``: each model's effective P95 cap now (slack of the active profile applied);
+        attainment (``broker.attainment``) is measured against it, else against ``slo_p95_ms``."""
         memory_models = memory_models or {}
+        self._slo_ms = dict(slo_ms or {})
         since = self._last_snapshot_s
         self._last_snapshot_s = now_s
         models = {
@@ -91,6 +105,7 @@ class ReportWindow:
         live_from = now_s - self.stale_after_s()
 
         latest: dict[str, StatsReport] = {}
+        received: dict[str, float] = {}  # replica -> broker time its latest report arrived
         peak: dict[str, int] = {}
         per_replica: dict[str, list[float]] = {}  # arrivals, completions, rejects, busy_s, interval_s
         latencies: list[float] = []
@@ -101,15 +116,18 @@ class ReportWindow:
         emergency = False
         oom_splits = 0
         oom_costs: list[float] = []  # every OOMed batch in the window: the memory ceiling stays below them
-        done = misses = 0
-        slo = spec.slo_p95_ms
+        slo = self._slo_ms.get(name, spec.slo_p95_ms)
+        met = 0.0
+        counted = 0
         for t, r in events:
             if t >= live_from:
                 latest[r.replica_id] = r
+                received[r.replica_id] = t
             peak[r.replica_id] = max(peak.get(r.replica_id, 0), r.mem_peak_bytes, r.mem_used_bytes)
             latencies.extend(r.latency_ms)
-            done += len(r.latency_ms)
-            misses += sum(1 for x in r.latency_ms if x > slo) + r.rejections + r.timeouts + r.errors
+            m, c = met_and_total(r.latency_ms, r.completions, r.rejections, r.timeouts, r.errors, slo)
+            met += m
+            counted += c
             timings.extend(r.batches)
             oom_costs.extend(r.oom_costs)
             for (cost, _), reqs in zip(r.batches, r.batch_requests):
@@ -137,7 +155,7 @@ class ReportWindow:
             edge.popleft()
         edge_total = sum(n for _, n in edge)
         edge_recent = sum(n for t, n in edge if t >= rate_from)
-        misses += edge_total
+        counted += edge_total
 
         def rate(i: int) -> float:
             return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > 0)
@@ -148,7 +166,6 @@ class ReportWindow:
         latencies.sort()
         recent.sort()
         fit_window = spec.control.fit_window
-        total = done + sum(r.rejections + r.timeouts + r.errors for _, r in events) + edge_total
         return ModelLoad(
             name=name,
             replicas=len(latest),
@@ -163,7 +180,7 @@ class ReportWindow:
             latency_samples=len(latencies),
             recent_p95_ms=percentile(recent, 95),
             recent_samples=len(recent),
-            attainment=(1.0 - misses / total) if total else None,
+            attainment=attainment(met, counted),
             batch_timings=tuple(timings[-fit_window:]),
             mean_batch=(batch_cost / batches) if batches else 0.0,
             cost_per_request=(batch_cost / batch_requests) if batch_requests else 1.0,
@@ -177,4 +194,7 @@ class ReportWindow:
             weights_bytes=int(memory[0]),
             bytes_per_unit=float(memory[1]),
             cost_unit=spec.batch.unit,
+            replica_reports=tuple(
+                ReplicaSeen(rid, received[rid], r.settings_version, r.mem_used_bytes) for rid, r in sorted(latest.items())
+            ),
         )

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from quotas.config import FleetConfig, ModelSpec
+
 
 class FastEvent(StrEnum):
     NONE = "none"
@@ -42,6 +44,18 @@ class FastLoopResult:
     paused: bool  # admission paused by the fast loop
     event: FastEvent  # what happened (counted as an emergency on shrink and on a new pause)
     counted: bool  # does this step count as an emergency shrink in the report?
+
+
+def params_for(spec: ModelSpec, config: FleetConfig) -> FastLoopParams:
+    """The fast loop's parameters for one model, from its config (one place for the replica
+    and the simulator)."""
+    ctl = spec.control
+    return FastLoopParams(
+        floor=spec.batch.floor,
+        emergency_free_frac=config.gpu.emergency_free_frac,
+        critical_free_factor=getattr(ctl, "critical_free_factor", FastLoopParams.critical_free_factor),
+        recover_step_frac=getattr(ctl, "recover_step_frac", FastLoopParams.recover_step_frac),
+    )
 
 
 def fast_loop_step(free_frac: float | None, cap: int, broker_cap: int, paused: bool, p: FastLoopParams) -> FastLoopResult:

@@ -34,14 +34,11 @@ from typing import Any
 
 from broker.types import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
-from deployments.fast_loop import FastEvent, FastLoopParams, fast_loop_step
+from deployments.fast_loop import FastEvent, fast_loop_step, params_for
 from deployments.gate import LazyGate
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
-
-RECOVER_STEP_FRAC = 0.125  # fast loop widens the cap back by this share of the broker's cap per batch
-CRITICAL_FREE_FACTOR = 0.5  # below emergency_free_frac x this at the floor: pause admission
 
 
 def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
@@ -111,8 +108,7 @@ class ModelReplica:
         self.waiting = 0  # requests admitted and not answered yet
         self.link = BrokerLink(model_name, self.replica_id, lambda: self._broker_handle(),
                                rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s))
-        self.fast = FastLoopParams(self.spec.batch.floor, cfg.gpu.emergency_free_frac,
-                                   CRITICAL_FREE_FACTOR, RECOVER_STEP_FRAC)
+        self.fast = params_for(self.spec, cfg)
         self.mem_used_bytes = 0
         self.device_free_frac: float | None = None
         self.sm_util_frac: float | None = None
