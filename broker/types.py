@@ -62,6 +62,11 @@ class ModelSettings:
     batch_wait_timeout_s: float  # Serve batch wait timeout
     grant_bytes: int  # memory quota granted now (per model; replicas split it evenly)
     admit: bool = True  # False pauses admission (memory emergency)
+    # A reclaim that the borrower does not honour escalates (broker.lending; the replica's
+    # reaction is deployments.reclaim): release_cache -> drain -> restart_token bumps.
+    release_cache: bool = False  # empty the allocator's caches (torch.cuda.empty_cache) and re-measure
+    drain: bool = False  # pause admission and let the running batches finish
+    restart_token: int = 0  # a replica restarts (fails check_health) when this passes the token it started with
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,6 +87,16 @@ class GpuLoad:
     used_bytes: int  # used now, all processes
     free_frac: float  # free share of capacity now
     sm_util_frac: float | None = None  # NVML SM utilisation, None without a GPU
+
+
+@dataclass(frozen=True)
+class ReplicaSeen:
+    """One live replica's latest report, as the broker received it (for two-phase confirms)."""
+
+    replica_id: str
+    last_report_s: float  # broker time the latest report arrived
+    settings_version: int  # settings version that report says the replica runs
+    mem_used_bytes: int  # memory it measured in that report
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class ModelLoad:
     weights_bytes: int = 0  # calibrated memory model: weights (0 = not calibrated yet)
     bytes_per_unit: float = 0.0  # calibrated memory model: bytes per batch unit (request or token)
     cost_unit: str = "requests"  # unit of batch cost: "requests" or "tokens"
+    replica_reports: tuple[ReplicaSeen, ...] = ()  # every live replica's latest report (sorted by id)
 
 
 @dataclass(frozen=True)
