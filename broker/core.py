@@ -45,6 +45,7 @@ from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
 from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
 from broker.window import ReportWindow
 from quotas.config import ConfigError, FleetConfig, parse_config_text
+from quotas.holding import holding_problems
 from quotas.sizes import format_size
 
 logger = logging.getLogger("gpubroker.broker")
@@ -320,6 +321,11 @@ class BrokerCore:
         total = sum(s.grant_bytes for s in self._settings.values())
         if total > self._usable:
             self._log_event("invariant", f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}")
+        # sum of max(grant + in flight from it, measured use) <= usable (quotas.holding)
+        snap = self._last_snapshot
+        used = {name: load.mem_used_bytes for name, load in snap.models.items()} if snap is not None else {}
+        for problem in holding_problems(self._state.ledger, used):
+            self._log_event("invariant", problem)
 
     # ---------------------------------------------------------------- decision log
     def _append(self, entry: dict[str, Any], line: str) -> None:
@@ -359,7 +365,7 @@ class BrokerCore:
             total_base = sum(m.quota.base for m in cfg.models.values())
             if total_base > usable:
                 raise ValueError(f"sum of quota.base {format_size(total_base)} exceeds usable {format_size(usable)}")
-            state = _reconfigure_state(self._state, cfg, usable)
+            state = _reconfigure_state(self._state, cfg, usable, self._clock())
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old config in place
             self._log_event("apply", f"refused config {cfg.config_hash()}: {exc}")
             return {"ok": False, "config_hash": old_hash, "issues": [str(exc)]}
@@ -490,8 +496,9 @@ class BrokerCore:
 
 
 # -------------------------------------------------------------------- helpers
-def _reconfigure_state(state: Any, cfg: FleetConfig, usable: int) -> Any:
-    """Carry the policy state over to a new config: ``QuotaLedger.reconfigure`` inside (may raise)."""
-    new_state = policy.reconfigure_state(state, cfg, usable)
+def _reconfigure_state(state: Any, cfg: FleetConfig, usable: int, now_s: float) -> Any:
+    """Carry the policy state over to a new config: ``QuotaLedger.reconfigure`` inside (may raise).
+    Lowers first: a lowered grant's bytes return to the pool only once measured free."""
+    new_state = policy.reconfigure_state(state, cfg, usable, now_s)
     new_state.ledger.check()
     return new_state

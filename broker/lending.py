@@ -2,42 +2,97 @@
 
 Design note. The ledger (``quotas.ledger``) guarantees the arithmetic (sum of grants within
 usable at every step, min <= grant <= max, two-phase transfers). This module decides *which*
-moves to make, in this order, each tick:
+moves to make, and when a move may complete, in this order, each tick:
 
-1. abort transfers whose donor has not got under its new grant within
-   ``broker.transfer_timeout_s`` (the donor gets the amount back);
-2. confirm: a donor that runs the settings carrying its lowered grant (its reported settings
-   version) and reports memory under that grant completes its pending transfers;
-3. reclaim: an owner under its base whose load has been back for ``reclaim_hold_s``
-   (hysteresis) takes its whole base back (base is guaranteed, whatever it needs right now), from the free pool first, then from borrowers' loans
-   (two-phase);
-4. release: a borrower gone idle hands its loan (grant above base) back to the free pool
-   (never below its observed working set); a busy borrower keeps it until an owner reclaims;
-5. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
+1. abort lends whose donor has not been confirmed within ``broker.transfer_timeout_s`` (the
+   donor gets the amount back). Reclaims and releases are never aborted: they escalate (3);
+2. confirm (``confirm_gate``): a donor's pending transfers complete only on a report from
+   *every* live replica of the donor (at least ``replicas`` of them, each reported within the
+   window's ``stale_after_s``) that arrived after the transfer began, each running the
+   settings version that carries the lowered grant, with their measured memory summed at or
+   under that grant. No report, no confirmation: a silent donor, or a broker restarted before
+   the reports arrive, confirms nothing;
+3. escalate a reclaim (or a release) its borrower has not honoured: the reclaim itself lowered
+   the borrower's grant and so its cap (step 0); after each further ``transfer_timeout_s`` (T)
+   without a confirmation the next step, each a logged move of its own kind
+   (``ReclaimStep``): release caches (``ModelSettings.release_cache``), pause admission and
+   drain (``drain``), restart the replica (``restart_token`` bumps; repeated every T while
+   the reclaim is pending). **Bound**: the owner has its base back within
+   ``3 T + restart + stale_after_s + control_interval_s`` of the reclaim, where ``restart``
+   is the time Serve takes to replace a replica that fails its health check and the new one
+   to report (its old replica's last report drops out of the window after ``stale_after_s``).
+   Memory from the free pool comes back at once;
+4. reclaim: an owner under its base whose load has been back for ``reclaim_hold_s``
+   (hysteresis) takes its whole base back (base is guaranteed, whatever it needs right now),
+   from the free pool first, then from borrowers' loans (two-phase);
+5. release: a borrower gone idle hands its loan (grant above base) back to the pool (never
+   below its observed working set); a busy borrower keeps it until an owner reclaims. A
+   release is two-phase too: the grant drops now, the pool gets the bytes at its confirm;
+6. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
    borrows from models idle (busy share under ``idle_util_frac``, no backlog) for
-   ``idle_hold_s``, which give what they hold above their working
-   set (peak memory x 1.1, the memory for a floor batch, and ``min``), highest priority first.
-
-6. restore: an owner still under its base takes it back from the free pool (memory nobody
+   ``idle_hold_s``, which give what they hold above their working set (peak memory x 1.1, the
+   memory for a floor batch, and ``min``), highest priority first;
+7. restore: an owner still under its base takes it back from the free pool (memory nobody
    asked for this tick); if it is idle it will lend it again when someone needs it.
 
-A model's need is ``replicas x grant_for(wanted cap)`` from its calibrated memory model; an
-uncalibrated model neither borrows nor is sized (it keeps its base).
+Every grow from the pool is limited to ``quotas.holding.measured_free_bytes`` as well as the
+ledger's free bytes, so the sum of max(grant + in flight from it, measured use) over models
+stays within usable. A model's need is ``replicas x grant_for(wanted cap)`` from its
+calibrated memory model; an uncalibrated model neither borrows nor is sized (it keeps its
+base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
 
 from broker.memory_model import MemoryModel
 from broker.state import BatchWant, ModelState
 from broker.types import FleetSnapshot, ModelLoad, QuotaMove
 from quotas.config import FleetConfig
-from quotas.ledger import LedgerError, QuotaLedger
+from quotas.holding import measured_free_bytes
+from quotas.ledger import LedgerError, QuotaLedger, Transfer
 from quotas.sizes import format_size
 
+WORKING_SET_MARGIN = 1.1  # a lender keeps its peak memory x this
+ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
 
-WORKING_SET_MARGIN = 1.1
+
+class ReclaimStep(StrEnum):
+    """Escalation of a reclaim the borrower has not honoured (``QuotaMove.kind``), in order."""
+
+    CACHE = "reclaim_cache"  # step 1, after T: release the allocator's caches
+    DRAIN = "reclaim_drain"  # step 2, after 2 T: pause admission, let running batches finish
+    RESTART = "reclaim_restart"  # step 3, after 3 T (and every T after): restart the replica
+
+
+def step_kind(step: int) -> ReclaimStep:
+    return (ReclaimStep.CACHE, ReclaimStep.DRAIN)[step - 1] if step < 3 else ReclaimStep.RESTART
+
+
+@dataclass(frozen=True)
+class QuotaPlan:
+    """What ``plan_quota`` decided for one tick; its inputs are left as they were."""
+
+    ledger: QuotaLedger  # the ledger after this tick's moves (a copy; the caller's is untouched)
+    moves: tuple[QuotaMove, ...]  # ledger steps taken, in order (for the decision log)
+    confirm_after: Mapping[str, int]  # donor -> settings version it must run before its transfers complete
+    notes: tuple[str, ...]  # refusals and other remarks
+    new_donors: frozenset[str]  # models whose grant dropped this tick (the caller records their new version)
+    reclaim_steps: Mapping[str, int]  # borrower -> escalation step reached (1 cache, 2 drain, 3+ restarts)
+    restart_tokens: Mapping[str, int]  # model -> restart token (only ever rises)
+
+
+@dataclass(frozen=True)
+class ConfirmGate:
+    """Whether a donor's reports may confirm its transfers, and why (``confirm_gate``)."""
+
+    ok: bool
+    used_bytes: int  # measured use summed over the live replicas
+    measured_s: float  # the oldest of their latest reports: transfers begun before it may complete
+    why: str
 
 
 def min_move_bytes(ledger: QuotaLedger) -> int:
@@ -45,41 +100,80 @@ def min_move_bytes(ledger: QuotaLedger) -> int:
     return max(4 * 1024**2, ledger.usable_bytes // 256)
 
 
+def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float) -> ConfirmGate:
+    """A donor confirms only on reports from every live replica (at least ``replicas``), each
+    received after ``started_s`` and running settings ``version`` or later."""
+    seen = load.replica_reports
+    used = sum(r.mem_used_bytes for r in seen)
+    if len(seen) < max(1, replicas):
+        return ConfirmGate(False, used, 0.0, f"{len(seen)} of {max(1, replicas)} replicas reporting")
+    late = [r.replica_id for r in seen if r.last_report_s <= started_s]
+    if late:
+        return ConfirmGate(False, used, 0.0, f"no report since the transfer began from {', '.join(late)}")
+    old = [f"{r.replica_id} v{r.settings_version}" for r in seen if r.settings_version < version]
+    if old:
+        return ConfirmGate(False, used, 0.0, f"not yet on settings v{version}: {', '.join(old)}")
+    return ConfirmGate(True, used, min(r.last_report_s for r in seen), f"{len(seen)} replicas reported on v{version}")
+
+
 def plan_quota(
     snapshot: FleetSnapshot,
     config: FleetConfig,
     ledger: QuotaLedger,
-    states: Mapping[str, "ModelState"],
-    wants: Mapping[str, "BatchWant"],
-    confirm_after: dict[str, int],
+    states: Mapping[str, ModelState],
+    wants: Mapping[str, BatchWant],
+    confirm_after: Mapping[str, int],
     now_s: float,
-) -> tuple[list[QuotaMove], dict[str, int], list[str], set[str]]:
-    """Mutates ``ledger`` (the caller's copy). Returns (moves, confirm_after, notes, new donors)."""
+    reclaim_steps: Mapping[str, int] | None = None,
+    restart_tokens: Mapping[str, int] | None = None,
+) -> QuotaPlan:
+    """One tick of quota moves (module docstring); returns a ``QuotaPlan``, changes nothing it is given."""
+    ledger = ledger.copy()
     moves: list[QuotaMove] = []
     notes: list[str] = []
     new_donors: set[str] = set()
+    tokens = dict(restart_tokens or {})
+    timeout_s = config.broker.transfer_timeout_s
     dust = min_move_bytes(ledger)
     loads = {n: snapshot.models.get(n) or ModelLoad(name=n, replicas=0) for n in config.models}
+    used = {n: load.mem_used_bytes for n, load in loads.items()}
 
-    # 1. abort stale transfers
+    # 1. abort stale lends (reclaims and releases escalate instead)
     for t in ledger.pending:
-        if now_s - t.started_s > config.broker.transfer_timeout_s:
+        if t.kind == "lend" and now_s - t.started_s > timeout_s:
             ledger.abort(t.id)
-            reason = (f"transfer {t.id} {t.donor}->{t.recipient} {format_size(t.amount_bytes)} not confirmed in "
-                      f"{config.broker.transfer_timeout_s:g}s (donor used {format_size(loads[t.donor].mem_used_bytes)}): aborted")
-            moves.append(QuotaMove("abort", t.donor, t.recipient, t.amount_bytes, reason))
+            gate = confirm_gate(loads[t.donor], config.models[t.donor].replicas, confirm_after.get(t.donor, 0), t.started_s)
+            reason = (f"transfer {t.id} {t.kind} {t.donor}->{t.recipient or 'pool'} {format_size(t.amount_bytes)} not "
+                      f"confirmed in {timeout_s:g}s (donor used {format_size(gate.used_bytes)}; {gate.why}): aborted")
+            moves.append(QuotaMove("abort", t.donor, t.recipient or None, t.amount_bytes, reason))
 
-    # 2. confirm donors now under their grant, running the settings that carry it
+    # 2. confirm donors measured under their grant on every live replica
     for donor in sorted({t.donor for t in ledger.pending}):
-        load = loads[donor]
-        if load.replicas > 0 and load.settings_version < confirm_after.get(donor, 0):
+        oldest = min(t.started_s for t in ledger.pending if t.donor == donor)
+        gate = confirm_gate(loads[donor], config.models[donor].replicas, confirm_after.get(donor, 0), oldest)
+        if not gate.ok:
             continue
-        for t in ledger.confirm(donor, load.mem_used_bytes, now_s):
-            moves.append(QuotaMove("confirm", t.donor, t.recipient, t.amount_bytes,
-                                   f"{donor} used {format_size(load.mem_used_bytes)} <= grant {format_size(ledger.grant(donor))}: "
-                                   f"{t.recipient} +{format_size(t.amount_bytes)}"))
+        for t in ledger.confirm(donor, gate.used_bytes, gate.measured_s):
+            to = f"{t.recipient} +{format_size(t.amount_bytes)}" if t.recipient else f"pool +{format_size(t.amount_bytes)}"
+            moves.append(QuotaMove("confirm", t.donor, t.recipient or None, t.amount_bytes,
+                                   f"{donor} used {format_size(gate.used_bytes)} <= grant {format_size(ledger.grant(donor))} "
+                                   f"({gate.why}): {to}"))
     pending_donors = {t.donor for t in ledger.pending}
-    confirm_after = {d: v for d, v in confirm_after.items() if d in pending_donors}
+    after = {d: v for d, v in confirm_after.items() if d in pending_donors}
+
+    # 3. escalate reclaims and releases their borrowers have not honoured
+    steps: dict[str, int] = {}
+    for borrower in sorted({t.donor for t in ledger.pending if t.kind in ESCALATING}):
+        mine = [t for t in ledger.pending if t.kind in ESCALATING and t.donor == borrower]
+        first = min(mine, key=lambda t: t.started_s)
+        reached = int((now_s - first.started_s) // timeout_s) if timeout_s > 0 else 0
+        before = (reclaim_steps or {}).get(borrower, 0)
+        steps[borrower] = max(before, reached)
+        gate = confirm_gate(loads[borrower], config.models[borrower].replicas, after.get(borrower, 0), first.started_s)
+        for step in range(before + 1, reached + 1):
+            if step >= 3:
+                tokens[borrower] = tokens.get(borrower, 0) + 1
+            moves.append(_escalation(step, borrower, mine, ledger.grant(borrower), gate, now_s, tokens.get(borrower, 0)))
 
     def mm(name: str) -> MemoryModel:
         return MemoryModel.from_load(loads[name])
@@ -119,7 +213,7 @@ def plan_quota(
         moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
     def grow(name: str, amount: int, kind: str, why: str) -> int:
-        amount = min(amount, ledger.free_bytes, ledger.headroom_bytes(name))
+        amount = min(amount, ledger.free_bytes, measured_free_bytes(ledger, used), ledger.headroom_bytes(name))
         if amount <= 0:
             return 0
         try:
@@ -130,7 +224,7 @@ def plan_quota(
         moves.append(QuotaMove(kind, None, name, amount, why))
         return amount
 
-    # 3. reclaim base for owners whose load is back
+    # 4. reclaim base for owners whose load is back
     for owner, spec in sorted(config.models.items(), key=lambda kv: -kv[1].priority):
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short < dust or idle(owner) or busy_for(owner) < spec.control.reclaim_hold_s:
@@ -148,24 +242,26 @@ def plan_quota(
                 transfer(borrower, owner, take, "reclaim", why + f" from {borrower}'s loan")
                 short -= take
 
-    # 4. release loans of borrowers gone idle (a busy borrower keeps its loan until an owner
-    #    reclaims it: releasing on every dip of its need would make the grant flap)
+    # 5. release loans of borrowers gone idle, two-phase (a busy borrower keeps its loan until an
+    #    owner reclaims it: releasing on every dip of its need would make the grant flap)
     for name, spec in config.models.items():
         loan = ledger.loan_bytes(name)
-        if loan < dust or not idle(name):
+        if loan < dust or not idle(name) or ledger.outgoing_bytes(name):
             continue
         keep = max(spec.quota.base, working_set(name))
         excess = min(loan, ledger.grant(name) - keep)
         if excess >= dust:
             try:
-                ledger.release(name, excess)
+                ledger.begin_release(name, excess, now_s)
             except LedgerError as exc:
                 notes.append(f"release {name} refused: {exc}")
                 continue
+            new_donors.add(name)
             moves.append(QuotaMove("release", name, None, excess,
-                                   f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of {format_size(excess)} back to the pool"))
+                                   f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of "
+                                   f"{format_size(excess)} back to the pool once {name} is measured under {format_size(keep)}"))
 
-    # 5. lend to memory-bound busy models
+    # 6. lend to memory-bound busy models
     order = sorted(config.models, key=lambda n: (-config.models[n].priority, n))
     for name in order:
         wanted = need(name)
@@ -190,13 +286,40 @@ def plan_quota(
             if amount < dust:
                 continue
             transfer(donor, name, amount, "lend",
-                     why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for {now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}")
+                     why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for "
+                     f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}")
             deficit -= amount
             if deficit < dust:
                 break
-    # 6. top owners under base back up from memory nobody needs this tick
+    # 7. top owners under base back up from memory nobody needs this tick
     for owner, spec in sorted(config.models.items(), key=lambda kv: (-kv[1].priority, kv[0])):
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short >= dust and ledger.free_bytes >= dust:
             grow(owner, short, "reclaim", f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool")
-    return moves, confirm_after, notes, new_donors
+    return QuotaPlan(
+        ledger=ledger,
+        moves=tuple(moves),
+        confirm_after=after,
+        notes=tuple(notes),
+        new_donors=frozenset(new_donors),
+        reclaim_steps=steps,
+        restart_tokens=tokens,
+    )
+
+
+def _escalation(
+    step: int, borrower: str, pending: list[Transfer], grant: int, gate: ConfirmGate, now_s: float, token: int
+) -> QuotaMove:
+    owners = ", ".join(sorted({t.recipient or "pool" for t in pending}))
+    amount = sum(t.amount_bytes for t in pending)
+    first = min(t.started_s for t in pending)
+    action = {
+        ReclaimStep.CACHE: "release its caches",
+        ReclaimStep.DRAIN: "pause admission and drain",
+        ReclaimStep.RESTART: f"restart its replicas (restart_token {token})",
+    }[step_kind(step)]
+    what = "reclaim" if any(t.kind == "reclaim" for t in pending) else "release"
+    reason = (f"{what} of {format_size(amount)} for {owners} not confirmed {now_s - first:.0f}s after it began "
+              f"({borrower} used {format_size(gate.used_bytes)} against grant {format_size(grant)}; {gate.why}): "
+              f"step {step}, {borrower} must {action}")
+    return QuotaMove(str(step_kind(step)), borrower, owners, amount, reason)

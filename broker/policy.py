@@ -42,6 +42,9 @@ class PolicyState:
     tick: int = 0
     # donor -> settings version the donor must run before its pending transfers may complete
     confirm_after: Mapping[str, int] = field(default_factory=dict)
+    # reclaim escalation (broker.lending): borrower -> step reached; model -> restart token
+    reclaim_steps: Mapping[str, int] = field(default_factory=dict)
+    restart_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +53,8 @@ class PolicyState:
             "profile": self.profile,
             "tick": self.tick,
             "confirm_after": dict(self.confirm_after),
+            "reclaim_steps": dict(self.reclaim_steps),
+            "restart_tokens": dict(self.restart_tokens),
         }
 
     @classmethod
@@ -70,6 +75,8 @@ class PolicyState:
             profile=data.get("profile", ""),
             tick=int(data.get("tick", 0)),
             confirm_after={k: int(v) for k, v in data.get("confirm_after", {}).items()},
+            reclaim_steps={k: int(v) for k, v in data.get("reclaim_steps", {}).items()},
+            restart_tokens={k: int(v) for k, v in data.get("restart_tokens", {}).items()},
         )
 
 
@@ -97,9 +104,15 @@ def initial_state(config: FleetConfig, usable_bytes: int) -> PolicyState:
     )
 
 
-def reconfigure_state(state: PolicyState, config: FleetConfig, usable_bytes: int) -> PolicyState:
-    """State for a new config: ledger reconfigured (may raise LedgerError), caps clamped into the new range."""
-    ledger = state.ledger.reconfigure(usable_bytes, quotas_of(config))
+def reconfigure_state(
+    state: PolicyState, config: FleetConfig, usable_bytes: int, now_s: float | None = None
+) -> PolicyState:
+    """State for a new config: ledger reconfigured (may raise LedgerError), caps clamped into the new range.
+
+    With ``now_s`` the ledger lowers first: a grant the new config lowers drops now and the bytes
+    go back to the pool only once the model is measured under it (a pending release; its new
+    settings version gates the confirm); nothing rises into memory a model may still hold."""
+    ledger = state.ledger.reconfigure(usable_bytes, quotas_of(config), now_s=now_s)
     interval = config.broker.control_interval_s
     models = {}
     for name, spec in config.models.items():
@@ -112,7 +125,9 @@ def reconfigure_state(state: PolicyState, config: FleetConfig, usable_bytes: int
         if spec.control.strategy == "static":
             cap, wait = spec.batch.initial_cap, spec.wait.initial_s
         models[name] = replace(old, max_batch=cap, wait_s=wait, version=old.version + 1, hold_s=max(old.hold_s, interval))
-    return replace(state, models=models, ledger=ledger, confirm_after={})
+    after = {t.donor: models[t.donor].version for t in ledger.pending}
+    tokens = {n: v for n, v in state.restart_tokens.items() if n in config.models}
+    return replace(state, models=models, ledger=ledger, confirm_after=after, reclaim_steps={}, restart_tokens=tokens)
 
 
 def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSettings:
@@ -124,7 +139,14 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
         batch_wait_timeout_s=ms.wait_s,
         grant_bytes=state.ledger.grant(model),
         admit=ms.admit,
+        **_quota_flags(state, model),
     )
+
+
+def _quota_flags(state: PolicyState, model: str) -> dict[str, Any]:
+    """The reclaim escalation's settings for ``model`` (broker.lending, deployments.reclaim)."""
+    step = state.reclaim_steps.get(model, 0)
+    return {"release_cache": step >= 1, "drain": step >= 2, "restart_token": state.restart_tokens.get(model, 0)}
 
 
 def memory_model(load: ModelLoad) -> MemoryModel:
@@ -180,9 +202,11 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         wants[name] = want
         new_states[name] = ms
 
-    ledger = state.ledger.copy()
-    moves, confirm_after, quota_notes, new_donors = plan_quota(snapshot, config, ledger, new_states, wants, dict(state.confirm_after), now)
-    notes.extend(quota_notes)
+    plan = plan_quota(snapshot, config, state.ledger, new_states, wants, state.confirm_after, now,
+                      state.reclaim_steps, state.restart_tokens)
+    ledger, moves = plan.ledger, plan.moves
+    notes.extend(plan.notes)
+    flags_now = replace(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
 
     decisions: dict[str, ModelDecision] = {}
     for name, spec in config.models.items():
@@ -191,8 +215,9 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), load)
         grant = ledger.grant(name)
         old = state.models.get(name)
-        prev = (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit) if old and name in state.ledger.quotas else None
-        now_settings = (cap, round(want.wait_s, 6), grant, want.admit)
+        prev = (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit,
+                _quota_flags(state, name)) if old and name in state.ledger.quotas else None
+        now_settings = (cap, round(want.wait_s, 6), grant, want.admit, _quota_flags(flags_now, name))
         changed = prev != now_settings
         version = ms.version + (1 if changed and old is not None else 0)
         direction = (cap > ms.max_batch) - (cap < ms.max_batch)
@@ -218,9 +243,12 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         )
 
     # a donor whose grant was lowered this tick must run the new version before it can confirm
-    for donor in new_donors:
+    confirm_after = dict(plan.confirm_after)
+    for donor in plan.new_donors:
         confirm_after[donor] = new_states[donor].version
-    new_state = PolicyState(models=new_states, ledger=ledger, profile=profile.name, tick=state.tick + 1, confirm_after=confirm_after)
+    new_state = PolicyState(models=new_states, ledger=ledger, profile=profile.name, tick=state.tick + 1,
+                            confirm_after=confirm_after, reclaim_steps=plan.reclaim_steps,
+                            restart_tokens=plan.restart_tokens)
     return FleetDecision(now_s=now, profile=profile.name, models=decisions, moves=tuple(moves), notes=tuple(notes)), new_state
 
 

@@ -38,14 +38,17 @@ usable, not even while a transfer is under way:
    ``abort(transfer_id)`` instead gives an in-flight amount back to its donor (donor never
    shrank, replica gone, config changed).
 
-``kind`` is ``"lend"`` (an idle model gives what it does not need above its ``min``) or
+``kind`` is ``"lend"`` (an idle model gives what it does not need above its ``min``),
 ``"reclaim"`` (an owner takes back a loan; the donor must not be pushed under its own base,
-so a reclaim moves at most ``loan_bytes(donor)``).
+so a reclaim moves at most ``loan_bytes(donor)``) or ``"release"`` (``begin_release(name,
+amount, now_s)``: the grant drops now, the pool gets the bytes at ``confirm``; recipient
+``""``). ``Transfer`` and these methods live in ``quotas.transfers``.
 
 ``grow`` and ``release`` are one phase: ``grow`` takes memory from the free pool, which
 nobody holds, so it is safe at once; ``release`` returns part of a model's own grant to the
-pool and is for memory the model no longer holds (it reported usage under the new grant, or
-it stopped). To hand memory a model may still hold to another model, use the two phases.
+pool and is only for memory the model is known not to hold (it stopped). The broker uses
+``begin_release`` for everything else: memory a model may still hold goes nowhere until it
+is measured free.
 
 Invariants (``check()`` raises ``LedgerInvariantError`` listing every broken one)
 ----------------------------------------------------------------------------------
@@ -55,10 +58,12 @@ I2  ``min <= grant`` for each model; and ``grant + incoming + outgoing <= max``:
     the model would reach if everything in flight to it lands *and* every transfer from it is
     aborted stays within its max. (Counting ``outgoing`` is stricter than
     ``grant + incoming <= max``; without it, a donor that received or grew while its own
-    transfer was in flight could be pushed over max by ``abort``.)
+    transfer was in flight could be pushed over max by ``abort``.) Releases are not counted in
+    ``outgoing`` here: a reconfigure that lowers max leaves the difference as a release, and
+    the broker never aborts one.
 I3  ``sum(base) <= usable``, so every owner's base can be reclaimed (below).
-I4  every model has a grant; every transfer names two different known models, a positive
-    amount and kind ``lend`` or ``reclaim``; no transfer id appears twice, and ids stay below
+I4  every model has a grant; every lend or reclaim names two different known models, every
+    release its donor and the pool; a positive amount and a known kind; no transfer id appears twice, and ids stay below
     the next id the ledger hands out (ids are never reused, also across ``reconfigure``).
 
 Every operation checks its refusals before it changes anything, so a refused operation
@@ -82,8 +87,12 @@ Reconfigure and checkpoints
 are aborted, kept models keep their grants clamped into ``[min, max]``, new models start at
 ``base``, dropped models' grants go back to the pool, and if the sum exceeds the new usable
 the biggest loans shrink first (shrinking every loan to base always suffices because
-``sum(base) <= usable``). The caller lowers the caps of models whose grant fell before it
-raises any other. ``to_dict`` / ``from_dict`` give a JSON-safe checkpoint that round-trips
+``sum(base) <= usable``). ``reconfigure(usable, quotas, now_s)`` lowers first: each grant
+the new config lowers becomes a pending release begun at ``now_s``, so the bytes are free
+only once the model is measured under its new grant; it refuses (``LedgerError``) a config
+whose usable is under what the models may then still hold. (Module split: errors and
+``ModelQuota`` in ``quotas.ledger_base``, invariants in ``quotas.ledger_checks``, checkpoint
+parsing in ``quotas.ledger_checkpoint``.) ``to_dict`` / ``from_dict`` give a JSON-safe checkpoint that round-trips
 exactly (``from_dict`` runs ``check()``).
 
 Errors
@@ -356,8 +365,11 @@ class QuotaLedger(TransferOps):
 
     # -- new config -----------------------------------------------------------------------------
 
-    def reconfigure(self, usable_bytes: int, quotas: Mapping[str, ModelQuota]) -> QuotaLedger:
-        """A new ledger for a new config (see module docstring); never changes ``self``."""
+    def reconfigure(
+        self, usable_bytes: int, quotas: Mapping[str, ModelQuota], now_s: float | None = None
+    ) -> QuotaLedger:
+        """A new ledger for a new config (see module docstring); never changes ``self``. With
+        ``now_s``, lowered grants are pending releases begun at ``now_s`` (lower first)."""
         usable = _as_bytes(usable_bytes, "usable_bytes")
         if usable < 0:
             raise LedgerError(f"usable_bytes ({usable}) is negative; pass the card's usable memory in bytes")
@@ -391,9 +403,34 @@ class QuotaLedger(TransferOps):
                 cut = min(loan, excess)
                 grants[name] -= cut
                 excess -= cut
-        ledger = QuotaLedger._restore(usable, new_quotas, grants, (), self._next_id)
+        if now_s is None:
+            ledger = QuotaLedger._restore(usable, new_quotas, grants, (), self._next_id)
+        else:
+            ledger = self._staged(usable, new_quotas, held, grants, _as_time(now_s))
         ledger.check()
         return ledger
+
+    def _staged(
+        self, usable: int, quotas: dict[str, ModelQuota], held: dict[str, int], grants: dict[str, int], now_s: float
+    ) -> QuotaLedger:
+        """Lower first: each lowered grant's difference is a pending release begun at ``now_s``."""
+        pending, next_id = [], self._next_id
+        for name, target in grants.items():
+            was = held.get(name)
+            if was is not None and target < was:
+                pending.append(Transfer(next_id, name, FREE_POOL, was - target, "release", now_s))
+                next_id += 1
+        holding = sum(grants.values()) + sum(t.amount_bytes for t in pending)
+        if holding > usable:
+            rising = [n for n in grants if grants[n] > held.get(n, 0)]
+            raise LedgerError(
+                f"the new config leaves usable {_fmt(usable)} under what models may still hold, {_fmt(holding)} "
+                f"(grants {_fmt(sum(grants.values()))} + {_fmt(holding - sum(grants.values()))} on its way back to the "
+                f"pool{'; rising: ' + ', '.join(rising) if rising else ''}); apply a config that lowers the loans "
+                "first and shrink usable (gpu.capacity, reserve_frac) once they are back",
+                rising[0] if rising else None,
+            )
+        return QuotaLedger._restore(usable, quotas, grants, tuple(pending), next_id)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

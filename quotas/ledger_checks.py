@@ -60,7 +60,8 @@ def ledger_problems(ledger: QuotaLedger) -> list[str]:
     for t in pending:
         if t.recipient != FREE_POOL:
             incoming[t.recipient] = incoming.get(t.recipient, 0) + t.amount_bytes
-        outgoing[t.donor] = outgoing.get(t.donor, 0) + t.amount_bytes
+        if t.kind != "release":  # a release never comes back (the broker escalates, not aborts)
+            outgoing[t.donor] = outgoing.get(t.donor, 0) + t.amount_bytes
     in_flight = sum(t.amount_bytes for t in pending)
     granted = sum(grants.values())
     if granted + in_flight > usable:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from broker.policy import PolicyState, decide, initial_state
-from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad
+from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
 from quotas.config import FleetConfig, parse_config
 
 MiB = 1024**2
@@ -56,6 +56,12 @@ def load(name: str, **kw: Any) -> ModelLoad:
     return ModelLoad(name=name, **kw)
 
 
+def replicas_seen(l: ModelLoad, now_s: float) -> tuple[ReplicaSeen, ...]:
+    """One report per replica of ``l``, received at ``now_s``, splitting its memory evenly."""
+    per = l.mem_used_bytes // max(1, l.replicas)
+    return tuple(ReplicaSeen(f"{l.name}-r{i}", now_s, l.settings_version, per) for i in range(l.replicas))
+
+
 def timings(a_ms: float, c_ms: float, sizes=(2, 4, 8, 16, 32)) -> tuple[tuple[float, float], ...]:
     """Exact L(b) = a + c*b samples for the latency fit."""
     return tuple((float(b), a_ms + c_ms * b) for b in sizes for _ in range(4))
@@ -96,6 +102,9 @@ class Driver:
         full = {n: loads.get(n, load(n)) for n in self.config.models}
         # replicas report running the current settings unless the test says otherwise
         full = {n: (l if l.settings_version else replace(l, settings_version=self.state.models[n].version)) for n, l in full.items()}
+        # ... and each replica's report arrived just now (two-phase confirms need one per replica)
+        full = {n: (l if l.replica_reports or not l.replicas else replace(l, replica_reports=replicas_seen(l, now)))
+                for n, l in full.items()}
         snap = FleetSnapshot(now_s=now, gpu=gpu_load or gpu(), models=full)
         decision, self.state = decide(snap, self.config, self.state)
         self.history.append(decision)
