@@ -44,6 +44,7 @@ class StatsDelta:
     mem_peak_bytes: int = 0
     oom_splits: int = 0
     emergency_shrinks: int = 0
+    oom_costs: list[float] = field(default_factory=list)  # cost of each batch too big for memory (deployments.oom)
 
     def add_latency(self, ms: float) -> None:
         self.latency_seen += 1
@@ -65,6 +66,7 @@ class StatsDelta:
         self.batch_requests = (older.batch_requests + self.batch_requests)[-MERGED_BATCHES_KEPT:]
         self.busy_s += older.busy_s
         self.mem_peak_bytes = max(self.mem_peak_bytes, older.mem_peak_bytes)
+        self.oom_costs = older.oom_costs + self.oom_costs
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s
         oom_splits=delta.oom_splits,
         emergency_shrinks=delta.emergency_shrinks,
         settings_version=g.settings_version,
+        oom_costs=tuple(delta.oom_costs),
     )
 
 

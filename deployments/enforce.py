@@ -292,15 +292,18 @@ class CudaFractionLimiter:
 
 
 class UnenforcedLimiter:
-    """No mechanism here (not Linux): the grant is recorded, the replica's checks still apply."""
+    """No limit: the grant is recorded, the replica's checks still apply. For platforms without
+    RLIMIT_DATA, and for a replica built outside Serve (in a test's own process, which a limit
+    would outlive)."""
 
     kind = LimiterKind.UNENFORCED
 
-    def __init__(self) -> None:
+    def __init__(self, reason: str = f"RLIMIT_DATA needs Linux, this is {sys.platform}") -> None:
         self.grant_bytes: int | None = None
+        self.reason = reason
 
     def start(self) -> None:
-        logger.warning("gpubroker: no memory limit on %s (RLIMIT_DATA needs Linux): grants are not enforced", sys.platform)
+        logger.warning("gpubroker: no memory limit (%s): grants are not enforced", self.reason)
 
     def set_grant(self, grant_bytes: int | None) -> LimitReading:
         self.grant_bytes = grant_bytes
@@ -316,8 +319,11 @@ class UnenforcedLimiter:
         return LimitReading(self.kind, self.grant_bytes, None, 0, probes.rss_bytes() or 0)
 
 
-def make_limiter(device: str, slack_bytes: int = DEFAULT_SLACK_BYTES) -> MemoryLimiter:
-    """The limiter for a replica on ``device`` ('cpu' or 'cuda:N', as ``detect_device`` gives)."""
+def make_limiter(device: str, slack_bytes: int = DEFAULT_SLACK_BYTES, *, own_process: bool = True) -> MemoryLimiter:
+    """The limiter for a replica on ``device`` ('cpu' or 'cuda:N', as ``detect_device`` gives).
+    ``own_process=False`` (a replica built inside another program, e.g. a test): none."""
+    if not own_process:
+        return UnenforcedLimiter("the replica does not own its process (built outside Serve)")
     if device == "cpu":
         if sys.platform.startswith("linux"):
             return CpuRlimitLimiter(slack_bytes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -133,6 +134,46 @@ def run_items(
 
     outputs, _ = run(0, items)
     return BatchResult(tuple(outputs), tuple(costs), splits[0])
+
+
+def oom_error(index: int, item: ItemOOM) -> dict[str, Any]:
+    """The replica's answer to a request whose input ``index`` cannot run alone (``OOM_STATUS``)."""
+    return {"status": OOM_STATUS, "detail": f"inputs[{index}]: {item.detail()}", "field": f"inputs[{index}]",
+            "need_bytes": item.need_bytes, "attempted_bytes": item.attempted_bytes, "grant_bytes": item.grant_bytes}
+
+
+def need_from_calibration(calibration: dict[str, Any]) -> Callable[[float], int | None]:
+    """``need_bytes`` for ``run_items`` from a replica's calibration: weights + bytes per unit x
+    cost; None when it measured no per-unit memory."""
+    per = float(calibration.get("bytes_per_unit", 0.0) or 0.0)
+    weights = int(calibration.get("weights_bytes", 0) or 0)
+    return lambda cost: int(weights + per * cost) if per > 0 else None
+
+
+class OomCeiling:
+    """The replica's own cap below the smallest batch that ran out of memory, held for
+    ``hold_s`` (the broker's window, which holds its memory ceiling as long): between the OOM and
+    the broker's next tick the fast loop must not widen back into the batch that failed."""
+
+    def __init__(self, floor: int, hold_s: float, clock: Callable[[], float] = time.monotonic):
+        self.floor = int(floor)
+        self.hold_s = float(hold_s)
+        self.clock = clock
+        self.cap: int | None = None
+        self.until_s = 0.0
+
+    def learn(self, oom_costs: Sequence[float]) -> int:
+        """A batch of each cost ran out of memory: the local ceiling is now below the smallest."""
+        below = max(self.floor, int(min(oom_costs)) - 1)
+        self.cap = below if self.cap is None or self.clock() >= self.until_s else min(self.cap, below)
+        self.until_s = self.clock() + self.hold_s
+        return self.cap
+
+    def target(self, broker_cap: int) -> int:
+        """The cap the fast loop may widen back to now."""
+        if self.cap is not None and self.clock() >= self.until_s:
+            self.cap = None
+        return broker_cap if self.cap is None else min(broker_cap, self.cap)
 
 
 class ItemOutOfMemory(MemoryError):

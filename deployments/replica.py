@@ -13,13 +13,14 @@ and run unchanged by the simulator (``bench.sim``):
 - ``deployments.fast_loop.fast_loop_step``: per batch, memory reading -> local cap, pause;
 - ``deployments.broker_link.BrokerLink``: stats deltas, one report per interval, retry.
 
-The model runs through ``deployments.oom.split_retry``: an OOM splits the batch in two and
-retries each half. Settings from the broker are applied when their version changes
-(``set_max_batch_size``, ``set_batch_wait_timeout_s``, ``probe.enforce`` and
-``adapter.set_memory_limit`` with this replica's share of the grant). If the broker is
+A ``deployments.enforce`` limiter holds this replica's share of the grant from before the
+adapter loads; every grant change resets it (a shrink releases caches). The model runs through
+``deployments.oom.run_items``: an OOM splits the batch; an item that cannot run alone fails
+alone (507), the rest is answered; a batch too big for memory is reported (``oom_costs``) and
+caps the local batch below it. Settings apply when their version changes; if the broker is
 unreachable the replica keeps serving on its last settings and retries.
 
-Results of ``infer`` are plain dicts with an HTTP-like ``status`` (200/413/422/503/504/500)
+Results of ``infer`` are plain dicts with an HTTP-like ``status`` (200/413/422/503/504/507/500)
 so the ingress maps them without depending on exception types crossing processes.
 """
 
@@ -30,12 +31,14 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 from broker.types import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
 from deployments.fast_loop import FastEvent, fast_loop_step, params_for
 from deployments.gate import LazyGate
+from deployments.oom import ItemOOM, OomCeiling, need_from_calibration, oom_error
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -94,10 +97,12 @@ class ModelReplica:
         self.name = model_name
         self.cfg = cfg
         self.spec: ModelSpec = cfg.models[model_name]
+        self.in_serve = True  # a Serve replica owns its process: its memory limit is the model's
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (tests)
             self.replica_id = f"{model_name}-{os.getpid()}"
+            self.in_serve = False
         self.settings = initial_settings(model_name, self.spec)
         self.gate: LazyGate[tuple[asyncio.Future, _Item]] = LazyGate(
             max_concurrent_batches=self.spec.batch.max_concurrent_batches,
@@ -114,6 +119,7 @@ class ModelReplica:
         self.sm_util_frac: float | None = None
         self.calibration: dict[str, Any] = {}
         self.token_priced = False
+        self.oom_ceiling = OomCeiling(self.spec.batch.floor, self.spec.control.window_s)
         # Lazy formation (see _admit_to_batcher): requests wait at a gate while the executor is
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
         # static, or the config says the runtime's own formation is to be left alone.
@@ -137,6 +143,7 @@ class ModelReplica:
     # ------------------------------------------------------------------ start-up
     def _load(self) -> None:
         from broker.probes import detect_capacity, detect_device, make_probe
+        from deployments.enforce import make_limiter
         from deployments.models import load_adapter
 
         try:
@@ -150,6 +157,10 @@ class ModelReplica:
         # On cpu, memory is host RSS: what this process held before the model counts like a
         # CUDA context (overhead), not against the model's quota.
         self.baseline_bytes = 0 if self.on_cuda else self.probe.read().process_bytes
+        # The limit holds from before the model loads (its weights and calibration count).
+        self.limiter = make_limiter(self.device, own_process=self.in_serve)
+        self.limiter.start()
+        self.limiter.set_grant(self._grant_per_replica(self.settings))
         self.adapter = load_adapter(self.spec.model, self.spec.options, self.device)
         self.token_priced = getattr(self.adapter, "cost_unit", "requests") == "tokens" or self.spec.batch.unit == "tokens"
         self.calibration = self._calibrate()
@@ -260,10 +271,11 @@ class ModelReplica:
     def _enforce(self, settings: ModelSettings) -> None:
         grant = self._grant_per_replica(settings)
         try:
-            # CUDA: set_per_process_memory_fraction (the context counts too); host: recorded.
-            self.probe.enforce(grant if self.on_cuda else grant + self.baseline_bytes)
+            # CUDA: set_per_process_memory_fraction (+ empty_cache on a shrink); cpu: RLIMIT_DATA.
+            reading = self.limiter.set_grant(grant)
+            logger.info("gpubroker replica %s: memory limit for grant %d: %s", self.name, grant, reading)
         except Exception as exc:  # noqa: BLE001
-            logger.warning("gpubroker replica %s: probe.enforce(%d) failed: %r", self.name, grant, exc)
+            logger.warning("gpubroker replica %s: limiter.set_grant(%d) failed: %r", self.name, grant, exc)
         try:
             self.adapter.set_memory_limit(grant)
         except Exception as exc:  # noqa: BLE001
@@ -290,7 +302,9 @@ class ModelReplica:
 
     def _fast_loop(self) -> None:
         free = self._read_memory()
-        out = fast_loop_step(free, self.cap, self.settings.max_batch_size, self.paused, self.fast)
+        self.limiter.refresh()
+        target = self.oom_ceiling.target(self.settings.max_batch_size)
+        out = fast_loop_step(free, self.cap, target, self.paused, self.fast)
         if out.cap != self.cap:
             self.cap = out.cap
             self._batch.set_max_batch_size(out.cap)
@@ -302,7 +316,7 @@ class ModelReplica:
                            100 * (free or 0.0), 100 * self.fast.emergency_free_frac, out.event, out.cap)
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
-        from deployments.oom import split_retry
+        from deployments.oom import run_items
 
         self._fast_loop()
         values = [item.value for item in items]
@@ -315,8 +329,18 @@ class ModelReplica:
         self.gate.batch_started()
         for item in items:  # they run now: no longer pending in the batcher
             self._settle(item)
+        costs = {id(v): float(item.cost) for v, item in zip(values, items)}
         try:
-            return await asyncio.to_thread(split_retry, self._predict, values, on_split)
+            result = await asyncio.to_thread(
+                run_items, self._predict, values, cost=lambda v: costs.get(id(v), 1.0),
+                need_bytes=need_from_calibration(self.calibration), grant_bytes=self._grant_per_replica(self.settings),
+                on_split=on_split, release=self.limiter.release_caches,
+            )
+            if result.oom_costs:  # too big for memory as a batch: report it, cap the local batch below it
+                self.delta.oom_costs.extend(result.oom_costs)
+                self.cap = min(self.cap, self.oom_ceiling.learn(result.oom_costs))
+                self._batch.set_max_batch_size(self.cap)
+            return list(result.outputs)
         finally:
             exec_s = time.perf_counter() - start
             self.gate.batch_ended()
@@ -434,6 +458,10 @@ class ModelReplica:
                 logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
                 return _error(500, f"model '{self.name}' failed: {failed!r}")
             outputs = [t.result() for t in tasks]
+            oom = next(((i, o) for i, o in enumerate(outputs) if isinstance(o, ItemOOM)), None)
+            if oom is not None:  # this input cannot run even alone under the grant; its batch ran
+                self.delta.errors += n
+                return oom_error(*oom)
         finally:
             self.waiting -= n
         ms = (time.time() - t0) * 1000.0
@@ -457,6 +485,8 @@ class ModelReplica:
             "mem_used_bytes": self.mem_used_bytes,
             "device_free_frac": self.device_free_frac,
             "calibration": self.calibration,
+            "pid": os.getpid(),
+            "memory_limit": asdict(self.limiter.read()),
             "batcher": {
                 "max_batch_size": self._batch._get_max_batch_size(),
                 "batch_wait_timeout_s": self._batch._get_batch_wait_timeout_s(),

@@ -183,3 +183,25 @@ def test_an_oom_lowers_the_cap_at_the_next_tick_and_it_stays_below():
         _report(core, clock, seq, core.settings("m")["max_batch_size"])
         core.tick()
         assert core.settings("m")["max_batch_size"] < before
+
+
+def test_replica_helpers_answer_507_and_hold_the_local_ceiling():
+    from deployments.oom import OomCeiling, need_from_calibration, oom_error
+
+    item = ItemOOM(0, 1.0, 300 * MiB, None, 256 * MiB, "EmulatedOOM: no")
+    err = oom_error(2, item)
+    assert err["status"] == 507 and err["field"] == "inputs[2]" and err["detail"].startswith("inputs[2]: out of memory")
+    assert err["need_bytes"] == 300 * MiB and err["grant_bytes"] == 256 * MiB
+    assert need_from_calibration({"weights_bytes": 10, "bytes_per_unit": 2.0})(3) == 16
+    assert need_from_calibration({"weights_bytes": 10, "bytes_per_unit": 0})(3) is None
+    now = [0]
+    ceiling = OomCeiling(floor=2, hold_s=30, clock=lambda: now[0])
+    assert ceiling.target(64) == 64
+    assert ceiling.learn((16.0, 24.0)) == 15 and ceiling.target(64) == 15 and ceiling.target(8) == 8
+    now[0] = 29
+    assert ceiling.learn((20.0,)) == 15  # a later, larger OOM does not lift it
+    now[0] = 58
+    assert ceiling.target(64) == 15  # held 30 s from the latest OOM
+    now[0] = 59
+    assert ceiling.target(64) == 64
+    assert OomCeiling(floor=4, hold_s=1, clock=lambda: 0).learn((2.0,)) == 4  # never below the floor
