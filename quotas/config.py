@@ -33,6 +33,7 @@ from pydantic import (
 from quotas.sizes import format_size, parse_size
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
+LLM_ENGINES = ("tiny-llama",)  # kind: llm engines (deployments.llm)
 DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2
 
@@ -219,8 +220,16 @@ class ControlSpec(_Strict):
         return self
 
 
+class LlmSpec(_Strict):
+    expected_peak_concurrency: int = Field(8, ge=1, le=4096, description="Sequences in flight at the expected peak; max_num_seqs starts at half of it, within memory.")
+    ttft_slo_ms: float = Field(2000.0, gt=0, le=600_000, description="Time-to-first-token P95 objective in milliseconds.")
+    tpot_slo_ms: float = Field(200.0, gt=0, le=60_000, description="Time-per-output-token P95 objective in milliseconds.")
+
+
 class ModelSpec(_Strict):
-    model: str = Field(description="Built-in model (minilm, mlp, cnn, profiled) or a user class as 'pkg.module:Class'.")
+    kind: Literal["batch", "llm"] = Field("batch", description="batch: request batches under the batch rules; llm: a continuous-batching engine (model: tiny-llama) under the LLM rules, options are its engine options.")
+    llm: LlmSpec = Field(default_factory=LlmSpec, description="LLM objectives: expected peak concurrency, TTFT and TPOT SLOs (kind: llm).")
+    model: str = Field(description="Built-in model (minilm, mlp, cnn, profiled), an LLM engine (tiny-llama, kind: llm) or a user class as 'pkg.module:Class'.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the model class.")
     quota: QuotaSpec = Field(description="Memory quota: min <= base <= max.")
     batch: BatchSpec = Field(default_factory=BatchSpec, description="Batch cap floor/ceiling and their unit.")
@@ -241,10 +250,18 @@ class ModelSpec(_Strict):
         the simulator both read it here; the broker never sends it."""
         return max(self.batch.ceiling * self.batch.max_concurrent_batches, self.max_queued) + self.batch.max_concurrent_batches
 
+    @model_validator(mode="after")
+    def _kind(self) -> "ModelSpec":
+        if self.kind == "llm" and self.model not in LLM_ENGINES:
+            raise ValueError(f"model '{self.model}' is not an LLM engine; with kind: llm write model: {', '.join(LLM_ENGINES)}")
+        if self.kind == "batch" and self.model in LLM_ENGINES:
+            raise ValueError(f"model '{self.model}' is an LLM engine; add kind: llm")
+        return self
+
     @field_validator("model")
     @classmethod
     def _model_ref(cls, value: str) -> str:
-        if value in BUILTIN_MODELS:
+        if value in BUILTIN_MODELS or value in LLM_ENGINES:
             return value
         if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*", value):
             return value

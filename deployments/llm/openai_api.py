@@ -1,0 +1,177 @@
+"""OpenAI-compatible HTTP API for the fleet's LLMs (``kind: llm`` models), on Ray Serve.
+
+``POST /v1/completions``       ``{"model", "prompt": str | [ids], "max_tokens", "stream", ...}``
+``POST /v1/chat/completions``  ``{"model", "messages": [{"role", "content"}], "max_tokens", "stream", ...}``
+    200 an OpenAI ``text_completion`` / ``chat.completion``; with ``stream: true`` server-sent
+        events (``data: {chunk}``) ending in ``data: [DONE]``
+    400 an OpenAI error whose ``param`` names the field: a bad body, or a prompt plus
+        ``max_tokens`` over the context
+    404 an unknown ``model`` (the message names the known ones)
+``GET /v1/models``               the LLMs, OpenAI-style
+``GET /v1/llm/{model}/stats``    the engine's report (bounds, KV blocks, TTFT/TPOT percentiles)
+
+``model`` picks the fleet model; each LLM is its own ``LlmServer`` deployment. Closing a
+stream cancels its sequence (Serve cancels the replica's generator, which cancels the
+engine's request). Build with ``build_llm_app({"config": "configs/llm-demo.yaml"})``.
+"""
+
+# no "from __future__ import annotations": FastAPI must see the real Request annotation
+
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from ray import serve
+from ray.serve import Application
+
+from deployments.llm.server import CHAT, COMPLETION, LlmServer, openai_error
+
+api = FastAPI(title="gpubroker LLMs", description="OpenAI-compatible completions on the fleet's LLM engines.")
+
+LLM_NUM_CPUS = 0.2
+INGRESS_NUM_CPUS = 0.05
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, seed, ...)
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate; default 16 (completions), 64 (chat).")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
+    stream: bool = False
+    stop: Any = Field(None, description="Stop strings are not supported; leave stop out.")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop(cls, value: Any) -> None:
+        if value not in (None, [], ""):
+            raise ValueError("stop strings are not supported by this engine; leave stop out")
+        return None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def _error(status: int, field: str | None, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content=openai_error(field or "body", message, status)["body"])
+
+
+def parse_body(kind: str, raw: Any) -> tuple[dict[str, Any] | None, JSONResponse | None]:
+    """A validated body as a plain dict (max_tokens filled in), or a 400 naming the field."""
+    schema = ChatBody if kind == CHAT else CompletionBody
+    try:
+        body = schema.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        value = err.get("input")
+        return None, _error(400, field, f"{field}: {err['msg']} (got {value!r})")
+    out = body.model_dump()
+    if kind == CHAT:
+        out["messages"] = [m.model_dump() for m in body.messages]
+        out["max_tokens"] = body.max_tokens or body.max_completion_tokens or 64
+    else:
+        out["max_tokens"] = body.max_tokens or 16
+        if isinstance(body.prompt, str) and not body.prompt:
+            return None, _error(400, "prompt", "prompt: is empty; send at least one character")
+    return out, None
+
+
+@serve.deployment
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, handles: dict[str, Any]):
+        self.handles = handles
+
+    def _known(self) -> str:
+        return ", ".join(sorted(self.handles)) or "none"
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "gpubroker"} for n in sorted(self.handles)]}
+
+    @api.get("/v1/llm/{name}/stats")
+    async def stats(self, name: str) -> JSONResponse:
+        handle = self.handles.get(name)
+        if handle is None:
+            return _error(404, "model", f"model: unknown LLM '{name}'; known: {self._known()}")
+        return JSONResponse(await handle.report.remote())
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(COMPLETION, request)
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._serve(CHAT, request)
+
+    async def _serve(self, kind: str, request: Request):
+        try:
+            raw = await request.json()
+        except ValueError:
+            return _error(400, "body", "body: not JSON; send a JSON object")
+        if not isinstance(raw, dict):
+            return _error(400, "body", "body: must be a JSON object")
+        body, err = parse_body(kind, raw)
+        if err is not None:
+            return err
+        handle = self.handles.get(body["model"])
+        if handle is None:
+            return _error(404, "model", f"model: unknown LLM '{body['model']}'; known: {self._known()}")
+        if not body["stream"]:
+            out = await handle.generate.remote(kind, body)
+            return JSONResponse(status_code=out["status"], content=out["body"])
+        gen = handle.options(stream=True).generate_stream.remote(kind, body)
+        head = await gen.__anext__()
+        if head["status"] != 200:
+            gen.cancel()
+            return JSONResponse(status_code=head["status"], content=head["body"])
+
+        async def events():
+            try:
+                async for chunk in gen:
+                    yield chunk
+            finally:
+                gen.cancel()  # the client went away (or we are done): the replica cancels the sequence
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def build_llm_fleet(llms: dict[str, dict[str, Any]], llm_num_cpus: float = LLM_NUM_CPUS) -> Application:
+    """The ingress and one ``LlmServer`` deployment per LLM (name -> engine options)."""
+    handles = {
+        name: serve.deployment(LlmServer).options(
+            name=f"llm-{name}", num_replicas=1, max_ongoing_requests=1024,
+            ray_actor_options={"num_cpus": llm_num_cpus}, health_check_period_s=5, graceful_shutdown_timeout_s=5,
+        ).bind(name, options)
+        for name, options in llms.items()
+    }
+    return OpenAIIngress.options(name="llm-ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+                                 max_ongoing_requests=4096).bind(handles)
+
+
+def build_llm_app(args: dict[str, Any]) -> Application:
+    """Serve builder: ``{"config": path}`` or ``{"config_text": yaml}``; serves its ``kind: llm`` models."""
+    from deployments.app import config_text_from_args
+    from quotas.config import parse_config_text
+
+    cfg = parse_config_text(config_text_from_args(args), str(args.get("config", "config_text")))
+    llms = {name: dict(spec.options) for name, spec in cfg.models.items() if spec.kind == "llm"}
+    if not llms:
+        raise ValueError("models: no model has kind: llm; add one (model: tiny-llama, kind: llm) to serve completions")
+    return build_llm_fleet(llms, float(args.get("llm_num_cpus", LLM_NUM_CPUS)))
