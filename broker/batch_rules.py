@@ -1,55 +1,49 @@
 """Per-model batch rules: from one model's load to a wanted batch cap and wait timeout.
 
-Design note. Ray 2.60's ``@serve.batch`` forms batches eagerly: as soon as a request
-arrives its loop starts a batch, closes it at ``max_batch_size`` or after
-``batch_wait_timeout_s``, and only then queues it for one of ``max_concurrent_batches``
-slots. A batch does not grow while the replica is busy, so with a zero wait timeout every
-request under load becomes a batch of one and the replica saturates at 1/a. The wait timeout,
-not the cap, sets the batch size under load; the cap bounds what a burst may form. With
-``L(b) = a + c*b`` and arrival rate lambda, a batch b runs at utilisation
-``lambda (a + c b) / b``; the plan picks the batch (and the wait that fills it) that keeps the
-estimated P95 lowest. With ``broker.batch_formation: lazy`` (the next batch forms when the
-replica is free) batches size themselves instead, at ``lambda a / (1 - lambda c)``, and the
-plan keeps the wait short. The rules, first match wins:
+Design note. Each rule is a small function ``rule(s: Inputs) -> BatchWant | None``: ``None``
+means "my condition does not hold, ask the next one". ``control.strategy`` picks a tuple of
+rules in precedence order (``RULE_SETS``) and the first rule that answers wins; the last row
+of every adaptive set is ``hold``, which always answers. docs/RULES.md is the same table in
+prose (a test keeps the two equal).
 
-- ``emergency``: free memory under ``gpu.emergency_free_frac`` (or the replica's fast loop
-  shrank): cap = max(floor, min(cap/2, queued/2)); admission pauses below half of it, for at
-  most ``max_pause_s`` (memory that never frees must not starve the fleet).
-- ``p95``: recent P95 (the rate window, a few seconds) near the cap (``p95_near_frac``). With
-  a backlog (more than a batch queued, or arrivals beyond what the cap serves) the latency
-  is queueing: grow toward the throughput target. Without one, the batch itself is too slow:
-  shrink multiplicatively (``aimd_backoff``) -- with a latency model only when the model also
-  puts the cap above its target, since otherwise the P95 is a transient that is draining.
-- ``idle``: no arrivals for ``idle_hold_s``: go to the floor (that is what lets it lend memory).
-- ``model``: with a fitted L(b) and an arrival rate, ``plan_batch`` picks the batch whose
-  utilisation minimises the estimated P95 (formation wait + L(b) + queueing) and the wait
-  that fills it at the arrival rate (a backlog plans at utilisation ``DRAIN_RHO`` until it
-  drains); the cap leaves headroom over it for bursts (at least b_lat, the largest batch with
-  2 L(b) <= cap). Only moves when cap or wait change by more than the (oscillation-widened)
-  dead band.
-- ``queue``: no fit yet: above the dead band's top scale up in proportion, below its bottom
-  scale down, inside hold.
-- ``sm_util``: SM utilisation under ``sm_low_frac`` with work waiting: grow by a step.
-- ``p95_low``: P95 well under the cap with backlog: grow by ``aimd_step``.
+- ``queue``: emergency, idle, the queue dead band (above its top scale up in proportion,
+  below its bottom scale down, inside hold). No latency model.
+- ``aimd``: emergency, P95 near the cap (grow when it is queueing, else shrink
+  multiplicatively), idle, P95 well below the cap with a backlog (grow by a step). No model.
+- ``model``: emergency, idle, the latency model's plan (``broker.batch_plan``).
+- ``hybrid`` (default): the model plan, guarded by the others. The guards come first in the
+  tuple and act whenever their condition holds; a guard that grows or vetoes growth leaves
+  the cap to the plan when the plan already does what it asks (so the plan stays the main
+  driver, and with no fit yet the guards are the rules). The SM rules are hybrid's only.
+- ``static``: never moves.
 
-The wait timeout is the plan's fill time (without a latency model it holds, except under a
-backlog: then the time to fill the cap at the arrival rate within half the SLO), inside
+Guard details with a plan (hybrid): "work waiting" means more queued than the plan's cap
+takes in one batch; the P95 shrink never goes below the batch the plan needs at this rate;
+the queue band's top acts on a backlog beyond the plan's cap, and its bottom shrinks only down
+to the plan's cap (the plan's burst headroom is what a short queue leaves room for); the P95
+shrink acts only when the plan also puts the cap above its own; the SM rule's hold vetoes the
+plan's growth.
+
+The wait timeout is the plan's fill time (without a plan it holds, except under a backlog:
+then the time to fill the cap at the arrival rate within half the SLO), inside
 [min_ms, max_ms]. The arrival rate is the rate window's, or the last two reports' when they
-run ``BURST_FACTOR`` over it (a burst is seen at once, a lull only after the window).
+run ``control.burst_factor`` over it (a burst is seen at once, a lull only after the window).
 
-Everything here is pure; guard-rails (floor, ceiling, memory ceiling) are applied by the
-caller in one place.
+Everything here is pure; guard-rails (floor, ceiling, memory ceiling) and the
+anti-oscillation hold are applied by the caller (``broker.policy``) in one place.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
+from broker.batch_plan import BatchPlan, plan_batch, wait_for
 from broker.latency_model import LatencyFit
-from broker.profiles import BATCH_HEADROOM, RHO_MAX
 from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
+from broker.vocab import Rule, Trigger
 from quotas.config import ModelSpec
 
 
@@ -68,222 +62,303 @@ class RuleContext:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
-    """What the latency model says for the current arrival rate (per replica)."""
+class Inputs:
+    """What every rule sees: the load, the config, the context, and the numbers derived once."""
 
-    batch: float  # batch that keeps utilisation at ``rho`` (the batch the wait timeout fills)
-    wait_s: float  # time to fill that batch at the arrival rate (before the config's clamp)
-    rho: float  # utilisation aimed for (inf: the rate is beyond what any batch serves)
-    b_lat: float  # largest batch with 2 L(b) <= cap (what a burst may form at most, latency-wise)
-    est_ms: float  # estimated P95: wait + L(batch) + queueing
-    cap: float  # batch cap: headroom over ``batch`` for bursts, at least b_lat, within the ceiling
+    load: ModelLoad
+    spec: ModelSpec
+    ctx: RuleContext
+    gpu: GpuLoad
+    cap: int  # the cap the replicas run now
+    wait_s: float  # the wait timeout they run now
+    fit: LatencyFit | None  # the latency model (None: no fit yet, or a strategy without the model)
+    plan: BatchPlan | None  # the model's plan at this arrival rate (None without fit or arrivals)
+    rate_rps: float  # arrival rate the rules use (burst-aware)
+    units_per_s: float  # per replica, in batch units
+    queued_units: float  # per replica, in batch units
+    qdepth: float  # queue depth per replica (requests waiting or running)
+    p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
+    window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
 
+    @property
+    def u(self) -> float:
+        return max(self.load.cost_per_request, 1.0)
 
-DRAIN_RHO = 0.6  # utilisation the plan aims for while a backlog drains
-BURST_FACTOR = 1.3  # the last reports' arrival rate counts when it is this far over the window's
-LAZY_WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}
+    @property
+    def proposal(self) -> int:
+        """The cap the plan asks for (the current cap without a plan): what a guard compares with."""
+        return self.cap if self.plan is None else max(1, int(round(self.plan.cap)))
 
+    @property
+    def backlog(self) -> bool:
+        """More than a batch queued, a queue over the band's top, or arrivals beyond what this cap serves."""
+        ctl = self.spec.control
+        overloaded = self.fit is not None and self.units_per_s > 0.95 * self.fit.saturated_rate(self.cap)
+        return self.queued_units > self.cap or self.qdepth > ctl.band_high or overloaded
 
-def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
-    """Wait for the executor, Kingman's G/D/1 approximation x 2 as a tail proxy. A batch closes
-    a fixed wait after its first request, and that first request comes after an exponential
-    gap, so batch inter-arrival CV^2 is about 1 / b^2: big batches arrive almost evenly."""
-    ca2 = 1.0 / max(batch, 1.0) ** 2
-    return 2.0 * rho / (1.0 - rho) * ca2 / 2.0 * service_ms
+    def waiting(self, min_depth: float) -> bool:
+        """Work waits: more queued than the plan's cap takes at once, or (no plan) a queue of min_depth."""
+        if self.plan is not None:
+            return self.queued_units > self.proposal
+        return self.qdepth >= min_depth if min_depth > 0 else self.qdepth > 0
 
+    def want(self, new_cap: float, trigger: Trigger, value: float, rule: Rule, reason: str, *,
+             safety: bool = False, admit: bool = True) -> BatchWant:
+        """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
+        new = max(1, int(round(new_cap)))
+        backlog = self.qdepth > self.spec.control.band_high
+        wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
+        return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
 
-def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo_ms: float, objective: str, ceiling: int,
-               rho_cap: float | None = None, formation: str = "eager") -> BatchPlan:
-    """Batch and wait timeout for Ray 2.60's @serve.batch.
-
-    Ray forms the next batch as soon as a request arrives (first request + wait timeout, or
-    max_batch_size reached) and only then queues it for a free max_concurrent_batches slot:
-    batches do not grow while the replica is busy. So the wait timeout is what sets the batch
-    size under load: a batch of b at utilisation rho = lambda (a + c b) / b needs
-    b = lambda a / (rho - lambda c), filled in (b - u) / lambda. The utilisation is chosen
-    from a few candidates (up to the objective's ceiling) to minimise the estimated P95:
-    formation wait + L(b) + queueing for the executor.
-    """
-    lam = units_per_s / 1000.0  # units per ms
-    u = max(unit_per_request, 1.0)
-    b_lat = fit.largest_batch_within(slo_ms / 2.0)
-    headroom = BATCH_HEADROOM.get(objective, 2.0)
-    if formation == "lazy":
-        return _plan_lazy(fit, lam, u, b_lat, headroom, slo_ms, objective, ceiling)
-    if lam <= 0:
-        return BatchPlan(u, 0.0, 0.0, b_lat, fit.predict_ms(u), min(float(ceiling), max(b_lat, u)))
-    rho_max = RHO_MAX.get(objective, 0.8) if rho_cap is None else min(rho_cap, RHO_MAX.get(objective, 0.8))
-    best: tuple[float, float, float] | None = None  # (est, rho, b)
-    rho = 0.3
-    while rho <= rho_max + 1e-9:
-        if rho > lam * fit.c_ms:
-            b = max(u, lam * fit.a_ms / (rho - lam * fit.c_ms))
-            real_rho = lam * fit.predict_ms(b) / b
-            if real_rho < 1.0:
-                est = (b - u) / lam + fit.predict_ms(b) + _queue_ms(real_rho, fit.predict_ms(b), b / u)
-                if best is None or est < best[0]:
-                    best = (est, real_rho, b)
-        rho += 0.05
-    if best is None:  # beyond what the ceiling's batch can serve: biggest batches, drain
-        b = float(ceiling)
-        return BatchPlan(b, (b - u) / lam / 1000.0, math.inf, b_lat, math.inf, float(ceiling))
-    est, rho, b = best
-    cap = min(float(ceiling), max(b_lat, b * headroom))
-    return BatchPlan(min(b, float(ceiling)), max(0.0, (b - u) / lam) / 1000.0, rho, b_lat, est, cap)
+    def hold(self, trigger: Trigger, value: float, rule: Rule, reason: str) -> BatchWant:
+        """Keep the cap and the wait as they are."""
+        return BatchWant(self.cap, self.wait_s, True, trigger, float(value), rule, reason)
 
 
-def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, headroom: float, slo_ms: float, objective: str,
-               ceiling: int) -> BatchPlan:
-    """Lazy formation (the next batch forms when the replica is free): batches size themselves
-    to the load at the fixed point b = lambda a / (1 - lambda c), so no wait is needed under
-    load; the cap leaves headroom for bursts, and a short wait (a share of the SLO budget left
-    after two batches) only helps an idle replica gather a few requests."""
-    denom = 1.0 - lam * fit.c_ms
-    b_fp = lam * fit.a_ms / denom if (lam > 0 and denom > 0) else (0.0 if lam <= 0 else math.inf)
-    want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
-    cap = min(float(ceiling), max(b_lat, want, u))
-    budget_s = max(0.0, slo_ms - 2.0 * fit.predict_ms(cap)) / 1000.0 * LAZY_WAIT_BUDGET_FRAC.get(objective, 0.25)
-    fill_s = cap / (lam * 1000.0) if lam > 0 else 0.0
-    batch = max(u, b_fp) if math.isfinite(b_fp) else float(ceiling)
-    rho = lam * fit.predict_ms(batch) / batch if math.isfinite(b_fp) and lam > 0 else (0.0 if lam <= 0 else math.inf)
-    return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap)
+def _p95_text(s: Inputs) -> str:
+    return f"p95_ms {s.p95_ms:.1f} > {s.spec.control.p95_near_frac:g}x cap {s.ctx.slo_ms:.0f}"
 
 
-def wait_for(plan: BatchPlan | None, cap: int, units_per_s: float, unit_per_request: float, slo_ms: float, spec: ModelSpec, current_s: float, backlog: bool = False) -> float:
-    """The wait timeout: the plan's fill time; without a latency model, unchanged unless a
-    backlog builds (then the time to fill the cap at the arrival rate, within half the SLO,
-    since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""
-    lo, hi = spec.wait.min_ms / 1000.0, spec.wait.max_ms / 1000.0
-    if plan is not None:
-        w = plan.wait_s
-    elif backlog and units_per_s > 0:
-        w = max(current_s, min(max(0.0, cap - unit_per_request) / units_per_s, slo_ms / 2000.0))
-    else:
-        w = current_s
-    return min(hi, max(lo, w))
+# ------------------------------------------------------------------------------ the rules
+def static(s: Inputs) -> BatchWant:
+    return BatchWant(s.cap, s.wait_s, True, Trigger.STATIC, float(s.cap), Rule.STATIC, f"static strategy holds batch {s.cap}")
 
 
-def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad, ctx: RuleContext) -> BatchWant:
+def emergency(s: Inputs) -> BatchWant | None:
+    """Free memory under gpu.emergency_free_frac, or a replica's fast loop shrank: halve now."""
+    free, limit = s.gpu.free_frac, s.ctx.emergency_free_frac
+    if not (free < limit or s.load.emergency):
+        return None
+    new = max(s.spec.batch.floor, min(s.cap // 2, int(s.queued_units // 2)))
+    admit = free >= limit / 2.0
+    why = f"free_frac {free:.3f} < {limit}" if free < limit else "replica reported an emergency shrink"
+    what = f"{why}: halve batch {s.cap}->{new}"
+    if not admit and s.ctx.paused_for_s >= s.ctx.max_pause_s:
+        admit = True  # bounded pause: re-open at the floor (the replica's fast loop still guards each batch)
+        what += f", re-open admission after {s.ctx.paused_for_s:.0f}s paused"
+    elif not admit:
+        what += ", pause admission"
+    return s.want(new, Trigger.FREE_FRAC, free, Rule.EMERGENCY, what, safety=True, admit=admit)
+
+
+def _p95_near(s: Inputs) -> bool:
+    return s.p95_ms is not None and s.p95_ms > s.spec.control.p95_near_frac * s.ctx.slo_ms
+
+
+def p95_queueing(s: Inputs) -> BatchWant | None:
+    """P95 near the cap with a backlog: the latency is queueing, shrinking would make it worse: grow."""
+    if not (_p95_near(s) and s.backlog):
+        return None
+    ceiling = s.spec.batch.ceiling
+    why = f"{_p95_text(s)} with a backlog ({s.queued_units:.0f} queued, arrivals {s.units_per_s:.1f}/s)"
+    if s.plan is not None:
+        if s.plan.cap > s.cap:
+            return s.want(s.plan.cap, Trigger.P95_MS, s.p95_ms, Rule.P95_QUEUEING, f"{why}: grow {s.cap}->{int(round(s.plan.cap))}", safety=True)
+        return None
+    if s.cap < ceiling:
+        new = min(ceiling, s.cap * 2)
+        return s.want(new, Trigger.P95_MS, s.p95_ms, Rule.P95_QUEUEING, f"{why}: grow {s.cap}->{new}", safety=True)
+    return None
+
+
+def p95_high(s: Inputs) -> BatchWant | None:
+    """P95 near the cap without a backlog: the batch itself is too slow: shrink multiplicatively.
+    With a plan, only when the plan also puts the cap above its own (else the high P95 is a
+    transient the plan's cap drains: shrinking under it starves the next burst), and not
+    below the plan's cap (nor above b_lat)."""
+    if not _p95_near(s) or s.backlog:
+        return None
+    ctl, floor = s.spec.control, s.spec.batch.floor
+    new = s.cap * ctl.aimd_backoff
+    if s.plan is not None:
+        if s.plan.cap >= s.cap:
+            return None
+        new = max(new, min(s.plan.cap, s.cap - 1))
+        if s.plan.b_lat >= floor:
+            new = min(new, max(s.plan.b_lat, s.plan.cap))
+    new = max(floor, math.floor(new))
+    if new >= s.cap:
+        return None
+    return s.want(new, Trigger.P95_MS, s.p95_ms, Rule.P95_HIGH, f"{_p95_text(s)} without a backlog: shrink {s.cap}->{new}", safety=True)
+
+
+def idle(s: Inputs) -> BatchWant | None:
+    """No arrivals for idle_hold_s: the floor (that is what lets the model lend its memory)."""
+    if s.ctx.idle_for_s < s.spec.control.idle_hold_s or s.load.queue_depth > 0:
+        return None
+    floor, rate = s.spec.batch.floor, s.load.arrival_rate_rps
+    if s.cap > floor:
+        return s.want(floor, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, f"no arrivals for {s.ctx.idle_for_s:.0f}s: batch {s.cap}->{floor}")
+    return s.want(s.cap, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, "idle at the floor")
+
+
+def _plan_grows(s: Inputs) -> bool:
+    """Would the model rule (below the guards) raise the cap this tick?"""
+    w = model(s)
+    return w is not None and w.cap > s.cap
+
+
+def sm_busy(s: Inputs) -> BatchWant | None:
+    """SM utilisation near 100% with P95 rising (recent over window) while the plan would grow
+    the cap: hold cap and wait. Without a plan, p95_low checks this itself."""
+    sm, ctl = s.gpu.sm_util_frac, s.spec.control
+    if sm is None or sm < ctl.sm_high_frac or s.p95_ms is None or s.window_p95_ms is None or s.p95_ms <= s.window_p95_ms:
+        return None
+    if not _plan_grows(s):
+        return None
+    return s.hold(Trigger.SM_UTIL_FRAC, sm, Rule.SM_BUSY,
+                  f"sm_util_frac {sm:.2f} >= {ctl.sm_high_frac} with p95_ms rising {s.window_p95_ms:.1f}->{s.p95_ms:.1f}: "
+                  f"hold {s.cap} (plan {s.proposal})")
+
+
+def sm_low(s: Inputs) -> BatchWant | None:
+    """SM utilisation under sm_low_frac with work waiting: the card idles for want of batch: grow by a step."""
+    sm, ctl, ceiling = s.gpu.sm_util_frac, s.spec.control, s.spec.batch.ceiling
+    if sm is None or sm >= ctl.sm_low_frac or not s.waiting(0) or s.cap >= ceiling:
+        return None
+    new = min(ceiling, s.cap + ctl.aimd_step)
+    if new <= s.proposal:
+        return None  # the plan grows at least as far
+    return s.want(new, Trigger.SM_UTIL_FRAC, sm, Rule.SM_LOW,
+                  f"sm_util_frac {sm:.2f} < {ctl.sm_low_frac} with queue {s.qdepth:.0f}: grow {s.cap}->{new}")
+
+
+def _band(s: Inputs) -> tuple[float, float]:
+    ctl = s.spec.control
+    return ctl.band_high * s.ctx.band_scale, ctl.band_low / s.ctx.band_scale
+
+
+def queue_high(s: Inputs) -> BatchWant | None:
+    """Queue above the dead band's top (with a plan: and more queued than the plan's cap): scale up in proportion."""
+    ctl, ceiling = s.spec.control, s.spec.batch.ceiling
+    high, _ = _band(s)
+    if s.qdepth <= high or (s.plan is not None and s.queued_units <= s.proposal):
+        return None
+    new = min(ceiling, s.cap * min(2.0, s.qdepth / max(ctl.target_queue, 1)))
+    if s.ctx.recovering:
+        new = min(new, s.cap + ctl.aimd_step)
+    if int(new) <= max(s.cap, s.proposal):
+        return None
+    return s.want(int(new), Trigger.QUEUE_DEPTH, s.qdepth, Rule.QUEUE_HIGH, f"queue_depth {s.qdepth:.0f} > band top {high:.0f}: grow {s.cap}->{int(new)}")
+
+
+def queue_low(s: Inputs) -> BatchWant | None:
+    """Queue below the dead band's bottom with P95 well under the cap: scale down in proportion.
+    With a plan, only down to the plan's cap, when the cap is above it (the model rule's own
+    dead band would leave it there): the plan's burst headroom is what a short queue leaves room for."""
+    ctl, floor = s.spec.control, s.spec.batch.floor
+    _, low = _band(s)
+    if not (s.qdepth < low and s.load.arrival_rate_rps > 0 and s.p95_ms is not None and s.p95_ms < ctl.p95_low_frac * s.ctx.slo_ms):
+        return None
+    if s.cap <= floor or (s.plan is not None and s.cap <= s.proposal):
+        return None
+    new = max(floor, int(s.cap * max(0.5, s.qdepth / max(ctl.target_queue, 1))))
+    if s.plan is not None:
+        new = max(new, s.proposal)
+    if new >= s.cap:
+        return None
+    return s.want(new, Trigger.QUEUE_DEPTH, s.qdepth, Rule.QUEUE_LOW, f"queue_depth {s.qdepth:.0f} < band bottom {low:.0f}: shrink {s.cap}->{new}")
+
+
+def p95_low(s: Inputs) -> BatchWant | None:
+    """P95 well under the cap with work waiting (and the card not saturated): grow by aimd_step."""
+    ctl, ceiling = s.spec.control, s.spec.batch.ceiling
+    sm_busy_now = s.gpu.sm_util_frac is not None and s.gpu.sm_util_frac >= ctl.sm_high_frac
+    if s.p95_ms is None or s.p95_ms >= ctl.p95_low_frac * s.ctx.slo_ms or not s.waiting(1) or s.cap >= ceiling or sm_busy_now:
+        return None
+    new = min(ceiling, s.cap + ctl.aimd_step)
+    if new <= s.proposal:
+        return None  # the plan grows at least as far
+    return s.want(new, Trigger.P95_MS, s.p95_ms, Rule.P95_LOW,
+                  f"p95_ms {s.p95_ms:.1f} < {ctl.p95_low_frac:g}x cap with queue {s.qdepth:.0f}: grow {s.cap}->{new}")
+
+
+def model(s: Inputs) -> BatchWant | None:
+    """The latency model's plan, when cap or wait move by more than the (widened) dead band."""
+    plan, fit = s.plan, s.fit
+    if plan is None or fit is None:
+        return None
+    ctl, cap, wait_s = s.spec.control, s.cap, s.wait_s
+    target = plan.cap
+    new = min(target, cap + ctl.aimd_step) if s.ctx.recovering and target > cap else target
+    rel = abs(new - cap) / max(cap, 1)
+    wait_new = wait_for(plan, max(1, int(round(new))), s.units_per_s, s.u, s.ctx.slo_ms, s.spec, wait_s)
+    wait_rel = abs(wait_new - wait_s) / max(wait_s, 1e-3)
+    if not ((rel > 0.1 * s.ctx.band_scale and int(round(new)) != cap) or wait_rel > 0.2 * s.ctx.band_scale):
+        return None
+    rho = "overload" if not math.isfinite(plan.rho) else f"{plan.rho:.2f}"
+    return s.want(new, Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.MODEL,
+                  f"arrival_rate_rps {s.rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
+                  f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
+                  f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{int(round(new))}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
+
+
+def hold(s: Inputs) -> BatchWant:
+    """Nothing to do: keep the cap (inside the queue band, or the model plan within its dead band)."""
+    if s.plan is not None:
+        return s.hold(Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.HOLD,
+                      f"arrival_rate_rps {s.rate_rps:.1f}: model plan within the dead band, hold batch {s.cap}")
+    high, low = _band(s)
+    return s.want(s.cap, Trigger.QUEUE_DEPTH, s.qdepth, Rule.HOLD, f"queue_depth {s.qdepth:.0f} inside band [{low:.0f}, {high:.0f}]: hold {s.cap}")
+
+
+RuleFn = Callable[[Inputs], "BatchWant | None"]
+
+# control.strategy -> its rules in precedence order (first answer wins). docs/RULES.md.
+RULE_SETS: dict[str, tuple[RuleFn, ...]] = {
+    "static": (static,),
+    "queue": (emergency, idle, queue_high, queue_low, hold),
+    "aimd": (emergency, p95_queueing, p95_high, idle, p95_low, hold),
+    "model": (emergency, idle, model, hold),
+    "hybrid": (emergency, p95_queueing, p95_high, idle, sm_busy, queue_high, queue_low, sm_low, p95_low, model, hold),
+}
+# every rule in one precedence order (each set keeps this order): the rows of docs/RULES.md
+RULES: tuple[RuleFn, ...] = (static, emergency, p95_queueing, p95_high, idle, sm_busy, queue_high, queue_low, sm_low,
+                             p95_low, model, hold)
+
+
+def rule_name(fn: RuleFn) -> Rule:
+    return Rule(fn.__name__)
+
+
+def uses_model(strategy: str) -> bool:
+    return model in RULE_SETS[strategy]
+
+
+def inputs_for(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad,
+               ctx: RuleContext) -> Inputs:
+    """Derive the rules' numbers once: burst-aware rate, per-replica units, P95s, the plan."""
     ctl = spec.control
-    floor, ceiling = spec.batch.floor, spec.batch.ceiling
+    replicas = max(1, load.replicas)
     # fast attack, slow decay: a burst (the last couple of reports well over the window's rate)
     # is taken at once; ordinary report-to-report noise is not (it would make the wait jitter)
     rate_rps = load.arrival_rate_rps
-    if load.recent_arrival_rate_rps > BURST_FACTOR * load.arrival_rate_rps:
+    if load.recent_arrival_rate_rps > ctl.burst_factor * load.arrival_rate_rps:
         rate_rps = load.recent_arrival_rate_rps
-    units_per_s = rate_rps * max(load.cost_per_request, 1e-9) / max(1, load.replicas)
-    queued_units = load.queue_depth * max(load.cost_per_request, 1.0) / max(1, load.replicas)
-
-    u = max(load.cost_per_request, 1.0)
+    units_per_s = rate_rps * max(load.cost_per_request, 1e-9) / replicas
+    queued_units = load.queue_depth * max(load.cost_per_request, 1.0) / replicas
+    fit = fit if uses_model(ctl.strategy) else None  # queue / aimd do without the latency model
     plan = None
     if fit is not None and units_per_s > 0:
         # A backlog (more than a batch queued) drains only with spare capacity: plan bigger
-        # batches (utilisation at most DRAIN_RHO) until it is gone.
-        draining = load.queue_depth / max(1, load.replicas) > ctl.band_high and queued_units > cap
-        plan = plan_batch(fit, units_per_s, u, ctx.slo_ms, ctx.objective, ceiling, DRAIN_RHO if draining else None,
-                          ctx.formation)
-
-    def want(new_cap: float, trigger: str, value: float, rule: str, reason: str, *, safety: bool = False, admit: bool = True) -> BatchWant:
-        new = max(1, int(round(new_cap)))
-        backlog = load.queue_depth / max(1, load.replicas) > ctl.band_high
-        wait = wait_for(plan, max(new, 1), units_per_s, u, ctx.slo_ms, spec, wait_s, backlog)
-        return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
-
-    if ctl.strategy == "static":
-        return BatchWant(cap, wait_s, True, "static", float(cap), "static", f"static strategy holds batch {cap}")
-
-    # 1. memory emergency: halve now, never under the floor
-    if gpu.free_frac < ctx.emergency_free_frac or load.emergency:
-        new = max(floor, min(cap // 2, int(queued_units // 2)))
-        admit = gpu.free_frac >= ctx.emergency_free_frac / 2.0
-        why = f"free_frac {gpu.free_frac:.3f} < {ctx.emergency_free_frac}" if gpu.free_frac < ctx.emergency_free_frac else "replica reported an emergency shrink"
-        what = f"{why}: halve batch {cap}->{new}"
-        if not admit and ctx.paused_for_s >= ctx.max_pause_s:
-            admit = True  # bounded pause: re-open at the floor (the replica's fast loop still guards each batch)
-            what += f", re-open admission after {ctx.paused_for_s:.0f}s paused"
-        elif not admit:
-            what += ", pause admission"
-        return want(new, "free_frac", gpu.free_frac, "emergency", what, safety=True, admit=admit)
-
+        # batches (utilisation at most drain_rho) until it is gone.
+        draining = load.queue_depth / replicas > ctl.band_high and queued_units > cap
+        plan = plan_batch(fit, units_per_s, max(load.cost_per_request, 1.0), ctx.slo_ms, ctx.objective,
+                          spec.batch.ceiling, ctl.drain_rho if draining else None, ctx.formation)
     # The AIMD reacts to the recent P95 (rate window, a few seconds, never one sample); the
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
-    enough = p95 is not None
-    target = b_lat = None
-    if plan is not None:
-        target, b_lat = plan.cap, plan.b_lat
+    window_p95 = load.p95_ms if load.latency_samples >= ctl.min_samples else None
+    return Inputs(load, spec, ctx, gpu, cap, wait_s, fit, plan, rate_rps, units_per_s, queued_units,
+                  load.queue_depth / replicas, p95, window_p95)
 
-    # 2. P95 near the cap
-    if enough and p95 > ctl.p95_near_frac * ctx.slo_ms:
-        # Queueing (a backlog of more than one batch, or arrivals beyond what this cap serves)
-        # means the latency comes from too little throughput: shrinking would make it worse.
-        overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
-        backlog = queued_units > cap or load.queue_depth / max(1, load.replicas) > ctl.band_high or overloaded
-        if backlog:
-            if target is not None and target > cap:
-                return want(target, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} with a backlog ({queued_units:.0f} queued, arrivals {units_per_s:.1f}/s): grow {cap}->{int(round(target))}", safety=True)
-            if target is None and cap < ceiling:
-                new = min(ceiling, cap * 2)
-                return want(new, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} with a backlog of {queued_units:.0f}: grow {cap}->{new}", safety=True)
-        elif target is None or cap > target:
-            # No backlog: the batch itself is too slow. With a latency model, only when the
-            # model agrees the cap is over its target; else the high P95 is a draining
-            # transient and the model rule below sets the cap.
-            new = cap * ctl.aimd_backoff
-            if target is not None:
-                new = max(new, min(target, cap - 1))
-            if b_lat is not None and b_lat >= floor:
-                new = min(new, max(b_lat, target or 0))
-            new = max(floor, math.floor(new))
-            if new < cap:
-                return want(new, "p95_ms", p95, "p95", f"p95_ms {p95:.1f} > {ctl.p95_near_frac:g}x cap {ctx.slo_ms:.0f} without a backlog: shrink {cap}->{new}", safety=True)
 
-    # 3. idle: drop to the floor so the memory can be lent
-    if ctx.idle_for_s >= ctl.idle_hold_s and load.queue_depth <= 0:
-        if cap > floor:
-            return want(floor, "arrival_rate_rps", load.arrival_rate_rps, "idle", f"no arrivals for {ctx.idle_for_s:.0f}s: batch {cap}->{floor}")
-        return want(cap, "arrival_rate_rps", load.arrival_rate_rps, "hold", "idle at the floor")
-
-    # 4. model-based jump
-    if target is not None:
-        new = min(target, cap + ctl.aimd_step) if ctx.recovering and target > cap else target
-        rel = abs(new - cap) / max(cap, 1)
-        wait_new = wait_for(plan, max(1, int(round(new))), units_per_s, u, ctx.slo_ms, spec, wait_s)
-        wait_rel = abs(wait_new - wait_s) / max(wait_s, 1e-3)
-        if (rel > 0.1 * ctx.band_scale and int(round(new)) != cap) or wait_rel > 0.2 * ctx.band_scale:
-            rho = "overload" if not math.isfinite(plan.rho) else f"{plan.rho:.2f}"
-            return want(new, "arrival_rate_rps", rate_rps, "model",
-                        f"arrival_rate_rps {rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
-                        f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
-                        f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{int(round(new))}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
-        return BatchWant(cap, wait_s, True, "arrival_rate_rps", float(rate_rps), "hold",
-                         f"arrival_rate_rps {rate_rps:.1f}: model plan within the dead band, hold batch {cap}")
-
-    # 5. queue dead band (no latency model yet)
-    qdepth = load.queue_depth / max(1, load.replicas)
-    high, low = ctl.band_high * ctx.band_scale, ctl.band_low / ctx.band_scale
-    if target is None:
-        if qdepth > high:
-            new = min(ceiling, cap * min(2.0, qdepth / max(ctl.target_queue, 1)))
-            if ctx.recovering:
-                new = min(new, cap + ctl.aimd_step)
-            if int(new) > cap:
-                return want(new, "queue_depth", qdepth, "queue", f"queue_depth {qdepth:.0f} > band top {high:.0f}: grow {cap}->{int(new)}")
-        elif qdepth < low and load.arrival_rate_rps > 0 and cap > floor and enough and p95 < ctl.p95_low_frac * ctx.slo_ms:
-            new = max(floor, int(cap * max(0.5, qdepth / max(ctl.target_queue, 1))))
-            if new < cap:
-                return want(new, "queue_depth", qdepth, "queue", f"queue_depth {qdepth:.0f} < band bottom {low:.0f}: shrink {cap}->{new}")
-
-    # 6. SM utilisation: card idle for want of batch
-    if gpu.sm_util_frac is not None and gpu.sm_util_frac < ctl.sm_low_frac and qdepth > 0 and cap < ceiling:
-        new = cap + ctl.aimd_step
-        return want(new, "sm_util_frac", gpu.sm_util_frac, "sm_util", f"sm_util_frac {gpu.sm_util_frac:.2f} < {ctl.sm_low_frac} with queue {qdepth:.0f}: grow {cap}->{new}")
-    sm_busy = gpu.sm_util_frac is not None and gpu.sm_util_frac >= ctl.sm_high_frac
-
-    # 7. additive growth with backlog while P95 is well under the cap
-    if enough and p95 < ctl.p95_low_frac * ctx.slo_ms and qdepth >= 1 and cap < ceiling and not sm_busy and target is None:
-        new = cap + ctl.aimd_step
-        return want(new, "p95_ms", p95, "p95_low", f"p95_ms {p95:.1f} < {ctl.p95_low_frac:g}x cap with queue {qdepth:.0f}: grow {cap}->{new}")
-
-    trigger, value = ("queue_depth", qdepth)
-    return want(cap, trigger, value, "hold", f"queue_depth {qdepth:.0f} inside band [{low:.0f}, {high:.0f}]: hold {cap}")
+def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad,
+                 ctx: RuleContext) -> BatchWant:
+    """The first rule of the strategy's set that answers."""
+    s = inputs_for(load, spec, cap, wait_s, fit, gpu, ctx)
+    for rule in RULE_SETS[spec.control.strategy]:
+        want = rule(s)
+        if want is not None:
+            return want
+    raise AssertionError(f"rule set '{spec.control.strategy}' ended without an answer; its last rule must always answer")

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from broker.types import ModelDecision, ModelLoad, ModelSettings
+from broker.vocab import EntryKind
 
 
 def finite(value: float | None) -> float | None:
@@ -38,10 +39,11 @@ def settings_entry(now: float, name: str, old: ModelSettings, new: ModelSettings
             "replicas": load.replicas,
         }
     entry = {
-        "kind": "settings",
+        "kind": EntryKind.SETTINGS,
         "time_s": now,
         "model": name,
         "trigger": md.trigger,
+        "rule": md.rule,  # the batch rule that answered (docs/RULES.md)
         "trigger_value": finite(md.trigger_value),
         "reason": md.reason,
         "inputs": inputs,

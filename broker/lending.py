@@ -51,12 +51,13 @@ from enum import StrEnum
 from broker.memory_model import MemoryModel
 from broker.state import BatchWant, ModelState
 from broker.types import FleetSnapshot, ModelLoad, QuotaMove
+from broker.vocab import MoveKind
 from quotas.config import FleetConfig
 from quotas.holding import measured_free_bytes
 from quotas.ledger import LedgerError, QuotaLedger, Transfer
 from quotas.sizes import format_size
 
-WORKING_SET_MARGIN = 1.1  # a lender keeps its peak memory x this
+# a lender keeps its peak memory x control.working_set_margin (a config tuning constant)
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
 
 
@@ -145,7 +146,7 @@ def plan_quota(
             gate = confirm_gate(loads[t.donor], config.models[t.donor].replicas, confirm_after.get(t.donor, 0), t.started_s)
             reason = (f"transfer {t.id} {t.kind} {t.donor}->{t.recipient or 'pool'} {format_size(t.amount_bytes)} not "
                       f"confirmed in {timeout_s:g}s (donor used {format_size(gate.used_bytes)}; {gate.why}): aborted")
-            moves.append(QuotaMove("abort", t.donor, t.recipient or None, t.amount_bytes, reason))
+            moves.append(QuotaMove(MoveKind.ABORT, t.donor, t.recipient or None, t.amount_bytes, reason))
 
     # 2. confirm donors measured under their grant on every live replica
     for donor in sorted({t.donor for t in ledger.pending}):
@@ -155,7 +156,7 @@ def plan_quota(
             continue
         for t in ledger.confirm(donor, gate.used_bytes, gate.measured_s):
             to = f"{t.recipient} +{format_size(t.amount_bytes)}" if t.recipient else f"pool +{format_size(t.amount_bytes)}"
-            moves.append(QuotaMove("confirm", t.donor, t.recipient or None, t.amount_bytes,
+            moves.append(QuotaMove(MoveKind.CONFIRM, t.donor, t.recipient or None, t.amount_bytes,
                                    f"{donor} used {format_size(gate.used_bytes)} <= grant {format_size(ledger.grant(donor))} "
                                    f"({gate.why}): {to}"))
     pending_donors = {t.donor for t in ledger.pending}
@@ -190,7 +191,7 @@ def plan_quota(
 
     def working_set(name: str) -> int:
         spec = config.models[name]
-        ws = max(int(loads[name].mem_peak_bytes * WORKING_SET_MARGIN), spec.quota.min)
+        ws = max(int(loads[name].mem_peak_bytes * spec.control.working_set_margin), spec.quota.min)
         if mm(name).calibrated:
             ws = max(ws, replicas(name) * mm(name).grant_for(spec.batch.floor))
         return ws
@@ -237,9 +238,9 @@ def plan_quota(
             if take <= 0:
                 break
             if borrower == "":
-                short -= grow(owner, take, "reclaim", why + " from the free pool")
+                short -= grow(owner, take, MoveKind.RECLAIM, why + " from the free pool")
             else:
-                transfer(borrower, owner, take, "reclaim", why + f" from {borrower}'s loan")
+                transfer(borrower, owner, take, MoveKind.RECLAIM, why + f" from {borrower}'s loan")
                 short -= take
 
     # 5. release loans of borrowers gone idle, two-phase (a busy borrower keeps its loan until an
@@ -257,7 +258,7 @@ def plan_quota(
                 notes.append(f"release {name} refused: {exc}")
                 continue
             new_donors.add(name)
-            moves.append(QuotaMove("release", name, None, excess,
+            moves.append(QuotaMove(MoveKind.RELEASE, name, None, excess,
                                    f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of "
                                    f"{format_size(excess)} back to the pool once {name} is measured under {format_size(keep)}"))
 
@@ -273,7 +274,7 @@ def plan_quota(
         want = wants[name]
         why = (f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
                f"grant {format_size(ledger.grant(name))}")
-        deficit -= grow(name, deficit, "grow", why + ": from the free pool")
+        deficit -= grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
         if deficit < dust:
             continue
         donors = sorted(
@@ -285,7 +286,7 @@ def plan_quota(
             amount = min(deficit, surplus)
             if amount < dust:
                 continue
-            transfer(donor, name, amount, "lend",
+            transfer(donor, name, amount, MoveKind.LEND,
                      why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for "
                      f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}")
             deficit -= amount
@@ -295,7 +296,7 @@ def plan_quota(
     for owner, spec in sorted(config.models.items(), key=lambda kv: (-kv[1].priority, kv[0])):
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short >= dust and ledger.free_bytes >= dust:
-            grow(owner, short, "reclaim", f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool")
+            grow(owner, short, MoveKind.RECLAIM, f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool")
     return QuotaPlan(
         ledger=ledger,
         moves=tuple(moves),

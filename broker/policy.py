@@ -26,12 +26,13 @@ from broker.memory_model import MemoryModel
 from broker.profiles import active_profile
 from broker.state import BatchWant, ModelState
 from broker.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
+from broker.vocab import Rule
 from quotas.config import FleetConfig, ModelSpec
 from quotas.ledger import ModelQuota, QuotaLedger
 
-BAND_SCALE_MAX = 4.0
-HOLD_MAX_TICKS = 8
-EMERGENCY_RECOVERY_TICKS = 5
+# The anti-oscillation's caps (control.band_scale_max, control.hold_max_intervals), the
+# emergency recovery (control.emergency_recovery_intervals) and the bounded admission pause
+# (control.max_pause_intervals) are tuning constants of the config's control section.
 
 
 @dataclass(frozen=True)
@@ -182,10 +183,10 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             emergency_free_frac=config.gpu.emergency_free_frac,
             band_scale=old.band_scale,
             idle_for_s=idle_for,
-            recovering=now - old.emergency_s < EMERGENCY_RECOVERY_TICKS * interval,
+            recovering=now - old.emergency_s < spec.control.emergency_recovery_intervals * interval,
             formation=config.broker.batch_formation,
             paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
-            max_pause_s=3.0 * interval,
+            max_pause_s=spec.control.max_pause_intervals * interval,
         )
         want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
         ms = replace(
@@ -194,7 +195,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             loaded_since_s=loaded_since,
             quiet_since_s=quiet_since,
             fit=None if fit is None else (fit.a_ms, fit.c_ms, fit.samples),
-            emergency_s=now if want.rule == "emergency" else old.emergency_s,
+            emergency_s=now if want.rule == Rule.EMERGENCY else old.emergency_s,
         )
         want, ms, note = _anti_oscillation(want, ms, spec, now, interval)
         if note:
@@ -240,6 +241,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             trigger=want.trigger,
             trigger_value=want.value,
             changed=changed,
+            rule=want.rule,
         )
 
     # a donor whose grant was lowered this tick must run the new version before it can confirm
@@ -280,12 +282,13 @@ def _anti_oscillation(want: BatchWant, ms: ModelState, spec: ModelSpec, now: flo
         ms = replace(ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now)
         note = f"no oscillation for {2 * ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
     if direction != 0 and not want.safety and now - ms.last_change_s < ms.hold_s - 1e-9:
-        held = replace(want, cap=ms.max_batch, rule="hold", reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)")
+        held = replace(want, cap=ms.max_batch, rule=Rule.HELD, reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)")
         return held, replace(ms, reversals=reversals), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
-            ms = replace(ms, band_scale=min(BAND_SCALE_MAX, ms.band_scale * 1.5), hold_s=min(HOLD_MAX_TICKS * interval, ms.hold_s * 2), last_reversal_s=now)
+            ms = replace(ms, band_scale=min(ctl.band_scale_max, ms.band_scale * 1.5),
+                         hold_s=min(ctl.hold_max_intervals * interval, ms.hold_s * 2), last_reversal_s=now)
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
     return want, replace(ms, reversals=reversals), note

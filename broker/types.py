@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from broker.vocab import EntryKind, MoveKind, Rule, Trigger  # noqa: F401 - the closed vocabularies, re-exported
+
 
 @dataclass(frozen=True)
 class StatsReport:
@@ -151,16 +153,18 @@ class ModelDecision:
     grant_bytes: int  # memory grant after this tick's ledger moves
     admit: bool  # admission open?
     reason: str  # one line: trigger metric, its value, the rule, old -> new
-    trigger: str  # metric that drove the decision, e.g. "queue_depth", "p95_ms", "free_frac", "hold"
+    trigger: Trigger  # metric that drove the decision (a StrEnum: compares and serialises as its string)
     trigger_value: float  # its value
     changed: bool = False  # did batch cap, wait, grant or admit change?
+    rule: Rule = Rule.HOLD  # the batch rule that answered (docs/RULES.md), or held by anti-oscillation
 
 
 @dataclass(frozen=True)
 class QuotaMove:
     """A ledger step taken this tick (for the decision log and metrics)."""
 
-    kind: str  # "lend", "reclaim", "confirm", "grow", "release", "abort"
+    kind: MoveKind  # lend, reclaim, confirm, grow, release, abort; reclaim escalation:
+    # reclaim_cache, reclaim_drain, reclaim_restart (broker.lending.ReclaimStep)
     donor: str | None
     recipient: str | None
     amount_bytes: int

@@ -205,6 +205,16 @@ class ControlSpec(_Strict):
     reclaim_hold_s: float = Field(2.0, ge=0, description="How long an owner's load must stay back before it reclaims (hysteresis).")
     reversal_limit: int = Field(4, ge=1, description="Direction reversals within reversal_window_s that count as oscillation.")
     reversal_window_s: float = Field(30.0, gt=0, description="Window over which reversals are counted.")
+    # Tuning constants (defaults are the values the rules were tuned with; docs/RULES.md).
+    drain_rho: float = Field(0.6, gt=0, lt=1, description="Utilisation the model plan aims for while a backlog drains.")
+    burst_factor: float = Field(1.3, ge=1, description="The last reports' arrival rate is used when it is this many times the window's.")
+    band_scale_max: float = Field(4.0, ge=1, description="Most the anti-oscillation may widen the dead bands (factor).")
+    hold_max_intervals: int = Field(8, ge=1, description="Longest anti-oscillation hold, in broker.control_interval_s.")
+    emergency_recovery_intervals: int = Field(5, ge=0, description="After an emergency, grow only by aimd_step for this many control intervals.")
+    max_pause_intervals: int = Field(3, ge=1, description="An emergency admission pause re-opens after this many control intervals.")
+    working_set_margin: float = Field(1.1, ge=1, le=4, description="A lender keeps its peak memory times this (lending never cuts into it).")
+    recover_step_frac: float = Field(0.125, gt=0, le=1, description="Replica fast loop: widen the cap back by this share of the broker's cap per batch.")
+    critical_free_factor: float = Field(0.5, gt=0, lt=1, description="Replica fast loop: pause admission below gpu.emergency_free_frac times this at the floor.")
 
     @model_validator(mode="after")
     def _band(self) -> "ControlSpec":
