@@ -32,9 +32,9 @@ grant) are applied after the rule in one place (``_clamp``). Pure: no clock, no 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Callable
 
 
 class LlmRule(StrEnum):
@@ -134,8 +134,7 @@ class LlmDecision:
     reason: str  # names the trigger metric and its value, and what changed
 
     def bounds_changed(self, state: LlmState | None) -> bool:
-        return state is None or (self.max_num_seqs, self.max_batched_tokens, self.kv_blocks, self.prefill_paused) != (
-            state.max_num_seqs, state.max_batched_tokens, state.kv_blocks, state.prefill_paused)
+        return state is None or (self.max_num_seqs, self.max_batched_tokens, self.kv_blocks, self.prefill_paused) != _settings(state)
 
 
 @dataclass(frozen=True)
@@ -285,6 +284,10 @@ def start_state(cfg: LlmRuleConfig, grant_bytes: int) -> _Want:
                  f"(half the peak is {half}, memory allows {fits})")
 
 
+def _settings(s: LlmState) -> tuple[int, int, int, bool]:
+    return s.max_num_seqs, s.max_batched_tokens, s.kv_blocks, s.prefill_paused
+
+
 def _clamp(s: LlmState, cfg: LlmRuleConfig, grant_bytes: int) -> LlmState:
     kv_cap = max(cfg.kv_blocks_min, kv_blocks_in_grant(cfg, grant_bytes))
     return replace(
@@ -305,10 +308,7 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
             if want is not None:
                 break
     new = _clamp(want.state, cfg, load.grant_bytes)
-    if state is not None and (new.max_num_seqs, new.max_batched_tokens, new.kv_blocks, new.prefill_paused) != (
-            state.max_num_seqs, state.max_batched_tokens, state.kv_blocks, state.prefill_paused):
-        new = replace(new, last_change_s=load.now_s)
-    elif state is None:
+    if _settings(new) != (_settings(state) if state is not None else None):
         new = replace(new, last_change_s=load.now_s)
     busy_blocks = kv_blocks_in_grant(cfg, 1 << 62)  # the largest cache it may grow to
     want_blocks = new.kv_blocks if (load.running == 0 and load.waiting == 0) else busy_blocks

@@ -36,10 +36,12 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from deployments.llm.engine import (
+    GREEDY,
     EngineBounds,
     EngineRequestError,
     EngineStats,
@@ -48,14 +50,21 @@ from deployments.llm.engine import (
     TokenDelta,
     TokenStream,
 )
-from deployments.llm.tiny_model import EOS_ID, PAD_ID, VOCAB_SIZE, TinyLlamaSpec, build_tiny_llama, kv_block_bytes
+from deployments.llm.tiny_model import (
+    EOS_ID,
+    PAD_ID,
+    VOCAB_SIZE,
+    TinyLlamaSpec,
+    build_tiny_llama,
+    kv_block_bytes,
+)
 
 
 @dataclass(frozen=True)
 class CpuEngineOptions:
     """Options of the CPU engine (the ``options`` of a ``kind: llm`` model)."""
 
-    model: TinyLlamaSpec = TinyLlamaSpec()
+    model: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)
     page_tokens: int = 16  # tokens per KV block
     kv_cache_blocks: int = 64  # cache size at start
     kv_cache_blocks_min: int = 4  # smallest cache set_kv_cache_blocks goes to
@@ -189,7 +198,7 @@ class CpuEngine:
         return math.ceil((prompt_len + max_tokens) / self.options.page_tokens)
 
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-               sampling: Sampling = Sampling()) -> TokenStream:
+               sampling: Sampling = GREEDY) -> TokenStream:
         self._validate(request_id, prompt_ids, max_tokens, sampling)
         stream = TokenStream(request_id, self.cancel)
         seq = _Seq(request_id, list(prompt_ids), int(max_tokens), sampling, stream,

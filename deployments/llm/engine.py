@@ -62,6 +62,9 @@ class Sampling:
     top_p: float = 1.0  # nucleus sampling mass; 1.0 keeps every token
 
 
+GREEDY = Sampling()
+
+
 @dataclass(frozen=True)
 class TokenDelta:
     """One piece of a token stream: the tokens generated since the previous piece."""
@@ -142,7 +145,7 @@ class LlmEngine(Protocol):
         """Fail what is left and stop stepping."""
 
     def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-               sampling: Sampling = Sampling()) -> AsyncIterator[TokenDelta]:
+               sampling: Sampling = GREEDY) -> AsyncIterator[TokenDelta]:
         """Accept a request and return its token stream. Refuses a bad request at once with
         ``EngineRequestError`` (before any token); closing the stream early cancels it."""
 
@@ -182,7 +185,7 @@ class TokenStream:
     def put(self, delta: TokenDelta) -> None:
         self._queue.put_nowait(delta)
 
-    def __aiter__(self) -> "TokenStream":
+    def __aiter__(self) -> TokenStream:
         return self
 
     async def __anext__(self) -> TokenDelta:

@@ -49,7 +49,6 @@ class _Body(BaseModel):
     def _no_stop(cls, value: Any) -> None:
         if value not in (None, [], ""):
             raise ValueError("stop strings are not supported by this engine; leave stop out")
-        return None
 
 
 class CompletionBody(_Body):

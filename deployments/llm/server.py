@@ -17,11 +17,17 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, fields
-from typing import Any, AsyncIterator
+from typing import Any
 
 from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions
-from deployments.llm.engine import EngineRequestError, FinishReason, Sampling, percentile
+from deployments.llm.engine import (
+    EngineRequestError,
+    FinishReason,
+    Sampling,
+    percentile,
+)
 from deployments.llm.tiny_model import ByteTokenizer, TinyLlamaSpec
 
 COMPLETION, CHAT = "completion", "chat"

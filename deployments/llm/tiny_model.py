@@ -31,7 +31,7 @@ class ByteTokenizer:
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder()
 
     def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:

@@ -16,9 +16,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("transformers")
 
-from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions  # noqa: E402
-from deployments.llm.engine import EngineRequestError, FinishReason, LlmEngine, Sampling, TokenDelta  # noqa: E402
-from deployments.llm.tiny_model import BOS_ID, ByteTokenizer  # noqa: E402
+from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions
+from deployments.llm.engine import (
+    EngineRequestError,
+    FinishReason,
+    LlmEngine,
+    Sampling,
+    TokenDelta,
+)
+from deployments.llm.tiny_model import BOS_ID, ByteTokenizer
 
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("The quick brown fox")

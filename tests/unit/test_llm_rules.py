@@ -26,16 +26,16 @@ BIG_GRANT = CFG.base_bytes + (256 + 2) * BLOCK  # room for the largest cache
 
 
 def load(**over) -> EngineLoad:
-    base = dict(now_s=100.0, running=4, waiting=0, ttft_p95_ms=100.0, tpot_p95_ms=10.0, samples=50,
-                prefill_time_frac=0.2, kv_blocks_total=64, kv_blocks_reserved=16, free_mem_frac=0.5,
-                grant_bytes=BIG_GRANT, idle_for_s=0.0)
+    base = {"now_s": 100.0, "running": 4, "waiting": 0, "ttft_p95_ms": 100.0, "tpot_p95_ms": 10.0, "samples": 50,
+            "prefill_time_frac": 0.2, "kv_blocks_total": 64, "kv_blocks_reserved": 16, "free_mem_frac": 0.5,
+            "grant_bytes": BIG_GRANT, "idle_for_s": 0.0}
     base.update(over)
     return EngineLoad(**base)
 
 
 def state(**over) -> LlmState:
-    base = dict(max_num_seqs=8, max_batched_tokens=256, kv_blocks=64, prefill_paused=False, recover_to=0,
-                last_change_s=0.0)
+    base = {"max_num_seqs": 8, "max_batched_tokens": 256, "kv_blocks": 64, "prefill_paused": False,
+            "recover_to": 0, "last_change_s": 0.0}
     base.update(over)
     return LlmState(**base)
 
