@@ -54,7 +54,6 @@ CHECKPOINT_DECISIONS = 300  # decision-log entries kept in a checkpoint
 REPLICA_STALE_S = 10.0  # a replica silent this long no longer counts in `replicas`
 
 
-
 @dataclass
 class _Tally:
     """One report's contribution to status-only aggregates (attainment, cost)."""
@@ -318,13 +317,11 @@ class BrokerCore:
         return {"ok": True, "now_s": now, "changed": changed, "profile": decision.profile, "dry_run": dry}
 
     def _check_grants(self) -> None:
+        """Settings' grants within usable, and sum of max(grant + in flight, measured use) <= usable."""
+        used = {n: m.mem_used_bytes for n, m in getattr(self._last_snapshot, "models", {}).items()}
         total = sum(s.grant_bytes for s in self._settings.values())
-        if total > self._usable:
-            self._log_event("invariant", f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}")
-        # sum of max(grant + in flight from it, measured use) <= usable (quotas.holding)
-        snap = self._last_snapshot
-        used = {name: load.mem_used_bytes for name, load in snap.models.items()} if snap is not None else {}
-        for problem in holding_problems(self._state.ledger, used):
+        over = [f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}"] if total > self._usable else []
+        for problem in over + holding_problems(self._state.ledger, used):
             self._log_event("invariant", problem)
 
     # ---------------------------------------------------------------- decision log
@@ -497,8 +494,7 @@ class BrokerCore:
 
 # -------------------------------------------------------------------- helpers
 def _reconfigure_state(state: Any, cfg: FleetConfig, usable: int, now_s: float) -> Any:
-    """Carry the policy state over to a new config: ``QuotaLedger.reconfigure`` inside (may raise).
-    Lowers first: a lowered grant's bytes return to the pool only once measured free."""
+    """Carry the policy state over to a new config, lowering first (``QuotaLedger.reconfigure``; may raise)."""
     new_state = policy.reconfigure_state(state, cfg, usable, now_s)
     new_state.ledger.check()
     return new_state

@@ -23,6 +23,7 @@ No clock, no Serve, no torch: ``reclaim_step`` is a function of its arguments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.types import ModelSettings
@@ -69,4 +70,35 @@ def reclaim_step(settings: ModelSettings, state: ReclaimState) -> tuple[ReclaimA
     return actions, new_state
 
 
-__all__ = ["ReclaimActions", "ReclaimState", "reclaim_step"]
+class ReplicaReclaim:
+    """The replica's holder of ``reclaim_step``: the state between settings and the last actions.
+
+    ``release_caches`` and ``log`` are injected (the replica passes its limiter's
+    ``release_caches`` and its logger), so this too runs without Serve or torch."""
+
+    def __init__(self, name: str, release_caches: Callable[[], None], log: Callable[[str], None]) -> None:
+        self.name = name
+        self.state = ReclaimState()
+        self.actions = ReclaimActions()
+        self._release = release_caches
+        self._log = log
+
+    def on_settings(self, settings: ModelSettings) -> ReclaimActions:
+        """Feed the broker's settings (never the replica's own initial ones: the first token seen is its own)."""
+        self.actions, self.state = reclaim_step(settings, self.state)
+        if self.actions.reason:
+            self._log(f"gpubroker replica {self.name}: {self.actions.reason}")
+        if self.actions.empty_caches:
+            try:
+                self._release()
+            except Exception as exc:  # noqa: BLE001 - a failed release must not take the replica down
+                self._log(f"gpubroker replica {self.name}: release_caches failed: {exc!r}")
+        return self.actions
+
+    def check_health(self) -> None:
+        """Raise once a restart was asked for, so Serve replaces this replica."""
+        if self.actions.fail_health:
+            raise RuntimeError(f"model '{self.name}': {self.actions.reason}")
+
+
+__all__ = ["ReclaimActions", "ReclaimState", "ReplicaReclaim", "reclaim_step"]

@@ -39,6 +39,7 @@ from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
 from deployments.fast_loop import FastEvent, fast_loop_step, params_for
 from deployments.gate import LazyGate
 from deployments.oom import ItemOOM, OomCeiling, need_from_calibration, oom_error
+from deployments.reclaim import ReplicaReclaim
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -74,10 +75,7 @@ def batch_cost(items: list) -> int:
     An item costlier than the whole cap counts as the cap, so it runs alone instead of being
     refused by Serve's batcher ("Size of item is greater than max_batch_size").
     """
-    total = 0
-    for item in items:
-        total += min(item.cost, max(1, item.owner.cap))
-    return total
+    return sum(min(item.cost, max(1, item.owner.cap)) for item in items)
 
 
 def _error(status: int, detail: str, **extra: Any) -> dict[str, Any]:
@@ -110,6 +108,7 @@ class ModelReplica:
             wait_s=self.settings.batch_wait_timeout_s,
         )
         self.paused = False  # fast-loop pause (memory critical)
+        self.reclaim = ReplicaReclaim(model_name, lambda: self.limiter.release_caches(), logger.warning)
         self.waiting = 0  # requests admitted and not answered yet
         self.link = BrokerLink(model_name, self.replica_id, lambda: self._broker_handle(),
                                rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s))
@@ -264,6 +263,7 @@ class ModelReplica:
             self._enforce(new)
         if new.admit:
             self.paused = False
+        self.reclaim.on_settings(new)  # a reclaim's escalation (deployments.reclaim): caches, drain, restart
 
     def _grant_per_replica(self, settings: ModelSettings) -> int:
         return max(1, settings.grant_bytes // max(1, self.spec.replicas))
@@ -425,7 +425,7 @@ class ModelReplica:
         retry_after = max(1, int(round(self.cfg.broker.control_interval_s)))
         if body_bytes > spec.max_body_bytes:
             return self._reject(n, 413, f"body of {body_bytes} bytes is over max_body_bytes ({spec.max_body_bytes})")
-        if self.paused or not self.settings.admit:
+        if self.paused or not self.settings.admit or self.reclaim.actions.pause_admission:
             return self._reject(n, 503, f"model '{self.name}' paused admission (memory emergency); retry later",
                                 retry_after_s=retry_after)
         if self.waiting + n > spec.max_queued:
@@ -494,5 +494,6 @@ class ModelReplica:
         }
 
     async def check_health(self) -> None:
+        self.reclaim.check_health()  # raises once the broker asked for a restart: Serve replaces us
         if self._report_task.done():  # restart the loop rather than fail the replica
             self._report_task = asyncio.get_running_loop().create_task(self._report_loop())

@@ -20,12 +20,9 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from quotas.ledger_base import FREE_POOL, LedgerError, as_bytes, as_time, fmt
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from quotas.ledger import ModelQuota
+from quotas.ledger_base import FREE_POOL, LedgerError, ModelQuota, as_bytes, as_time, fmt
 
 TRANSFER_KINDS = ("lend", "reclaim", "release")
 MODEL_TRANSFER_KINDS = ("lend", "reclaim")  # kinds begin_transfer takes (release: begin_release)

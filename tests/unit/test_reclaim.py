@@ -57,3 +57,33 @@ def test_replica_started_after_the_restart_keeps_running():
     assert not any(x.fail_health for x in a)
     again = run(started, replace(started, version=8, restart_token=2))
     assert again[-1].fail_health
+
+
+def test_replica_holder_releases_logs_and_fails_health():
+    from deployments.reclaim import ReplicaReclaim
+
+    released, lines = [], []
+    holder = ReplicaReclaim("m", lambda: released.append(1), lines.append)
+    holder.check_health()  # healthy before anything
+    holder.on_settings(BASE)
+    holder.on_settings(replace(BASE, version=4, release_cache=True))
+    assert released == [1] and "empty caches" in lines[-1]
+    holder.on_settings(replace(BASE, version=5, release_cache=True, drain=True, restart_token=1))
+    assert holder.actions.pause_admission
+    import pytest
+
+    with pytest.raises(RuntimeError, match="restart_token 1 > 0"):
+        holder.check_health()
+
+
+def test_replica_holder_survives_a_failing_release():
+    from deployments.reclaim import ReplicaReclaim
+
+    def boom() -> None:
+        raise OSError("no allocator")
+
+    lines: list[str] = []
+    holder = ReplicaReclaim("m", boom, lines.append)
+    holder.on_settings(BASE)
+    actions = holder.on_settings(replace(BASE, version=4, release_cache=True))
+    assert actions.empty_caches and "release_caches failed" in lines[-1]
