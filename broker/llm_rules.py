@@ -32,9 +32,10 @@ grant) are applied after the rule in one place (``_clamp``). Pure: no clock, no 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 
 class LlmRule(StrEnum):
@@ -319,3 +320,33 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
         rule=rule, trigger=want.trigger, value=float(want.value), reason=want.reason,
     )
     return decision, new
+
+
+def rule_config_for(expected_peak_concurrency: int, ttft_slo_ms: float, tpot_slo_ms: float,
+                    report: Mapping[str, Any], base_bytes: int = 0, seq_tokens: int | None = None,
+                    **overrides: Any) -> LlmRuleConfig:
+    """Rule parameters from a model's ``llm`` objectives (quotas.config.LlmSpec) and its
+    engine's report (``deployments.llm.server.engine_report``: geometry and ceilings).
+    ``seq_tokens`` defaults to the context length: the worst case the admission reserves."""
+    return LlmRuleConfig(
+        expected_peak_concurrency=int(expected_peak_concurrency), ttft_slo_ms=float(ttft_slo_ms),
+        tpot_slo_ms=float(tpot_slo_ms), kv_block_bytes=int(report["kv_block_bytes"]),
+        kv_block_tokens=int(report["kv_block_tokens"]),
+        seq_tokens=int(seq_tokens if seq_tokens is not None else report["max_model_len"]),
+        base_bytes=int(base_bytes), max_num_seqs_max=int(report["max_num_seqs_max"]),
+        max_batched_tokens_max=int(report["max_batched_tokens_max"]),
+        kv_blocks_min=int(report["kv_cache_blocks_min"]), kv_blocks_max=int(report["kv_cache_blocks_max"]),
+        **overrides,
+    )
+
+
+def load_from_report(report: Mapping[str, Any], now_s: float, free_mem_frac: float, grant_bytes: int) -> EngineLoad:
+    """The rules' snapshot from an engine report plus what the broker knows (time, card, grant)."""
+    return EngineLoad(
+        now_s=float(now_s), running=int(report["running"]), waiting=int(report["waiting"]),
+        ttft_p95_ms=report.get("ttft_p95_ms"), tpot_p95_ms=report.get("tpot_p95_ms"),
+        samples=int(report.get("samples", 0)), prefill_time_frac=float(report.get("prefill_time_frac", 0.0)),
+        kv_blocks_total=int(report["kv_blocks_total"]), kv_blocks_reserved=int(report["kv_blocks_reserved"]),
+        free_mem_frac=float(free_mem_frac), grant_bytes=int(grant_bytes),
+        idle_for_s=float(report.get("idle_for_s", 0.0)),
+    )

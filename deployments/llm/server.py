@@ -7,8 +7,8 @@ validated request bodies; it tokenises, submits, and returns OpenAI-shaped bodie
 the same), so the ingress can answer 400 before any event is sent.
 
 The broker's side: ``report()`` returns the engine's stats with TTFT/TPOT percentiles and
-the KV cache in bytes; ``apply_bounds`` / ``apply_kv_cache_blocks`` change the running
-engine. Nothing calls them on a timer here: the broker drives them.
+the KV cache in bytes; ``apply`` (a ``broker.llm_rules.LlmDecision`` as a dict), or
+``apply_bounds`` / ``apply_kv_cache_blocks``, change the running engine. Nothing calls them on a timer here: the broker drives them.
 """
 
 from __future__ import annotations
@@ -54,6 +54,25 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+def engine_report(engine: CpuEngine, idle_for_s: float, name: str = "") -> dict[str, Any]:
+    """Engine stats as a JSON-safe dict: the ``EngineStats`` counters and bounds, TTFT/TPOT
+    P50/P95/P99 over the recent completions, the KV cache in bytes, the engine's ceilings and
+    geometry (what ``broker.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
+    s = engine.stats()
+    out = asdict(s)
+    out.pop("ttft_ms"), out.pop("tpot_ms")
+    for metric, samples in (("ttft", s.ttft_ms), ("tpot", s.tpot_ms)):
+        for q in (50, 95, 99):
+            out[f"{metric}_p{q}_ms"] = percentile(samples, q)
+    o = engine.options
+    out.update(model=name, samples=len(s.ttft_ms), kv_blocks_free=s.kv_blocks_free,
+               prefill_time_frac=s.prefill_time_frac, kv_cache_bytes=engine.kv_cache_bytes(),
+               max_model_len=engine.max_model_len, max_num_seqs_max=o.max_num_seqs_max,
+               max_batched_tokens_max=o.max_batched_tokens_max, kv_cache_blocks_min=o.kv_cache_blocks_min,
+               kv_cache_blocks_max=o.kv_cache_blocks_max, idle_for_s=float(idle_for_s))
+    return out
 
 
 class LlmServer:
@@ -164,22 +183,21 @@ class LlmServer:
     # ---------------------------------------------------------------- broker side
 
     async def report(self) -> dict[str, Any]:
-        """Engine stats for the broker and status: counters, bounds, KV blocks and bytes,
-        TTFT/TPOT P50/P95/P99 over the recent completions, idle time."""
+        """``engine_report`` of this server's engine (for the broker and status)."""
         await self._ready()
-        s = self.engine.stats()
-        out = asdict(s)
-        out.pop("ttft_ms"), out.pop("tpot_ms")
-        for name, samples in (("ttft", s.ttft_ms), ("tpot", s.tpot_ms)):
-            for q in (50, 95, 99):
-                out[f"{name}_p{q}_ms"] = percentile(samples, q)
-        out.update(model=self.name, samples=len(s.ttft_ms), kv_blocks_free=s.kv_blocks_free,
-                   prefill_time_frac=s.prefill_time_frac, kv_cache_bytes=self.engine.kv_cache_bytes(),
-                   max_model_len=self.engine.max_model_len,
-                   idle_for_s=0.0 if (s.running or s.waiting) else time.monotonic() - self._last_active_s)
-        if s.running or s.waiting:
+        busy = self.engine.stats().running or self.engine.stats().waiting
+        if busy:
             self._last_active_s = time.monotonic()
-        return out
+        return engine_report(self.engine, 0.0 if busy else time.monotonic() - self._last_active_s, self.name)
+
+    async def apply(self, decision: dict[str, Any]) -> dict[str, Any]:
+        """Apply a broker decision (``broker.llm_rules.LlmDecision`` as a dict): bounds now, the
+        KV cache size at the next drain. Returns the bounds and cache target as applied."""
+        await self._ready()
+        bounds = self.engine.set_bounds(int(decision["max_num_seqs"]), int(decision["max_batched_tokens"]),
+                                        bool(decision["prefill_paused"]))
+        target = self.engine.set_kv_cache_blocks(int(decision["kv_blocks"]))
+        return dict(asdict(bounds), kv_blocks_target=target)
 
     async def apply_bounds(self, max_num_seqs: int, max_batched_tokens: int, prefill_paused: bool = False) -> dict[str, Any]:
         await self._ready()
