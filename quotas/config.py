@@ -30,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from quotas.cards import GpusSection, PlacementSpec
+from quotas.placement import check_fleet_cards
 from quotas.sizes import format_size, parse_size
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
@@ -247,6 +249,7 @@ class ModelSpec(_Strict):
     slo_p95_ms: float = Field(100.0, gt=0, le=600_000, description="P95 latency cap in milliseconds.")
     priority: int = Field(0, ge=0, le=100, description="Higher priority borrows first when quota is short.")
     replicas: int = Field(1, ge=1, le=64, description="Serve replicas of this model on the card.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Cards this model may run on (with gpus:): any, a list of card ids, a node label; spread replicas or not.")
     max_queued: int = Field(256, ge=1, description="Requests waiting per replica before new ones get 503 (back-pressure).")
     request_timeout_s: float = Field(30.0, gt=0, description="A request queued longer than this gets an explicit timeout.")
     max_body_bytes: Size = Field(1024**2, description="Request bodies over this are refused with 413 before they reach the model.")
@@ -407,6 +410,7 @@ class ProfilesSection(_Strict):
 class FleetConfig(_Strict):
     broker: BrokerSection = Field(default_factory=BrokerSection, description="Broker actor and its loops.")
     gpu: GpuSection = Field(default_factory=GpuSection, description="The card the models share.")
+    gpus: GpusSection | None = Field(None, description="Cards of a Ray cluster: auto (discover every GPU) or a list of {id, node, index, capacity, device}; gpu then holds what they share (quotas/cards.py).")
     models: dict[str, ModelSpec] = Field(description="Models on the card, by name.")
     profiles: ProfilesSection = Field(default_factory=ProfilesSection, description="Price-aware peak/off-peak profiles.")
 
@@ -424,6 +428,8 @@ class FleetConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits(self) -> "FleetConfig":
+        if self.gpus is not None:  # many cards: every model placed, Σ base per card <= usable
+            return check_fleet_cards(self)
         capacity = self.gpu.capacity_bytes
         if capacity is None:
             return self

@@ -1,0 +1,157 @@
+"""quotas.placement: first-fit decreasing of the bases, replicas spread over cards and nodes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quotas.cards import Card, CardBudget, CardDevice
+from quotas.config import load_config
+from quotas.placement import ModelDemand, PlacementError, place, place_fleet
+
+MIB = 1024**2
+NO_RESERVE = CardBudget(reserve_frac=0.0, context_bytes_per_process=0)
+
+
+def card(cid: str, node: str, cap_mib: int = 1000, device: CardDevice = CardDevice.CPU, **labels: str) -> Card:
+    return Card(cid, node, int(cid[-1]) if cid[-1].isdigit() else 0, device, cap_mib * MIB, tuple(sorted(labels.items())))
+
+
+def demand(name: str, base_mib: int, replicas: int = 1, **kw) -> ModelDemand:
+    return ModelDemand(name, base_mib * MIB, base_mib * MIB // 2, base_mib * MIB * 2, replicas, **kw)
+
+
+FOUR = (card("a0", "a"), card("a1", "a"), card("b0", "b"), card("b1", "b"))
+
+
+def test_first_fit_decreasing_packs_the_largest_base_first():
+    p = place([demand("s", 100), demand("l", 700), demand("m", 300)], FOUR, NO_RESERVE)
+    # l (700) -> a0; m (300) fits a0 next to it; s (100) no longer fits a0 -> a1
+    assert p.replicas == {"l": ("a0",), "m": ("a0",), "s": ("a1",)}
+    assert p.card_plan("a0").base_bytes == 1000 * MIB and p.card_plan("a0").free_bytes == 0
+    assert dict(p.models_on("a0")) == {"l": 1, "m": 1}
+
+
+def test_replicas_spread_over_nodes_before_cards_of_the_same_node():
+    p = place([demand("x", 100, replicas=3)], FOUR, NO_RESERVE)
+    assert p.replicas["x"] == ("a0", "b0", "a1")
+    assert {g.card_id: g.replicas for g in p.groups()} == {"a0": 1, "a1": 1, "b0": 1}
+
+
+def test_replicas_share_their_card_when_no_new_card_has_room_for_the_base():
+    cards = (card("a0", "a", 500), card("b0", "b", 500))
+    p = place([demand("big", 450), demand("x", 300, replicas=3)], cards, NO_RESERVE)
+    # big on a0; x's first on b0; a0 has 50 free < 300, so x's others join it on b0 (no new base)
+    assert p.replicas["x"] == ("b0", "b0", "b0")
+    assert p.card_plan("b0").base_bytes == 300 * MIB and p.card_plan("b0").processes == 3
+
+
+def test_spread_false_keeps_replicas_together():
+    p = place([demand("x", 100, replicas=3, spread=False)], FOUR, NO_RESERVE)
+    assert p.replicas["x"] == ("a0", "a0", "a0")
+    assert [(g.model, g.card_id, g.replicas) for g in p.groups()] == [("x", "a0", 3)]
+
+
+def test_every_model_gets_its_first_replica_before_any_spreads():
+    cards = (card("a0", "a", 1000), card("b0", "b", 1000))
+    # x spreading to b0 first would leave y no room; the bases come first
+    p = place([demand("x", 600, replicas=2), demand("y", 500)], cards, NO_RESERVE)
+    assert p.replicas == {"x": ("a0", "a0"), "y": ("b0",)}
+
+
+def test_allowed_cards_and_node_labels_restrict_placement():
+    cards = (card("a0", "a", zone="east"), card("b0", "b", zone="west"), card("b1", "b", zone="west"))
+    p = place([demand("w", 100, replicas=2, node_label=(("zone", "west"),)), demand("p", 100, cards=("b1",))],
+              cards, NO_RESERVE)
+    assert set(p.replicas["w"]) == {"b0", "b1"} and p.replicas["p"] == ("b1",)
+
+
+def test_cuda_context_counts_per_process_on_real_cards():
+    budget = CardBudget(reserve_frac=0.0, context_bytes_per_process=100 * MIB)
+    cards = (card("g0", "n", 1000, CardDevice.CUDA),)
+    p = place([demand("x", 500, replicas=3, spread=False)], cards, budget)
+    assert p.card_plan("g0").usable_bytes == 700 * MIB  # three processes' contexts
+    with pytest.raises(PlacementError) as err:
+        place([demand("x", 500, replicas=6, spread=False)], cards, budget)
+    assert err.value.model == "x" and "replica 6 of 6" in str(err.value)
+
+
+def test_error_names_model_need_and_each_cards_free_bytes():
+    with pytest.raises(PlacementError) as err:
+        place([demand("a", 900), demand("b", 900), demand("c", 200)], (card("a0", "a"), card("b0", "b")), NO_RESERVE)
+    e = err.value
+    assert e.model == "c" and e.need_bytes == 200 * MIB and e.free_bytes == {"a0": 100 * MIB, "b0": 100 * MIB}
+    assert "models.c" in str(e) and "a0 (node a) 100.0MiB free" in str(e)
+
+
+def test_unknown_card_and_unmatched_label_are_errors():
+    with pytest.raises(PlacementError, match="card 'zz' is not a card of the fleet"):
+        place([demand("a", 1, cards=("zz",))], FOUR, NO_RESERVE)
+    with pytest.raises(PlacementError, match="no card matches"):
+        place([demand("a", 1, node_label=(("gpu", "h100"),))], FOUR, NO_RESERVE)
+
+
+def test_cluster_demo_config_is_placed_over_every_card():
+    cfg = load_config("configs/cluster-demo.yaml")
+    p = place_fleet(cfg)
+    assert all(plan.base_bytes <= plan.usable_bytes for plan in p.cards)
+    assert all(plan.models for plan in p.cards), p.to_dict()
+    for name, spec in cfg.models.items():
+        assert len(p.replicas[name]) == spec.replicas
+    spread = [n for n, s in cfg.models.items() if s.replicas > 1]
+    assert spread and all(len({p.card(c).node for c in p.replicas[n]}) == 2 for n in spread)
+
+
+def test_placement_of_a_one_card_config_is_card0():
+    p = place_fleet(load_config("configs/demo.yaml"))
+    assert {c for ids in p.replicas.values() for c in ids} == {"card0"}
+
+
+# --------------------------------------------------------------------------- properties
+@st.composite
+def fleets(draw):
+    n_nodes = draw(st.integers(1, 3))
+    cards = []
+    for n in range(n_nodes):
+        for i in range(draw(st.integers(1, 3))):
+            cards.append(Card(f"n{n}c{i}", f"node{n}", i, draw(st.sampled_from([CardDevice.CPU, CardDevice.CUDA])),
+                              draw(st.integers(200, 2000)) * MIB))
+    demands = [ModelDemand(f"m{k}", b * MIB, b * MIB, b * MIB, draw(st.integers(1, 4)), spread=draw(st.booleans()))
+               for k, b in enumerate(draw(st.lists(st.integers(1, 600), min_size=1, max_size=8)))]
+    budget = CardBudget(reserve_frac=draw(st.sampled_from([0.0, 0.12])), context_bytes_per_process=draw(st.sampled_from([0, 50 * MIB])))
+    return tuple(cards), demands, budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets())
+def test_property_within_usable_complete_deterministic_and_spread(fleet):
+    cards, demands, budget = fleet
+    try:
+        p = place(demands, cards, budget)
+    except PlacementError as exc:
+        assert exc.model in {d.name for d in demands}
+        with pytest.raises(PlacementError):  # deterministic failures too
+            place(list(reversed(demands)), cards, budget)
+        return
+    assert p == place(list(reversed(demands)), cards, budget)  # input order does not matter
+    for plan in p.cards:
+        assert plan.base_bytes <= plan.usable_bytes
+        assert plan.usable_bytes == budget.usable_bytes(plan.card, plan.processes)
+        assert plan.base_bytes == sum(d.base_bytes for d in demands if d.name in plan.models)
+    for d in demands:
+        ids = p.replicas[d.name]
+        assert len(ids) == d.replicas
+        if not d.spread:
+            assert len(set(ids)) == 1
+            continue
+        # spread when possible: replicas share a card (or a node) only if no card the model is
+        # not on had room for its base at the end (room only shrinks as placement goes on)
+        for plan in p.cards:
+            if d.name in plan.models:
+                continue
+            room = budget.usable_bytes(plan.card, plan.processes + 1) - plan.base_bytes
+            assert not (room >= d.base_bytes and len(set(ids)) < len(ids)), (d, plan)
+            on_nodes = {p.card(c).node for c in ids}
+            if plan.card.node not in on_nodes:
+                assert not (room >= d.base_bytes and len(on_nodes) < len(set(ids))), (d, plan)
