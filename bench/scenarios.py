@@ -142,6 +142,7 @@ class Stack:
         self.num_cpus = num_cpus or max(4, os.cpu_count() or 2)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._apps: dict[str, str | None] = {}  # app name -> broker name
+        self._models: dict[str, list[str]] = {}  # fleet app name -> its model apps
 
     def __enter__(self) -> "Stack":
         import ray
@@ -171,12 +172,15 @@ class Stack:
                      timeout_s: float = 180.0, route_prefix: str = "/") -> "FleetTarget":
         from ray import serve
 
-        from deployments.app import build_app
+        from broker.actor import start_broker
+        from deployments.app import fleet_apps, run_fleet
         from quotas.config import parse_config_text
 
         cfg = parse_config_text(config_text, "bench fleet")
-        serve.run(build_app({"config_text": config_text, "start_broker": True}), name=app, route_prefix=route_prefix,
-                  blocking=False)
+        start_broker(config_text)
+        apps = fleet_apps(cfg, config_text, fleet_app=app, prefix=route_prefix)  # one app per model: one hop
+        run_fleet(apps, wait=True)
+        self._models[app] = [a.name for a in apps[1:]]
         base = self.base_url + route_prefix.rstrip("/")
         self._apps[app] = cfg.broker.name
         names = list(cfg.models)
@@ -211,6 +215,8 @@ class Stack:
         from ray import serve
 
         broker = self._apps.pop(app, None)
+        for model_app in self._models.pop(app, []):
+            serve.delete(model_app, _blocking=True)
         serve.delete(app, _blocking=True)
         if broker:
             try:

@@ -1,33 +1,70 @@
-"""Serve application builder: one deployment per model (named as the model) plus the ingress.
+"""Serve application builders: one application per model (its own ingress) plus the fleet API.
 
-Usable from a Ray Serve config file (``serve deploy configs/serve-demo.yaml``)::
+Every model is its own Serve application, named ``<fleet app>-<model>`` and routed at
+``<prefix>/v1/models/<model>``: its deployment (``deployments.http_model.HttpModel``, named
+as the model) answers HTTP itself, so a request crosses one hop, proxy -> model replica. The
+fleet application (``deployments.ingress.FleetApi``, named as the fleet, at ``<prefix>/``)
+answers ``/v1/status``, ``/v1/decisions``, ``/v1/models`` and every path no model owns (404
+naming the known models). ``fleet_apps`` builds them all; ``run_fleet`` deploys them.
+
+From a Ray Serve config file (``serve deploy configs/serve-demo.yaml``), one entry per app::
 
     applications:
       - name: gpubroker
-        import_path: deployments.app:build_app
-        args: {config: configs/demo.yaml}       # or config_text: "<yaml>"
+        route_prefix: /
+        import_path: deployments.app:build_app            # the fleet API; starts the broker
+        args: {config: configs/demo.yaml}                  # or config_text: "<yaml>"
+      - name: gpubroker-mlp
+        route_prefix: /v1/models/mlp
+        import_path: deployments.app:build_model_app
+        args: {config: configs/demo.yaml, model: mlp}
 
-and from Python (``serve.run(build_app({"config": path}))``). The broker actor must be
-running (``broker.actor.start_broker``) for settings to move; without it the replicas serve
-on their config's initial settings and keep retrying. ``build_app`` starts the broker itself
-when ``args["start_broker"]`` is true (the default under ``serve deploy``).
+(``python -m deployments.app configs/demo.yaml`` prints that file for any fleet config.)
+The broker actor must be running (``broker.actor.start_broker``) for settings to move;
+without it the replicas serve on their config's initial settings and keep retrying.
+``build_app`` starts the broker itself when ``args["start_broker"]`` is true (the default).
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
-from deployments.ingress import Ingress
-from deployments.replica import ModelReplica
-from quotas.config import FleetConfig, parse_config_text
+from deployments.http_model import HttpModel
+from deployments.ingress import FleetApi
+from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
-INGRESS_NAME = "ingress"
+FLEET_APP = "gpubroker"  # the fleet API's application name; model apps are "<fleet app>-<model>"
+INGRESS_NAME = "fleet-api"  # the fleet API's deployment
 MODEL_NUM_CPUS = 0.1  # logical CPUs per model replica: several share a small machine
 INGRESS_NUM_CPUS = 0.05
+# Back-pressure is the replica's own (``max_queued`` per replica: a JSON 503 with Retry-After,
+# counted by the broker). Serve's queue in the proxy, for requests waiting for a free slot of
+# ``max_ongoing_requests``, is only a safety net this many times larger: a replica refuses a
+# request over ``max_queued`` at once, so that queue drains as fast as requests arrive.
+SERVE_QUEUE_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class ServeApp:
+    """One Serve application of a fleet: its name, route prefix and bound graph."""
+
+    name: str
+    route_prefix: str
+    app: Application
+
+
+def model_app_name(model: str, fleet_app: str = FLEET_APP) -> str:
+    return f"{fleet_app}-{model}"
+
+
+def model_route(model: str, prefix: str = "/") -> str:
+    return f"{prefix.rstrip('/')}/v1/models/{model}"
 
 
 def config_text_from_args(args: dict[str, Any]) -> str:
@@ -45,29 +82,50 @@ def config_text_from_args(args: dict[str, Any]) -> str:
     raise ValueError("build_app args need 'config' (a path to a fleet YAML) or 'config_text' (the YAML itself)")
 
 
-def build_fleet(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MODEL_NUM_CPUS) -> Application:
-    handles = {}
+def model_deployment(name: str, spec: ModelSpec, cfg: FleetConfig, config_text: str, *,
+                     model_num_cpus: float = MODEL_NUM_CPUS) -> Application:
+    """One model's application graph: the ``HttpModel`` deployment, its own ingress."""
+    from ray.serve.config import BackpressureConfig
+
+    return serve.deployment(HttpModel).options(
+        name=name,
+        num_replicas=spec.replicas,
+        max_ongoing_requests=spec.max_ongoing_requests,
+        max_queued_requests=SERVE_QUEUE_FACTOR * spec.max_ongoing_requests * spec.replicas,
+        backpressure_config=BackpressureConfig(retry_after_s=max(1, round(cfg.broker.control_interval_s))),
+        ray_actor_options={"num_cpus": model_num_cpus},
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=5,
+    ).bind(name, config_text)
+
+
+def fleet_api(config_text: str) -> Application:
+    return FleetApi.options(name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+                            max_ongoing_requests=1024).bind(config_text)
+
+
+def fleet_apps(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MODEL_NUM_CPUS,
+               fleet_app: str = FLEET_APP, prefix: str = "/") -> list[ServeApp]:
+    """The fleet's Serve applications: the fleet API at ``prefix``, each model under it."""
+    apps = [ServeApp(fleet_app, prefix, fleet_api(config_text))]
     for name, spec in cfg.models.items():
-        handles[name] = serve.deployment(ModelReplica).options(
-            name=name,
-            num_replicas=spec.replicas,
-            max_ongoing_requests=spec.max_ongoing_requests,
-            max_queued_requests=spec.max_queued * spec.replicas,
-            ray_actor_options={"num_cpus": model_num_cpus},
-            health_check_period_s=5,
-            graceful_shutdown_timeout_s=5,
-        ).bind(name, config_text)
-    return Ingress.options(
-        name=INGRESS_NAME,
-        ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
-        max_ongoing_requests=4096,
-    ).bind(handles, config_text)
+        apps.append(ServeApp(model_app_name(name, fleet_app), model_route(name, prefix),
+                             model_deployment(name, spec, cfg, config_text, model_num_cpus=model_num_cpus)))
+    return apps
+
+
+def run_fleet(apps: list[ServeApp], *, wait: bool = False, logging_config: dict[str, Any] | None = None) -> None:
+    """Deploy the applications in one controller call (``wait``: until all are RUNNING)."""
+    from ray.serve import RunTarget, run_many
+
+    run_many([RunTarget(target=a.app, name=a.name, route_prefix=a.route_prefix, logging_config=logging_config)
+              for a in apps], wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Ray Serve application builder: ``{"config": path}`` or ``{"config_text": yaml}``."""
+    """Serve builder of the fleet API app: ``{"config": path}`` or ``{"config_text": yaml}``."""
     text = config_text_from_args(args)
-    cfg = parse_config_text(text, str(args.get("config", "config_text")))
+    parse_config_text(text, str(args.get("config", "config_text")))
     if args.get("start_broker", True):
         import ray
 
@@ -75,4 +133,35 @@ def build_app(args: dict[str, Any]) -> Application:
             from broker.actor import start_broker
 
             start_broker(text)
-    return build_fleet(cfg, text, model_num_cpus=float(args.get("model_num_cpus", MODEL_NUM_CPUS)))
+    return fleet_api(text)
+
+
+def build_model_app(args: dict[str, Any]) -> Application:
+    """Serve builder of one model's app: ``{"config": path, "model": name}``."""
+    text = config_text_from_args(args)
+    cfg = parse_config_text(text, str(args.get("config", "config_text")))
+    name = str(args.get("model", ""))
+    if name not in cfg.models:
+        raise ValueError(f"build_model_app args: model {name!r} is not in the config; use one of {', '.join(cfg.models)}")
+    return model_deployment(name, cfg.models[name], cfg, text,
+                            model_num_cpus=float(args.get("model_num_cpus", MODEL_NUM_CPUS)))
+
+
+def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP) -> dict[str, Any]:
+    """A Ray Serve config document (``serve deploy``) with the fleet API and one app per model."""
+    apps = [{"name": fleet_app, "route_prefix": "/", "import_path": "deployments.app:build_app",
+             "args": {"config": config_path}}]
+    for name in cfg.models:
+        apps.append({"name": model_app_name(name, fleet_app), "route_prefix": model_route(name),
+                     "import_path": "deployments.app:build_model_app", "args": {"config": config_path, "model": name}})
+    return {"proxy_location": "EveryNode",
+            "http_options": {"host": cfg.broker.http_host, "port": cfg.broker.http_port},
+            "applications": apps}
+
+
+if __name__ == "__main__":  # python -m deployments.app configs/demo.yaml > serve.yaml
+    import yaml
+
+    path = sys.argv[1] if len(sys.argv) > 1 else "configs/demo.yaml"
+    doc = serve_config(path, parse_config_text(Path(path).read_text(encoding="utf-8"), path))
+    sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))

@@ -1,0 +1,108 @@
+"""The model API's HTTP rules as plain functions: body limits, body shape, result -> response.
+
+No Serve, no Ray, no starlette: ``deployments.http_model`` (the HTTP adapter in the replica
+process) reads the request and calls these; unit tests call them directly.
+
+``POST /v1/models/{name}/infer``  body ``{"inputs": [item, ...]}`` or ``{"input": item}``
+    200 ``{"model", "outputs": [...], "latency_ms"}`` (``{"output": ...}`` for a single input)
+    413 body over the model's ``max_body_bytes`` (Content-Length, then the bytes read, both
+        checked before any JSON parsing)
+    422 bad input: the detail names the field (``inputs[2].text``, ``input.image``, ``body``)
+    503 + ``Retry-After`` on back-pressure (queue full, admission paused)
+    504 when a request waited past the model's ``request_timeout_s``
+    507 an input that cannot run even alone under the model's memory grant
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_TYPE = "application/json"
+
+
+@dataclass(frozen=True)
+class HttpAnswer:
+    """One HTTP answer: status, JSON body, extra headers."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def encoded(self) -> bytes:
+        return json.dumps(self.body, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class ParsedBody:
+    """A body that passed the shape checks: the items, and whether it was ``{"input": ...}``."""
+
+    inputs: list
+    single: bool
+
+
+def too_big(name: str, limit_bytes: int) -> HttpAnswer:
+    return HttpAnswer(413, {"detail": f"body is over max_body_bytes ({limit_bytes} bytes) for model '{name}'; "
+                                      "send fewer or smaller inputs"})
+
+
+def length_check(name: str, content_length: str | None, limit_bytes: int) -> HttpAnswer | None:
+    """The Content-Length header against the limit (None: read the body)."""
+    if content_length is None:
+        return None
+    try:
+        n = int(content_length)
+    except ValueError:
+        return HttpAnswer(400, {"detail": f"Content-Length {content_length!r} is not a number"})
+    return too_big(name, limit_bytes) if n > limit_bytes else None
+
+
+def _field_error(fld: str, detail: str) -> HttpAnswer:
+    return HttpAnswer(422, {"detail": detail, "field": fld})
+
+
+def parse_body(body: bytes) -> ParsedBody | HttpAnswer:
+    """``{"inputs": [...]}`` or ``{"input": ...}``, else a 422 naming the field."""
+    try:
+        doc = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return _field_error("body", f"body: not valid JSON ({exc}); send {{\"inputs\": [...]}} or {{\"input\": ...}}")
+    if not isinstance(doc, dict):
+        return _field_error("body", "body: expected a JSON object with 'inputs' (a list) or 'input'")
+    extra = sorted(set(doc) - {"inputs", "input"})
+    if extra:
+        return _field_error(extra[0], f"{extra[0]}: unknown field; send only 'inputs' (a list) or 'input'")
+    if "inputs" in doc and "input" in doc:
+        return _field_error("inputs", "inputs: send either 'inputs' (a list) or 'input' (one item), not both")
+    if "inputs" in doc:
+        inputs = doc["inputs"]
+        if not isinstance(inputs, list) or not inputs:
+            return _field_error("inputs", "inputs: expected a non-empty list of items")
+        return ParsedBody(inputs, False)
+    if "input" in doc:
+        return ParsedBody([doc["input"]], True)
+    return _field_error("inputs", "inputs: required field is missing; send {\"inputs\": [...]} or {\"input\": ...}")
+
+
+def answer_for(name: str, result: dict[str, Any], single: bool, retry_after_s: int) -> HttpAnswer:
+    """The replica's ``infer`` result (a dict with an HTTP-like ``status``) as an HTTP answer."""
+    status = int(result.get("status", 500))
+    if status == 200:
+        if single:
+            return HttpAnswer(200, {"model": name, "output": result["outputs"][0], "latency_ms": result.get("latency_ms")})
+        return HttpAnswer(200, {"model": name, "outputs": result["outputs"], "latency_ms": result.get("latency_ms")})
+    body = {k: v for k, v in result.items() if k not in ("status", "retry_after_s")}
+    if single and "field" in body:
+        body["field"] = str(body["field"]).replace("inputs[0]", "input")
+        body["detail"] = str(body["detail"]).replace("inputs[0]", "input")
+    headers = {"Retry-After": str(result.get("retry_after_s", retry_after_s))} if status == 503 else {}
+    return HttpAnswer(status, body, headers)
+
+
+def not_found(path: str) -> HttpAnswer:
+    return HttpAnswer(404, {"detail": f"no route {path}; models answer POST /v1/models/<name>/infer"})
+
+
+def method_not_allowed(method: str) -> HttpAnswer:
+    return HttpAnswer(405, {"detail": f"method {method} not allowed; send POST"}, {"Allow": "POST"})

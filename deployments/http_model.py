@@ -1,0 +1,72 @@
+"""The model deployment as its own HTTP ingress: one hop from Serve's proxy to the replica.
+
+``HttpModel`` is ``ModelReplica`` (the Serve glue: admission, validation, batching, broker
+link) plus a plain ``__call__(request)``: Serve's proxy routes ``/v1/models/<name>`` (the
+model's own application, see ``deployments.app``) straight to a replica of the model, and the
+request is read, checked and answered in the replica process. No FastAPI, no second
+deployment, no Ray call on the request path other than Serve's own body stream.
+
+In order: the path (``POST .../infer``), the body size (Content-Length, then the bytes read,
+both before any JSON parsing), the body's shape (``deployments.http_api``), then
+``ModelReplica.infer`` (admission, then validation, then the batcher). Answers are built by
+``deployments.http_api``. As before the one hop, a 413 or a malformed body is the client's
+error, not a miss: only the replica's own refusals (queue full, paused) reach its stats.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from deployments.http_api import (
+    JSON_TYPE,
+    HttpAnswer,
+    ParsedBody,
+    answer_for,
+    length_check,
+    method_not_allowed,
+    not_found,
+    parse_body,
+    too_big,
+)
+from deployments.replica import ModelReplica
+
+
+def _response(answer: HttpAnswer) -> Response:
+    return Response(answer.encoded(), status_code=answer.status, headers=answer.headers or None, media_type=JSON_TYPE)
+
+
+class HttpModel(ModelReplica):
+    """One replica of one model, answering ``POST /v1/models/<name>/infer`` itself."""
+
+    async def __call__(self, request: Request) -> Response:
+        return _response(await self.answer(request))
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, int(round(self.cfg.broker.control_interval_s)))
+
+    async def answer(self, request: Request) -> HttpAnswer:
+        scope = request.scope
+        sub = scope.get("path", "")[len(scope.get("root_path", "")):]
+        if sub.rstrip("/") != "/infer":
+            return not_found(scope.get("path", ""))
+        if request.method != "POST":
+            return method_not_allowed(request.method)
+        limit = int(self.spec.max_body_bytes)
+        early = length_check(self.name, request.headers.get("content-length"), limit)
+        if early is not None:
+            return early
+        body = bytearray()
+        async for chunk in request.stream():  # stop reading as soon as the limit is passed
+            body.extend(chunk)
+            if len(body) > limit:
+                return too_big(self.name, limit)
+        parsed = parse_body(bytes(body))
+        if not isinstance(parsed, ParsedBody):
+            return parsed
+        try:
+            result = await self.infer(parsed.inputs, len(body))
+        except Exception as exc:  # noqa: BLE001 - a 500 that says what failed, not Serve's bare one
+            return HttpAnswer(500, {"detail": f"model '{self.name}' failed: {exc!r}"})
+        return answer_for(self.name, result, parsed.single, self.retry_after_s)
