@@ -239,13 +239,13 @@ def rss_bytes(pid: int | None = None) -> int | None:
         return None
 
 
-_STATUS_KB_FIELDS = ("VmSize", "VmData", "VmStk", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+_STATUS_KB_FIELDS = ("VmSize", "VmData", "VmStk", "VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
 
 def proc_status_bytes(pid: int | None = None) -> dict[str, int]:
     """Memory lines of /proc/<pid>/status in bytes: ``VmData`` is what ``RLIMIT_DATA`` counts
     (private writable mappings and the heap, reserved or touched), ``VmRSS`` what is resident
-    (= RssAnon + RssFile + RssShmem). Empty when the file cannot be read (not Linux, pid gone)."""
+    (= RssAnon + RssFile + RssShmem), ``VmHWM`` the peak of VmRSS since the process started. Empty when the file cannot be read (not Linux, pid gone)."""
     out: dict[str, int] = {}
     try:
         with open(f"/proc/{'self' if pid is None else pid}/status", encoding="ascii") as fh:

@@ -62,6 +62,7 @@ class LimitReading:
     resident_bytes: int  # cpu: RSS of the process; cuda: NVML's bytes for this pid (0 when unlisted)
     fraction: float | None = None  # cuda: the per-process memory fraction set
     sm_util_frac: float | None = None  # cuda: this pid's SM share from NVML, None when unknown
+    baseline_rss_bytes: int = 0  # cpu: RSS at start(), before the model loaded
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -200,6 +201,7 @@ class CpuRlimitLimiter:
             limit_bytes=self.limit_bytes,
             used_bytes=max(0, st.get("VmData", 0) - base - self.thread_credit_bytes()),
             resident_bytes=st.get("VmRSS", 0),
+            baseline_rss_bytes=self.baseline_rss_bytes,
         )
 
     def stop(self) -> None:
