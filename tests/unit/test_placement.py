@@ -155,3 +155,71 @@ def test_property_within_usable_complete_deterministic_and_spread(fleet):
             on_nodes = {p.card(c).node for c in ids}
             if plan.card.node not in on_nodes:
                 assert not (room >= d.base_bytes and len(on_nodes) < len(set(ids))), (d, plan)
+
+
+# --------------------------------------------------------------------------- as Ray resources
+def test_deployment_plans_name_groups_and_share_each_card_resource():
+    from deployments.placement_resources import deployment_plans
+
+    p = place_fleet(load_config("configs/cluster-demo.yaml"))
+    plans = {plan.name: plan for plan in deployment_plans(p, model_num_cpus=0.1)}
+    assert set(plans) == {"cnn@a1", "cnn@b1", "minilm@a0", "minilm@b0", "mlp", "profiled"}
+    # a0 holds two replica processes (minilm, mlp): each asks half of its card resource
+    assert plans["mlp"].ray_actor_options["resources"] == {"gpubroker_card_a0": 500.0}
+    assert plans["minilm@b0"].ray_actor_options["resources"] == {"gpubroker_card_b0": 1000.0}
+    assert plans["minilm@b0"].ray_actor_options["runtime_env"]["env_vars"]["GPUBROKER_CARD_ID"] == "b0"
+    assert "num_gpus" not in plans["mlp"].ray_actor_options  # emulated cards ask for no GPU
+
+
+def test_one_card_fleet_keeps_todays_names_and_options():
+    from deployments.placement_resources import deployment_plans
+
+    plans = deployment_plans(place_fleet(load_config("configs/demo.yaml")), model_num_cpus=0.1)
+    assert sorted(pl.name for pl in plans) == ["cnn", "minilm", "mlp"]
+    assert all(pl.ray_actor_options == {"num_cpus": 0.1} for pl in plans)
+
+
+def test_cuda_replica_asks_a_gpu_share_and_sees_its_card():
+    from deployments.placement_resources import replica_actor_options
+
+    opts = replica_actor_options(Card("g1", "n", 1, CardDevice.CUDA, 1), replicas_on_card=3, num_cpus=1)
+    assert opts["resources"] == {"gpubroker_card_g1": 333.0} and opts["num_gpus"] == 0.333
+    env = opts["runtime_env"]["env_vars"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    found = Card("h-gpu0", "h", 0, CardDevice.CUDA, 1, node_id="abc")
+    opts = replica_actor_options(found, replicas_on_card=1, num_cpus=1)
+    assert opts["label_selector"] == {"ray.io/node-id": "abc"} and "resources" not in opts
+
+
+def test_node_start_args_declare_the_nodes_cards_and_labels():
+    from deployments.placement_resources import node_start_args
+    from quotas.cards import fleet_cards
+
+    cfg = load_config("configs/cluster-demo.yaml")
+    args = node_start_args("node-b", fleet_cards(cfg.gpu, cfg.gpus))
+    assert args == ["--resources", '{"gpubroker_card_b0": 1000, "gpubroker_card_b1": 1000}',
+                    "--labels", "gpubroker.io/node=node-b,zone=west"]
+
+
+def test_discover_cards_from_ray_nodes_and_nvml_totals():
+    from deployments.cluster_discovery import DiscoveryError, card_nodes, discover_cards
+
+    nodes = [
+        {"NodeID": "n2" * 20, "Alive": True, "NodeName": "10.0.0.2", "Resources": {"CPU": 8, "GPU": 2},
+         "Labels": {"ray.io/node-id": "x", "zone": "west"}},
+        {"NodeID": "n1" * 20, "Alive": True, "NodeName": "10.0.0.1", "Resources": {"CPU": 8}, "Labels": {}},
+        {"NodeID": "n3" * 20, "Alive": False, "NodeName": "10.0.0.3", "Resources": {"GPU": 8}, "Labels": {}},
+        {"NodeID": "n4" * 20, "Alive": True, "NodeName": "10.0.0.4", "Resources": {"GPU": 1, "gpubroker_card_e0": 1000},
+         "Labels": {"gpubroker.io/node": "edge"}},
+    ]
+    cards = discover_cards(nodes, capacity_probe=lambda node_id, n: [80 * 1024**3] * n)
+    assert [(c.id, c.node, c.index, c.node_id[:2]) for c in cards] == [
+        ("10-0-0-2-gpu0", "10.0.0.2", 0, "n2"), ("10-0-0-2-gpu1", "10.0.0.2", 1, "n2"), ("edge-gpu0", "edge", 0, "n4")]
+    assert cards[0].label_map == {"zone": "west"} and cards[0].capacity_bytes == 80 * 1024**3
+    assert card_nodes(nodes) == {"e0": "n4" * 20}
+
+    def no_nvml(node_id, n):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    with pytest.raises(DiscoveryError, match="node 10.0.0.2 .* list its cards under gpus"):
+        discover_cards(nodes, capacity_probe=no_nvml)
