@@ -244,13 +244,13 @@ def queue_high(s: Inputs) -> BatchWant | None:
 
 def queue_low(s: Inputs) -> BatchWant | None:
     """Queue below the dead band's bottom with P95 well under the cap: scale down in proportion.
-    With a plan, only down to the plan's cap, when the cap is above it (the model rule's own
-    dead band would leave it there): the plan's burst headroom is what a short queue leaves room for."""
+    With a plan, only down to the plan's cap, and only where the model rule would not move
+    (its dead band): the plan's burst headroom is what a short queue leaves room for."""
     ctl, floor = s.spec.control, s.spec.batch.floor
     _, low = _band(s)
     if not (s.qdepth < low and s.load.arrival_rate_rps > 0 and s.p95_ms is not None and s.p95_ms < ctl.p95_low_frac * s.ctx.slo_ms):
         return None
-    if s.cap <= floor or (s.plan is not None and s.cap <= s.proposal):
+    if s.cap <= floor or (s.plan is not None and (s.cap <= s.proposal or model(s) is not None)):
         return None
     new = max(floor, int(s.cap * max(0.5, s.qdepth / max(ctl.target_queue, 1))))
     if s.plan is not None:
