@@ -23,6 +23,7 @@ import pytest
 from broker import checkpoint as ckpt_mod
 from broker.core import BrokerCore
 from broker.checkpoint import load_checkpoint
+from quotas.holding import holding_problems
 from quotas.ledger import QuotaLedger
 from tests.chaos.harness import record
 
@@ -66,6 +67,7 @@ class FakeFleet:
         self.clock = clock
         self.seq = {"hot": 0, "cold": 0}
         self.running: dict[str, dict] = {}  # settings each replica runs (what it last got back)
+        self.used: dict[str, int] = {}  # memory each replica holds now (what it last reported)
 
     def register(self, core: BrokerCore) -> None:
         for name, (w, per) in CAL.items():
@@ -86,6 +88,7 @@ class FakeFleet:
             rep = {"model": name, "replica_id": f"{name}-r0", "seq": self.seq[name], "now_s": now, "interval_s": 0.5,
                    "mem_peak_bytes": body.get("mem_used_bytes", 0), "settings_version": running["version"], **body}
             self.seq[name] += 1
+            self.used[name] = rep["mem_used_bytes"]
             self.running[name] = core.report(rep)
 
     def running_sum(self) -> int:
@@ -107,6 +110,7 @@ def assert_invariants(core: BrokerCore, fleet: FakeFleet) -> None:
     st = core.status()
     assert st["granted_bytes"] <= st["usable_bytes"]
     assert fleet.running_sum() <= USABLE, f"replicas run grants summing {fleet.running_sum()} > usable {USABLE}"
+    assert not holding_problems(led, fleet.used)  # sum of max(grant + in flight, measured use) <= usable
 
 
 def step(core: BrokerCore, fleet: FakeFleet, clock: Clock) -> None:
