@@ -31,11 +31,11 @@ from pydantic import (
 )
 
 from quotas.cards import GpusSection, PlacementSpec
+from quotas.llm_spec import LLM_ENGINES, LlmSpec
 from quotas.placement import check_fleet_cards
 from quotas.sizes import format_size, parse_size
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
-LLM_ENGINES = ("tiny-llama",)  # kind: llm engines (deployments.llm)
 DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2
 
@@ -230,12 +230,6 @@ class ControlSpec(_Strict):
                 f"p95_low_frac ({self.p95_low_frac}) must be below p95_near_frac ({self.p95_near_frac}); lower p95_low_frac"
             )
         return self
-
-
-class LlmSpec(_Strict):
-    expected_peak_concurrency: int = Field(8, ge=1, le=4096, description="Sequences in flight at the expected peak; max_num_seqs starts at half of it, within memory.")
-    ttft_slo_ms: float = Field(2000.0, gt=0, le=600_000, description="Time-to-first-token P95 objective in milliseconds.")
-    tpot_slo_ms: float = Field(200.0, gt=0, le=60_000, description="Time-per-output-token P95 objective in milliseconds.")
 
 
 class ModelSpec(_Strict):
