@@ -36,8 +36,8 @@ anti-oscillation hold are applied by the caller (``broker.policy``) in one place
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from broker.batch_plan import BatchPlan, plan_batch, wait_for
 from broker.latency_model import LatencyFit
@@ -87,7 +87,7 @@ class Inputs:
     @property
     def proposal(self) -> int:
         """The cap the plan asks for (the current cap without a plan): what a guard compares with."""
-        return self.cap if self.plan is None else max(1, int(round(self.plan.cap)))
+        return self.cap if self.plan is None else max(1, round(self.plan.cap))
 
     @property
     def backlog(self) -> bool:
@@ -105,7 +105,7 @@ class Inputs:
     def want(self, new_cap: float, trigger: Trigger, value: float, rule: Rule, reason: str, *,
              safety: bool = False, admit: bool = True) -> BatchWant:
         """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
-        new = max(1, int(round(new_cap)))
+        new = max(1, round(new_cap))
         backlog = self.qdepth > self.spec.control.band_high
         wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
         return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
@@ -153,7 +153,7 @@ def p95_queueing(s: Inputs) -> BatchWant | None:
     why = f"{_p95_text(s)} with a backlog ({s.queued_units:.0f} queued, arrivals {s.units_per_s:.1f}/s)"
     if s.plan is not None:
         if s.plan.cap > s.cap:
-            return s.want(s.plan.cap, Trigger.P95_MS, s.p95_ms, Rule.P95_QUEUEING, f"{why}: grow {s.cap}->{int(round(s.plan.cap))}", safety=True)
+            return s.want(s.plan.cap, Trigger.P95_MS, s.p95_ms, Rule.P95_QUEUEING, f"{why}: grow {s.cap}->{round(s.plan.cap)}", safety=True)
         return None
     if s.cap < ceiling:
         new = min(ceiling, s.cap * 2)
@@ -282,15 +282,15 @@ def model(s: Inputs) -> BatchWant | None:
     target = plan.cap
     new = min(target, cap + ctl.aimd_step) if s.ctx.recovering and target > cap else target
     rel = abs(new - cap) / max(cap, 1)
-    wait_new = wait_for(plan, max(1, int(round(new))), s.units_per_s, s.u, s.ctx.slo_ms, s.spec, wait_s)
+    wait_new = wait_for(plan, max(1, round(new)), s.units_per_s, s.u, s.ctx.slo_ms, s.spec, wait_s)
     wait_rel = abs(wait_new - wait_s) / max(wait_s, 1e-3)
-    if not ((rel > 0.1 * s.ctx.band_scale and int(round(new)) != cap) or wait_rel > 0.2 * s.ctx.band_scale):
+    if not ((rel > 0.1 * s.ctx.band_scale and round(new) != cap) or wait_rel > 0.2 * s.ctx.band_scale):
         return None
     rho = "overload" if not math.isfinite(plan.rho) else f"{plan.rho:.2f}"
     return s.want(new, Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.MODEL,
                   f"arrival_rate_rps {s.rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
                   f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
-                  f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{int(round(new))}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
+                  f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
 
 
 def hold(s: Inputs) -> BatchWant:

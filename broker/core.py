@@ -42,7 +42,7 @@ from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.metrics import BrokerMetrics
 from broker.profiles import active_profile
 from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
-from broker.types import FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
+from broker.types import EntryKind, FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
 from broker.window import ReportWindow
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
@@ -163,13 +163,13 @@ class BrokerCore:
         try:
             ckpt = load_checkpoint(self._checkpoint_path)
         except ValueError as exc:
-            self._log_event("restore", f"checkpoint unreadable, starting fresh: {exc}")
+            self._log_event(EntryKind.RESTORE, f"checkpoint unreadable, starting fresh: {exc}")
             return False
         if ckpt is None:
             return False
         if ckpt.launch_hash != self._launch_hash and ckpt.config_hash != self._launch_hash:
             self._log_event(
-                "restore",
+                EntryKind.RESTORE,
                 f"checkpoint is for config {ckpt.config_hash} (launched {ckpt.launch_hash}), this broker runs "
                 f"{self._launch_hash}: starting fresh from the new config",
             )
@@ -183,7 +183,7 @@ class BrokerCore:
                 self._settings.setdefault(name, self._initial_settings(name))
         except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not keep the broker down
             self._install(parse_config_text(self._launch_text, "broker config"), self._launch_text)
-            self._log_event("restore", f"checkpoint could not be applied ({exc!r}); starting fresh")
+            self._log_event(EntryKind.RESTORE, f"checkpoint could not be applied ({exc!r}); starting fresh")
             return False
         self._memory_models = {k: (int(v[0]), float(v[1])) for k, v in ckpt.memory_models.items()}
         self._cost_units = dict(ckpt.cost_units)
@@ -191,7 +191,7 @@ class BrokerCore:
             self._decisions.append(entry)
         self._seq = max(ckpt.decision_seq, self._seq)
         self.restored = True
-        self._log_event("restore", f"resumed from checkpoint saved at {ckpt.saved_at_s:.3f} (config {ckpt.config_hash})")
+        self._log_event(EntryKind.RESTORE, f"resumed from checkpoint saved at {ckpt.saved_at_s:.3f} (config {ckpt.config_hash})")
         return True
 
     # ---------------------------------------------------------------- replica RPCs
@@ -206,7 +206,7 @@ class BrokerCore:
             self._cost_units[model] = str(cal["cost_unit"])
         self._replicas[model][replica_id] = self._clock()
         self._log_event(
-            "register",
+            EntryKind.REGISTER,
             f"{model} replica {replica_id} registered"
             + (f": weights {format_size(weights)}, {per_unit:.0f} B/unit" if weights is not None and per_unit is not None else ""),
             model=model,
@@ -302,13 +302,13 @@ class BrokerCore:
                 changed.append(name)
         for move in decision.moves:
             self._append(
-                {"kind": "move", "time_s": now, "model": move.recipient or move.donor, "move": move.kind,
+                {"kind": EntryKind.MOVE, "time_s": now, "model": move.recipient or move.donor, "move": move.kind,
                  "donor": move.donor, "recipient": move.recipient, "amount_bytes": move.amount_bytes,
                  "reason": move.reason, "dry_run": dry},
                 f"quota {move.kind}: {move.donor or '-'} -> {move.recipient or '-'} {format_size(move.amount_bytes)} ({move.reason})",
             )
         for note in decision.notes:
-            self._log_event("note", note)
+            self._log_event(EntryKind.NOTE, note)
         self._check_grants()
         self.checkpoint_now()
         tick_s = time.perf_counter() - started
@@ -322,7 +322,7 @@ class BrokerCore:
         total = sum(s.grant_bytes for s in self._settings.values())
         over = [f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}"] if total > self._usable else []
         for problem in over + holding_problems(self._state.ledger, used):
-            self._log_event("invariant", problem)
+            self._log_event(EntryKind.INVARIANT, problem)
 
     # ---------------------------------------------------------------- decision log
     def _append(self, entry: dict[str, Any], line: str) -> None:
@@ -331,7 +331,7 @@ class BrokerCore:
         self._decisions.append(entry)
         logger.info("decision #%d %s", self._seq, line)
 
-    def _log_event(self, kind: str, message: str, model: str | None = None) -> None:
+    def _log_event(self, kind: EntryKind, message: str, model: str | None = None) -> None:
         self._append({"kind": kind, "time_s": self._clock(), "model": model, "reason": message}, f"[{kind}] {message}")
 
     def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
@@ -353,7 +353,7 @@ class BrokerCore:
             return {"ok": False, "config_hash": old_hash, "issues": [str(i) for i in exc.issues]}
         issues = redeploy_issues(self._cfg, cfg) + weights_issues(cfg, self._memory_models)
         if issues:
-            self._log_event("apply", f"refused config {cfg.config_hash()}: {'; '.join(issues)}")
+            self._log_event(EntryKind.APPLY, f"refused config {cfg.config_hash()}: {'; '.join(issues)}")
             return {"ok": False, "config_hash": old_hash, "issues": issues}
         if cfg.config_hash() == old_hash:
             return {"ok": True, "config_hash": old_hash, "issues": [], "notes": ["config unchanged"]}
@@ -364,7 +364,7 @@ class BrokerCore:
                 raise ValueError(f"sum of quota.base {format_size(total_base)} exceeds usable {format_size(usable)}")
             state = _reconfigure_state(self._state, cfg, usable, self._clock())
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old config in place
-            self._log_event("apply", f"refused config {cfg.config_hash()}: {exc}")
+            self._log_event(EntryKind.APPLY, f"refused config {cfg.config_hash()}: {exc}")
             return {"ok": False, "config_hash": old_hash, "issues": [str(exc)]}
         notes = next_up_notes(self._cfg, cfg)
         old_window = self._window
@@ -376,7 +376,7 @@ class BrokerCore:
         self._state = state
         for name in cfg.models:
             self._settings[name] = self._policy_settings(state, name)
-        self._log_event("apply", f"config {old_hash} -> {self._config_hash}" + (f" ({'; '.join(notes)})" if notes else ""))
+        self._log_event(EntryKind.APPLY, f"config {old_hash} -> {self._config_hash}" + (f" ({'; '.join(notes)})" if notes else ""))
         self.checkpoint_now()
         return {"ok": True, "config_hash": self._config_hash, "issues": [], "notes": notes}
 
