@@ -148,7 +148,11 @@ class Stack:
         import ray
         from ray import serve
 
+        from deployments.http_proxy import PROXY_ENV
+
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        for key, value in PROXY_ENV.items():  # the proxy's own refusals as JSON (lost replica, Serve queue)
+            os.environ.setdefault(key, value)
         ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, namespace="gpubroker-bench")
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})

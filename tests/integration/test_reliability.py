@@ -367,7 +367,7 @@ def _mlp_replica_actors() -> list[str]:
     import ray
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::gpubroker#mlp#"))
+                  if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::gpubroker-mlp#mlp#"))
 
 
 def test_kill_replica_mid_batch_under_load(fleet):
@@ -426,7 +426,7 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
     from ray import serve
 
     before = fleet.status()
-    hot = serve.get_deployment_handle("hot", app_name="gpubroker")
+    hot = serve.get_deployment_handle("hot", app_name="gpubroker-hot")
     settings0 = hot.local_status.remote().result(timeout_s=30)["settings"]
     plan = loadgen.merge(poisson_plan("mlp", 20.0, 10.0, json.dumps({"input": X}).encode(), seed=21),
                          poisson_plan("hot", 10.0, 10.0, b'{"input": {}}', seed=22))
@@ -473,7 +473,7 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     # calibrated weights (apply refuses that; on cpu the weights are the load-time footprint)
     from ray import serve
 
-    cal = serve.get_deployment_handle("hot", app_name="gpubroker").local_status.remote().result(timeout_s=30)["calibration"]
+    cal = serve.get_deployment_handle("hot", app_name="gpubroker-hot").local_status.remote().result(timeout_s=30)["calibration"]
     weights = int(cal.get("weights_bytes") or 0)
     squeeze = max(weights, min(int(used * 0.8), 2 * MIB))
     if squeeze * (1 - 0.10) >= used:
@@ -503,7 +503,7 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
 
     from ray import serve
 
-    hot = serve.get_deployment_handle("hot", app_name="gpubroker")
+    hot = serve.get_deployment_handle("hot", app_name="gpubroker-hot")
 
     def recovered():
         r = httpx.post(f"{fleet.url}/v1/models/hot/infer", json={"input": {}}, timeout=30)
