@@ -33,6 +33,7 @@ Call the engine's methods from its event loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -58,6 +59,8 @@ from deployments.llm.tiny_model import (
     build_tiny_llama,
     kv_block_bytes,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -372,9 +375,15 @@ class CpuEngine:
             await asyncio.to_thread(old.stop, block=True, timeout=10)
             if self._stopped:
                 return
-            self._manager = await asyncio.to_thread(self._build_manager, num_blocks)
-            self._blocks_total = num_blocks
-            self._c.rebuilds += 1
+            try:
+                self._manager = await asyncio.to_thread(self._build_manager, num_blocks)
+            except Exception:
+                logger.exception("KV cache rebuild to %d blocks failed; rebuilding %d", num_blocks, self._blocks_total)
+                self._blocks_target = self._blocks_total
+                self._manager = await asyncio.to_thread(self._build_manager, self._blocks_total)
+            else:
+                self._blocks_total = num_blocks
+                self._c.rebuilds += 1
         finally:
             self._rebuild_task = None
         self._admit()
