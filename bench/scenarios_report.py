@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-from bench.cli_simulate import _fmt as _f  # one number formatter for the simulator and live tables
+from bench.numbers import fmt as _f  # one number formatter for the simulator and live tables
 
 
 def _machine(res: dict[str, Any]) -> str:

@@ -38,9 +38,10 @@ os.environ.setdefault("GPUBROKER_STATE_DIR", tempfile.mkdtemp(prefix="gpubroker-
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from deployments.cli_fleet import (  # noqa: E402
-    describe_decision, down, example_inputs, free_port, port_free, status_table, up_fleet,
-)
+from cli.fleet import down, up_with_progress  # noqa: E402
+from cli.views import describe_decision, status_table  # noqa: E402
+from deployments.fleet import example_inputs  # noqa: E402
+from deployments.local_ray import free_port, port_free  # noqa: E402
 from quotas.config import parse_config_text  # noqa: E402
 from quotas.sizes import format_size  # noqa: E402
 
@@ -146,7 +147,7 @@ def main() -> int:
         return 2
     console.rule("[bold]1. gpubroker up")
     try:
-        state = up_fleet(cfg, text, args.config, num_cpus=2)
+        state = up_with_progress(cfg, text, args.config, num_cpus=2)
     except Exception as exc:  # noqa: BLE001
         console.print(f"[red]up failed: {exc}[/]")
         _down()

@@ -187,7 +187,8 @@ def main() -> None:
         raise SystemExit("needs `prometheus` on PATH (Debian: apt-get install prometheus)")
     import ray
 
-    from deployments.cli_fleet import deploy, example_inputs, free_port, teardown, wait_serving
+    from deployments.fleet import deploy, example_inputs, teardown, wait_serving
+    from deployments.local_ray import free_port
     from quotas.config import parse_config_text
 
     work = Path(tempfile.mkdtemp(prefix="gpubroker-render-"))

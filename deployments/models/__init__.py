@@ -10,7 +10,7 @@ Built-ins are imported lazily, so importing this package does not import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from deployments.models.base import (
     EmulatedOOM,
@@ -20,12 +20,33 @@ from deployments.models.base import (
     module_bytes,
 )
 
-BUILTINS: dict[str, str] = {
-    "minilm": "deployments.models.minilm:MiniLmAdapter",
-    "mlp": "deployments.models.mlp:MlpAdapter",
-    "cnn": "deployments.models.cnn:CnnAdapter",
-    "profiled": "deployments.models.profiled:ProfiledAdapter",
-}
+
+def _minilm() -> type:
+    from deployments.models.minilm import MiniLmAdapter
+
+    return MiniLmAdapter
+
+
+def _mlp() -> type:
+    from deployments.models.mlp import MlpAdapter
+
+    return MlpAdapter
+
+
+def _cnn() -> type:
+    from deployments.models.cnn import CnnAdapter
+
+    return CnnAdapter
+
+
+def _profiled() -> type:
+    from deployments.models.profiled import ProfiledAdapter
+
+    return ProfiledAdapter
+
+
+# Built-in name -> its class, imported statically inside a function (so torch loads only when used).
+BUILTINS: dict[str, Callable[[], type]] = {"minilm": _minilm, "mlp": _mlp, "cnn": _cnn, "profiled": _profiled}
 
 __all__ = [
     "BUILTINS",
@@ -148,7 +169,7 @@ def resolve_model(ref: str) -> type[ModelAdapter]:
     if not isinstance(ref, str) or not ref:
         raise ModelRefError(f"model reference must be a non-empty string, got {ref!r}")
     builtin = ref in BUILTINS
-    obj = _import_ref(BUILTINS.get(ref, ref))
+    obj = BUILTINS[ref]() if builtin else _import_ref(ref)
     if not isinstance(obj, type):
         raise ModelRefError(f"model '{ref}': '{ref.partition(':')[2]}' is a {type(obj).__name__}, not a class")
     if not callable(getattr(obj, "predict", None)):

@@ -35,7 +35,8 @@ class Fleet:
 def fleet(tmp_path_factory):
     import ray
 
-    from deployments.cli_fleet import deploy, free_port, teardown, wait_serving
+    from deployments.fleet import deploy, teardown, wait_serving
+    from deployments.local_ray import free_port
     from quotas.config import parse_config_text
 
     text = FLEET_YAML.read_text()

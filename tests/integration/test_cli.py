@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deployments.cli_fleet import free_port
+from deployments.local_ray import free_port
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
@@ -19,7 +19,7 @@ ROOT = HERE.parent.parent
 
 
 def gpubroker(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "broker.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -6,7 +6,7 @@ exporter on a free port, some traffic, then ``/metrics`` is scraped over HTTP, p
 ``gpubroker status --json`` prints): grant bytes, max batch, config hash; then an ``apply``
 shows up as a new config hash and a successful reload.
 
-The fleet is started with the library functions of ``deployments/cli_fleet.py``
+The fleet is started with the library functions of ``deployments/fleet.py``
 (``deploy``, ``wait_serving``, ``teardown``), the same ones ``gpubroker up`` uses.
 """
 
@@ -24,7 +24,8 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from deployments.cli_fleet import deploy, example_inputs, free_port, teardown, wait_serving  # noqa: E402
+from deployments.fleet import deploy, example_inputs, teardown, wait_serving  # noqa: E402
+from deployments.local_ray import free_port  # noqa: E402
 from quotas.config import parse_config_text  # noqa: E402
 
 CONFIG = """
@@ -193,7 +194,7 @@ def test_live_views_against_the_running_broker(fleet):
 
     from rich.console import Console
 
-    from broker.live import follow_decisions, watch_status
+    from cli.live import follow_decisions, watch_status
 
     broker = fleet["broker"]
     console = Console(record=True, width=220, file=io.StringIO(), color_system=None)

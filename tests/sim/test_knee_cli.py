@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from bench.knee import RunSettings, bound, bound_batch, knee, oracle, reference_rate, with_cap
 from bench.sim_profile import profile_for
-from broker.cli import app
+from cli.main import app
 from tests.sim.conftest import fleet, profiled
 
 

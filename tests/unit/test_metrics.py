@@ -1,4 +1,4 @@
-"""Unit tests: broker/metrics.py (exporter), broker/live.py (CLI live views), the Grafana dashboard's queries."""
+"""Unit tests: broker/metrics.py (exporter), cli/live.py (CLI live views), the Grafana dashboard's queries."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from broker.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
+from cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
 from broker.metrics import BrokerMetrics, start_exporter
 from broker.types import FleetDecision, ModelDecision, QuotaMove, StatsReport
 
@@ -467,8 +467,8 @@ def test_broker_core_feeds_its_metrics():
 def _cli(monkeypatch, answers):
     from typer.testing import CliRunner
 
-    from broker.cli import app
-    from deployments import cli_fleet
+    from cli.main import app
+    from deployments import fleet
 
     calls = []
 
@@ -478,7 +478,7 @@ def _cli(monkeypatch, answers):
             raise KeyboardInterrupt  # ends the live loop like Ctrl-C
         return answers.pop(0)
 
-    monkeypatch.setattr(cli_fleet, "_http_get", fake_get)
+    monkeypatch.setattr(fleet, "http_get", fake_get)
     return CliRunner(), app, calls
 
 

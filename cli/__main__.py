@@ -1,0 +1,5 @@
+"""``python -m cli``: the ``gpubroker`` command."""
+
+from cli.main import app
+
+app()

@@ -1,0 +1,82 @@
+"""``gpubroker bench SCENARIO``: the live-stack benchmarks (``bench.scenarios_live``).
+
+Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
+
+
+def bench(
+    scenario: str = typer.Argument(..., help="seed | oracle | burst | overhead | trace | oracle-knee, or report (RESULTS.md from --out)"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
+    out: Path = typer.Option(Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."),
+    quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
+    time_scale: float = typer.Option(10.0, "--time-scale", help="Slow the profiled emulation by this factor (rates fall by it; ratios do not change)."),
+    seeds: int = typer.Option(3, "--seeds", min=1, max=5, help="Seeds per point (full runs; --quick uses 1)."),
+    peer: Optional[bool] = typer.Option(None, "--peer/--no-peer", help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes)."),
+    arrivals: str = typer.Option("poisson", "--arrivals", help="seed/oracle/oracle-knee/overhead arrivals: poisson, or gamma:CV (bursty; BENCHMARK.md uses CV 2 and 4)."),
+    models: str = typer.Option("", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."),
+) -> None:
+    """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps), or
+    ``report``: rebuild bench/RESULTS.md's tables from the results under --out (full runs) and
+    --out/quick (``--quick`` runs)."""
+    import json
+    import sys
+    import time
+
+    if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
+        from bench import results
+
+        if not any((out / f"{s}.json").exists() or (out / "quick" / f"{s}.json").exists() for s in results.SCENARIOS):
+            typer.echo(f"no scenario results under {out} (nor {out / 'quick'}); run `gpubroker bench SCENARIO --out {out}` "
+                       f"(and `--quick --out {out / 'quick'}`) first", err=True)
+            raise typer.Exit(2)
+        target = Path("bench/RESULTS.md")
+        results.write(target, results.build(out, plots_dir=target.parent / "results"))
+        typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
+        return
+    if scenario not in SCENARIO_NAMES:
+        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report)", err=True)
+        raise typer.Exit(2)
+    from bench.live_runs import parse_arrivals
+
+    try:
+        parse_arrivals(arrivals)
+    except ValueError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    from bench import plots
+    from bench import scenarios_live as live
+    from bench.scenarios_report import MD
+
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    o = live.Opts.make(quick, time_scale=time_scale, peer=(not quick) if peer is None else peer, log=log, seed_json=str(out / "seed.json"), arrivals=arrivals)
+    if not quick:
+        o.seeds = tuple(range(seeds))
+    t0 = time.time()
+    if scenario == "seed" and models:
+        res = live.seed(o, tuple(m.strip() for m in models.split(",") if m.strip()))
+    else:
+        res = live.SCENARIOS[scenario](o)
+    res["runtime_s"] = round(time.time() - t0, 1)
+    res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    res["quick"] = quick
+    res["arrivals"] = arrivals
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{scenario}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+    md = MD[scenario](res) + f"\n\nRuntime {res['runtime_s']:.0f} s{' (--quick)' if quick else ''}.\n"
+    (out / f"{scenario}.md").write_text(md, encoding="utf-8")
+    pngs = plots.plot(scenario, res, out)
+    if as_json:
+        print(json.dumps(res, default=str))
+    else:
+        print(md)
+        for p in pngs:
+            print(f"plot: {p}")

@@ -1,0 +1,135 @@
+"""The CLI's rich views: config and fleet-status tables, decision lines, simulator tables, errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.numbers import fmt
+from quotas.config import ConfigError, FleetConfig
+from quotas.sizes import format_size
+
+err_console = Console(stderr=True)
+
+
+# =============================================================================== config
+def print_config_error(exc: ConfigError) -> None:
+    err_console.print(f"[bold red]invalid config[/] {exc.source}: {len(exc.issues)} problem(s)")
+    for issue in exc.issues:
+        err_console.print(f"  - {issue}", markup=False, highlight=False)
+
+
+def config_table(cfg: FleetConfig, source: str) -> Table:
+    cap = cfg.gpu.capacity_bytes
+    usable = format_size(cfg.usable_bytes()) if cap is not None else "auto (measured at start)"
+    table = Table(title=f"{source}: {len(cfg.models)} model(s), device {cfg.gpu.device}, usable {usable}")
+    for col in ("model", "ref", "quota min/base/max", "batch", "wait ms", "P95 SLO ms", "prio", "replicas", "strategy"):
+        table.add_column(col)
+    for name, m in cfg.models.items():
+        table.add_row(
+            name,
+            m.model,
+            f"{format_size(m.quota.min)} / {format_size(m.quota.base)} / {format_size(m.quota.max)}",
+            f"{m.batch.floor}..{m.batch.ceiling} {m.batch.unit}",
+            f"{m.wait.min_ms:g}..{m.wait.max_ms:g}",
+            f"{m.slo_p95_ms:g}",
+            str(m.priority),
+            str(m.replicas),
+            m.control.strategy,
+        )
+    return table
+
+
+# =============================================================================== fleet
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def status_table(st: dict[str, Any]) -> Table:
+    title = (
+        f"gpubroker {st.get('config_hash')}  profile {st.get('profile')} (${st.get('price_per_gpu_hour', 0):g}/h)"
+        f"{'  DRY RUN' if st.get('dry_run') else ''}  granted {format_size(st.get('granted_bytes'))} of usable "
+        f"{format_size(st.get('usable_bytes'))}  ticks {st.get('ticks')}"
+    )
+    table = Table(title=title)
+    for col in ("model", "grant", "used", "max batch", "wait ms", "queue", "rps", "P95 ms", "SLO ms",
+                "attain", "ver", "repl", "admit", "$/1k"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, m in st.get("models", {}).items():
+        unit = " tok" if m.get("batch_unit") == "tokens" else ""
+        grant = format_size(m["grant_bytes"])
+        if m["grant_bytes"] > m.get("base_bytes", m["grant_bytes"]):
+            grant = f"[green]{grant}[/]"
+        elif m["grant_bytes"] < m.get("base_bytes", m["grant_bytes"]):
+            grant = f"[yellow]{grant}[/]"
+        att = m.get("attainment")
+        cost = m.get("cost_per_1k_requests")
+        table.add_row(
+            name, grant, format_size(m["used_bytes"]), f"{m['max_batch_size']}{unit}",
+            f"{m['batch_wait_timeout_s'] * 1000:.1f}", f"{m['queue_depth']:.0f}", f"{m['arrival_rate_rps']:.1f}",
+            _ms(m.get("p95_ms")), _ms(m.get("slo_p95_ms")), "-" if att is None else f"{att:.1%}",
+            str(m["settings_version"]), str(m["replicas"]), "yes" if m["admit"] else "[red]PAUSED[/]",
+            "-" if cost is None else f"{cost:.4f}",
+        )
+    return table
+
+
+def describe_decision(d: dict[str, Any]) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(d.get("time_s", 0))) + f".{int((d.get('time_s', 0) % 1) * 1000):03d}"
+    kind = d.get("kind")
+    if kind == "settings":
+        old, new = d["old"], d["new"]
+        parts = []
+        for key, label in (("max_batch_size", "batch"), ("batch_wait_timeout_s", "wait_s"), ("grant_bytes", "grant"), ("admit", "admit")):
+            if old[key] != new[key]:
+                a, b = old[key], new[key]
+                if key == "grant_bytes":
+                    a, b = format_size(a), format_size(b)
+                parts.append(f"{label} {a}->{b}")
+        tv = d.get("trigger_value")
+        trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
+        return f"#{d['seq']} {t} {d['model']}: {', '.join(parts) or 'no change'}  [{trig}]  {d.get('reason', '')}" + (
+            " (dry run)" if d.get("dry_run") else "")
+    if kind == "move":
+        return (f"#{d['seq']} {t} quota {d['move']}: {d.get('donor') or 'pool'} -> {d.get('recipient') or 'pool'} "
+                f"{format_size(d['amount_bytes'])}  {d.get('reason', '')}")
+    return f"#{d['seq']} {t} [{kind}] {d.get('reason', '')}"
+
+
+# =============================================================================== simulator
+def result_table(result: Any, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("model", "offered/s", "completed/s", "attain", "goodput/s", "p50 ms", "p95 ms", "p99 ms",
+                "cap ms", "mean batch", "ooms", "rejects", "timeouts"):
+        table.add_column(col, justify="right" if col != "model" else "left")
+    for name, m in result.models.items():
+        table.add_row(name, fmt(m.offered_rps), fmt(m.completed_rps), fmt(m.attainment, 3), fmt(m.goodput_rps),
+                      fmt(m.p50_ms), fmt(m.p95_ms), fmt(m.p99_ms), fmt(m.cap_ms), fmt(m.mean_batch),
+                      str(m.ooms), str(m.rejects), str(m.timeouts))
+    return table
+
+
+def validation_table(v: dict[str, Any]) -> Table:
+    t = Table(title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms, {v.get('batching', 'eager')} batching; reference {v['reference_rps']:.1f}/s, "
+                    f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("static 8 saturation /s", v["static8_saturation_rps"]),
+        ("static 8 saturation, lazy 8/(a+8c) /s", v.get("static8_saturation_lazy_rps")),
+        ("static 8 knee at S /s", v["static8_knee_rps"]),
+        ("broker knee at 1.2·S /s", v["broker_knee_rps"]),
+        ("oracle knee at 1.2·S /s", v.get("oracle_knee_rps")),
+        ("oracle arm", v.get("oracle_arm")),
+        ("bound (1-2a/C)/c /s", v["bound_rps"]),
+        ("knee gain broker/static 8", v["gain"]),
+        ("oracle gain", v.get("oracle_gain")),
+        ("broker / oracle", v.get("broker_vs_oracle")),
+        ("broker / bound", v["broker_vs_bound"]),
+    ]
+    for k, x in rows:
+        t.add_row(k, fmt(x, 2 if isinstance(x, float) and x < 10 else 1))
+    return t

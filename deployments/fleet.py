@@ -1,0 +1,438 @@
+"""The fleet's lifecycle, without a UI: the state file, deploy, wait for models, teardown, up and down.
+
+``up_fleet`` validates nothing (the caller loads the config), starts a local Ray head
+(``deployments.local_ray``) unless an address names one, starts the broker actor, deploys the
+Serve app and returns once every model has answered a real request. What it started is
+recorded in a state file (``~/.gpubroker/fleet.json``, or ``$GPUBROKER_STATE_DIR``) that the
+other commands read. Progress goes to an ``on_event`` callback as ``UpEvent``s (the CLI draws
+them with rich; the demo and tests can pass nothing). Read access to a running broker goes over
+HTTP (``/v1/status``, ``/v1/decisions``) when it can and through Ray otherwise.
+
+Ray, Serve and httpx are imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from deployments.ray_auth import adopt_auth_mode
+from deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
+from quotas.config import ConfigError, FleetConfig, parse_config_text
+
+APP_NAME = "gpubroker"
+
+
+# =============================================================================== state file
+def state_dir() -> Path:
+    return Path(os.environ.get("GPUBROKER_STATE_DIR") or Path.home() / ".gpubroker")
+
+
+def state_path() -> Path:
+    return state_dir() / "fleet.json"
+
+
+def read_state() -> dict[str, Any] | None:
+    try:
+        return json.loads(state_path().read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def write_state(state: dict[str, Any]) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def clear_state() -> None:
+    try:
+        state_path().unlink()
+    except FileNotFoundError:
+        pass
+
+
+# =============================================================================== Ray
+def connect(address: str | None) -> None:
+    """ray.init to a running cluster, quietly."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    state = read_state()
+    if state and state.get("started_ray") and address == state.get("address"):
+        adopt_auth_mode(state.get("auth_mode") or "token")  # as start_local_ray started it
+    try:
+        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False, namespace=APP_NAME)
+    except Exception as exc:  # noqa: BLE001
+        raise FleetError(
+            f"cannot connect to Ray at {address or 'auto'} ({exc}); is a fleet running? start one with `gpubroker up`"
+        ) from None
+
+
+def resolve_address(address: str | None) -> str | None:
+    if address:
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    state = read_state()
+    return state.get("address") if state else None
+
+
+# =============================================================================== deploy
+def example_inputs(cfg: FleetConfig) -> dict[str, Any]:
+    """One valid input per model, from the adapter's ``example_input`` (no weights loaded)."""
+    from deployments.models import resolve_model
+
+    out = {}
+    for name, spec in cfg.models.items():
+        try:
+            adapter = resolve_model(spec.model)(**spec.options)
+            out[name] = adapter.example_input(None)
+        except Exception:  # noqa: BLE001
+            out[name] = {}
+    return out
+
+
+def deploy(cfg: FleetConfig, config_text: str, *, http_host: str | None = None, http_port: int | None = None,
+           on_progress: Callable[[str, dict[str, Any]], None] | None = None, timeout_s: float = 600.0,
+           model_num_cpus: float | None = None):
+    """Start the broker and deploy the Serve app (Ray must be initialised). Returns the broker handle."""
+    from ray import serve
+
+    from broker.actor import start_broker
+    from deployments.app import MODEL_NUM_CPUS, fleet_apps, run_fleet
+
+    notify = on_progress or (lambda stage, info: None)
+    notify("broker", {})
+    broker = start_broker(config_text)
+    notify("broker-up", {})
+    host = http_host or cfg.broker.http_host
+    port = http_port or cfg.broker.http_port
+    serve.start(http_options={"host": host, "port": port})
+    # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
+    apps = fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME)
+    run_fleet(apps, logging_config={"enable_access_log": False})  # not waiting: progress below
+    deadline = time.time() + timeout_s
+    while True:
+        every = serve.status().applications
+        sts = {a.name: every.get(a.name) for a in apps}
+        deployments = {n: d.status.value if hasattr(d.status, "value") else str(d.status)
+                       for st in sts.values() if st for n, d in st.deployments.items()}
+        states = {name: (st.status.value if hasattr(st.status, "value") else str(st.status)) if st else "NOT_STARTED"
+                  for name, st in sts.items()}
+        failed = {name: s for name, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
+        app_status = next(iter(failed.values()), None) or ("RUNNING" if all(s == "RUNNING" for s in states.values())
+                                                          else "DEPLOYING")
+        notify("deploying", {"app": app_status, "deployments": deployments})
+        if app_status == "RUNNING":
+            break
+        if failed:
+            msgs = "; ".join(f"{name}: {(sts[name].message if sts[name] else '')[-1500:]}" for name in failed)
+            raise FleetError(f"Serve app {app_status}: {msgs}")
+        if time.time() > deadline:
+            raise FleetError(f"Serve app not running after {timeout_s:.0f}s: {deployments}")
+        time.sleep(1.0)
+    return broker
+
+
+def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
+    """Per model: (has an ``example_input``, the input, why not); no weights loaded."""
+    from deployments.first_requests import example_of
+    from deployments.models import resolve_model
+
+    out = {}
+    for name, spec in cfg.models.items():
+        try:
+            out[name] = example_of(resolve_model(spec.model)(**spec.options))
+        except Exception as exc:  # noqa: BLE001
+            out[name] = (False, None, f"adapter did not build here: {exc!r}")
+    return out
+
+
+def wait_serving(cfg: FleetConfig, base_url: str, timeout_s: float = 300.0,
+                 on_model: Callable[[str, int, float], None] | None = None,
+                 on_answer: Callable[[Any], None] | None = None) -> dict[str, float]:
+    """POST one real request (its ``example_input``) to every model until each answers 200;
+    returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing
+    stops the wait with the answer and the fix (``deployments.first_requests``). ``on_answer``
+    gets the ``FirstRequests`` record after every answer (each model's last answer)."""
+    import httpx
+
+    from deployments.first_requests import FirstRequests
+
+    first = FirstRequests.for_examples(first_examples(cfg))
+    done: dict[str, float] = {}
+    deadline = time.time() + timeout_s
+    if on_answer:
+        on_answer(first)
+    with httpx.Client(timeout=60.0) as client:
+        while first.asking():
+            for name in first.asking():
+                t0 = time.time()
+                try:
+                    r = client.post(f"{base_url}/v1/models/{name}/infer", json={"input": first.models[name].example})
+                    code, text = r.status_code, r.text[:300]
+                except httpx.HTTPError as exc:
+                    code, text = 0, repr(exc)
+                first.record(name, code, text, time.time())
+                if code == 200:
+                    done[name] = (time.time() - t0) * 1000.0
+                    if on_model:
+                        on_model(name, code, done[name])
+                if on_answer:
+                    on_answer(first)
+            refused = first.refused()
+            if refused:
+                raise FleetError(refused)
+            if first.asking():
+                if time.time() > deadline:
+                    missing = {n: f"{first.models[n].last_code} {first.models[n].last_text}" for n in first.asking()}
+                    raise FleetError(f"models did not answer within {timeout_s:.0f}s: {missing}")
+                time.sleep(0.5)
+    return done
+
+
+def teardown(cfg: FleetConfig | None = None, *, name: str = "gpubroker", namespace: str = "gpubroker") -> list[str]:
+    """serve.shutdown() and kill the broker (no restart). Ray must be initialised."""
+    import ray
+    from ray import serve
+
+    done = []
+    try:
+        serve.shutdown()
+        done.append("serve shut down")
+    except Exception as exc:  # noqa: BLE001
+        done.append(f"serve.shutdown failed: {exc!r}")
+    if cfg is not None:
+        name, namespace = cfg.broker.name, cfg.broker.namespace
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        done.append(f"broker {namespace}/{name} killed")
+    except ValueError:
+        done.append("no broker running")
+    return done
+
+
+# =============================================================================== up
+class UpStage(StrEnum):
+    """The steps of ``up_fleet``, in order; ``FAILED`` says the fleet stopped half-way."""
+
+    RAY = "ray"
+    BROKER = "broker"
+    MODELS = "models"
+    CALIBRATION = "calibration"
+    REQUESTS = "requests"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class UpEvent:
+    """One step of ``up_fleet`` moved: a UI shows one line (a bar) per stage."""
+
+    stage: UpStage
+    label: str | None = None  # what the stage is doing now; None keeps the last label
+    done: int | None = None  # units of the stage finished; None keeps the last count
+    total: int = 1  # units in the stage (1, or one per model)
+
+
+def up_fleet(cfg: FleetConfig, text: str, source: str, *, address: str | None = None, num_cpus: int | None = None,
+             ray_port: int = 0, timeout_s: float = 600.0,
+             on_event: Callable[[UpEvent], None] | None = None) -> dict[str, Any]:
+    """Ray (local unless ``address``), broker, Serve app, one answered request per model; returns the state.
+
+    The state file is written as soon as a local Ray is up, so ``down_fleet`` can clean up
+    after a failure; a failure after that emits ``UpStage.FAILED`` with the error and re-raises.
+    """
+    import ray
+
+    from broker.actor import start_broker
+
+    emit = on_event or (lambda event: None)
+    t0 = time.time()
+    state: dict[str, Any] = {"config": source, "config_text": text, "config_hash": cfg.config_hash(),
+                             "broker_name": cfg.broker.name, "broker_namespace": cfg.broker.namespace,
+                             "http_url": f"http://{cfg.broker.http_host}:{cfg.broker.http_port}",
+                             "started_ray": False, "pgid": None, "address": address}
+    n = len(cfg.models)
+    emit(UpEvent(UpStage.RAY, "Starting Ray", 0, 1))
+    if address:
+        emit(UpEvent(UpStage.RAY, f"Connecting to Ray at {address}", total=1))
+    else:
+        if not port_free(cfg.broker.http_port, cfg.broker.http_host):
+            raise FleetError(f"HTTP port {cfg.broker.http_host}:{cfg.broker.http_port} is in use; "
+                             "set broker.http_port to a free port or stop what holds it")
+        info = start_local_ray(num_cpus, ray_port)
+        state.update(address=info["address"], pgid=info["pgid"], started_ray=True, dashboard=info["dashboard"],
+                     auth_mode=info["auth_mode"], join=info["join"])
+        write_state(state)  # so `down` can clean up even if the rest fails
+    try:
+        connect(state["address"])
+    except FleetError:
+        if state["started_ray"]:
+            stop_local_ray(state["pgid"])
+            clear_state()
+        raise
+    emit(UpEvent(UpStage.RAY, f"Ray at {state['address']}", 1, 1))
+    emit(UpEvent(UpStage.BROKER, "Starting broker", 0, 1))
+    emit(UpEvent(UpStage.MODELS, "Loading models", 0, n))
+    emit(UpEvent(UpStage.CALIBRATION, "Calibrating", 0, n))
+    emit(UpEvent(UpStage.REQUESTS, "First requests", 0, n))
+    broker_ref: list[Any] = [None]
+
+    def calibrated() -> int:
+        st = ray.get(broker_ref[0].status.remote(), timeout=5)
+        return sum(1 for m in st["models"].values() if m.get("calibrated"))
+
+    def on_progress(stage: str, info: dict[str, Any]) -> None:
+        if stage == "broker-up":
+            emit(UpEvent(UpStage.BROKER, f"Broker {cfg.broker.namespace}/{cfg.broker.name}", 1, 1))
+        elif stage == "deploying":
+            deps = info.get("deployments", {})
+            healthy = sum(1 for k, v in deps.items() if k in cfg.models and v == "HEALTHY")
+            emit(UpEvent(UpStage.MODELS, f"Loading models ({info.get('app')})", healthy, n))
+            try:
+                emit(UpEvent(UpStage.CALIBRATION, done=calibrated(), total=n))
+            except Exception:  # noqa: BLE001 - the broker may not answer yet; the count waits
+                pass
+
+    def on_answer(first: Any) -> None:  # each model's last answer, in the bar's label
+        emit(UpEvent(UpStage.REQUESTS, first.label(), done=first.settled(), total=n))
+
+    try:
+        broker_ref[0] = start_broker(text)
+        on_progress("broker-up", {})
+        write_state(state)
+        deploy(cfg, text, on_progress=on_progress, timeout_s=timeout_s)
+        emit(UpEvent(UpStage.MODELS, "Models loaded", n, n))
+        st = ray.get(broker_ref[0].status.remote(), timeout=10)
+        emit(UpEvent(UpStage.CALIBRATION, done=sum(1 for m in st["models"].values() if m.get("calibrated")), total=n))
+        wait_serving(cfg, state["http_url"], timeout_s=timeout_s, on_answer=on_answer)
+        emit(UpEvent(UpStage.CALIBRATION, done=n, total=n))
+    except Exception as exc:
+        emit(UpEvent(UpStage.FAILED, str(exc)))
+        raise
+    state["up_s"] = round(time.time() - t0, 1)
+    write_state(state)
+    return state
+
+
+# =============================================================================== broker access
+def http_get(path: str, timeout_s: float = 5.0) -> Any | None:
+    """GET the broker's HTTP API at the recorded fleet's URL; None without a fleet, on error or non-200."""
+    state = read_state()
+    if not state or not state.get("http_url"):
+        return None
+    import httpx
+
+    try:
+        r = httpx.get(state["http_url"] + path, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def broker_handle(address: str | None):
+    """The running broker actor (connecting to Ray first); FleetError names how to start one."""
+    import ray
+
+    addr = resolve_address(address)
+    if addr is None:
+        raise FleetError("no fleet is running (no state file, no --address, no RAY_ADDRESS); start one with `gpubroker up`")
+    connect(addr)
+    state = read_state() or {}
+    name, ns = state.get("broker_name", "gpubroker"), state.get("broker_namespace", "gpubroker")
+    try:
+        return ray.get_actor(name, namespace=ns)
+    except ValueError:
+        raise FleetError(f"no broker '{name}' in namespace '{ns}' at {addr}; start the fleet with `gpubroker up`") from None
+
+
+def fetch_status(address: str | None) -> dict[str, Any]:
+    """The broker's status over HTTP, else through Ray; raises (FleetError, Ray errors) instead of exiting."""
+    st = None if address else http_get("/v1/status")
+    if st is None:
+        import ray
+
+        st = ray.get(broker_handle(address).status.remote(), timeout=30)
+    return st
+
+
+def fetch_decisions(address: str | None, model: str | None, since_seq: int) -> list[dict[str, Any]]:
+    """Decision-log entries after ``since_seq`` (one model's, or all), over HTTP, else through Ray."""
+    query = f"/v1/decisions?since_seq={since_seq}" + (f"&model={model}" if model else "")
+    out = None if address else http_get(query)
+    if out is None:
+        import ray
+
+        out = ray.get(broker_handle(address).decisions.remote(model, since_seq), timeout=30)
+    return out
+
+
+def apply_config(address: str | None, text: str, source: str) -> dict[str, Any]:
+    """Swap the running broker's config; on success the state file records it. Returns the broker's answer."""
+    import ray
+
+    result = ray.get(broker_handle(address).apply.remote(text), timeout=60)
+    if result["ok"]:
+        state = read_state()
+        if state:
+            state.update(config=source, config_text=text, config_hash=result["config_hash"])
+            write_state(state)
+    return result
+
+
+# =============================================================================== down
+class Note(StrEnum):
+    """How a line of ``down_fleet``'s report reads: a step done, or a warning."""
+
+    DONE = "done"
+    WARN = "warn"
+
+
+def down_fleet(address: str | None, report: Callable[[str, Note], None]) -> None:
+    """Shut Serve down, kill the broker and stop the local Ray that ``up_fleet`` started; each step is reported.
+
+    Raises FleetError when there is no fleet, or when Ray cannot be reached and this state file
+    did not start it (then there is nothing of ours to stop).
+    """
+    state = read_state()
+    addr = resolve_address(address)
+    if addr is None:
+        raise FleetError("no fleet is running (no state file, no --address, no RAY_ADDRESS); nothing to stop")
+    cfg = None
+    if state and state.get("config_text"):
+        try:
+            cfg = parse_config_text(state["config_text"])
+        except ConfigError:
+            cfg = None
+    try:
+        connect(addr)
+        for line in teardown(cfg):
+            report(line, Note.DONE)
+        import ray
+
+        ray.shutdown()
+    except FleetError as exc:
+        if not (state and state.get("started_ray")):
+            raise
+        report(str(exc), Note.WARN)
+    if state and state.get("started_ray") and not address:
+        pgid = state.get("pgid")
+        if not pgid and state.get("address"):  # not found at start: look the cluster up by its GCS port now
+            pgid = pgid_of_gcs(int(str(state["address"]).rsplit(":", 1)[-1]))
+        if stop_local_ray(pgid):
+            report(f"local Ray {state.get('address')} stopped", Note.DONE)
+        else:
+            report(f"could not find the processes of local Ray {state.get('address')}; "
+                   "stop it with `ray stop` if nothing else uses Ray here", Note.WARN)
+    if state and (not address or address == state.get("address")):
+        clear_state()
