@@ -1,0 +1,92 @@
+"""A Ray cluster of emulated cards on one machine, for the cluster tests (``ray.cluster_utils.Cluster``).
+
+``CardCluster(cfg)`` starts one Ray node per node named in the config's ``gpus:`` (the first is
+the head), each declaring its cards as custom resources (``gpubroker_card_<id>: 1000``) and the
+``gpubroker.io/node`` label, exactly what ``deployments.placement_resources.node_start_args``
+tells a user to pass to ``ray start``. Nodes get few CPUs (this machine has two cores for all).
+One ``CardCluster`` per test module: start it in a module fixture, ``shutdown()`` at the end.
+
+    cc = CardCluster(load_config("configs/cluster-demo.yaml"))
+    cc.node_of_card("b0")   # Ray node id of the node holding card b0
+    cc.kill_node("node-b")  # node loss
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from deployments.placement_resources import node_labels, node_resources
+from quotas.cards import Card, fleet_cards
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, every_s: float = 0.5, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise AssertionError(f"{what} not reached in {timeout_s:.0f} s (last: {last!r})")
+
+
+class CardCluster:
+    """One Ray node per config node, its emulated cards declared as resources; the driver connected."""
+
+    def __init__(self, cfg: Any, *, num_cpus_per_node: float = 1, namespace: str = "gpubroker-cluster-test") -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.cards: tuple[Card, ...] = fleet_cards(cfg.gpu, cfg.gpus)
+        self.node_names: list[str] = list(dict.fromkeys(c.node for c in self.cards))
+        self.cluster = Cluster(shutdown_at_exit=True)
+        self.nodes: dict[str, Any] = {}
+        for name in self.node_names:
+            mine = [c for c in self.cards if c.node == name]
+            args: dict[str, Any] = {"num_cpus": num_cpus_per_node, "resources": node_resources(mine),
+                                    "labels": node_labels(name, mine)}
+            if not self.nodes:
+                args["include_dashboard"] = False
+            self.nodes[name] = self.cluster.add_node(**args)
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace=namespace, logging_level="ERROR", log_to_driver=False)
+        self.head = self.node_names[0]
+
+    def node_id(self, name: str) -> str:
+        return self.nodes[name].node_id
+
+    def node_of_card(self, card_id: str) -> str:
+        """Ray node id of the (alive) node declaring the card's resource."""
+        from deployments.cluster_discovery import card_nodes
+
+        return card_nodes()[card_id]
+
+    def kill_node(self, name: str) -> None:
+        """Node loss: every process of that node, at once (not the head: the driver lives there)."""
+        if name == self.head:
+            raise ValueError(f"{name} is the head node (the driver is connected to it); kill a worker node")
+        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
+
+    def add_node(self, name: str) -> None:
+        """Bring a node (back) with its cards."""
+        mine = [c for c in self.cards if c.node == name]
+        self.nodes[name] = self.cluster.add_node(num_cpus=1, resources=node_resources(mine), labels=node_labels(name, mine))
+        self.cluster.wait_for_nodes()
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            from ray import serve
+
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - Serve may never have started
+            pass
+        ray.shutdown()
+        self.cluster.shutdown()
