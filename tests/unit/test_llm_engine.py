@@ -185,3 +185,23 @@ def test_kv_cache_resize_waits_for_a_drain_and_keeps_greedy_output():
         return s
 
     run(body, kv_cache_blocks=32)
+
+
+def test_a_failed_cache_rebuild_keeps_serving_on_the_old_size():
+    async def body(engine):
+        build = engine._build_manager
+
+        def failing(num_blocks):
+            if num_blocks == 8:
+                raise MemoryError("no room for the new cache")
+            return build(num_blocks)
+
+        engine._build_manager = failing
+        engine.set_kv_cache_blocks(8)
+        await engine.wait_rebuilt()
+        s = engine.stats()
+        assert (s.kv_blocks_total, s.kv_blocks_target, s.rebuilds) == (32, 32, 0)
+        tokens, last = await engine.submit("after", PROMPT, 8).collect()
+        assert tokens and last.finish_reason is not FinishReason.ERROR
+
+    run(body, kv_cache_blocks=32)
