@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv test test-fast test-integration chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
+.PHONY: venv lint test test-fast test-integration chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +19,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Pure and simulator tests first, then real Ray Serve in a process of its own (a Ray session
-# torn down in a process can leave Serve's batching metrics hanging in later tests).
-test: $(STAMP)
+# ruff: lint rules and formatting (pyproject.toml [tool.ruff]); `make test` runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Lint, then pure and simulator tests, then real Ray Serve in a process of its own (a Ray
+# session torn down in a process can leave Serve's batching metrics hanging in later tests).
+test: lint
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 300 tests/unit tests/sim tests/gpu
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/integration
 

@@ -42,7 +42,9 @@ def screen_grid(w: Workload, cap_ms: float, rates: list[float], top: int, o: Opt
             if (g, p95) in seen:
                 continue
             seen.add((g, p95))
-            picked.append({"arm": f"static:{bt}:{wt:g}", "batch": bt, "wait_ms": wt, "sim_goodput_rps": -g, "sim_p95_ms": p95})
+            picked.append(
+                {"arm": f"static:{bt}:{wt:g}", "batch": bt, "wait_ms": wt, "sim_goodput_rps": -g, "sim_p95_ms": p95}
+            )
             if len(picked) == top:
                 break
         out[r] = picked
@@ -66,14 +68,24 @@ def oracle(o: Opts) -> dict[str, Any]:
     ref = ref_doc["reference_rps"]
     mults = (1.0, 5.0, 10.0) if o.quick else (1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0)
     top = 1 if o.quick else 2
-    o = Opts(**{**o.__dict__, "min_requests": 150 if not o.quick else 100, "max_window_s": 20.0 if not o.quick else 12.0})
+    o = Opts(
+        **{**o.__dict__, "min_requests": 150 if not o.quick else 100, "max_window_s": 20.0 if not o.quick else 12.0}
+    )
     rates = [ref * m for m in mults]
     o.log(f"[oracle] reference {ref:.2f}/s, cap 1.2·S {cap:.0f} ms; screening the static grid in the simulator")
     cands = screen_grid(w, cap, rates, top, o)
-    res: dict[str, Any] = {"scenario": "oracle", "machine": sc.machine_info(), "workload": w.label, "cap_ms": cap,
-                           "reference_rps": ref, "reference": ref_doc, "time_scale": k,
-                           "grid": [f"static:{b}:{wt * k:g}" for b in GRID_BATCHES for wt in GRID_WAITS_MS],
-                           "screen": {f"{r:.3f}": c for r, c in cands.items()}, "rates": []}
+    res: dict[str, Any] = {
+        "scenario": "oracle",
+        "machine": sc.machine_info(),
+        "workload": w.label,
+        "cap_ms": cap,
+        "reference_rps": ref,
+        "reference": ref_doc,
+        "time_scale": k,
+        "grid": [f"static:{b}:{wt * k:g}" for b in GRID_BATCHES for wt in GRID_WAITS_MS],
+        "screen": {f"{r:.3f}": c for r, c in cands.items()},
+        "rates": [],
+    }
     warm = {w.model: w.body}
     with sc.Stack() as stack:
         br = fleet_target(stack, {w.model: w.spec(cap)}, "brk", warm)
@@ -107,22 +119,31 @@ def oracle(o: Opts) -> dict[str, Any]:
         statics = {arm: m.goodput_rps for arm, m in static_rows[r].items()}
         best_arm = max(statics, key=lambda a: (statics[a], -(static_rows[r][a].summary[w.model].p95_ms or 1e9)))
         atts = [m.summary[w.model].attainment for m in broker_rows[r]]
-        res["rates"].append({
-            "rate_rps": r, "broker_goodput_rps": gb, "broker_attainment": atts[0],
-            "broker_attainment_seeds": atts, "broker_goodput_seeds": [m.goodput_rps for m in broker_rows[r]],
-            "broker_p95_ms": b0m.summary[w.model].p95_ms,
-            "broker_p95_seeds_ms": [m.summary[w.model].p95_ms for m in broker_rows[r]],
-            "broker_mean_batch": b0m.batch[w.model]["mean_batch"],
-            "broker_settings": b0m.extra.get("settings"),
-            "broker_decisions": b0m.extra.get("decisions"),
-            "static_goodput_rps": statics, "best_static": best_arm, "best_static_goodput_rps": statics[best_arm],
-            "oracle_ratio": gb / statics[best_arm] if statics[best_arm] > 0 else None,
-            "oracle_ratio_floor": min(atts),
-            "static_p95_ms": {arm: m.summary[w.model].p95_ms for arm, m in static_rows[r].items()},
-            "static_attainment": {arm: m.summary[w.model].attainment for arm, m in static_rows[r].items()},
-        })
-        o.log(f"[oracle] {r:6.1f}/s  broker {gb:6.1f}/s  best {best_arm} {statics[best_arm]:6.1f}/s  "
-              f"ratio {res['rates'][-1]['oracle_ratio']}  broker attainment over seeds {min(atts):.3f}..{max(atts):.3f}")
+        res["rates"].append(
+            {
+                "rate_rps": r,
+                "broker_goodput_rps": gb,
+                "broker_attainment": atts[0],
+                "broker_attainment_seeds": atts,
+                "broker_goodput_seeds": [m.goodput_rps for m in broker_rows[r]],
+                "broker_p95_ms": b0m.summary[w.model].p95_ms,
+                "broker_p95_seeds_ms": [m.summary[w.model].p95_ms for m in broker_rows[r]],
+                "broker_mean_batch": b0m.batch[w.model]["mean_batch"],
+                "broker_settings": b0m.extra.get("settings"),
+                "broker_decisions": b0m.extra.get("decisions"),
+                "static_goodput_rps": statics,
+                "best_static": best_arm,
+                "best_static_goodput_rps": statics[best_arm],
+                "oracle_ratio": gb / statics[best_arm] if statics[best_arm] > 0 else None,
+                "oracle_ratio_floor": min(atts),
+                "static_p95_ms": {arm: m.summary[w.model].p95_ms for arm, m in static_rows[r].items()},
+                "static_attainment": {arm: m.summary[w.model].attainment for arm, m in static_rows[r].items()},
+            }
+        )
+        o.log(
+            f"[oracle] {r:6.1f}/s  broker {gb:6.1f}/s  best {best_arm} {statics[best_arm]:6.1f}/s  "
+            f"ratio {res['rates'][-1]['oracle_ratio']}  broker attainment over seeds {min(atts):.3f}..{max(atts):.3f}"
+        )
     return res
 
 
@@ -165,18 +186,31 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
     start = ref_doc["reference_rps"] * 10.0
     try:
         seed_doc = json.loads(open(o.seed_json, encoding="utf-8").read()) if o.seed_json else {}
-        broker_knee = next((r["broker"]["knee_rps"] for r in seed_doc.get("results", []) if r.get("workload") == w.label), None)
+        broker_knee = next(
+            (r["broker"]["knee_rps"] for r in seed_doc.get("results", []) if r.get("workload") == w.label), None
+        )
     except (OSError, ValueError, KeyError):
         broker_knee = None
     if broker_knee:
         start = broker_knee
     top = 2 if o.quick else 3
     cands = screen_knees(w, cap, start, top, o)
-    o.log(f"[oracle-knee] cap 1.2·S {cap:.0f} ms; the simulator's highest static knees: "
-          + ", ".join(f"{c['arm']} ({c['sim_knee_rps']:.1f}/s)" for c in cands))
-    res: dict[str, Any] = {"scenario": "oracle-knee", "machine": sc.machine_info(), "workload": w.label, "cap_ms": cap,
-                           "reference": ref_doc, "time_scale": o.time_scale, "broker_knee_rps": broker_knee,
-                           "screen_rate_rps": start, "screen": cands, "arms": []}
+    o.log(
+        f"[oracle-knee] cap 1.2·S {cap:.0f} ms; the simulator's highest static knees: "
+        + ", ".join(f"{c['arm']} ({c['sim_knee_rps']:.1f}/s)" for c in cands)
+    )
+    res: dict[str, Any] = {
+        "scenario": "oracle-knee",
+        "machine": sc.machine_info(),
+        "workload": w.label,
+        "cap_ms": cap,
+        "reference": ref_doc,
+        "time_scale": o.time_scale,
+        "broker_knee_rps": broker_knee,
+        "screen_rate_rps": start,
+        "screen": cands,
+        "arms": [],
+    }
     warm = {w.model: w.body}
     with sc.Stack() as stack:
         st = fleet_target(stack, {w.model: w.static_spec(cap, cands[0]["batch"], cands[0]["wait_ms"])}, "oknee", warm)
@@ -184,9 +218,14 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
             for c in cands:
                 b, wt = c["batch"], c["wait_ms"]
                 st.set_static({w.model: (b, wt)})
-                kn, rows = sc.live_knee(lambda r: run_arm(st, w.model, r, 0, cap, o, w.body), start, step=1.1,
-                                        bisect_iters=1, max_runs=3 if o.quick else 5,
-                                        on_row=say_row(o, f"static {b}/{wt:g}"))
+                kn, rows = sc.live_knee(
+                    lambda r: run_arm(st, w.model, r, 0, cap, o, w.body),
+                    start,
+                    step=1.1,
+                    bisect_iters=1,
+                    max_runs=3 if o.quick else 5,
+                    on_row=say_row(o, f"static {b}/{wt:g}"),
+                )
                 res["arms"].append({"arm": c["arm"], "knee_rps": kn, "rows": rows})
                 o.log(f"[oracle-knee] {c['arm']} knee at 1.2·S: {kn:.1f}/s")
         finally:

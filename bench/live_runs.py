@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,10 +41,20 @@ class Opts:
     out: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def make(cls, quick: bool, **kw: Any) -> "Opts":
+    def make(cls, quick: bool, **kw: Any) -> Opts:
         if quick:
-            return cls(quick=True, seeds=(0,), duration_s=12.0, warmup_s=4.0, static_warmup_s=1.5, cooldown_s=0.5,
-                       min_requests=100, min_window_s=5.0, max_window_s=16.0, **kw)
+            return cls(
+                quick=True,
+                seeds=(0,),
+                duration_s=12.0,
+                warmup_s=4.0,
+                static_warmup_s=1.5,
+                cooldown_s=0.5,
+                min_requests=100,
+                min_window_s=5.0,
+                max_window_s=16.0,
+                **kw,
+            )
         return cls(quick=False, **kw)
 
 
@@ -90,9 +101,19 @@ def knee_arrivals(o: Opts, rate: float, seed: int, adaptive: bool) -> tuple[np.n
     return times[times >= shift] - shift, warm, duration
 
 
-def run_arm(target: Any, model: str, rate: float, seed: int, cap_ms: float, o: Opts, body: bytes,
-         times: np.ndarray | None = None, tokens: np.ndarray | None = None, bodyf: Callable[[int], bytes] | None = None,
-         fixed: bool = False) -> sc.Measurement:
+def run_arm(
+    target: Any,
+    model: str,
+    rate: float,
+    seed: int,
+    cap_ms: float,
+    o: Opts,
+    body: bytes,
+    times: np.ndarray | None = None,
+    tokens: np.ndarray | None = None,
+    bodyf: Callable[[int], bytes] | None = None,
+    fixed: bool = False,
+) -> sc.Measurement:
     """One run at ``rate``. Knee runs size their window by the rate (``run_length``); ``fixed``
     runs (and given ``times``) use ``o.duration_s`` / ``o.warmup_s`` as they are."""
     if hasattr(target, "idle"):
@@ -108,8 +129,18 @@ def run_arm(target: Any, model: str, rate: float, seed: int, cap_ms: float, o: O
     sched = lg.plan(model, times, bodyf or body, tokens)
     _, client_t = timeouts(cap_ms)
     seq0 = sc.decisions_since(target, 0, model)[1] if dynamic else 0
-    m = sc.measure(target, sched, duration, {model: cap_ms}, warmup_s=warm, cooldown_s=o.cooldown_s,
-                   rate=rate, seed=seed, poll=fleet, timeout_s=client_t)
+    m = sc.measure(
+        target,
+        sched,
+        duration,
+        {model: cap_ms},
+        warmup_s=warm,
+        cooldown_s=o.cooldown_s,
+        rate=rate,
+        seed=seed,
+        poll=fleet,
+        timeout_s=client_t,
+    )
     m.extra["window_s"] = round(duration - warm - o.cooldown_s, 2)
     if fleet:  # what the replicas were told during the measured window (status polls)
         m.extra["settings"] = lg.settings_seen(m.status_samples, model, warm, duration - o.cooldown_s)
@@ -125,21 +156,30 @@ def say_row(o: Opts, label: str) -> Callable[[dict[str, Any]], None]:
         cap = (st.get("max_batch_size") or {}).get("median")
         wait = (st.get("batch_wait_timeout_s") or {}).get("median")
         told = f"  set cap {cap:g} wait {wait * 1000:.0f} ms" if cap is not None and wait is not None else ""
-        o.log(f"  {label:<14} rate {row['rate']:7.2f}/s  {'PASS' if row['pass'] else 'fail'}  P95 {m['p95_ms']} ms "
-              f"(cap {m['cap_ms']})  att {m['attainment']:.3f}  batch {None if m['mean_batch'] is None else round(m['mean_batch'], 1)}"
-              f"  lag99 {m['send_lag_p99_ms']}{told}  decisions {len(row.get('decisions') or [])}")
+        o.log(
+            f"  {label:<14} rate {row['rate']:7.2f}/s  {'PASS' if row['pass'] else 'fail'}  P95 {m['p95_ms']} ms "
+            f"(cap {m['cap_ms']})  att {m['attainment']:.3f}  batch {None if m['mean_batch'] is None else round(m['mean_batch'], 1)}"
+            f"  lag99 {m['send_lag_p99_ms']}{told}  decisions {len(row.get('decisions') or [])}"
+        )
+
     return f
 
 
 def pooled_fit(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
     """Pool the per-run fits (weighted by batches seen) into one a, c."""
-    pts = [(r["models"][model]["fit_a_ms"], r["models"][model]["fit_c_ms"], r["models"][model]["fit_batches"])
-           for r in rows if model in r["models"] and r["models"][model].get("fit_a_ms") is not None]
+    pts = [
+        (r["models"][model]["fit_a_ms"], r["models"][model]["fit_c_ms"], r["models"][model]["fit_batches"])
+        for r in rows
+        if model in r["models"] and r["models"][model].get("fit_a_ms") is not None
+    ]
     if not pts:
         return {"a_ms": None, "c_ms": None}
     w = np.array([p[2] for p in pts], dtype=float)
-    return {"a_ms": float(np.average([p[0] for p in pts], weights=w)), "c_ms": float(np.average([p[1] for p in pts], weights=w)),
-            "batches": int(w.sum())}
+    return {
+        "a_ms": float(np.average([p[0] for p in pts], weights=w)),
+        "c_ms": float(np.average([p[1] for p in pts], weights=w)),
+        "batches": int(w.sum()),
+    }
 
 
 # ------------------------------------------------------------------------------ workloads
@@ -182,21 +222,43 @@ class Workload:
 
 
 def profiled_workload(k: float, a_ms: float = 20.0, c_ms: float = 0.5) -> Workload:
-    return Workload(f"profiled a={a_ms:g} c={c_ms:g} (x{k:g} slow: a={a_ms * k:g} c={c_ms * k:g}; EMULATION)", "prof",
-                    "profiled", {"a_ms": a_ms * k, "c_ms": c_ms * k, "weights_bytes": 16 * sc.MiB,
-                                 "bytes_per_item": 256 * 1024, "unit": "requests"},
-                    a_ms * k, c_ms * k, static_wait_ms=10.0 * k)
+    return Workload(
+        f"profiled a={a_ms:g} c={c_ms:g} (x{k:g} slow: a={a_ms * k:g} c={c_ms * k:g}; EMULATION)",
+        "prof",
+        "profiled",
+        {
+            "a_ms": a_ms * k,
+            "c_ms": c_ms * k,
+            "weights_bytes": 16 * sc.MiB,
+            "bytes_per_item": 256 * 1024,
+            "unit": "requests",
+        },
+        a_ms * k,
+        c_ms * k,
+        static_wait_ms=10.0 * k,
+    )
 
 
 def minilm_workload(tokens: int = 64) -> Workload:
-    return Workload(f"minilm ({tokens} tokens/request, real CPU compute, 1 thread)", "minilm", "minilm",
-                    {"threads": 1, "max_tokens": 256}, None, None, tokens=tokens, static_wait_ms=10.0, emulated=False)
+    return Workload(
+        f"minilm ({tokens} tokens/request, real CPU compute, 1 thread)",
+        "minilm",
+        "minilm",
+        {"threads": 1, "max_tokens": 256},
+        None,
+        None,
+        tokens=tokens,
+        static_wait_ms=10.0,
+        emulated=False,
+    )
 
 
-def fleet_target(stack: sc.Stack, specs: dict[str, dict[str, Any]], tag: str, warm: dict[str, bytes],
-           capacity: str = "8GiB") -> sc.FleetTarget:
-    text = sc.fleet_yaml(specs, broker_name=f"bench-{tag}-{int(time.time() * 1000) % 10**8}", http_port=stack.port,
-                         capacity=capacity)
+def fleet_target(
+    stack: sc.Stack, specs: dict[str, dict[str, Any]], tag: str, warm: dict[str, bytes], capacity: str = "8GiB"
+) -> sc.FleetTarget:
+    text = sc.fleet_yaml(
+        specs, broker_name=f"bench-{tag}-{int(time.time() * 1000) % 10**8}", http_port=stack.port, capacity=capacity
+    )
     return stack.deploy_fleet(text, app=f"fleet-{tag}", warm_models=warm)
 
 
@@ -204,10 +266,11 @@ def start_peer(stack: sc.Stack, w: Workload, cap_ms: float, max_batch: int, o: O
     from bench.peer.runner import PeerServer, ensure_venv
 
     ensure_venv(o.log)
-    p = PeerServer(w.ref, w.options, w.model, max_batch, cap_ms, sc.free_port(), log_path="/tmp/gpubroker-bench-peer.log")
+    p = PeerServer(
+        w.ref, w.options, w.model, max_batch, cap_ms, sc.free_port(), log_path="/tmp/gpubroker-bench-peer.log"
+    )
     p.wait_ready(json.loads(w.body))
     return p
-
 
 
 SIM_S_MS = 50.0  # S of a=20/c=0.5 in the simulator with eager batching (README, "First result")
@@ -224,10 +287,16 @@ def measured_reference(o: Opts, w: Workload) -> dict[str, Any]:
     if doc and float(doc.get("time_scale", -1)) == float(o.time_scale):
         for r in doc.get("results", []):
             if r.get("workload") == w.label and r.get("S_ms"):
-                return {"source": f"measured by `bench seed` ({doc.get('machine', {}).get('date')})",
-                        "static8_saturation_rps": r["static8_saturation_rps"], "reference_rps": r["reference_rps"],
-                        "S_ms": r["S_ms"]}
+                return {
+                    "source": f"measured by `bench seed` ({doc.get('machine', {}).get('date')})",
+                    "static8_saturation_rps": r["static8_saturation_rps"],
+                    "reference_rps": r["reference_rps"],
+                    "S_ms": r["S_ms"],
+                }
     sat = sc.eager_saturation(8, w.static_wait_ms, w.a_ms, w.c_ms)
-    return {"source": "eager-batching model (no seed result at this time scale)", "static8_saturation_rps": sat,
-            "reference_rps": 0.5 * sat, "S_ms": SIM_S_MS * o.time_scale}
-
+    return {
+        "source": "eager-batching model (no seed result at this time scale)",
+        "static8_saturation_rps": sat,
+        "reference_rps": 0.5 * sat,
+        "S_ms": SIM_S_MS * o.time_scale,
+    }

@@ -54,33 +54,62 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
         rows_sat: list[dict[str, Any]] = []
         if q:
             sat8 = sat_model
-            o.log(f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; --quick: static 8 saturation from the "
-                  f"eager model {sat_model:.1f}/s (lazy {sat_lazy:.1f}/s), not measured")
+            o.log(
+                f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; --quick: static 8 saturation from the "
+                f"eager model {sat_model:.1f}/s (lazy {sat_lazy:.1f}/s), not measured"
+            )
         else:
-            o.log(f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; static 8 saturation: lazy {sat_lazy:.1f}/s, "
-                  f"eager model {sat_model:.1f}/s; measuring it live (loose cap {loose:.0f} ms)")
+            o.log(
+                f"[seed] {w.label}: a={a_ms:.2f} c={c_req:.3f} ms/request; static 8 saturation: lazy {sat_lazy:.1f}/s, "
+                f"eager model {sat_model:.1f}/s; measuring it live (loose cap {loose:.0f} ms)"
+            )
             # from under the model's estimate, 10 % steps, three runs; real compute (MiniLM)
             # shares the 2 CPUs with the HTTP path, so there the model is further off (measured
             # 32/s against 43/s): an overloaded run costs twice a passing one
             start_sat = (0.9 if w.emulated else 0.75) * sat_model
-            ksat, rows_sat = sc.live_knee(lambda r: run_arm(st, w.model, r, 0, loose, o, w.body), start_sat, step=1.1,
-                                          bisect_iters=0, max_runs=3, on_row=say_row(o, "static 8 sat"))
+            ksat, rows_sat = sc.live_knee(
+                lambda r: run_arm(st, w.model, r, 0, loose, o, w.body),
+                start_sat,
+                step=1.1,
+                bisect_iters=0,
+                max_runs=3,
+                on_row=say_row(o, "static 8 sat"),
+            )
             sat8 = ksat if ksat > 0 else sat_model
         ref = 0.5 * sat8
         s_runs = [run_arm(st, w.model, ref, s, 10_000, o, w.body) for s in o.seeds]
         s_ms = float(np.median([m.summary[w.model].p95_ms for m in s_runs]))
         cap = 1.2 * s_ms
-        o.log(f"[seed] static-8 saturation {sat8:.1f}/s ({'model' if q else 'measured'}; lazy bound {sat_lazy:.1f}/s), "
-              f"reference {ref:.1f}/s, S = {s_ms:.0f} ms, cap 1.2·S = {cap:.0f} ms")
-        out.update({"a_nominal_ms": a_ms, "c_nominal_ms": c_req, "static8_saturation_rps": sat8,
-                    "static8_saturation_measured": not q,
-                    "static8_saturation_lazy_rps": sat_lazy, "static8_saturation_eager_model_rps": sat_model,
-                    "saturation_loose_cap_ms": loose, "saturation_rows": rows_sat, "reference_rps": ref,
-                    "reference_lazy_rps": 0.5 * sat_lazy,
-                    "S_ms": s_ms, "cap_ms": cap, "S_rows": [m.row() for m in s_runs]})
+        o.log(
+            f"[seed] static-8 saturation {sat8:.1f}/s ({'model' if q else 'measured'}; lazy bound {sat_lazy:.1f}/s), "
+            f"reference {ref:.1f}/s, S = {s_ms:.0f} ms, cap 1.2·S = {cap:.0f} ms"
+        )
+        out.update(
+            {
+                "a_nominal_ms": a_ms,
+                "c_nominal_ms": c_req,
+                "static8_saturation_rps": sat8,
+                "static8_saturation_measured": not q,
+                "static8_saturation_lazy_rps": sat_lazy,
+                "static8_saturation_eager_model_rps": sat_model,
+                "saturation_loose_cap_ms": loose,
+                "saturation_rows": rows_sat,
+                "reference_rps": ref,
+                "reference_lazy_rps": 0.5 * sat_lazy,
+                "S_ms": s_ms,
+                "cap_ms": cap,
+                "S_rows": [m.row() for m in s_runs],
+            }
+        )
         # S is static 8's P95 at the reference, so its knee under S sits near the reference
-        k8, rows8 = sc.live_knee(lambda r: run_arm(st, w.model, r, 0, s_ms, o, w.body), ref, step=1.1,
-                                 bisect_iters=0 if q else 1, max_runs=2 if q else 3, on_row=say_row(o, "static 8"))
+        k8, rows8 = sc.live_knee(
+            lambda r: run_arm(st, w.model, r, 0, s_ms, o, w.body),
+            ref,
+            step=1.1,
+            bisect_iters=0 if q else 1,
+            max_runs=2 if q else 3,
+            on_row=say_row(o, "static 8"),
+        )
         out["static8"] = {"knee_rps": k8, "rows": rows8}
         o.log(f"[seed] static 8 knee at S: {k8:.1f}/s")
         if len(o.seeds) > 1 and k8 > 0:  # the knee again with the other seeds
@@ -95,8 +124,14 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
     br = fleet_target(stack, {w.model: bspec}, "brk", warm)
     try:
         # the app stays up across the search: the broker follows each new rate (warm-up o.warmup_s)
-        kb, rowsb = sc.live_knee(lambda r: run_arm(br, w.model, r, 0, cap, o, w.body), start, step=1.2 if q else 1.15,
-                                 bisect_iters=1 if q else 2, max_runs=4 if q else 6, on_row=say_row(o, "broker"))
+        kb, rowsb = sc.live_knee(
+            lambda r: run_arm(br, w.model, r, 0, cap, o, w.body),
+            start,
+            step=1.2 if q else 1.15,
+            bisect_iters=1 if q else 2,
+            max_runs=4 if q else 6,
+            on_row=say_row(o, "broker"),
+        )
         out["broker"] = {"knee_rps": kb, "rows": rowsb}
         o.log(f"[seed] broker knee at 1.2·S: {kb:.1f}/s (bound {bd:.1f}/s)")
         if len(o.seeds) > 1 and kb > 0:
@@ -109,16 +144,28 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
     c_fit = fitb["c_ms"] if fitb["c_ms"] is not None else c_req
     if w.kind == "minilm" and fitb["c_ms"] is not None:
         c_fit = fitb["c_ms"] * w.tokens
-    out.update({"bound_rps": bd, "bound_batch": bound_batch(a_ms, c_req, cap),
-                "bound_fitted_rps": bound(a_fit, c_fit, cap), "gain": kb / k8 if k8 else None,
-                "broker_vs_bound": kb / bd if bd else None})
+    out.update(
+        {
+            "bound_rps": bd,
+            "bound_batch": bound_batch(a_ms, c_req, cap),
+            "bound_fitted_rps": bound(a_fit, c_fit, cap),
+            "gain": kb / k8 if k8 else None,
+            "broker_vs_bound": kb / bd if bd else None,
+        }
+    )
     if o.peer:
         try:
             p = start_peer(stack, w, cap, 128, o)
             try:
                 # from the broker's knee (the two are close on this stack): fewer runs to bracket it
-                kp, rowsp = sc.live_knee(lambda r: run_arm(p, w.model, r, 0, cap, o, w.body), kb if kb > 0 else start,
-                                         step=1.1, bisect_iters=1, max_runs=4 if q else 5, on_row=say_row(o, "bentoml"))
+                kp, rowsp = sc.live_knee(
+                    lambda r: run_arm(p, w.model, r, 0, cap, o, w.body),
+                    kb if kb > 0 else start,
+                    step=1.1,
+                    bisect_iters=1,
+                    max_runs=4 if q else 5,
+                    on_row=say_row(o, "bentoml"),
+                )
                 # one seed (the 15-minute budget): the gain's two knees get the other seeds
                 out["bentoml"] = {"knee_rps": kp, "rows": rowsp, "max_batch_size": 128, "max_latency_ms": cap}
                 out["broker_vs_bentoml"] = kb / kp if kp else None
@@ -139,4 +186,3 @@ def seed(o: Opts, models: tuple[str, ...] | None = None) -> dict[str, Any]:
             w = profiled_workload(o.time_scale) if m == "profiled" else minilm_workload()
             res["results"].append(seed_one(stack, w, o))
     return res
-

@@ -15,7 +15,8 @@ EMULATION (``profiled`` sleeps a + c·b) and the tables say so; MiniLM is real c
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench.live_load import burst, overhead, trace
 from bench.live_oracle import oracle, oracle_knee
@@ -23,5 +24,10 @@ from bench.live_runs import Opts
 from bench.live_seed import seed
 
 SCENARIOS: dict[str, Callable[[Opts], dict[str, Any]]] = {
-    "seed": seed, "oracle": oracle, "burst": burst, "overhead": overhead, "trace": trace, "oracle-knee": oracle_knee,
+    "seed": seed,
+    "oracle": oracle,
+    "burst": burst,
+    "overhead": overhead,
+    "trace": trace,
+    "oracle-knee": oracle_knee,
 }

@@ -6,7 +6,6 @@ Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,15 +13,33 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 
 def bench(
-    scenario: str = typer.Argument(..., help="seed | oracle | burst | overhead | trace | oracle-knee, or report (RESULTS.md from --out)"),
+    scenario: str = typer.Argument(
+        ..., help="seed | oracle | burst | overhead | trace | oracle-knee, or report (RESULTS.md from --out)"
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
-    out: Path = typer.Option(Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."),
+    out: Path = typer.Option(
+        Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."
+    ),
     quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
-    time_scale: float = typer.Option(10.0, "--time-scale", help="Slow the profiled emulation by this factor (rates fall by it; ratios do not change)."),
+    time_scale: float = typer.Option(
+        10.0,
+        "--time-scale",
+        help="Slow the profiled emulation by this factor (rates fall by it; ratios do not change).",
+    ),
     seeds: int = typer.Option(3, "--seeds", min=1, max=5, help="Seeds per point (full runs; --quick uses 1)."),
-    peer: Optional[bool] = typer.Option(None, "--peer/--no-peer", help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes)."),
-    arrivals: str = typer.Option("poisson", "--arrivals", help="seed/oracle/oracle-knee/overhead arrivals: poisson, or gamma:CV (bursty; BENCHMARK.md uses CV 2 and 4)."),
-    models: str = typer.Option("", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."),
+    peer: bool | None = typer.Option(
+        None,
+        "--peer/--no-peer",
+        help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes).",
+    ),
+    arrivals: str = typer.Option(
+        "poisson",
+        "--arrivals",
+        help="seed/oracle/oracle-knee/overhead arrivals: poisson, or gamma:CV (bursty; BENCHMARK.md uses CV 2 and 4).",
+    ),
+    models: str = typer.Option(
+        "", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."
+    ),
 ) -> None:
     """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps), or
     ``report``: rebuild bench/RESULTS.md's tables from the results under --out (full runs) and
@@ -35,8 +52,11 @@ def bench(
         from bench import results
 
         if not any((out / f"{s}.json").exists() or (out / "quick" / f"{s}.json").exists() for s in results.SCENARIOS):
-            typer.echo(f"no scenario results under {out} (nor {out / 'quick'}); run `gpubroker bench SCENARIO --out {out}` "
-                       f"(and `--quick --out {out / 'quick'}`) first", err=True)
+            typer.echo(
+                f"no scenario results under {out} (nor {out / 'quick'}); run `gpubroker bench SCENARIO --out {out}` "
+                f"(and `--quick --out {out / 'quick'}`) first",
+                err=True,
+            )
             raise typer.Exit(2)
         target = Path("bench/RESULTS.md")
         results.write(target, results.build(out, plots_dir=target.parent / "results"))
@@ -56,8 +76,17 @@ def bench(
     from bench import scenarios_live as live
     from bench.scenarios_report import MD
 
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
-    o = live.Opts.make(quick, time_scale=time_scale, peer=(not quick) if peer is None else peer, log=log, seed_json=str(out / "seed.json"), arrivals=arrivals)
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    o = live.Opts.make(
+        quick,
+        time_scale=time_scale,
+        peer=(not quick) if peer is None else peer,
+        log=log,
+        seed_json=str(out / "seed.json"),
+        arrivals=arrivals,
+    )
     if not quick:
         o.seeds = tuple(range(seeds))
     t0 = time.time()

@@ -1,8 +1,8 @@
 """Fleet commands: ``gpubroker up | status | apply | decisions | down``.
 
-The lifecycle itself (state file, local Ray, deploy, teardown, broker access) is
-``deployments.fleet``; this module parses the options, draws ``up``'s progress with rich and
-prints tables. See ``deployments.fleet`` for what ``up`` records and where.
+The lifecycle itself (local Ray, deploy, teardown) is ``deployments.fleet``, the state file and
+the broker's API ``deployments.fleet_client``; this module parses the options, draws ``up``'s
+progress with rich and prints tables.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 
 from cli.live import follow_decisions, new_decisions, watch_status
 from cli.views import describe_decision, err_console, print_config_error, status_table
-from deployments import fleet
+from deployments import fleet, fleet_client
 from deployments.fleet import FleetError, Note, UpEvent, UpStage
 from quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
 
@@ -44,13 +44,16 @@ class UpBars:
 
     def __call__(self, event: UpEvent) -> None:
         if event.stage is UpStage.FAILED:
-            console.print(f"[red]up failed[/]: {event.label}; state kept in {fleet.state_path()}, "
-                          "run `gpubroker down` to clean up")
+            console.print(
+                f"[red]up failed[/]: {event.label}; state kept in {fleet_client.state_path()}, "
+                "run `gpubroker down` to clean up"
+            )
             return
         task = self.tasks.get(event.stage)
         if task is None:
-            self.tasks[event.stage] = self.progress.add_task(event.label or event.stage.value, total=event.total,
-                                                             completed=event.done or 0)
+            self.tasks[event.stage] = self.progress.add_task(
+                event.label or event.stage.value, total=event.total, completed=event.done or 0
+            )
             return
         update: dict[str, Any] = {}
         if event.label is not None:
@@ -62,19 +65,32 @@ class UpBars:
 
 def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) -> dict[str, Any]:
     """``deployments.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=False) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
         state = fleet.up_fleet(cfg, text, source, on_event=UpBars(progress), **kwargs)
-    console.print(f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
-                  f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`")
+    console.print(
+        f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
+        f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
+    )
     if state.get("join"):  # a Ray that up started: token auth and how another node joins it
-        console.print(f"Ray {state['address']} (auth: {state.get('auth_mode')}); {state['join']}", highlight=False, markup=False)
+        console.print(
+            f"Ray {state['address']} (auth: {state.get('auth_mode')}); {state['join']}", highlight=False, markup=False
+        )
     return state
 
 
 def up(
     config: Path = typer.Argument(DEFAULT_CONFIG, help="Fleet config YAML (default configs/demo.yaml)."),
-    address: str = typer.Option(None, "--address", help="Ray cluster to use; default RAY_ADDRESS, else start a local one."),
+    address: str = typer.Option(
+        None, "--address", help="Ray cluster to use; default RAY_ADDRESS, else start a local one."
+    ),
     foreground: bool = typer.Option(False, "--foreground", help="Stay attached, print status, Ctrl-C tears down."),
     num_cpus: int = typer.Option(None, "--num-cpus", help="CPUs for a local Ray head (default: all)."),
     ray_port: int = typer.Option(0, "--ray-port", help="GCS port for a local Ray head (0 or taken: a free one)."),
@@ -89,20 +105,31 @@ def up(
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         _fail(FleetError(f"cannot read {config}: {exc}"))
-    existing = fleet.read_state()
+    existing = fleet_client.read_state()
     if existing and not address:
-        _fail(FleetError(f"a fleet is already recorded in {fleet.state_path()} (Ray {existing.get('address')}); "
-                         "run `gpubroker down` first"))
+        _fail(
+            FleetError(
+                f"a fleet is already recorded in {fleet_client.state_path()} (Ray {existing.get('address')}); "
+                "run `gpubroker down` first"
+            )
+        )
     try:
-        up_with_progress(cfg, text, str(config), address=address or os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus,
-                         ray_port=ray_port, timeout_s=timeout_s)
+        up_with_progress(
+            cfg,
+            text,
+            str(config),
+            address=address or os.environ.get("RAY_ADDRESS"),
+            num_cpus=num_cpus,
+            ray_port=ray_port,
+            timeout_s=timeout_s,
+        )
     except FleetError as exc:
         _fail(exc)
     if foreground:
         try:
             while True:
                 time.sleep(5)
-                st = fleet.http_get("/v1/status")
+                st = fleet_client.http_get("/v1/status")
                 if st:
                     console.print(status_table(st))
         except KeyboardInterrupt:
@@ -121,10 +148,10 @@ def status(
     if watch:
         if as_json:
             _fail(FleetError("--watch draws a live table; use --json without --watch (e.g. in a loop) for JSON"))
-        watch_status(lambda: fleet.fetch_status(address), interval_s=interval, console=console)
+        watch_status(lambda: fleet_client.fetch_status(address), interval_s=interval, console=console)
         return
     try:
-        st = fleet.fetch_status(address)
+        st = fleet_client.fetch_status(address)
     except FleetError as exc:
         _fail(exc)
     if as_json:
@@ -133,8 +160,9 @@ def status(
     console.print(status_table(st))
 
 
-def _follow(first: list[dict[str, Any]], model: str | None, since: int, address: str | None, interval: float,
-            as_json: bool) -> None:
+def _follow(
+    first: list[dict[str, Any]], model: str | None, since: int, address: str | None, interval: float, as_json: bool
+) -> None:
     """Print ``first``, then poll the decision log and print each new entry (JSON lines with --json) until Ctrl-C."""
 
     def emit(d: dict[str, Any]) -> None:
@@ -148,7 +176,9 @@ def _follow(first: list[dict[str, Any]], model: str | None, since: int, address:
     def on_error(exc: Exception) -> None:
         msg = f"{type(exc).__name__}: {exc}"
         if last_error[-1:] != [msg]:  # say it once, not every poll
-            err_console.print(f"[yellow]broker unreachable[/] ({msg}); still polling every {interval:g}s", highlight=False)
+            err_console.print(
+                f"[yellow]broker unreachable[/] ({msg}); still polling every {interval:g}s", highlight=False
+            )
         last_error[:] = [msg]
 
     fresh, seq = new_decisions(first, since)
@@ -156,8 +186,13 @@ def _follow(first: list[dict[str, Any]], model: str | None, since: int, address:
         emit(d)
     if not as_json:
         console.print(f"[dim]following the decision log after #{seq} every {interval:g}s, Ctrl-C to stop[/]")
-    follow_decisions(lambda s: fleet.fetch_decisions(address, model, s), emit, since_seq=seq, interval_s=interval,
-                     on_error=on_error)
+    follow_decisions(
+        lambda s: fleet_client.fetch_decisions(address, model, s),
+        emit,
+        since_seq=seq,
+        interval_s=interval,
+        on_error=on_error,
+    )
 
 
 def decisions(
@@ -165,12 +200,14 @@ def decisions(
     as_json: bool = typer.Option(False, "--json", help="Print the decisions as JSON (JSON lines with --follow)."),
     since: int = typer.Option(0, "--since", help="Only decisions after this sequence number."),
     address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Keep polling and print new decisions as the broker makes them."),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Keep polling and print new decisions as the broker makes them."
+    ),
     interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between polls with --follow."),
 ) -> None:
     """Each change the broker made, with its trigger metric and value."""
     try:
-        out = fleet.fetch_decisions(address, model, since)
+        out = fleet_client.fetch_decisions(address, model, since)
     except FleetError as exc:
         _fail(exc)
     if follow:
@@ -201,7 +238,7 @@ def apply(
     except OSError as exc:
         _fail(FleetError(f"cannot read {config}: {exc}"))
     try:
-        result = fleet.apply_config(address, text, str(config))
+        result = fleet_client.apply_config(address, text, str(config))
     except FleetError as exc:
         _fail(exc)
     if as_json:

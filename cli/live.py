@@ -2,7 +2,7 @@
 
 Both take plain callables (``fetch_status() -> dict``, ``fetch_decisions(since_seq) -> list``)
 so they run without Ray in tests; ``cli/fleet.py`` passes closures around the broker
-(``deployments.fleet.fetch_status`` / ``fetch_decisions``). ``status_table`` takes a
+(``deployments.fleet_client.fetch_status`` / ``fetch_decisions``). ``status_table`` takes a
 ``BrokerCore.status()`` dict (see broker/core.py).
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -52,9 +53,20 @@ def status_table(status: Mapping[str, Any], *, title: str | None = None) -> Tabl
         head += "  [DRY RUN]"
     table = Table(title=title, caption=head, caption_justify="left", expand=False)
     for col, justify in (
-        ("model", "left"), ("grant / base", "right"), ("used", "right"), ("batch", "right"), ("wait ms", "right"),
-        ("queue", "right"), ("P50/P95/P99 ms", "right"), ("SLO ms", "right"), ("attain", "right"),
-        ("rps", "right"), ("cost/1k", "right"), ("repl", "right"), ("ver", "right"), ("flags", "left"),
+        ("model", "left"),
+        ("grant / base", "right"),
+        ("used", "right"),
+        ("batch", "right"),
+        ("wait ms", "right"),
+        ("queue", "right"),
+        ("P50/P95/P99 ms", "right"),
+        ("SLO ms", "right"),
+        ("attain", "right"),
+        ("rps", "right"),
+        ("cost/1k", "right"),
+        ("repl", "right"),
+        ("ver", "right"),
+        ("flags", "left"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for name, m in sorted(status.get("models", {}).items()):
@@ -62,8 +74,11 @@ def status_table(status: Mapping[str, Any], *, title: str | None = None) -> Tabl
         p95_style = "red" if p95 is not None and slo is not None and p95 > slo else ""
         lat = Text.assemble(f"{_ms(m.get('p50_ms'))}/", (_ms(p95), p95_style), f"/{_ms(m.get('p99_ms'))}")
         grant, base = m.get("grant_bytes"), m.get("base_bytes")
-        grant_style = "cyan" if grant is not None and base is not None and grant > base else (
-            "yellow" if grant is not None and base is not None and grant < base else "")
+        grant_style = (
+            "cyan"
+            if grant is not None and base is not None and grant > base
+            else ("yellow" if grant is not None and base is not None and grant < base else "")
+        )
         flags = []
         if not m.get("admit", True):
             flags.append("[red]paused[/]")
@@ -146,8 +161,10 @@ def decision_line(entry: Mapping[str, Any]) -> str:
         parts.append(diff or "no change")
         parts.append(f"[{entry.get('trigger')}={entry.get('trigger_value')}]")
     elif kind == "move":
-        parts.append(f"{entry.get('move')} {entry.get('donor') or '-'} -> {entry.get('recipient') or '-'} "
-                     f"{_size(entry.get('amount_bytes'))}")
+        parts.append(
+            f"{entry.get('move')} {entry.get('donor') or '-'} -> {entry.get('recipient') or '-'} "
+            f"{_size(entry.get('amount_bytes'))}"
+        )
     parts.append(str(entry.get("reason", "")))
     if entry.get("dry_run"):
         parts.append("(dry run)")

@@ -41,14 +41,31 @@ def validate(
         cfg = load_config(config)
     except ConfigError as exc:
         if as_json:
-            print(json.dumps({"valid": False, "source": exc.source, "issues": [
-                {"path": i.path, "message": i.message, "text": str(i)} for i in exc.issues]}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "valid": False,
+                        "source": exc.source,
+                        "issues": [{"path": i.path, "message": i.message, "text": str(i)} for i in exc.issues],
+                    },
+                    indent=2,
+                )
+            )
         else:
             print_config_error(exc)
         raise typer.Exit(exc.exit_code) from None
     if as_json:
-        print(json.dumps({"valid": True, "source": str(config), "config_hash": cfg.config_hash(),
-                          "config": cfg.model_dump(mode="json")}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "valid": True,
+                    "source": str(config),
+                    "config_hash": cfg.config_hash(),
+                    "config": cfg.model_dump(mode="json"),
+                },
+                indent=2,
+            )
+        )
         return
     console.print(config_table(cfg, str(config)))
     profiles = ", ".join(
@@ -61,8 +78,13 @@ def validate(
 
 # In the order `gpubroker --help` lists them.
 app.command(name="simulate")(simulate.simulate)
-for _name, _command in (("up", fleet.up), ("status", fleet.status), ("apply", fleet.apply),
-                        ("decisions", fleet.decisions), ("down", fleet.down)):
+for _name, _command in (
+    ("up", fleet.up),
+    ("status", fleet.status),
+    ("apply", fleet.apply),
+    ("decisions", fleet.decisions),
+    ("down", fleet.down),
+):
     app.command(name=_name)(_command)
 app.command(name="bench")(bench.bench)
 

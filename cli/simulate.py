@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -34,19 +33,41 @@ def _fail(message: str, code: int = 2) -> None:
 
 def simulate(
     config: Path = typer.Option(..., "--config", help="Fleet config YAML (gpu.capacity must be an explicit size)."),
-    policy: str = typer.Option("broker", "--policy", help="broker, or static:<batch>[:<wait_ms>] (e.g. static:8, static:32:5)."),
-    rate: Optional[float] = typer.Option(None, "--rate", help="Total offered rate, req/s, split over the models (default: each model's reference rate / n)."),
-    sweep: bool = typer.Option(False, "--sweep", help="Find the knee: step the rate ~10% then bisect; prints every rate tried."),
+    policy: str = typer.Option(
+        "broker", "--policy", help="broker, or static:<batch>[:<wait_ms>] (e.g. static:8, static:32:5)."
+    ),
+    rate: float | None = typer.Option(
+        None,
+        "--rate",
+        help="Total offered rate, req/s, split over the models (default: each model's reference rate / n).",
+    ),
+    sweep: bool = typer.Option(
+        False, "--sweep", help="Find the knee: step the rate ~10% then bisect; prints every rate tried."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrivals (the same for every arm)."),
     duration_s: float = typer.Option(120.0, "--duration-s", help="Seconds of arrivals (simulated)."),
-    arrivals: str = typer.Option("poisson", "--arrivals", help="poisson, gamma:CV (e.g. gamma:2) or trace (Azure LLM 2023)."),
+    arrivals: str = typer.Option(
+        "poisson", "--arrivals", help="poisson, gamma:CV (e.g. gamma:2) or trace (Azure LLM 2023)."
+    ),
     split: str = typer.Option("even", "--split", help="How --rate is split over models: even or powerlaw."),
-    warmup_s: float = typer.Option(0.0, "--warmup-s", help="Seconds at the start left out of the metrics (sweep/validate default 30)."),
-    validate: bool = typer.Option(False, "--validate", help="Headline figures of a one-model profile: static 8 at S, broker at 1.2·S, oracle, bound."),
+    warmup_s: float = typer.Option(
+        0.0, "--warmup-s", help="Seconds at the start left out of the metrics (sweep/validate default 30)."
+    ),
+    validate: bool = typer.Option(
+        False,
+        "--validate",
+        help="Headline figures of a one-model profile: static 8 at S, broker at 1.2·S, oracle, bound.",
+    ),
     no_oracle: bool = typer.Option(False, "--no-oracle", help="With --validate: skip the static-grid oracle (faster)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
-    series: bool = typer.Option(False, "--series", help="With --json: include the per-interval time series and decisions."),
-    batching: str = typer.Option("eager", "--batching", help="How @serve.batch forms batches: eager (Ray 2.60, the default) or lazy (BENCHMARK.md's quick model)."),
+    series: bool = typer.Option(
+        False, "--series", help="With --json: include the per-interval time series and decisions."
+    ),
+    batching: str = typer.Option(
+        "eager",
+        "--batching",
+        help="How @serve.batch forms batches: eager (Ray 2.60, the default) or lazy (BENCHMARK.md's quick model).",
+    ),
 ) -> None:
     """Run the real policy on a virtual clock against emulated models (deterministic, fast)."""
     from rich.console import Console  # noqa: PLC0415
@@ -63,10 +84,13 @@ def simulate(
         cfg = load_config(config)
     except ConfigError as exc:
         print_config_error(exc)
-        raise typer.Exit(exc.exit_code)
+        raise typer.Exit(exc.exit_code) from None
     if cfg.gpu.capacity_bytes is None:
-        _fail(f"{config}: gpu.capacity is 'auto', but the simulator has no card to measure; "
-              "set gpu.capacity to an explicit size (e.g. capacity: 24GiB) in the config", 1)
+        _fail(
+            f"{config}: gpu.capacity is 'auto', but the simulator has no card to measure; "
+            "set gpu.capacity to an explicit size (e.g. capacity: 24GiB) in the config",
+            1,
+        )
     try:
         arm = parse_arm(policy)
         parse_arrivals(arrivals)
@@ -83,10 +107,17 @@ def simulate(
 
     if validate:
         if len(cfg.models) != 1:
-            _fail(f"--validate takes a one-model profile config; {config} has {len(cfg.models)} models "
-                  "(use configs/sim-a20-c0.5.yaml or configs/sim-a10-c2.yaml)")
-        rs = RunSettings(duration_s=duration_s, warmup_s=warmup_s or min(30.0, duration_s / 4), seed=seed,
-                         arrivals=arrivals, batching=batching)
+            _fail(
+                f"--validate takes a one-model profile config; {config} has {len(cfg.models)} models "
+                "(use configs/sim-a20-c0.5.yaml or configs/sim-a10-c2.yaml)"
+            )
+        rs = RunSettings(
+            duration_s=duration_s,
+            warmup_s=warmup_s or min(30.0, duration_s / 4),
+            seed=seed,
+            arrivals=arrivals,
+            batching=batching,
+        )
         say = None if as_json else (lambda msg: console.print(msg, highlight=False))
         v = seed_validation(cfg, rs, oracle_grid=not no_oracle, on_progress=say)
         if as_json:
@@ -97,16 +128,31 @@ def simulate(
 
     total = rate if rate is not None else sum(default_rates(cfg).values())
     if sweep:
-        rs = RunSettings(duration_s=duration_s, warmup_s=warmup_s or min(30.0, duration_s / 4), seed=seed,
-                         arrivals=arrivals, split=split, batching=batching)
-        printer = None if as_json else (lambda row: console.print(
-            f"rate {row['rate']:.1f}/s: {'pass' if row['pass'] else 'FAIL'} ({row['why']})", highlight=False))
+        rs = RunSettings(
+            duration_s=duration_s,
+            warmup_s=warmup_s or min(30.0, duration_s / 4),
+            seed=seed,
+            arrivals=arrivals,
+            split=split,
+            batching=batching,
+        )
+        printer = (
+            None
+            if as_json
+            else (
+                lambda row: console.print(
+                    f"rate {row['rate']:.1f}/s: {'pass' if row['pass'] else 'FAIL'} ({row['why']})", highlight=False
+                )
+            )
+        )
         res = knee(cfg, arm, total, rs, on_row=printer)
         if as_json:
             print(json.dumps(res.to_dict(), indent=2))
         else:
-            console.print(f"[bold]knee[/] of {arm.label}: {res.knee_rps:.1f} req/s "
-                          f"(P95 ≤ cap {', '.join(f'{k} {v:g} ms' for k, v in res.cap_ms.items())}, completed/offered ≥ 0.99)")
+            console.print(
+                f"[bold]knee[/] of {arm.label}: {res.knee_rps:.1f} req/s "
+                f"(P95 ≤ cap {', '.join(f'{k} {v:g} ms' for k, v in res.cap_ms.items())}, completed/offered ≥ 0.99)"
+            )
         return
 
     rates = rates_for(cfg, total, split) if rate is not None else default_rates(cfg)
@@ -114,5 +160,10 @@ def simulate(
     if as_json:
         print(json.dumps(result.to_dict(series=series), indent=2))
         return
-    console.print(result_table(result, f"{config}: {arm.label}, {arrivals}, {total:.1f} req/s total, "
-                                        f"{duration_s:g} s simulated in {result.wall_s:.2f} s"))
+    console.print(
+        result_table(
+            result,
+            f"{config}: {arm.label}, {arrivals}, {total:.1f} req/s total, "
+            f"{duration_s:g} s simulated in {result.wall_s:.2f} s",
+        )
+    )

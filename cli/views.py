@@ -55,8 +55,22 @@ def status_table(st: dict[str, Any]) -> Table:
         f"{format_size(st.get('usable_bytes'))}  ticks {st.get('ticks')}"
     )
     table = Table(title=title)
-    for col in ("model", "grant", "used", "max batch", "wait ms", "queue", "rps", "P95 ms", "SLO ms",
-                "attain", "ver", "repl", "admit", "$/1k"):
+    for col in (
+        "model",
+        "grant",
+        "used",
+        "max batch",
+        "wait ms",
+        "queue",
+        "rps",
+        "P95 ms",
+        "SLO ms",
+        "attain",
+        "ver",
+        "repl",
+        "admit",
+        "$/1k",
+    ):
         table.add_column(col, justify="left" if col == "model" else "right")
     for name, m in st.get("models", {}).items():
         unit = " tok" if m.get("batch_unit") == "tokens" else ""
@@ -68,10 +82,19 @@ def status_table(st: dict[str, Any]) -> Table:
         att = m.get("attainment")
         cost = m.get("cost_per_1k_requests")
         table.add_row(
-            name, grant, format_size(m["used_bytes"]), f"{m['max_batch_size']}{unit}",
-            f"{m['batch_wait_timeout_s'] * 1000:.1f}", f"{m['queue_depth']:.0f}", f"{m['arrival_rate_rps']:.1f}",
-            _ms(m.get("p95_ms")), _ms(m.get("slo_p95_ms")), "-" if att is None else f"{att:.1%}",
-            str(m["settings_version"]), str(m["replicas"]), "yes" if m["admit"] else "[red]PAUSED[/]",
+            name,
+            grant,
+            format_size(m["used_bytes"]),
+            f"{m['max_batch_size']}{unit}",
+            f"{m['batch_wait_timeout_s'] * 1000:.1f}",
+            f"{m['queue_depth']:.0f}",
+            f"{m['arrival_rate_rps']:.1f}",
+            _ms(m.get("p95_ms")),
+            _ms(m.get("slo_p95_ms")),
+            "-" if att is None else f"{att:.1%}",
+            str(m["settings_version"]),
+            str(m["replicas"]),
+            "yes" if m["admit"] else "[red]PAUSED[/]",
             "-" if cost is None else f"{cost:.4f}",
         )
     return table
@@ -83,7 +106,12 @@ def describe_decision(d: dict[str, Any]) -> str:
     if kind == "settings":
         old, new = d["old"], d["new"]
         parts = []
-        for key, label in (("max_batch_size", "batch"), ("batch_wait_timeout_s", "wait_s"), ("grant_bytes", "grant"), ("admit", "admit")):
+        for key, label in (
+            ("max_batch_size", "batch"),
+            ("batch_wait_timeout_s", "wait_s"),
+            ("grant_bytes", "grant"),
+            ("admit", "admit"),
+        ):
             if old[key] != new[key]:
                 a, b = old[key], new[key]
                 if key == "grant_bytes":
@@ -92,29 +120,59 @@ def describe_decision(d: dict[str, Any]) -> str:
         tv = d.get("trigger_value")
         trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
         return f"#{d['seq']} {t} {d['model']}: {', '.join(parts) or 'no change'}  [{trig}]  {d.get('reason', '')}" + (
-            " (dry run)" if d.get("dry_run") else "")
+            " (dry run)" if d.get("dry_run") else ""
+        )
     if kind == "move":
-        return (f"#{d['seq']} {t} quota {d['move']}: {d.get('donor') or 'pool'} -> {d.get('recipient') or 'pool'} "
-                f"{format_size(d['amount_bytes'])}  {d.get('reason', '')}")
+        return (
+            f"#{d['seq']} {t} quota {d['move']}: {d.get('donor') or 'pool'} -> {d.get('recipient') or 'pool'} "
+            f"{format_size(d['amount_bytes'])}  {d.get('reason', '')}"
+        )
     return f"#{d['seq']} {t} [{kind}] {d.get('reason', '')}"
 
 
 # =============================================================================== simulator
 def result_table(result: Any, title: str) -> Table:
     table = Table(title=title)
-    for col in ("model", "offered/s", "completed/s", "attain", "goodput/s", "p50 ms", "p95 ms", "p99 ms",
-                "cap ms", "mean batch", "ooms", "rejects", "timeouts"):
+    for col in (
+        "model",
+        "offered/s",
+        "completed/s",
+        "attain",
+        "goodput/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "cap ms",
+        "mean batch",
+        "ooms",
+        "rejects",
+        "timeouts",
+    ):
         table.add_column(col, justify="right" if col != "model" else "left")
     for name, m in result.models.items():
-        table.add_row(name, fmt(m.offered_rps), fmt(m.completed_rps), fmt(m.attainment, 3), fmt(m.goodput_rps),
-                      fmt(m.p50_ms), fmt(m.p95_ms), fmt(m.p99_ms), fmt(m.cap_ms), fmt(m.mean_batch),
-                      str(m.ooms), str(m.rejects), str(m.timeouts))
+        table.add_row(
+            name,
+            fmt(m.offered_rps),
+            fmt(m.completed_rps),
+            fmt(m.attainment, 3),
+            fmt(m.goodput_rps),
+            fmt(m.p50_ms),
+            fmt(m.p95_ms),
+            fmt(m.p99_ms),
+            fmt(m.cap_ms),
+            fmt(m.mean_batch),
+            str(m.ooms),
+            str(m.rejects),
+            str(m.timeouts),
+        )
     return table
 
 
 def validation_table(v: dict[str, Any]) -> Table:
-    t = Table(title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms, {v.get('batching', 'eager')} batching; reference {v['reference_rps']:.1f}/s, "
-                    f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms")
+    t = Table(
+        title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms, {v.get('batching', 'eager')} batching; reference {v['reference_rps']:.1f}/s, "
+        f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms"
+    )
     t.add_column("figure")
     t.add_column("value", justify="right")
     rows = [

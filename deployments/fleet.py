@@ -1,90 +1,26 @@
-"""The fleet's lifecycle, without a UI: the state file, deploy, wait for models, teardown, up and down.
+"""The fleet's lifecycle, without a UI: deploy, wait for the models, teardown, ``up`` and ``down``.
 
 ``up_fleet`` validates nothing (the caller loads the config), starts a local Ray head
 (``deployments.local_ray``) unless an address names one, starts the broker actor, deploys the
-Serve app and returns once every model has answered a real request. What it started is
-recorded in a state file (``~/.gpubroker/fleet.json``, or ``$GPUBROKER_STATE_DIR``) that the
-other commands read. Progress goes to an ``on_event`` callback as ``UpEvent``s (the CLI draws
-them with rich; the demo and tests can pass nothing). Read access to a running broker goes over
-HTTP (``/v1/status``, ``/v1/decisions``) when it can and through Ray otherwise.
+Serve app and returns once every model has answered a real request. What it started goes to
+the state file (``deployments.fleet_client``) that the other commands read. Progress goes to
+an ``on_event`` callback as ``UpEvent``s (the CLI draws them with rich; the demo and tests
+can pass nothing); ``down_fleet`` reports each step to a callback too.
 
 Ray, Serve and httpx are imported inside the functions, so importing this module is cheap.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
-from deployments.ray_auth import adopt_auth_mode
+from deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
 from deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
 from quotas.config import ConfigError, FleetConfig, parse_config_text
-
-APP_NAME = "gpubroker"
-
-
-# =============================================================================== state file
-def state_dir() -> Path:
-    return Path(os.environ.get("GPUBROKER_STATE_DIR") or Path.home() / ".gpubroker")
-
-
-def state_path() -> Path:
-    return state_dir() / "fleet.json"
-
-
-def read_state() -> dict[str, Any] | None:
-    try:
-        return json.loads(state_path().read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def write_state(state: dict[str, Any]) -> None:
-    path = state_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def clear_state() -> None:
-    try:
-        state_path().unlink()
-    except FileNotFoundError:
-        pass
-
-
-# =============================================================================== Ray
-def connect(address: str | None) -> None:
-    """ray.init to a running cluster, quietly."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    state = read_state()
-    if state and state.get("started_ray") and address == state.get("address"):
-        adopt_auth_mode(state.get("auth_mode") or "token")  # as start_local_ray started it
-    try:
-        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False, namespace=APP_NAME)
-    except Exception as exc:  # noqa: BLE001
-        raise FleetError(
-            f"cannot connect to Ray at {address or 'auto'} ({exc}); is a fleet running? start one with `gpubroker up`"
-        ) from None
-
-
-def resolve_address(address: str | None) -> str | None:
-    if address:
-        return address
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    state = read_state()
-    return state.get("address") if state else None
 
 
 # =============================================================================== deploy
@@ -102,9 +38,16 @@ def example_inputs(cfg: FleetConfig) -> dict[str, Any]:
     return out
 
 
-def deploy(cfg: FleetConfig, config_text: str, *, http_host: str | None = None, http_port: int | None = None,
-           on_progress: Callable[[str, dict[str, Any]], None] | None = None, timeout_s: float = 600.0,
-           model_num_cpus: float | None = None):
+def deploy(
+    cfg: FleetConfig,
+    config_text: str,
+    *,
+    http_host: str | None = None,
+    http_port: int | None = None,
+    on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+    timeout_s: float = 600.0,
+    model_num_cpus: float | None = None,
+):
     """Start the broker and deploy the Serve app (Ray must be initialised). Returns the broker handle."""
     from ray import serve
 
@@ -125,13 +68,20 @@ def deploy(cfg: FleetConfig, config_text: str, *, http_host: str | None = None, 
     while True:
         every = serve.status().applications
         sts = {a.name: every.get(a.name) for a in apps}
-        deployments = {n: d.status.value if hasattr(d.status, "value") else str(d.status)
-                       for st in sts.values() if st for n, d in st.deployments.items()}
-        states = {name: (st.status.value if hasattr(st.status, "value") else str(st.status)) if st else "NOT_STARTED"
-                  for name, st in sts.items()}
+        deployments = {
+            n: d.status.value if hasattr(d.status, "value") else str(d.status)
+            for st in sts.values()
+            if st
+            for n, d in st.deployments.items()
+        }
+        states = {
+            name: (st.status.value if hasattr(st.status, "value") else str(st.status)) if st else "NOT_STARTED"
+            for name, st in sts.items()
+        }
         failed = {name: s for name, s in states.items() if s in ("DEPLOY_FAILED", "UNHEALTHY")}
-        app_status = next(iter(failed.values()), None) or ("RUNNING" if all(s == "RUNNING" for s in states.values())
-                                                          else "DEPLOYING")
+        app_status = next(iter(failed.values()), None) or (
+            "RUNNING" if all(s == "RUNNING" for s in states.values()) else "DEPLOYING"
+        )
         notify("deploying", {"app": app_status, "deployments": deployments})
         if app_status == "RUNNING":
             break
@@ -158,9 +108,13 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
     return out
 
 
-def wait_serving(cfg: FleetConfig, base_url: str, timeout_s: float = 300.0,
-                 on_model: Callable[[str, int, float], None] | None = None,
-                 on_answer: Callable[[Any], None] | None = None) -> dict[str, float]:
+def wait_serving(
+    cfg: FleetConfig,
+    base_url: str,
+    timeout_s: float = 300.0,
+    on_model: Callable[[str, int, float], None] | None = None,
+    on_answer: Callable[[Any], None] | None = None,
+) -> dict[str, float]:
     """POST one real request (its ``example_input``) to every model until each answers 200;
     returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing
     stops the wait with the answer and the fix (``deployments.first_requests``). ``on_answer``
@@ -244,9 +198,17 @@ class UpEvent:
     total: int = 1  # units in the stage (1, or one per model)
 
 
-def up_fleet(cfg: FleetConfig, text: str, source: str, *, address: str | None = None, num_cpus: int | None = None,
-             ray_port: int = 0, timeout_s: float = 600.0,
-             on_event: Callable[[UpEvent], None] | None = None) -> dict[str, Any]:
+def up_fleet(
+    cfg: FleetConfig,
+    text: str,
+    source: str,
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    ray_port: int = 0,
+    timeout_s: float = 600.0,
+    on_event: Callable[[UpEvent], None] | None = None,
+) -> dict[str, Any]:
     """Ray (local unless ``address``), broker, Serve app, one answered request per model; returns the state.
 
     The state file is written as soon as a local Ray is up, so ``down_fleet`` can clean up
@@ -258,21 +220,36 @@ def up_fleet(cfg: FleetConfig, text: str, source: str, *, address: str | None = 
 
     emit = on_event or (lambda event: None)
     t0 = time.time()
-    state: dict[str, Any] = {"config": source, "config_text": text, "config_hash": cfg.config_hash(),
-                             "broker_name": cfg.broker.name, "broker_namespace": cfg.broker.namespace,
-                             "http_url": f"http://{cfg.broker.http_host}:{cfg.broker.http_port}",
-                             "started_ray": False, "pgid": None, "address": address}
+    state: dict[str, Any] = {
+        "config": source,
+        "config_text": text,
+        "config_hash": cfg.config_hash(),
+        "broker_name": cfg.broker.name,
+        "broker_namespace": cfg.broker.namespace,
+        "http_url": f"http://{cfg.broker.http_host}:{cfg.broker.http_port}",
+        "started_ray": False,
+        "pgid": None,
+        "address": address,
+    }
     n = len(cfg.models)
     emit(UpEvent(UpStage.RAY, "Starting Ray", 0, 1))
     if address:
         emit(UpEvent(UpStage.RAY, f"Connecting to Ray at {address}", total=1))
     else:
         if not port_free(cfg.broker.http_port, cfg.broker.http_host):
-            raise FleetError(f"HTTP port {cfg.broker.http_host}:{cfg.broker.http_port} is in use; "
-                             "set broker.http_port to a free port or stop what holds it")
+            raise FleetError(
+                f"HTTP port {cfg.broker.http_host}:{cfg.broker.http_port} is in use; "
+                "set broker.http_port to a free port or stop what holds it"
+            )
         info = start_local_ray(num_cpus, ray_port)
-        state.update(address=info["address"], pgid=info["pgid"], started_ray=True, dashboard=info["dashboard"],
-                     auth_mode=info["auth_mode"], join=info["join"])
+        state.update(
+            address=info["address"],
+            pgid=info["pgid"],
+            started_ray=True,
+            dashboard=info["dashboard"],
+            auth_mode=info["auth_mode"],
+            join=info["join"],
+        )
         write_state(state)  # so `down` can clean up even if the rest fails
     try:
         connect(state["address"])
@@ -325,71 +302,6 @@ def up_fleet(cfg: FleetConfig, text: str, source: str, *, address: str | None = 
     return state
 
 
-# =============================================================================== broker access
-def http_get(path: str, timeout_s: float = 5.0) -> Any | None:
-    """GET the broker's HTTP API at the recorded fleet's URL; None without a fleet, on error or non-200."""
-    state = read_state()
-    if not state or not state.get("http_url"):
-        return None
-    import httpx
-
-    try:
-        r = httpx.get(state["http_url"] + path, timeout=timeout_s)
-    except httpx.HTTPError:
-        return None
-    return r.json() if r.status_code == 200 else None
-
-
-def broker_handle(address: str | None):
-    """The running broker actor (connecting to Ray first); FleetError names how to start one."""
-    import ray
-
-    addr = resolve_address(address)
-    if addr is None:
-        raise FleetError("no fleet is running (no state file, no --address, no RAY_ADDRESS); start one with `gpubroker up`")
-    connect(addr)
-    state = read_state() or {}
-    name, ns = state.get("broker_name", "gpubroker"), state.get("broker_namespace", "gpubroker")
-    try:
-        return ray.get_actor(name, namespace=ns)
-    except ValueError:
-        raise FleetError(f"no broker '{name}' in namespace '{ns}' at {addr}; start the fleet with `gpubroker up`") from None
-
-
-def fetch_status(address: str | None) -> dict[str, Any]:
-    """The broker's status over HTTP, else through Ray; raises (FleetError, Ray errors) instead of exiting."""
-    st = None if address else http_get("/v1/status")
-    if st is None:
-        import ray
-
-        st = ray.get(broker_handle(address).status.remote(), timeout=30)
-    return st
-
-
-def fetch_decisions(address: str | None, model: str | None, since_seq: int) -> list[dict[str, Any]]:
-    """Decision-log entries after ``since_seq`` (one model's, or all), over HTTP, else through Ray."""
-    query = f"/v1/decisions?since_seq={since_seq}" + (f"&model={model}" if model else "")
-    out = None if address else http_get(query)
-    if out is None:
-        import ray
-
-        out = ray.get(broker_handle(address).decisions.remote(model, since_seq), timeout=30)
-    return out
-
-
-def apply_config(address: str | None, text: str, source: str) -> dict[str, Any]:
-    """Swap the running broker's config; on success the state file records it. Returns the broker's answer."""
-    import ray
-
-    result = ray.get(broker_handle(address).apply.remote(text), timeout=60)
-    if result["ok"]:
-        state = read_state()
-        if state:
-            state.update(config=source, config_text=text, config_hash=result["config_hash"])
-            write_state(state)
-    return result
-
-
 # =============================================================================== down
 class Note(StrEnum):
     """How a line of ``down_fleet``'s report reads: a step done, or a warning."""
@@ -432,7 +344,10 @@ def down_fleet(address: str | None, report: Callable[[str, Note], None]) -> None
         if stop_local_ray(pgid):
             report(f"local Ray {state.get('address')} stopped", Note.DONE)
         else:
-            report(f"could not find the processes of local Ray {state.get('address')}; "
-                   "stop it with `ray stop` if nothing else uses Ray here", Note.WARN)
+            report(
+                f"could not find the processes of local Ray {state.get('address')}; "
+                "stop it with `ray stop` if nothing else uses Ray here",
+                Note.WARN,
+            )
     if state and (not address or address == state.get("address")):
         clear_state()

@@ -49,12 +49,23 @@ def start_local_ray(num_cpus: int | None = None, port: int | None = None) -> dic
     dash = free_port()
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [
-        str(ray_bin) if ray_bin.exists() else "ray", "start", "--head",
-        "--node-ip-address", "127.0.0.1", "--port", str(port),
-        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-        "--ray-client-server-port", str(free_port()),
-        "--dashboard-agent-listen-port", str(free_port()),
-        "--num-cpus", str(num_cpus or max(2, os.cpu_count() or 2)),
+        str(ray_bin) if ray_bin.exists() else "ray",
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dash),
+        "--ray-client-server-port",
+        str(free_port()),
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--num-cpus",
+        str(num_cpus or max(2, os.cpu_count() or 2)),
         "--disable-usage-stats",
     ]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
@@ -71,8 +82,13 @@ def start_local_ray(num_cpus: int | None = None, port: int | None = None) -> dic
     # start_new_session: the CLI process was the group leader; its daemons keep its pgid.
     pgid = pgid_of_gcs(port)
     address = f"127.0.0.1:{port}"
-    return {"address": address, "pgid": pgid, "dashboard": f"http://127.0.0.1:{dash}",
-            "auth_mode": auth.mode, "join": join_hint(address, auth)}
+    return {
+        "address": address,
+        "pgid": pgid,
+        "dashboard": f"http://127.0.0.1:{dash}",
+        "auth_mode": auth.mode,
+        "join": join_hint(address, auth),
+    }
 
 
 def pgid_of_gcs(port: int) -> int | None:
@@ -108,5 +124,8 @@ def stop_local_ray(pgid: int | None, timeout_s: float = 10.0) -> bool:
 def _live_members(pgid: int) -> int:
     """Processes of the group that are not zombies (exited daemons wait for init to reap them)."""
     out = subprocess.run(["ps", "-eo", "pgid=,stat="], capture_output=True, text=True).stdout
-    return sum(1 for line in out.splitlines()
-               if len(line.split()) == 2 and line.split()[0] == str(pgid) and not line.split()[1].startswith("Z"))
+    return sum(
+        1
+        for line in out.splitlines()
+        if len(line.split()) == 2 and line.split()[0] == str(pgid) and not line.split()[1].startswith("Z")
+    )

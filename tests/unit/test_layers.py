@@ -76,8 +76,11 @@ def source_files() -> dict[str, Path]:
 
 
 def policy_modules() -> frozenset[str]:
-    return frozenset(m for m in source_files() if _top(m) == "quotas" or (_top(m) == "broker" and m != "broker"
-                                                                         and m not in BROKER_MECHANISM))
+    return frozenset(
+        m
+        for m in source_files()
+        if _top(m) == "quotas" or (_top(m) == "broker" and m != "broker" and m not in BROKER_MECHANISM)
+    )
 
 
 def _is_package(module: str) -> bool:
@@ -212,7 +215,8 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, "import cycles (each group imports itself through the others): " + "; ".join(
-        " <-> ".join(c) for c in cycles)
+        " <-> ".join(c) for c in cycles
+    )
 
 
 @pytest.mark.parametrize("module", sorted(policy_modules() | NO_HARDWARE_MODULES))
@@ -232,10 +236,17 @@ def test_policy_code_reads_no_clock_and_imports_only_pure_code(module: str):
             bad.append(f"{_where(module, imp)} (not a pure module)")
     tree = ast.parse(source_files()[module].read_text(encoding="utf-8"))
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCK_CALLS
-                and isinstance(node.func.value, ast.Name) and node.func.value.id in {"datetime", "date", "time"}):
-            bad.append(f"{source_files()[module].relative_to(ROOT)}:{node.lineno} calls "
-                       f"{node.func.value.id}.{node.func.attr}() (a clock: take now_s as an input)")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in CLOCK_CALLS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in {"datetime", "date", "time"}
+        ):
+            bad.append(
+                f"{source_files()[module].relative_to(ROOT)}:{node.lineno} calls "
+                f"{node.func.value.id}.{node.func.attr}() (a clock: take now_s as an input)"
+            )
     assert not bad, "\n".join(dict.fromkeys(bad))
 
 
@@ -251,20 +262,28 @@ def test_no_importlib_registration():
             continue
         bad += [_where(mod, i) for i in imports_of(mod) if _top(i.target) == "importlib"]
         tree = ast.parse(source_files()[mod].read_text(encoding="utf-8"))
-        bad += [f"{source_files()[mod].relative_to(ROOT)}:{n.lineno} calls __import__" for n in ast.walk(tree)
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "__import__"]
+        bad += [
+            f"{source_files()[mod].relative_to(ROOT)}:{n.lineno} calls __import__"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "__import__"
+        ]
     assert not bad, "static imports only (a module registered by importlib is an arrow nobody sees):\n" + "\n".join(bad)
 
 
 def test_no_source_file_over_the_line_limit():
-    long = {str(p.relative_to(ROOT)): n for p in source_files().values()
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in source_files().values()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert not long, f"files over {MAX_LINES} lines (split them): {dict(sorted(long.items()))}"
 
 
 def test_the_contract_sees_lazy_and_type_checking_imports():
     """The parser counts imports inside functions and TYPE_CHECKING blocks (guards the checks above)."""
-    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from broker.policy import decide\n"
-           "def f():\n    import torch\n    from . import window\n    from .types import ModelLoad\n")
+    src = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from broker.policy import decide\n"
+        "def f():\n    import torch\n    from . import window\n    from .types import ModelLoad\n"
+    )
     targets = [i.target for i in imports_in(ast.parse(src), "broker.lending")]
     assert targets == ["typing", "broker.policy", "torch", "broker.window", "broker.types"]

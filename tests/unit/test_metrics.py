@@ -468,7 +468,7 @@ def _cli(monkeypatch, answers):
     from typer.testing import CliRunner
 
     from cli.main import app
-    from deployments import fleet
+    from deployments import fleet_client
 
     calls = []
 
@@ -478,7 +478,7 @@ def _cli(monkeypatch, answers):
             raise KeyboardInterrupt  # ends the live loop like Ctrl-C
         return answers.pop(0)
 
-    monkeypatch.setattr(fleet, "http_get", fake_get)
+    monkeypatch.setattr(fleet_client, "http_get", fake_get)
     return CliRunner(), app, calls
 
 
