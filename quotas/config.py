@@ -34,6 +34,7 @@ from quotas.cards import GpusSection, PlacementSpec
 from quotas.llm_spec import LLM_ENGINES, LlmSpec
 from quotas.placement import check_fleet_cards
 from quotas.sizes import format_size, parse_size
+from quotas.vocab import BatchFormation, Objective, Strategy
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
 DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -62,8 +63,8 @@ class BrokerSection(_Strict):
     http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
     dry_run: bool = Field(False, description="Decide and log, but apply nothing to the deployments.")
-    batch_formation: Literal["eager", "lazy"] = Field(
-        "lazy",
+    batch_formation: BatchFormation = Field(
+        BatchFormation.LAZY,
         description="lazy (default): while a batch runs, replicas hold new requests at a gate and let up to one "
         "cap's worth into @serve.batch when it finishes, so batches size themselves to the load; eager: leave Ray "
         "2.60's @serve.batch as is (a batch closes a wait after its first request, busy or not) and let the "
@@ -187,8 +188,8 @@ class WaitSpec(_Strict):
 
 
 class ControlSpec(_Strict):
-    strategy: Literal["hybrid", "queue", "aimd", "model", "static"] = Field(
-        "hybrid", description="hybrid (default) combines queue band, P95 AIMD and the model-based jump; static never moves."
+    strategy: Strategy = Field(
+        Strategy.HYBRID, description="hybrid (default) combines queue band, P95 AIMD and the model-based jump; static never moves."
     )
     window_s: float = Field(30.0, gt=0, le=3600, description="Sliding window for P50/P95/P99 and rates.")
     target_queue: int = Field(10, ge=0, description="Queue depth the dead band is centred on.")
@@ -318,8 +319,8 @@ def _parse_hours(value: str) -> tuple[int, int]:
 
 class ProfileSpec(_Strict):
     name: str = Field(description="Profile name shown in status and metrics.")
-    objective: Literal["throughput", "latency", "balanced"] = Field(
-        "balanced", description="throughput: larger batches within the slack; latency: smaller batches, tight caps."
+    objective: Objective = Field(
+        Objective.BALANCED, description="throughput: larger batches within the slack; latency: smaller batches, tight caps."
     )
     price_per_gpu_hour: float = Field(0.0, ge=0, description="Price of the card per hour in this window (for cost per 1k requests).")
     latency_slack: float = Field(1.0, ge=0.5, le=5.0, description="Multiplier on every model's P95 cap in this window (e.g. 1.2 at peak).")
