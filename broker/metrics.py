@@ -39,7 +39,7 @@ PREFIX = "gpubroker_"
 
 # Fixed label enumerations: anything else is counted as "other".
 OUTCOMES = ("ok", "rejected", "timeout", "error")
-MOVE_KINDS = ("lend", "reclaim", "confirm", "grow", "release", "abort")
+MOVE_KINDS = ("lend", "reclaim", "confirm", "grow", "release", "abort", "reclaim_cache", "reclaim_drain", "reclaim_restart")
 TRIGGERS = ("queue_depth", "p95_ms", "free_frac", "arrival_rate_rps", "sm_util_frac", "hold")
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
