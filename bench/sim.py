@@ -102,8 +102,9 @@ class Simulator(BatchingMixin):
         # ``batching`` is how plain @serve.batch forms batches (what static arms get). The broker's
         # replicas run Ray's eager batcher behind the replica's own lazy gate
         # (broker.batch_formation: lazy, the default): deployments.gate.LazyGate, the same code.
-        self.gated = arm.kind == "broker" and config.broker.batch_formation == "lazy"
-        if arm.kind == "broker":
+        # A static arm gets the same gate when it asks for it (``static:B:W:gate``, the ablation).
+        self.gated = (arm.kind == "broker" and config.broker.batch_formation == "lazy") or arm.gated
+        if arm.kind == "broker" or arm.gated:
             batching = "eager"
         self.eager = batching == "eager"
         self.config = config
@@ -233,8 +234,7 @@ class Simulator(BatchingMixin):
 
     def held_requests(self, rep: SimReplica) -> int:
         """Requests the replica holds (its ``waiting``): at the gate, queued, forming, formed, running."""
-        n = len(rep.queue) + len(rep.forming or ()) + sum(len(f) for f in rep.formed) + sum(len(b.ids) for b in rep.running)
-        return n + (len(rep.gate.held) if rep.gate is not None else 0)
+        return rep.held  # counted in on admission, out when answered (done, timed out, failed)
 
     def _arrive(self, i: int) -> None:
         reps = self.replicas[self.arr_m[i]]
@@ -246,6 +246,7 @@ class Simulator(BatchingMixin):
             rep.st_rej += 1
             return
         rep.st_arr += 1
+        rep.held += 1
         if rep.gate is not None and not rep.gate.admit(i, self._unit_cost(rep, i)):
             return  # held at the gate until a batch ends
         rep.queue.append(i)
@@ -267,6 +268,7 @@ class Simulator(BatchingMixin):
             if arr_t[i] < limit:
                 status[i] = TIMED_OUT
                 rep.st_to += 1
+                rep.held -= 1
                 return False
             return True
 
@@ -283,6 +285,7 @@ class Simulator(BatchingMixin):
             i = q.popleft()
             self.status[i] = TIMED_OUT
             rep.st_to += 1
+            rep.held -= 1
 
     # -- the card ------------------------------------------------------------------------------
 
@@ -371,6 +374,8 @@ class Simulator(BatchingMixin):
             self._push(ctrl, EV_CONTROL)
         else:
             for rep in self.all_reps:
+                if self.gated:
+                    rep.gate = LazyGate(max_concurrent_batches=rep.mcb, clock=lambda: self.now)
                 self._apply(rep, self._static_settings(rep.name))
         self._sample()
         self._push(ctrl, EV_SAMPLE)

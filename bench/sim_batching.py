@@ -114,6 +114,7 @@ class BatchingMixin:
                 if self.arr_t[i] < limit:
                     self.status[i] = TIMED_OUT
                     rep.st_to += 1
+                    rep.held -= 1
                 else:
                     live.append(i)
             if not live:
@@ -180,6 +181,7 @@ class BatchingMixin:
             if len(chunk) == 1:
                 self.status[chunk[0]] = FAILED
                 rep.st_err += 1
+                rep.held -= 1
                 b.ids = [i for i in b.ids if i != chunk[0]]
                 if b.chunks:
                     self._run_chunk(b)
@@ -232,6 +234,7 @@ class BatchingMixin:
                 done_t[i] = now
                 lat.append((now - arr_t[i]) * 1000.0)
         rep.st_done += len(b.ids)
+        rep.held -= len(b.ids)
         if rep.gate is not None:
             rep.gate.batch_ended()
             self._exec_formed(rep)

@@ -35,13 +35,17 @@ class Arm:
     kind: str  # "static" or "broker"
     batch: int = 0  # static: batch cap in requests
     wait_ms: float = 10.0  # static: batch wait timeout
+    gated: bool = False  # static: the replica's LazyGate in front of Ray's eager batcher (ablation)
 
     @property
     def label(self) -> str:
-        return "broker" if self.kind == "broker" else f"static:{self.batch}:{self.wait_ms:g}"
+        if self.kind == "broker":
+            return "broker"
+        return f"static:{self.batch}:{self.wait_ms:g}" + (":gate" if self.gated else "")
 
 
-POLICY_FORMS = "'broker', 'static:B' or 'static:B:WAIT_MS' (e.g. static:8 or static:32:5)"
+POLICY_FORMS = ("'broker', 'static:B', 'static:B:WAIT_MS' or 'static:B:WAIT_MS:gate' "
+                "(e.g. static:8 or static:32:5; ':gate' puts the lazy gate in front)")
 
 
 def parse_arm(text: str) -> Arm:
@@ -50,14 +54,15 @@ def parse_arm(text: str) -> Arm:
     if t == "broker":
         return Arm("broker")
     parts = t.split(":")
-    if parts[0] == "static" and len(parts) in (2, 3):
+    gated = len(parts) == 4 and parts[3] == "gate"
+    if parts[0] == "static" and (len(parts) in (2, 3) or gated):
         try:
             b = int(parts[1])
-            w = float(parts[2]) if len(parts) == 3 else 10.0
+            w = float(parts[2]) if len(parts) >= 3 else 10.0
         except ValueError:
             b, w = 0, -1.0
         if b >= 1 and w >= 0:
-            return Arm("static", b, w)
+            return Arm("static", b, w, gated)
     raise ValueError(f"policy '{text}' is not known; use {POLICY_FORMS}")
 
 
@@ -85,7 +90,7 @@ class SimReplica:
         "grant", "admit", "max_ongoing", "version", "local_cap", "floor", "mcb", "max_queued", "timeout_s",
         "mem_now", "seq", "last_report_t", "card_busy_mark", "busy_acc",
         "st_arr", "st_done", "st_rej", "st_to", "st_err", "st_lat", "st_batches", "st_breq", "st_peak",
-        "st_oom", "st_emerg", "forming", "form_cost", "formed", "gate", "paused",
+        "st_oom", "st_emerg", "forming", "form_cost", "formed", "gate", "paused", "held",
     )
 
     def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):
@@ -118,6 +123,7 @@ class SimReplica:
         self.formed: deque[list[int]] = deque()  # eager mode: formed batches waiting for a slot
         self.gate: LazyGate[int] | None = None  # the replica's lazy gate (broker arm, lazy formation)
         self.paused = False  # the fast loop paused admission
+        self.held = 0  # requests admitted and not answered yet (the replica's ``waiting``)
         self._reset_stats()
 
     def _reset_stats(self) -> None:

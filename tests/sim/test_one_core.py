@@ -52,3 +52,18 @@ def test_live_core_and_simulator_core_decide_the_same():
             live.tick()
     assert live.decisions() == sim_log
     assert live.status()["models"] == sim.broker.core.status()["models"]
+
+
+def test_the_replicas_waiting_count_matches_the_requests_it_holds():
+    """The simulator keeps each replica's ``waiting`` (what it reports as queue depth and
+    checks against ``max_queued``) as a counter; it must equal the requests still pending."""
+    import numpy as np
+
+    from bench.sim_types import PENDING
+
+    cfg, w = _fleet_and_workload()
+    sim = Simulator(cfg, parse_arm("broker"), w, 40.0, drain_s=0.0)
+    sim.run()
+    for m, reps in enumerate(sim.replicas):
+        pending = int(np.sum((sim.status == PENDING) & (sim.m_np == m)))
+        assert sum(r.held for r in reps) == pending
