@@ -14,7 +14,8 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 def bench(
     scenario: str = typer.Argument(
-        ..., help="seed | oracle | burst | overhead | trace | oracle-knee, or report (RESULTS.md from --out)"
+        ..., help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), or scale "
+        "(the control plane: tick time against models and cards, and the simulator's speed; no Ray)"
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(
@@ -48,6 +49,13 @@ def bench(
     import sys
     import time
 
+    if scenario == "scale":  # the broker core on a fake clock and the simulator: no Ray (bench/scale.py)
+        from bench import scale
+
+        res = scale.run(quick=quick, out=out)
+        print(json.dumps(res) if as_json else scale.table(res))
+        typer.echo(f"wrote {out / 'scale.json'}", err=True)
+        return
     if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
         from bench import results
 
@@ -63,7 +71,7 @@ def bench(
         typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
         return
     if scenario not in SCENARIO_NAMES:
-        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report)", err=True)
+        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale)", err=True)
         raise typer.Exit(2)
     from bench.live_runs import parse_arrivals
 

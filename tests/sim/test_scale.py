@@ -1,0 +1,40 @@
+"""bench/scale.py: the synthetic fleets it times are valid and the run produces its table (no timing asserted)."""
+
+from __future__ import annotations
+
+from bench import scale
+from quotas.placement import place_fleet
+
+
+def test_synthetic_fleets_validate_and_place_one_model_per_card_slot():
+    one = scale.synthetic_config(1000)
+    assert len(one.models) == 1000 and one.gpus is None
+    many = scale.synthetic_config(100, cards=16)
+    p = place_fleet(many)
+    assert sum(len(plan.models) for plan in p.cards) == 100
+    assert {len(plan.models) for plan in p.cards} == {6, 7}  # 100 over 16 cards
+    assert all(plan.base_bytes <= plan.usable_bytes for plan in p.cards)
+
+
+def test_core_runs_on_the_fake_clock_and_ticks_once_per_control_interval():
+    cores = scale._Cores([scale.synthetic_config(10)], seed=1)
+    runs = cores.run(20.0)
+    assert len(runs["tick_ms"]) == 20 and len(runs["report_us"]) == 40
+    status = cores.cores[0].status()
+    assert status["ticks"] == 20 and all(m["replicas"] == 1 for m in status["models"].values())
+
+
+def test_sixteen_cards_run_as_one_core_per_card_until_the_core_has_cards():
+    row = scale.bench_cards(16, 32, seconds=2.0)
+    assert row["cores"] == (1 if row["per_card_core"] else 16) and row["ticks"] == 2
+
+
+def test_table_names_every_case_and_the_one_card_fallback():
+    res = {"models": [{"case": "1 card x 10 models", "ticks": 3, "median_tick_ms": 1.0, "p99_tick_ms": 2.0,
+                       "max_tick_ms": 2.0, "report_us": 30.0}],
+           "cards": [{"case": "16 cards x 100 models", "cores": 16, "ticks": 3, "median_tick_ms": 5.0,
+                      "p99_tick_ms": 9.0, "max_tick_ms": 9.0, "report_us": 40.0}],
+           "sim": {"case": "simulator: 100 models x 1 h trace", "wall_s": 12.0}, "per_card_core": False}
+    text = scale.table(res)
+    assert "| 16 cards x 100 models | 16 | 3 | 5.00 | 9.00 |" in text
+    assert "16 one-card cores" in text and "12.0 s wall" in text
