@@ -62,7 +62,7 @@ def test_the_replicas_waiting_count_matches_the_requests_it_holds():
     from bench.sim_types import PENDING
 
     cfg, w = _fleet_and_workload()
-    sim = Simulator(cfg, parse_arm("broker"), w, 40.0, drain_s=0.0)
+    sim = Simulator(cfg, parse_arm("broker"), w, 70.0, drain_s=0.0)  # stops with requests in flight
     sim.run()
     for m, reps in enumerate(sim.replicas):
         pending = int(np.sum((sim.status == PENDING) & (sim.m_np == m)))
