@@ -21,7 +21,7 @@ with the same seed, so the arms of a comparison see the same arrivals (scaled).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from bench.arrivals import split_rates
 from bench.sim import Arm, SimResult, parse_arm, run_sim
@@ -226,6 +226,59 @@ def search_knee(ok: Callable[[float], bool], start_rate: float, *, step: float =
         else:
             hi = mid
     return lo
+
+
+HELD_STEP = 0.95  # a held knee is searched down from seed 0's in 5 % steps
+
+
+def held_knee(passes: Callable[[float, int], bool], seed0_knee: float, seeds: Sequence[int], *,
+              step: float = HELD_STEP, max_runs: int | None = None) -> float:
+    """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
+
+    Seed 0 passes at its own knee (that is how it was found), so there the other seeds are
+    run; below it every seed is, in order, and a rate fails at its first failing seed. Steps
+    down by ``step`` until a rate holds; ``max_runs`` bounds the calls (0.0 when none holds
+    within it). A knee that holds on one seed and not another is an edge, not a rate the arm
+    holds: this is the knee the tables report, with seed 0's beside it."""
+    if seed0_knee <= 0:
+        return 0.0
+    runs = 0
+    rate = float(seed0_knee)
+    first = True
+    while max_runs is None or runs < max_runs:
+        holds = True
+        for s in seeds:
+            if first and s == seeds[0]:
+                continue
+            if max_runs is not None and runs >= max_runs:
+                return 0.0
+            runs += 1
+            if not passes(rate, s):
+                holds = False
+                break
+        if holds:
+            return rate
+        first = False
+        rate *= step
+    return 0.0
+
+
+def knee_on_seeds(config: FleetConfig, policy: str | Arm, start_rate: float, rs: RunSettings = RunSettings(),
+                  seeds: Sequence[int] = (0, 1, 2), *, bisect_iters: int = 5, max_rate: float | None = None) -> dict[str, Any]:
+    """Seed 0's knee (``knee`` with ``rs.seed = seeds[0]``) and the knee that holds on every seed."""
+    from dataclasses import replace
+
+    k0 = knee(config, policy, start_rate, replace(rs, seed=seeds[0]), bisect_iters=bisect_iters, max_rate=max_rate)
+    tried: list[dict[str, Any]] = []
+
+    def passes(rate: float, seed: int) -> bool:
+        ok, why = evaluate(run_at(config, policy, rate, replace(rs, seed=seed)))
+        tried.append({"rate": round(rate, 3), "seed": seed, "pass": ok, "why": why})
+        return ok
+
+    held = held_knee(passes, k0.knee_rps, seeds)
+    return {"policy": k0.policy, "seed0_knee_rps": k0.knee_rps, "held_knee_rps": held, "seeds": list(seeds),
+            "seed_rows": tried, "rows": k0.rows}
 
 
 def passes_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> bool:
