@@ -40,6 +40,7 @@ class StatsReport:
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
     settings_version: int = 0  # version of the settings the replica runs now
     oom_costs: tuple[float, ...] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.oom)
+    engine: dict[str, Any] | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,6 +70,7 @@ class ModelSettings:
     release_cache: bool = False  # empty the allocator's caches (torch.cuda.empty_cache) and re-measure
     drain: bool = False  # pause admission and let the running batches finish
     restart_token: int = 0  # a replica restarts (fails check_health) when this passes the token it started with
+    engine: dict[str, Any] | None = None  # kind: llm only: the engine bounds the broker set (broker.llm_window.engine_settings)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

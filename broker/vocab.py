@@ -65,6 +65,7 @@ class EntryKind(StrEnum):
     RESTORE = "restore"  # checkpoint restore, or why not
     APPLY = "apply"  # a config reload
     INVARIANT = "invariant"  # a broken invariant (sum of grants over usable)
+    ENGINE = "engine"  # an LLM engine's bounds or rule changed (broker.llm_window: inputs, old, new, trigger, rule)
 
 
 __all__ = ["EntryKind", "MoveKind", "Rule", "Trigger"]

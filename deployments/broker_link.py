@@ -80,7 +80,8 @@ class ReplicaGauges:
     settings_version: int
 
 
-def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s: float, g: ReplicaGauges) -> StatsReport:
+def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s: float, g: ReplicaGauges,
+                 engine: dict[str, Any] | None = None) -> StatsReport:
     return StatsReport(
         model=model,
         replica_id=replica_id,
@@ -105,6 +106,7 @@ def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s
         emergency_shrinks=delta.emergency_shrinks,
         settings_version=g.settings_version,
         oom_costs=tuple(delta.oom_costs),
+        engine=engine,
     )
 
 
@@ -164,11 +166,11 @@ class BrokerLink:
         self._ok()
         return reply
 
-    async def report(self, gauges: ReplicaGauges) -> dict[str, Any] | None:
-        """Send the delta since the last report; the settings reply, or None."""
+    async def report(self, gauges: ReplicaGauges, engine: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Send the delta since the last report (``engine``: an LLM engine's report); the settings reply, or None."""
         now = self.clock()
         delta, self.delta = self.delta, StatsDelta(now)
-        report = build_report(self.model, self.replica_id, self.seq, delta, now, gauges)
+        report = build_report(self.model, self.replica_id, self.seq, delta, now, gauges, engine)
         try:
             handle = self._handle_or_lookup()
         except Exception as exc:  # noqa: BLE001 - no broker: keep the counts for the next try
