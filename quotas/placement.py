@@ -16,13 +16,17 @@ next to one of its own costs only its process (the CUDA context on a real card).
 3. Nothing fits: ``PlacementError`` naming the model, what it needs and every allowed
    card's free usable bytes.
 
+After a node loss (or join) `replace_after_loss` keeps every replica that still runs where it
+runs and places the lost ones by the same rules on the live cards; what fits nowhere is
+counted in `Placement.unplaced`, never over-granted.
+
 The result is deterministic (no randomness, no dict-order dependence) and frozen.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -99,6 +103,7 @@ class Placement:
 
     replicas: Mapping[str, tuple[str, ...]]  # model -> card id per replica (read-only)
     cards: tuple[CardPlan, ...]
+    unplaced: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # model -> replicas that fit nowhere (partial re-placement)
 
     def card_plan(self, card_id: str) -> CardPlan:
         for plan in self.cards:
@@ -127,7 +132,7 @@ class Placement:
 
     def to_dict(self) -> dict[str, Any]:
         return {"replicas": {m: list(ids) for m, ids in sorted(self.replicas.items())},
-                "cards": [p.to_dict() for p in self.cards]}
+                "cards": [p.to_dict() for p in self.cards], "unplaced": dict(self.unplaced)}
 
 
 # ------------------------------------------------------------------------------ the algorithm
@@ -167,27 +172,36 @@ def _fail(demand: ModelDemand, allowed: list[_CardState], budget: CardBudget, wh
     )
 
 
-def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBudget) -> Placement:
-    """Decide the card of every replica (see the module note). Raises PlacementError."""
+def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBudget, *,
+          keep: Mapping[str, Iterable[str]] | None = None, partial: bool = False) -> Placement:
+    """Decide the card of every replica (see the module note). Raises PlacementError.
+
+    ``keep``: replicas that already run (model -> card id per replica); those on a card of
+    ``cards`` stay where they are and count first (no live migration). ``partial``: a replica
+    that fits nowhere is counted in ``Placement.unplaced`` instead of raising (after a node
+    loss the fleet runs short rather than over-granting)."""
     states = [_CardState(c) for c in cards]
     by_id = {s.card.id: s for s in states}
     ordered = sorted(demands, key=lambda d: (-d.base_bytes, d.name))
     allowed: dict[str, list[_CardState]] = {}
+    placed: dict[str, list[str]] = {d.name: [] for d in ordered}
+    unplaced: dict[str, int] = {}
     for d in ordered:
-        if d.cards is not None:
-            unknown = [c for c in d.cards if c not in by_id]
-            if unknown:
-                raise PlacementError(d.name, d.base_bytes, {}, (
-                    f"models.{d.name}.placement.cards: card '{unknown[0]}' is not a card of the fleet "
-                    f"(cards: {', '.join(by_id)}); use one of those ids or write cards: any"))
+        unknown = [c for c in d.cards or () if c not in by_id]
+        if unknown and not partial:
+            raise PlacementError(d.name, d.base_bytes, {}, (
+                f"models.{d.name}.placement.cards: card '{unknown[0]}' is not a card of the fleet "
+                f"(cards: {', '.join(by_id)}); use one of those ids or write cards: any"))
         allowed[d.name] = [s for s in states if d.allows(s.card)]
         if not allowed[d.name]:
+            if partial:
+                unplaced[d.name] = d.replicas
+                continue
             wanted = f"cards {list(d.cards)}" if d.cards is not None else "any card"
             raise PlacementError(d.name, d.base_bytes, {}, (
                 f"models.{d.name}.placement: no card matches ({wanted}, node_label {dict(d.node_label)}); the fleet's "
                 f"cards: {', '.join(f'{s.card.id} (node {s.card.node}, labels {s.card.label_map})' for s in states)}. "
                 "Widen placement.cards or placement.node_label"))
-    placed: dict[str, list[str]] = {d.name: [] for d in ordered}
 
     def put(d: ModelDemand, state: _CardState) -> None:
         if d.name not in state.models:
@@ -195,15 +209,34 @@ def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBud
         state.models[d.name] = state.models.get(d.name, 0) + 1
         placed[d.name].append(state.card.id)
 
+    def short(d: ModelDemand, what: str) -> None:
+        if not partial:
+            raise _fail(d, allowed[d.name], budget, what)
+        unplaced[d.name] = unplaced.get(d.name, 0) + 1
+
+    for d in ordered:  # 0. what already runs stays
+        for cid in (keep or {}).get(d.name, ()):
+            if cid in by_id and d.name in allowed and by_id[cid] in allowed[d.name] and len(placed[d.name]) < d.replicas:
+                put(d, by_id[cid])
+    over = [s for s in states if s.free(budget) < 0]
+    if over:
+        raise PlacementError(next(iter(over[0].models)), 0, {s.card.id: s.free(budget) for s in over}, (
+            f"the replicas kept on card {over[0].card.id} ({', '.join(over[0].models)}) need more than its usable "
+            f"{_free_list(over, budget)}; redeploy the fleet instead of re-placing it"))
     for d in ordered:  # 1. bin-pack the bases, first fit decreasing
+        if placed[d.name] or d.name in unplaced:
+            continue
         first = next((s for s in allowed[d.name] if _fits(s, d, budget, new_group=True)), None)
         if first is None:
-            raise _fail(d, allowed[d.name], budget, "its first replica")
+            if not partial:
+                raise _fail(d, allowed[d.name], budget, "its first replica")
+            unplaced[d.name] = d.replicas
+            continue
         put(d, first)
     rounds = max((d.replicas for d in ordered), default=1)
     for r in range(1, rounds):  # 2. spread the rest, one round per replica number
         for d in ordered:
-            if d.replicas <= r:
+            if d.replicas <= r or len(placed[d.name]) > r or not placed[d.name]:
                 continue
             if d.spread:
                 target = _spread_target(d, allowed[d.name], budget)
@@ -214,13 +247,22 @@ def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBud
                 room = [s for s in mine if _fits(s, d, budget, new_group=False)]
                 target = min(room, key=lambda s: s.models[d.name], default=None)  # min keeps the first on ties
             if target is None:
-                raise _fail(d, allowed[d.name], budget, f"replica {r + 1} of {d.replicas}")
+                short(d, f"replica {r + 1} of {d.replicas}")
+                continue
             put(d, target)
     plans = tuple(
         CardPlan(s.card, budget.usable_bytes(s.card, s.processes), s.base, MappingProxyType(dict(sorted(s.models.items()))))
         for s in states
     )
-    return Placement(MappingProxyType({m: tuple(ids) for m, ids in sorted(placed.items())}), plans)
+    return Placement(MappingProxyType({m: tuple(ids) for m, ids in sorted(placed.items())}), plans,
+                     MappingProxyType(dict(sorted(unplaced.items()))))
+
+
+def replace_after_loss(previous: Placement, demands: Iterable[ModelDemand], alive: Iterable[Card],
+                       budget: CardBudget) -> Placement:
+    """Re-place after cards are lost (or join): replicas on live cards stay, the lost ones go
+    where a card has room by the same rules, and what fits nowhere is ``unplaced``."""
+    return place(demands, alive, budget, keep=previous.replicas, partial=True)
 
 
 def _spread_target(d: ModelDemand, allowed: list[_CardState], budget: CardBudget) -> _CardState | None:

@@ -223,3 +223,45 @@ def test_discover_cards_from_ray_nodes_and_nvml_totals():
 
     with pytest.raises(DiscoveryError, match="node 10.0.0.2 .* list its cards under gpus"):
         discover_cards(nodes, capacity_probe=no_nvml)
+
+
+# --------------------------------------------------------------------------- node loss and join
+def test_after_a_node_loss_survivors_stay_and_lost_replicas_go_where_there_is_room():
+    from quotas.placement import replace_after_loss
+
+    demands = [demand("x", 300, replicas=2), demand("y", 600), demand("z", 500, cards=("b0",))]
+    before = place(demands, FOUR, NO_RESERVE)
+    assert before.replicas == {"x": ("a0", "b0"), "y": ("a0",), "z": ("b0",)}
+    alive = tuple(c for c in FOUR if c.node == "a")
+    after = replace_after_loss(before, demands, alive, NO_RESERVE)
+    assert after.replicas["y"] == before.replicas["y"]  # y ran on node a: it stays
+    assert after.replicas["x"] == ("a0", "a1")  # its a0 replica stays; the lost one spreads to a1
+    assert after.unplaced == {"z": 1} and after.replicas["z"] == ()  # z may only run on b0, which is gone
+    assert all(p.base_bytes <= p.usable_bytes for p in after.cards)
+    rejoined = replace_after_loss(after, demands, FOUR, NO_RESERVE)  # node b is back
+    assert rejoined.unplaced == {} and rejoined.replicas["z"] == ("b0",)
+    assert rejoined.replicas["y"] == after.replicas["y"]  # no live migration
+
+
+@settings(max_examples=200, deadline=None)
+@given(fleets(), st.integers(0, 2))
+def test_property_replacing_after_a_node_loss_keeps_survivors_and_never_overgrants(fleet, lost_node):
+    from collections import Counter
+
+    from quotas.placement import replace_after_loss
+
+    cards, demands, budget = fleet
+    try:
+        before = place(demands, cards, budget)
+    except PlacementError:
+        return
+    alive = tuple(c for c in cards if c.node != f"node{lost_node}")
+    after = replace_after_loss(before, demands, alive, budget)
+    alive_ids = {c.id for c in alive}
+    for d in demands:
+        kept = Counter(c for c in before.replicas[d.name] if c in alive_ids)
+        now = Counter(after.replicas[d.name])
+        assert all(now[c] >= n for c, n in kept.items())  # survivors stay where they run
+        assert len(after.replicas[d.name]) + after.unplaced.get(d.name, 0) == d.replicas
+    for plan in after.cards:
+        assert plan.card.id in alive_ids and plan.base_bytes <= plan.usable_bytes
