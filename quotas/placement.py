@@ -16,9 +16,9 @@ next to one of its own costs only its process (the CUDA context on a real card).
 3. Nothing fits: ``PlacementError`` naming the model, what it needs and every allowed
    card's free usable bytes.
 
-After a node loss (or join) `replace_after_loss` keeps every replica that still runs where it
+After a node loss (or join) ``replace_after_loss`` keeps every replica that still runs where it
 runs and places the lost ones by the same rules on the live cards; what fits nowhere is
-counted in `Placement.unplaced`, never over-granted.
+counted in ``Placement.unplaced``, never over-granted.
 
 The result is deterministic (no randomness, no dict-order dependence) and frozen.
 """
