@@ -30,7 +30,7 @@ class MemoryModel:
     oom_cost: float | None = None  # smallest batch cost that ran out of memory in the window, None: none did
 
     @classmethod
-    def from_load(cls, load: "ModelLoad") -> "MemoryModel":
+    def from_load(cls, load: ModelLoad) -> MemoryModel:
         """The calibrated model, refined from live reports: when a replica's peak memory over
         the window, less what its biggest recent batch needs, is above the calibrated weights (allocator
         pools, runtime, fragmentation: on host memory RSS never shrinks back), that observed

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class NvmlProbe:
             self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
 
     @classmethod
-    def for_torch_device(cls, index: int = 0, pid: int | None = None) -> "NvmlProbe":
+    def for_torch_device(cls, index: int = 0, pid: int | None = None) -> NvmlProbe:
         """The NVML view of torch's cuda:index (matched by UUID when torch reports one)."""
         uuid = None
         try:

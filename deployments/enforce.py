@@ -32,9 +32,10 @@ import gc
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from broker import probes
 

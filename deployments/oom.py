@@ -22,8 +22,9 @@ from __future__ import annotations
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from deployments.models.base import is_oom
 
