@@ -15,7 +15,7 @@ moves to make, and when a move may complete, in this order, each tick:
 3. escalate a reclaim (or a release) its borrower has not honoured: the reclaim itself lowered
    the borrower's grant and so its cap (step 0); after each further ``transfer_timeout_s`` (T)
    without a confirmation the next step, each a logged move of its own kind
-   (``ReclaimStep``): release caches (``ModelSettings.release_cache``), pause admission and
+   (``RECLAIM_STEPS``): release caches (``ModelSettings.release_cache``), pause admission and
    drain (``drain``), restart the replica (``restart_token`` bumps; repeated every T while
    the reclaim is pending). **Bound**: the owner has its base back within
    ``3 T + restart + stale_after_s + control_interval_s`` of the reclaim, where ``restart``
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 
 from broker.memory_model import MemoryModel
 from broker.state import BatchWant, ModelState
@@ -61,16 +60,14 @@ from quotas.sizes import format_size
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
 
 
-class ReclaimStep(StrEnum):
-    """Escalation of a reclaim the borrower has not honoured (``QuotaMove.kind``), in order."""
-
-    CACHE = "reclaim_cache"  # step 1, after T: release the allocator's caches
-    DRAIN = "reclaim_drain"  # step 2, after 2 T: pause admission, let running batches finish
-    RESTART = "reclaim_restart"  # step 3, after 3 T (and every T after): restart the replica
+# Escalation of a reclaim (or release) the borrower has not honoured, in order (QuotaMove.kind):
+# after T release caches, after 2 T pause admission and drain, after 3 T (and every T after) restart.
+RECLAIM_STEPS = (MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART)
 
 
-def step_kind(step: int) -> ReclaimStep:
-    return (ReclaimStep.CACHE, ReclaimStep.DRAIN)[step - 1] if step < 3 else ReclaimStep.RESTART
+def step_kind(step: int) -> MoveKind:
+    """The move kind of escalation step ``step`` (1, 2, 3 and every later one: restart)."""
+    return RECLAIM_STEPS[min(step, len(RECLAIM_STEPS)) - 1]
 
 
 @dataclass(frozen=True)
@@ -315,12 +312,12 @@ def _escalation(
     amount = sum(t.amount_bytes for t in pending)
     first = min(t.started_s for t in pending)
     action = {
-        ReclaimStep.CACHE: "release its caches",
-        ReclaimStep.DRAIN: "pause admission and drain",
-        ReclaimStep.RESTART: f"restart its replicas (restart_token {token})",
+        MoveKind.RECLAIM_CACHE: "release its caches",
+        MoveKind.RECLAIM_DRAIN: "pause admission and drain",
+        MoveKind.RECLAIM_RESTART: f"restart its replicas (restart_token {token})",
     }[step_kind(step)]
     what = "reclaim" if any(t.kind == "reclaim" for t in pending) else "release"
     reason = (f"{what} of {format_size(amount)} for {owners} not confirmed {now_s - first:.0f}s after it began "
               f"({borrower} used {format_size(gate.used_bytes)} against grant {format_size(grant)}; {gate.why}): "
               f"step {step}, {borrower} must {action}")
-    return QuotaMove(str(step_kind(step)), borrower, owners, amount, reason)
+    return QuotaMove(step_kind(step), borrower, owners, amount, reason)

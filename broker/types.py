@@ -166,7 +166,7 @@ class QuotaMove:
     """A ledger step taken this tick (for the decision log and metrics)."""
 
     kind: MoveKind  # lend, reclaim, confirm, grow, release, abort; reclaim escalation:
-    # reclaim_cache, reclaim_drain, reclaim_restart (broker.lending.ReclaimStep)
+    # reclaim_cache, reclaim_drain, reclaim_restart (broker.lending.RECLAIM_STEPS)
     donor: str | None
     recipient: str | None
     amount_bytes: int

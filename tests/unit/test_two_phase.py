@@ -9,7 +9,7 @@ step: sum of max(grant + in flight, measured use) <= usable (``tests.unit.quota_
 
 from __future__ import annotations
 
-from broker.lending import ReclaimStep
+from broker.vocab import MoveKind
 from tests.unit.quota_fleet import (
     MIB,
     Clock,
@@ -189,15 +189,15 @@ def test_reclaim_escalates_and_returns_base_within_the_bound(tmp_path):
     # The core counts the restarted replica's last report until it is stale_after_s old, beside
     # its replacement's: it logs that overlap (real if Serve starts the new process before the
     # old one exits; the fake kills the old one first). Nothing else may break the invariant.
-    restarted = next(m["time_s"] for m in moves(core, ReclaimStep.RESTART))
+    restarted = next(m["time_s"] for m in moves(core, MoveKind.RECLAIM_RESTART))
     logged = [d for d in core.decisions() if d["kind"] == "invariant"]
     overlap_s = 0.5 + max(2.0, 5 * 0.5)  # the old replica learns of the restart at its next report, then goes stale
     assert all(restarted < d["time_s"] <= restarted + overlap_s and "hot" in d["reason"] for d in logged), logged
     kinds = [m["move"] for m in moves(core) if m["donor"] == "hot" and m["move"].startswith("reclaim")]
-    assert kinds == ["reclaim", ReclaimStep.CACHE, ReclaimStep.DRAIN, ReclaimStep.RESTART], kinds
+    assert kinds == ["reclaim", MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART], kinds
     times = {m["move"]: m["time_s"] for m in moves(core) if m["donor"] == "hot"}
-    for before, after in (("reclaim", ReclaimStep.CACHE), (ReclaimStep.CACHE, ReclaimStep.DRAIN),
-                          (ReclaimStep.DRAIN, ReclaimStep.RESTART)):
+    for before, after in (("reclaim", MoveKind.RECLAIM_CACHE), (MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN),
+                          (MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART)):
         assert times[after] - times[before] >= timeout_s, times
     # what the replicas ran: caches released, then admission paused, then a restart
     assert [r.alive for r in fleet.reps["hot"]] == [False, True]
