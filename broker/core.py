@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry
 from broker import policy
 from broker.decision_log import finite, settings_entry, settings_view
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics
 from broker.profiles import active_profile
 from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
@@ -145,6 +146,7 @@ class BrokerCore:
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
         self._window = ReportWindow(cfg)
+        self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.llm_window)
         for name in cfg.models:
             self._tallies.setdefault(name, deque())
             self._replicas.setdefault(name, {})
@@ -155,7 +157,7 @@ class BrokerCore:
 
     def _policy_settings(self, state: Any, name: str) -> ModelSettings:
         """The policy's versioned settings (its version numbers gate two-phase confirms)."""
-        return policy.settings_for(state, name, self._cfg)
+        return self._llm.with_engine(policy.settings_for(state, name, self._cfg))
 
     def _restore(self) -> bool:
         if self._checkpoint_path is None:
@@ -187,6 +189,7 @@ class BrokerCore:
             return False
         self._memory_models = {k: (int(v[0]), float(v[1])) for k, v in ckpt.memory_models.items()}
         self._cost_units = dict(ckpt.cost_units)
+        self._llm.load(ckpt.llm_state)
         for entry in ckpt.decisions:
             self._decisions.append(entry)
         self._seq = max(ckpt.decision_seq, self._seq)
@@ -221,6 +224,7 @@ class BrokerCore:
         self.metrics.observe_report(rep)
         now = self._clock()
         self._window.add(rep, now)
+        self._llm.observe(rep, now)
         self._replicas[rep.model][rep.replica_id] = now
         self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
         tallies = self._tallies[rep.model]
@@ -283,8 +287,10 @@ class BrokerCore:
         if used != gpu.used_bytes:
             gpu = replace(gpu, used_bytes=used)
             snap = replace(snap, gpu=gpu)
-        decision, new_state = policy.decide(snap, self._cfg, self._state)
+        decision, new_state = policy.decide(snap, self._cfg, self._state, need_bytes=self._llm.need_bytes())
         self._state = new_state
+        for entry, line in self._llm.step(now, gpu.free_frac, new_state.ledger.grants, self._cfg.broker.dry_run):
+            self._append(entry, line)  # engine bounds inside the new grants, before the settings table
         self._last_snapshot, self._last_decision = snap, decision
         self._ticks += 1
         self._last_tick_s = now
@@ -392,6 +398,7 @@ class BrokerCore:
             settings={k: v.to_dict() for k, v in self._settings.items()},
             memory_models={k: [v[0], v[1]] for k, v in self._memory_models.items()},
             cost_units=dict(self._cost_units),
+            llm_state=self._llm.to_dict(),
             decisions=list(self._decisions)[-CHECKPOINT_DECISIONS:],
             decision_seq=self._seq,
             saved_at_s=self._clock(),
@@ -461,6 +468,7 @@ class BrokerCore:
                 "emergency_shrinks": self._events[name]["emergency_shrinks"],
                 "oom_splits": self._events[name]["oom_splits"],
             }
+            models[name].update(self._llm.status(name, now))  # kind: llm: "engine" (bounds, TTFT/TPOT, KV blocks)
         gpu = snap.gpu if snap is not None else None
         return {
             "config_hash": self._config_hash,

@@ -1,0 +1,66 @@
+"""cli.fleet draws deployments.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+from rich.progress import Progress
+
+from cli import fleet as cli_fleet
+from deployments import fleet, fleet_client
+from deployments.fleet import FleetError, Note, UpEvent, UpStage
+
+
+def _bars(monkeypatch) -> tuple[cli_fleet.UpBars, Progress, io.StringIO]:
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=False)
+    monkeypatch.setattr(cli_fleet, "console", console)
+    progress = Progress(console=console)
+    return cli_fleet.UpBars(progress), progress, out
+
+
+def test_each_stage_gets_one_bar_that_follows_its_events(monkeypatch):
+    bars, progress, _ = _bars(monkeypatch)
+    for event in (
+        UpEvent(UpStage.RAY, "Starting Ray", 0, 1),
+        UpEvent(UpStage.RAY, "Ray at 127.0.0.1:6379", 1, 1),
+        UpEvent(UpStage.MODELS, "Loading models", 0, 2),
+        UpEvent(UpStage.MODELS, done=1, total=2),  # no label: the last one stays
+        UpEvent(UpStage.MODELS, "Models loaded", 2, 2),
+        UpEvent(UpStage.REQUESTS, "First requests", 0, 2),
+        UpEvent(UpStage.REQUESTS, done=1, total=2),
+    ):
+        bars(event)
+    tasks = {t.description: (t.completed, t.total) for t in progress.tasks}
+    assert tasks == {"Ray at 127.0.0.1:6379": (1, 1), "Models loaded": (2, 2), "First requests": (1, 2)}
+
+
+def test_a_failure_says_where_the_state_is_and_how_to_clean_up(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUBROKER_STATE_DIR", str(tmp_path))
+    bars, progress, out = _bars(monkeypatch)
+    bars(UpEvent(UpStage.FAILED, "Serve app DEPLOY_FAILED: boom"))
+    text = out.getvalue()
+    assert "up failed" in text and "boom" in text and str(tmp_path) in text and "gpubroker down" in text
+    assert not progress.tasks  # a failure is a message, not a bar
+
+
+def test_down_without_a_fleet_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUBROKER_STATE_DIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    said: list[tuple[str, Note]] = []
+    with pytest.raises(FleetError, match="no fleet is running"):
+        fleet.down_fleet(None, lambda line, note: said.append((line, note)))
+    assert said == []
+
+
+def test_the_state_file_round_trips(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUBROKER_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert fleet_client.read_state() is None
+    fleet_client.write_state({"address": "127.0.0.1:1234", "started_ray": True})
+    assert fleet_client.read_state() == {"address": "127.0.0.1:1234", "started_ray": True}
+    assert fleet_client.resolve_address(None) == "127.0.0.1:1234"
+    fleet_client.clear_state()
+    assert fleet_client.read_state() is None and fleet_client.resolve_address(None) is None
