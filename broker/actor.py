@@ -18,8 +18,9 @@ from typing import Any
 
 import ray
 
-from broker.core import BrokerCore
+from broker.fleet_core import FleetBroker
 from broker.metrics import start_exporter
+from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 
 logger = logging.getLogger("gpubroker.broker")
@@ -51,14 +52,18 @@ def _detect_capacity(cfg: FleetConfig) -> int:
 
 
 class BrokerActor:
-    """Async Ray actor around ``BrokerCore`` with the slow loop as a background task."""
+    """Async Ray actor around ``FleetBroker`` (one ``BrokerCore`` per card) with the slow loop as a
+    background task."""
 
-    def __init__(self, config_text: str, capacity_bytes: int | None = None, checkpoint_path: str | None = None):
+    def __init__(self, config_text: str, capacity_bytes: int | None = None, checkpoint_path: str | None = None,
+                 cards: tuple[Card, ...] | None = None):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         cfg = parse_config_text(config_text, "broker config")
         path = checkpoint_path or str(default_checkpoint_path(cfg))
-        capacity = capacity_bytes if capacity_bytes is not None else _detect_capacity(cfg)
-        self._core = BrokerCore(config_text, capacity_bytes=capacity, checkpoint_path=path)
+        capacity = capacity_bytes
+        if capacity is None and cfg.gpus is None:
+            capacity = _detect_capacity(cfg)
+        self._core = FleetBroker(config_text, cards=cards, capacity_bytes=capacity, checkpoint_path=path)
         self._exporter = start_exporter(self._core.metrics, cfg.broker.metrics_host, cfg.broker.metrics_port)
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
@@ -86,9 +91,9 @@ class BrokerActor:
         self._ensure_loop()
         return {"ok": True, "pid": os.getpid(), "started_s": self._started_s, "config_hash": self._core.status()["config_hash"]}
 
-    async def register(self, model: str, replica_id: str, calibration: dict | None = None) -> dict:
+    async def register(self, model: str, replica_id: str, calibration: dict | None = None, card_id: str = "") -> dict:
         self._ensure_loop()
-        return self._core.register(model, replica_id, calibration)
+        return self._core.register(model, replica_id, calibration, card_id)
 
     async def report(self, report: dict) -> dict:
         self._ensure_loop()
@@ -120,18 +125,25 @@ class BrokerActor:
         return self._core.checkpoint_now()
 
     async def config_text(self) -> str:
-        return self._core._config_text  # noqa: SLF001
+        return self._core.config_text
 
-    async def settings(self, model: str) -> dict:
-        return self._core.settings(model)
+    async def settings(self, model: str, card_id: str = "") -> dict:
+        return self._core.settings(model, card_id)
 
 
 RemoteBroker = ray.remote(BrokerActor)
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource on the head node (ray._common.constants)
+
+
 def start_broker(config_text: str, *, capacity_bytes: int | None = None, checkpoint_path: str | None = None,
-                 timeout_s: float = 60.0) -> "ray.actor.ActorHandle":
-    """Create the named detached broker (or return the running one). Needs ray.init first."""
+                 cards: tuple[Card, ...] | None = None, timeout_s: float = 60.0) -> "ray.actor.ActorHandle":
+    """Create the named detached broker (or return the running one). Needs ray.init first.
+
+    The broker is pinned to the head node (a worker node's loss must not take it down; a
+    restart finds its checkpoint in the head's session directory). ``cards``: the discovered
+    cards for ``gpus: auto`` (``deployments.cluster_discovery``)."""
     cfg = parse_config_text(config_text, "broker config")
     # The driver knows the session dir; a restarted actor gets the same path back.
     checkpoint_path = checkpoint_path or str(default_checkpoint_path(cfg))
@@ -144,7 +156,8 @@ def start_broker(config_text: str, *, capacity_bytes: int | None = None, checkpo
         num_cpus=0,
         max_concurrency=64,
         get_if_exists=True,
-    ).remote(config_text, capacity_bytes, checkpoint_path)
+        resources={HEAD_NODE_RESOURCE: 0.001},
+    ).remote(config_text, capacity_bytes, checkpoint_path, cards)
     ray.get(handle.ping.remote(), timeout=timeout_s)
     return handle
 

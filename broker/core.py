@@ -37,7 +37,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 
 from broker import policy
-from broker.decision_log import finite, settings_entry, settings_view
+from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics
@@ -98,6 +98,8 @@ class BrokerCore:
         checkpoint_path: str | Path | None = None,
         clock: Callable[[], float] = time.time,
         metrics: BrokerMetrics | NullMetrics | None = None,
+        log: DecisionLog | None = None,
+        card_id: str = "",
     ) -> None:
         self._clock = clock
         if isinstance(config, FleetConfig):
@@ -119,8 +121,9 @@ class BrokerCore:
             )
         self._capacity = int(capacity_bytes)
         self._checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
-        self._decisions: deque[dict[str, Any]] = deque(maxlen=cfg.broker.decision_log_size)
-        self._seq = 0
+        # the decision log; the cores of a many-card fleet share one (broker.fleet_core)
+        self._log = log if log is not None else DecisionLog(cfg.broker.decision_log_size)
+        self.card_id = card_id  # the card this core governs ("" for a one-card fleet)
         self._ticks = 0
         self._last_tick_s: float | None = None
         self._last_snapshot: FleetSnapshot | None = None
@@ -190,9 +193,7 @@ class BrokerCore:
         self._memory_models = {k: (int(v[0]), float(v[1])) for k, v in ckpt.memory_models.items()}
         self._cost_units = dict(ckpt.cost_units)
         self._llm.load(ckpt.llm_state)
-        for entry in ckpt.decisions:
-            self._decisions.append(entry)
-        self._seq = max(ckpt.decision_seq, self._seq)
+        self._log.restore(list(ckpt.decisions), ckpt.decision_seq)
         self.restored = True
         self._log_event(EntryKind.RESTORE, f"resumed from checkpoint saved at {ckpt.saved_at_s:.3f} (config {ckpt.config_hash})")
         return True
@@ -332,16 +333,15 @@ class BrokerCore:
 
     # ---------------------------------------------------------------- decision log
     def _append(self, entry: dict[str, Any], line: str) -> None:
-        self._seq += 1
-        entry = {"seq": self._seq, **entry}
-        self._decisions.append(entry)
-        logger.info("decision #%d %s", self._seq, line)
+        if self.card_id:
+            entry = {**entry, "card": self.card_id}
+        self._log.append(entry, line)
 
     def _log_event(self, kind: EntryKind, message: str, model: str | None = None) -> None:
         self._append({"kind": kind, "time_s": self._clock(), "model": model, "reason": message}, f"[{kind}] {message}")
 
     def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
-        return [e for e in self._decisions if e["seq"] > since_seq and (model is None or e.get("model") == model)]
+        return self._log.since(model, since_seq)
 
     # ---------------------------------------------------------------- apply
     def apply(self, config_text: str) -> dict[str, Any]:
@@ -378,7 +378,7 @@ class BrokerCore:
         if hasattr(old_window, "reconfigure"):  # keep the report history where the window allows it
             old_window.reconfigure(cfg)
             self._window = old_window
-        self._decisions = deque(self._decisions, maxlen=cfg.broker.decision_log_size)
+        self._log.resize(cfg.broker.decision_log_size)
         self._state = state
         for name in cfg.models:
             self._settings[name] = self._policy_settings(state, name)
@@ -399,8 +399,8 @@ class BrokerCore:
             memory_models={k: [v[0], v[1]] for k, v in self._memory_models.items()},
             cost_units=dict(self._cost_units),
             llm_state=self._llm.to_dict(),
-            decisions=list(self._decisions)[-CHECKPOINT_DECISIONS:],
-            decision_seq=self._seq,
+            decisions=list(self._log.entries)[-CHECKPOINT_DECISIONS:],
+            decision_seq=self._log.seq,
             saved_at_s=self._clock(),
         )
         save_checkpoint(self._checkpoint_path, ckpt)
@@ -487,7 +487,7 @@ class BrokerCore:
             "last_tick_s": self._last_tick_s,
             "restored": self.restored,
             "checkpoint_path": str(self._checkpoint_path) if self._checkpoint_path else None,
-            "decision_seq": self._seq,
+            "decision_seq": self._log.seq,
             "models": models,
         }
 

@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import deque
 from typing import Any
 
 from broker.types import ModelDecision, ModelLoad, ModelSettings
+
+logger = logging.getLogger("gpubroker.broker")
+
+
+class DecisionLog:
+    """The bounded, numbered decision log. One per broker; the cores of several cards share it,
+    so ``seq`` orders every decision of the fleet."""
+
+    def __init__(self, maxlen: int) -> None:
+        self.entries: deque[dict[str, Any]] = deque(maxlen=maxlen)
+        self.seq = 0
+
+    def append(self, entry: dict[str, Any], line: str) -> dict[str, Any]:
+        self.seq += 1
+        entry = {"seq": self.seq, **entry}
+        self.entries.append(entry)
+        logger.info("decision #%d %s", self.seq, line)
+        return entry
+
+    def resize(self, maxlen: int) -> None:
+        if maxlen != self.entries.maxlen:
+            self.entries = deque(self.entries, maxlen=maxlen)
+
+    def restore(self, entries: list[dict[str, Any]], seq: int) -> None:
+        known = {e["seq"] for e in self.entries}
+        for e in entries:
+            if e.get("seq") not in known:
+                self.entries.append(e)
+        self.entries = deque(sorted(self.entries, key=lambda e: e["seq"]), maxlen=self.entries.maxlen)
+        self.seq = max(self.seq, int(seq))
+
+    def since(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.entries if e["seq"] > since_seq and (model is None or e.get("model") == model)]
 from broker.vocab import EntryKind
 
 

@@ -23,6 +23,8 @@ is logged as an error and leaves the broker running without an exporter.
 
 from __future__ import annotations
 
+import copy
+
 import functools
 import logging
 import math
@@ -194,6 +196,15 @@ class BrokerMetrics:
         self.busy.labels(*lab).inc(max(0.0, report.busy_s))
         self.oom_splits.labels(*lab).inc(max(0, report.oom_splits))
         self.emergency_shrinks.labels(*lab).inc(max(0, report.emergency_shrinks))
+
+    def for_gpu(self, gpu: str) -> "BrokerMetrics":
+        """The same series under another ``gpu`` label: one view per card of a many-card fleet,
+        all in this registry (``broker.fleet_core``)."""
+        view = copy.copy(self)
+        view.gpu = gpu
+        view._models = set()
+        view._profile = None
+        return view
 
     # ---------------------------------------------------------------- ticks
     @_never_raises

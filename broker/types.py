@@ -39,6 +39,7 @@ class StatsReport:
     oom_splits: int = 0  # batches split in two after an out-of-memory error
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
     settings_version: int = 0  # version of the settings the replica runs now
+    card_id: str = ""  # the card the replica was placed on ("" in a one-card fleet)
     oom_costs: tuple[float, ...] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.oom)
     engine: dict[str, Any] | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
 

@@ -1,0 +1,277 @@
+"""The broker for a fleet of many cards: one ``BrokerCore`` per card, one tick for all.
+
+Design note. A card is a memory domain: quota moves only inside it. So every card gets the
+broker core it would have alone (``broker.core.BrokerCore``: report window, policy state with
+its own ledger, settings table), built from a *card config*: the fleet config restricted to the
+models placed on that card (``quotas.placement``), each with the replicas it has there, and the
+card's capacity and device. The policy, the ledger and the lending rules therefore run per card
+unchanged, and Σ grants ≤ usable holds per card by the ledger's own invariant.
+
+``FleetBroker`` routes each replica's ``register``/``report`` to its card's core by the card id
+the replica was deployed with, runs every core's ``tick`` in one control step, shares one
+decision log (entries carry ``card``), and merges ``status``: fleet totals, ``cards: [...]``
+(per card: capacity, usable, granted, used and its models) and ``models`` (a model on several
+cards: bytes, replicas and rates summed; batch settings of its first card, ``cards`` listing
+all). A fleet without ``gpus:`` is one card, ``card0``, whose core runs the config as given.
+
+Node loss: a card none of whose replicas has reported for ``dead_after_s`` is marked *lost*;
+its core stops ticking (its grants no longer count toward anything live) and status shows it
+``live: false``. When its replicas come back (Serve restarts them once the node returns) they
+register again and the card is live. The broker never calls Serve: re-placing replicas of a
+lost node on other cards is the deploying layer's job (a new ``gpubroker up``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry
+
+from broker.core import BrokerCore, NullMetrics
+from broker.decision_log import DecisionLog
+from broker.metrics import BrokerMetrics
+from quotas.cards import Card
+from quotas.config import FleetConfig, parse_config_text
+from quotas.placement import Placement, place_fleet
+
+DEAD_AFTER_S = 15.0  # a card with registered replicas none of which reported for this long is lost
+
+
+def card_config(cfg: FleetConfig, placement: Placement, card_id: str) -> FleetConfig:
+    """The fleet config as one card's core sees it: its models (replicas on this card), its capacity."""
+    plan = placement.card_plan(card_id)
+    card = plan.card
+    device = "cpu" if card.emulated else f"cuda:{card.index}"
+    gpu = cfg.gpu.model_copy(update={"capacity": int(card.capacity_bytes), "device": device})
+    models = {m: cfg.models[m].model_copy(update={"replicas": n}) for m, n in plan.models.items()}
+    return cfg.model_copy(update={"gpu": gpu, "gpus": None, "models": models})
+
+
+class FleetBroker:
+    """Many cards, one broker. Same calls as ``BrokerCore`` plus a ``card_id`` on replica calls."""
+
+    def __init__(
+        self,
+        config_text: str,
+        *,
+        cards: tuple[Card, ...] | None = None,
+        capacity_bytes: int | None = None,
+        checkpoint_path: str | Path | None = None,
+        clock: Callable[[], float] = time.time,
+        metrics: BrokerMetrics | NullMetrics | None = None,
+    ) -> None:
+        self._clock = clock
+        self._text = config_text
+        self._cfg = parse_config_text(config_text, "broker config")
+        self._discovered = cards
+        self._capacity = capacity_bytes
+        self._checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        cfg0 = self._cfg
+        self.metrics = metrics if metrics is not None else BrokerMetrics(
+            CollectorRegistry(), gpu=cfg0.gpu.device if cfg0.gpus is None else "fleet")
+        self.log = DecisionLog(self._cfg.broker.decision_log_size)
+        self._placement = place_fleet(self._cfg, cards, capacity_bytes)
+        self.cores: dict[str, BrokerCore] = {}
+        self._seen: dict[str, float] = {}  # card -> last report time of any of its replicas
+        self.lost: set[str] = set()
+        for plan in self._placement.cards:
+            if plan.models:
+                self.cores[plan.card.id] = self._make_core(plan.card.id)
+
+    # ------------------------------------------------------------------ construction
+    @property
+    def single(self) -> bool:
+        return self._cfg.gpus is None
+
+    def _make_core(self, card_id: str) -> BrokerCore:
+        path = None
+        if self._checkpoint_path is not None:
+            path = self._checkpoint_path if self.single else self._checkpoint_path.with_suffix(f".{card_id}.json")
+        config: str | FleetConfig = self._text if self.single else card_config(self._cfg, self._placement, card_id)
+        card = self._placement.card(card_id)
+        metrics = self.metrics
+        if not self.single and isinstance(metrics, BrokerMetrics):
+            metrics = metrics.for_gpu(card_id)  # metrics carry gpu=<card id>
+        return BrokerCore(config, capacity_bytes=int(card.capacity_bytes), checkpoint_path=path, clock=self._clock,
+                          metrics=metrics, log=self.log, card_id="" if self.single else card_id)
+
+    def _core(self, model: str, card_id: str) -> BrokerCore:
+        if not card_id:
+            cards = self._placement.cards_of(model) if model in self._placement.replicas else ()
+            if len(cards) != 1:
+                raise KeyError(f"model '{model}' runs on cards {', '.join(cards) or 'none'}; the replica must say its card_id")
+            card_id = cards[0]
+        core = self.cores.get(card_id)
+        if core is None:
+            raise KeyError(f"unknown card '{card_id}'; the broker manages {', '.join(self.cores)}")
+        return core
+
+    # ------------------------------------------------------------------ replica RPCs
+    def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None, card_id: str = "") -> dict:
+        core = self._core(model, card_id)
+        self._mark_alive(core)
+        return core.register(model, replica_id, calibration)
+
+    def report(self, report: dict[str, Any], card_id: str = "") -> dict[str, Any]:
+        model = report.model if hasattr(report, "model") else report["model"]
+        if not card_id:
+            card_id = (report.card_id if hasattr(report, "card_id") else report.get("card_id")) or ""
+        core = self._core(model, card_id)
+        self._mark_alive(core)
+        return core.report(report)
+
+    def _mark_alive(self, core: BrokerCore) -> None:
+        cid = core.card_id or next(iter(self.cores))
+        self._seen[cid] = self._clock()
+        if cid in self.lost:
+            self.lost.discard(cid)
+            core._log_event("card", f"card {cid}: replicas report again; live")  # noqa: SLF001
+
+    def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
+        taken: dict[str, int] = {}
+        for model, n in counts.items():
+            cards = self._placement.cards_of(model) if model in self._placement.replicas else ()
+            if cards:  # the ingress does not know the card: count them on the model's first
+                taken.update(self.cores[cards[0]].report_rejections({model: n})["counted"])
+        return {"counted": taken}
+
+    # ------------------------------------------------------------------ control
+    def tick(self) -> dict[str, Any]:
+        now = self._clock()
+        out: dict[str, Any] = {"ok": True, "now_s": now, "changed": [], "cards": {}}
+        for cid, core in self.cores.items():
+            seen = self._seen.get(cid)
+            if seen is not None and now - seen > DEAD_AFTER_S and cid not in self.lost:
+                self.lost.add(cid)
+                core._log_event("card", f"card {cid}: no report from its replicas for {now - seen:.0f}s; lost "  # noqa: SLF001
+                                "(its grants stay frozen until they return)")
+            if cid in self.lost:
+                continue
+            res = core.tick()
+            out["cards"][cid] = res
+            out["changed"].extend(res.get("changed", []))
+            out["profile"] = res.get("profile")
+            out["dry_run"] = res.get("dry_run")
+        return out
+
+    def apply(self, config_text: str) -> dict[str, Any]:
+        """A new config for every card, or none: placement must stay as deployed."""
+        from quotas.config import ConfigError
+
+        try:
+            cfg = parse_config_text(config_text, "apply")
+        except ConfigError as exc:
+            return {"ok": False, "config_hash": self.config_hash, "issues": [str(i) for i in exc.issues]}
+        try:
+            placement = place_fleet(cfg, self._discovered, self._capacity)
+        except ValueError as exc:
+            return {"ok": False, "config_hash": self.config_hash, "issues": [str(exc)]}
+        if placement.replicas != self._placement.replicas or set(placement.replicas) != set(self._placement.replicas):
+            return {"ok": False, "config_hash": self.config_hash,
+                    "issues": ["the new config places replicas on other cards; placement is decided at deploy time, "
+                               "so this needs `gpubroker down` then `gpubroker up NEW_CONFIG`"]}
+        if self.single:
+            out = next(iter(self.cores.values())).apply(config_text)
+        else:
+            old_cfg, old_text = self._cfg, self._text
+            applied: list[str] = []
+            out = {"ok": True, "issues": [], "notes": []}
+            for cid, core in self.cores.items():
+                res = core.apply(card_config(cfg, placement, cid).model_dump_json())
+                if not res["ok"]:  # put back the cards already changed: all or nothing
+                    for done in applied:
+                        self.cores[done].apply(card_config(old_cfg, self._placement, done).model_dump_json())
+                    self._cfg, self._text = old_cfg, old_text
+                    return {"ok": False, "config_hash": self.config_hash,
+                            "issues": [f"card {cid}: {i}" for i in res["issues"]]}
+                applied.append(cid)
+                out["notes"].extend(f"card {cid}: {n}" for n in res.get("notes", []))
+        if out["ok"]:
+            self._cfg, self._text, self._placement = cfg, config_text, placement
+        out["config_hash"] = self.config_hash
+        return out
+
+    def checkpoint_now(self) -> dict[str, Any]:
+        return {cid: core.checkpoint_now() for cid, core in self.cores.items()}
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def config(self) -> FleetConfig:
+        return self._cfg
+
+    @property
+    def config_text(self) -> str:
+        return self._text
+
+    @property
+    def config_hash(self) -> str:
+        return self._cfg.config_hash()
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+        return self.log.since(model, since_seq)
+
+    def settings(self, model: str, card_id: str = "") -> dict[str, Any]:
+        return self._core(model, card_id).settings(model)
+
+    def status(self) -> dict[str, Any]:
+        per = {cid: core.status() for cid, core in self.cores.items()}
+        first = next(iter(per.values()))
+        out = dict(first) if self.single else {k: v for k, v in first.items() if k not in ("models",)}
+        cards = []
+        models: dict[str, dict[str, Any]] = {}
+        for plan in self._placement.cards:
+            cid = plan.card.id
+            st = per.get(cid)
+            entry = {
+                "id": cid, "node": plan.card.node, "device": str(plan.card.device),
+                "capacity_bytes": int(plan.card.capacity_bytes),
+                "usable_bytes": st["usable_bytes"] if st else plan.usable_bytes,
+                "granted_bytes": st["granted_bytes"] if st else 0,
+                "used_bytes": st["used_bytes"] if st else 0,
+                "live": cid not in self.lost,
+                "models": {},
+            }
+            for name, m in (st["models"] if st else {}).items():
+                entry["models"][name] = {"grant_bytes": m["grant_bytes"], "used_bytes": m["used_bytes"],
+                                         "replicas": m["replicas"]}
+                models.setdefault(name, _merge_start(m)) if name not in models else _merge(models[name], m)
+                models[name].setdefault("cards", []).append(cid)
+            cards.append(entry)
+        out["cards"] = cards
+        if not self.single:
+            live = [c for c in cards if c["live"]]
+            out["models"] = models
+            out["config_hash"] = self.config_hash
+            out["capacity_bytes"] = sum(c["capacity_bytes"] for c in cards)
+            out["usable_bytes"] = sum(c["usable_bytes"] for c in cards)
+            out["granted_bytes"] = sum(c["granted_bytes"] for c in live)
+            out["used_bytes"] = sum(c["used_bytes"] for c in live)
+            out["device"] = "cards"
+        else:
+            for name in out["models"]:
+                out["models"][name]["cards"] = [cards[0]["id"]]
+        return out
+
+
+_SUMMED = ("grant_bytes", "base_bytes", "used_bytes", "queue_depth", "arrival_rate_rps", "completion_rate_rps",
+           "replicas", "completions", "misses", "emergency_shrinks", "oom_splits")
+
+
+def _merge_start(m: dict[str, Any]) -> dict[str, Any]:
+    return dict(m)
+
+
+def _merge(acc: dict[str, Any], m: dict[str, Any]) -> None:
+    """Fold a model's status on another card into its fleet entry: counts summed, worst P95."""
+    for key in _SUMMED:
+        if key in m and m[key] is not None:
+            acc[key] = (acc.get(key) or 0) + m[key]
+    for key in ("p50_ms", "p95_ms", "p99_ms"):
+        if m.get(key) is not None and (acc.get(key) is None or m[key] > acc[key]):
+            acc[key] = m[key]
