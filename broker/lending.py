@@ -124,6 +124,7 @@ def plan_quota(
     now_s: float,
     reclaim_steps: Mapping[str, int] | None = None,
     restart_tokens: Mapping[str, int] | None = None,
+    need_bytes: Mapping[str, int] | None = None,
 ) -> QuotaPlan:
     """One tick of quota moves (module docstring); returns a ``QuotaPlan``, changes nothing it is given."""
     ledger = ledger.copy()
@@ -180,6 +181,9 @@ def plan_quota(
         return max(1, loads[name].replicas or config.models[name].replicas)
 
     def need(name: str) -> int | None:
+        if need_bytes is not None and name in need_bytes:  # an LLM engine's wanted grant (broker.llm_window)
+            q = config.models[name].quota
+            return min(q.max, max(q.min, int(need_bytes[name])))
         model = mm(name)
         if not model.calibrated:
             return None
@@ -270,7 +274,8 @@ def plan_quota(
             continue
         want = wants[name]
         why = (f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
-               f"grant {format_size(ledger.grant(name))}")
+               f"grant {format_size(ledger.grant(name))}") if name not in (need_bytes or {}) else (
+               f"{name} engine wants {format_size(wanted)}, grant {format_size(ledger.grant(name))}")
         deficit -= grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
         if deficit < dust:
             continue

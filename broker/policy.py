@@ -26,13 +26,14 @@ from broker.memory_model import MemoryModel
 from broker.profiles import active_profile
 from broker.state import BatchWant, ModelState
 from broker.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
-from broker.vocab import Rule
+from broker.vocab import Rule, Trigger
 from quotas.config import FleetConfig, ModelSpec
 from quotas.ledger import ModelQuota, QuotaLedger
 
 # The anti-oscillation's caps (control.band_scale_max, control.hold_max_intervals), the
 # emergency recovery (control.emergency_recovery_intervals) and the bounded admission pause
 # (control.max_pause_intervals) are tuning constants of the config's control section.
+LLM_HOLD_REASON = "llm engine: bounds set by llm_rules"  # kind: llm models skip the batch rules (broker.llm_window)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,9 @@ def memory_model(load: ModelLoad) -> MemoryModel:
     return MemoryModel.from_load(load)
 
 
-def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> tuple[FleetDecision, PolicyState]:
+def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
+           need_bytes: Mapping[str, int] | None = None) -> tuple[FleetDecision, PolicyState]:
+    """``need_bytes``: models whose need the lending planner takes as given (LLM engines, broker.llm_window)."""
     now = snapshot.now_s
     interval = config.broker.control_interval_s
     profile = active_profile(config.profiles, now)
@@ -188,7 +191,8 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
             paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
             max_pause_s=spec.control.max_pause_intervals * interval,
         )
-        want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
+        want = (decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx) if spec.kind != "llm"
+                else BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON))
         ms = replace(
             old,
             last_arrival_s=last_arrival,
@@ -204,7 +208,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         new_states[name] = ms
 
     plan = plan_quota(snapshot, config, state.ledger, new_states, wants, state.confirm_after, now,
-                      state.reclaim_steps, state.restart_tokens)
+                      state.reclaim_steps, state.restart_tokens, need_bytes)
     ledger, moves = plan.ledger, plan.moves
     notes.extend(plan.notes)
     flags_now = replace(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
