@@ -9,7 +9,8 @@ A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
 - ``CudaProbe``: card numbers and SM util from NVML when it initialises, process bytes and
   enforcement from torch (what ``make_probe`` returns on cuda).
 - ``HostProbe(capacity_bytes)``: CPU-only machines; RSS per process from /proc, the same
-  ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``).
+  ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``); what
+  holds a replica to its grant is ``deployments.enforce`` (RLIMIT_DATA), not this probe.
 
 Readings the limiters of ``deployments/enforce.py`` use (the limit itself is set there):
 ``proc_status_bytes`` (VmData, VmRSS, RssAnon/RssFile/RssShmem from /proc/<pid>/status: what
