@@ -81,7 +81,7 @@ class ReplicaGauges:
 
 
 def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s: float, g: ReplicaGauges,
-                 engine: dict[str, Any] | None = None) -> StatsReport:
+                 engine: dict[str, Any] | None = None, card_id: str = "") -> StatsReport:
     return StatsReport(
         model=model,
         replica_id=replica_id,
@@ -107,6 +107,7 @@ def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s
         settings_version=g.settings_version,
         oom_costs=tuple(delta.oom_costs),
         engine=engine,
+        card_id=card_id,
     )
 
 
@@ -121,8 +122,10 @@ class BrokerLink:
         *,
         rpc_timeout_s: float,
         clock: Callable[[], float] = time.time,
+        card_id: str = "",
     ) -> None:
         self.model = model
+        self.card_id = card_id  # the card this replica was placed on ("" in a one-card fleet)
         self.replica_id = replica_id
         self._get_handle = get_handle
         self._handle: Any = None
@@ -157,7 +160,8 @@ class BrokerLink:
         try:
             handle = self._handle_or_lookup()
             reply = await asyncio.wait_for(
-                handle.register.remote(self.model, self.replica_id, calibration), timeout=self.rpc_timeout_s
+                (handle.register.remote(self.model, self.replica_id, calibration, self.card_id) if self.card_id
+                 else handle.register.remote(self.model, self.replica_id, calibration)), timeout=self.rpc_timeout_s
             )
         except Exception as exc:  # noqa: BLE001 - serve on config settings, retry from the report loop
             self._failed(exc, "register", version)
@@ -170,7 +174,7 @@ class BrokerLink:
         """Send the delta since the last report (``engine``: an LLM engine's report); the settings reply, or None."""
         now = self.clock()
         delta, self.delta = self.delta, StatsDelta(now)
-        report = build_report(self.model, self.replica_id, self.seq, delta, now, gauges, engine)
+        report = build_report(self.model, self.replica_id, self.seq, delta, now, gauges, engine, self.card_id)
         try:
             handle = self._handle_or_lookup()
         except Exception as exc:  # noqa: BLE001 - no broker: keep the counts for the next try

@@ -146,5 +146,5 @@ def bind_model_groups(cfg: Any, config_text: str, placement: Placement, *, model
             ray_actor_options=plan.ray_actor_options,
             health_check_period_s=5,
             graceful_shutdown_timeout_s=5,
-        ).bind(plan.model, config_text)
+        ).bind(plan.model, config_text, plan.card_id if len(placement.cards) > 1 else "", plan.num_replicas)
     return out

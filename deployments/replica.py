@@ -85,7 +85,10 @@ def _error(status: int, detail: str, **extra: Any) -> dict[str, Any]:
 class ModelReplica:
     """Serve deployment class; ``deployments.app`` binds one per model (named as the model)."""
 
-    async def __init__(self, model_name: str, config_text: str):
+    async def __init__(self, model_name: str, config_text: str, card_id: str = "", card_replicas: int = 0):
+        """``card_id``/``card_replicas``: the card this replica's group was placed on and how many
+        replicas of the model share the model's grant there (``deployments.placement_resources``);
+        empty/0 in a one-card fleet (all of the model's replicas share one grant)."""
         from ray import serve
 
         self._t0 = time.time()
@@ -95,6 +98,8 @@ class ModelReplica:
         self.name = model_name
         self.cfg = cfg
         self.spec: ModelSpec = cfg.models[model_name]
+        self.card_id = card_id
+        self.card_replicas = int(card_replicas) or self.spec.replicas
         self.in_serve = True  # a Serve replica owns its process: its memory limit is the model's
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -111,7 +116,7 @@ class ModelReplica:
         self.reclaim = ReplicaReclaim(model_name, lambda: self.limiter.release_caches(), logger.warning)
         self.waiting = 0  # requests admitted and not answered yet
         self.link = BrokerLink(model_name, self.replica_id, lambda: self._broker_handle(),
-                               rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s))
+                               rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s), card_id=card_id)
         self.fast = params_for(self.spec, cfg)
         self.mem_used_bytes = 0
         self.device_free_frac: float | None = None
@@ -266,7 +271,7 @@ class ModelReplica:
         self.reclaim.on_settings(new)  # a reclaim's escalation (deployments.reclaim): caches, drain, restart
 
     def _grant_per_replica(self, settings: ModelSettings) -> int:
-        return max(1, settings.grant_bytes // max(1, self.spec.replicas))
+        return max(1, settings.grant_bytes // max(1, self.card_replicas))
 
     def _enforce(self, settings: ModelSettings) -> None:
         grant = self._grant_per_replica(settings)
