@@ -74,7 +74,7 @@ class BrokerSection(_Strict):
         None, description="File the broker checkpoints its ledger and state to; default: under the Ray session dir."
     )
     transfer_timeout_s: float = Field(
-        30.0, gt=0, le=3600, description="A quota transfer whose donor does not get under its new grant in this time is aborted."
+        30.0, gt=0, le=3600, description="Lends unconfirmed this long abort; reclaims and releases escalate a step."
     )
     decision_log_size: int = Field(2000, ge=10, le=1_000_000, description="How many decisions the broker keeps in memory.")
 
