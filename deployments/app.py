@@ -37,10 +37,12 @@ from ray.serve import Application
 
 from deployments.http_model import HttpModel
 from deployments.ingress import FleetApi
+from deployments.llm.openai_api import llm_app
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 FLEET_APP = "gpubroker"  # the fleet API's application name; model apps are "<fleet app>-<model>"
 INGRESS_NAME = "fleet-api"  # the fleet API's deployment
+LLM_APP = "openai"  # kind: llm models share one app "<fleet app>-openai" at /openai (OpenAI base_url .../openai/v1)
 MODEL_NUM_CPUS = 0.1  # logical CPUs per model replica: several share a small machine
 INGRESS_NUM_CPUS = 0.05
 # Back-pressure is the replica's own (``max_queued`` per replica: a JSON 503 with Retry-After,
@@ -109,9 +111,18 @@ def fleet_apps(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MO
     """The fleet's Serve applications: the fleet API at ``prefix``, each model under it."""
     apps = [ServeApp(fleet_app, prefix, fleet_api(config_text))]
     for name, spec in cfg.models.items():
+        if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
+            continue
         apps.append(ServeApp(model_app_name(name, fleet_app), model_route(name, prefix),
                              model_deployment(name, spec, cfg, config_text, model_num_cpus=model_num_cpus)))
+    if any(m.kind == "llm" for m in cfg.models.values()):
+        apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llm_app(cfg, config_text)))
     return apps
+
+
+def llm_route(prefix: str = "/") -> str:
+    """Where the OpenAI-compatible API is: ``<route>/v1/completions``, ``<route>/v1/chat/completions``."""
+    return f"{prefix.rstrip('/')}/{LLM_APP}"
 
 
 def run_fleet(apps: list[ServeApp], *, wait: bool = False, logging_config: dict[str, Any] | None = None) -> None:
@@ -151,9 +162,12 @@ def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP)
     """A Ray Serve config document (``serve deploy``) with the fleet API and one app per model."""
     apps = [{"name": fleet_app, "route_prefix": "/", "import_path": "deployments.app:build_app",
              "args": {"config": config_path}}]
-    for name in cfg.models:
+    for name in [n for n, m in cfg.models.items() if m.kind != "llm"]:
         apps.append({"name": model_app_name(name, fleet_app), "route_prefix": model_route(name),
                      "import_path": "deployments.app:build_model_app", "args": {"config": config_path, "model": name}})
+    if any(m.kind == "llm" for m in cfg.models.values()):
+        apps.append({"name": f"{fleet_app}-{LLM_APP}", "route_prefix": llm_route(), "import_path":
+                     "deployments.llm.openai_api:build_llm_app", "args": {"config": config_path}})
     return {"proxy_location": "EveryNode",
             "http_options": {"host": cfg.broker.http_host, "port": cfg.broker.http_port},
             "applications": apps}

@@ -151,13 +151,15 @@ class OpenAIIngress:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def build_llm_fleet(llms: dict[str, dict[str, Any]], llm_num_cpus: float = LLM_NUM_CPUS) -> Application:
-    """The ingress and one ``LlmServer`` deployment per LLM (name -> engine options)."""
+def build_llm_fleet(llms: dict[str, dict[str, Any]], llm_num_cpus: float = LLM_NUM_CPUS,
+                    config_text: str | None = None) -> Application:
+    """The ingress and one ``LlmServer`` deployment per LLM (name -> engine options). With the
+    fleet's ``config_text`` each server reports to the broker and runs the bounds it sets."""
     handles = {
         name: serve.deployment(LlmServer).options(
             name=f"llm-{name}", num_replicas=1, max_ongoing_requests=1024,
             ray_actor_options={"num_cpus": llm_num_cpus}, health_check_period_s=5, graceful_shutdown_timeout_s=5,
-        ).bind(name, options)
+        ).bind(name, options, config_text)
         for name, options in llms.items()
     }
     return OpenAIIngress.options(name="llm-ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
@@ -169,8 +171,15 @@ def build_llm_app(args: dict[str, Any]) -> Application:
     from deployments.app import config_text_from_args
     from quotas.config import parse_config_text
 
-    cfg = parse_config_text(config_text_from_args(args), str(args.get("config", "config_text")))
+    text = config_text_from_args(args)
+    cfg = parse_config_text(text, str(args.get("config", "config_text")))
+    return llm_app(cfg, text, float(args.get("llm_num_cpus", LLM_NUM_CPUS)))
+
+
+def llm_app(cfg: Any, config_text: str, llm_num_cpus: float = LLM_NUM_CPUS) -> Application:
+    """The fleet's LLM application (``deployments.app.fleet_apps`` routes it at ``/openai``):
+    the OpenAI ingress and one reporting ``LlmServer`` per ``kind: llm`` model."""
     llms = {name: dict(spec.options) for name, spec in cfg.models.items() if spec.kind == "llm"}
     if not llms:
         raise ValueError("models: no model has kind: llm; add one (model: tiny-llama, kind: llm) to serve completions")
-    return build_llm_fleet(llms, float(args.get("llm_num_cpus", LLM_NUM_CPUS)))
+    return build_llm_fleet(llms, llm_num_cpus, config_text)

@@ -6,9 +6,11 @@ validated request bodies; it tokenises, submits, and returns OpenAI-shaped bodie
 ``{"status": 400, "body": <OpenAI error naming the field>}`` (the stream's first item says
 the same), so the ingress can answer 400 before any event is sent.
 
-The broker's side: ``report()`` returns the engine's stats with TTFT/TPOT percentiles and
-the KV cache in bytes; ``apply`` (a ``broker.llm_rules.LlmDecision`` as a dict), or
-``apply_bounds`` / ``apply_kv_cache_blocks``, change the running engine. Nothing calls them on a timer here: the broker drives them.
+The broker's side is the report/reply path every replica uses (``deployments.llm.report_loop``):
+built with the fleet's ``config_text``, the server sends one report per ``report_interval_s``
+(its request counters and ``engine_report``) and applies the engine bounds in the reply
+(``ModelSettings.engine``) with ``apply``, a local method. The broker never calls the server.
+``report()`` is the engine report for status pages (``GET /v1/llm/{model}/stats``).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, fields
 from typing import Any
 
 from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions
+from deployments.llm.report_loop import EngineReporter
 from deployments.llm.engine import (
     EngineRequestError,
     FinishReason,
@@ -78,13 +81,32 @@ def engine_report(engine: CpuEngine, idle_for_s: float, name: str = "") -> dict[
 class LlmServer:
     """One engine behind Serve (wrap with ``serve.deployment``; see ``openai_api.build_llm_app``)."""
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None):
+    def __init__(self, name: str, options: dict[str, Any] | None = None, config_text: str | None = None,
+                 card_id: str = "", get_broker: Callable[[], Any] | None = None):
+        """``config_text``: the fleet config; the engine options are the model's ``options`` and the
+        server reports to the broker (``get_broker``, by default the broker actor the config names)."""
         self.name = name
+        self.reporter: EngineReporter | None = None
+        cfg = None
+        if config_text is not None:
+            from quotas.config import parse_config_text
+
+            cfg = parse_config_text(config_text, "llm server config")
+            if name not in cfg.models or cfg.models[name].kind != "llm":
+                raise ValueError(f"model '{name}' is not a kind: llm model of the config; LLMs: "
+                                 f"{', '.join(n for n, m in cfg.models.items() if m.kind == 'llm') or 'none'}")
+            options = dict(cfg.models[name].options)
         self.engine = CpuEngine(engine_options(dict(options or {})))
         self.tok = ByteTokenizer()
         self._started = False
         self._lock = asyncio.Lock()
         self._last_active_s = time.monotonic()
+        self._report_task: asyncio.Task | None = None
+        if cfg is not None:
+            broker = cfg.broker
+            self.reporter = EngineReporter(
+                name, _replica_id(name), self.engine, get_broker or (lambda: _broker_actor(broker.name, broker.namespace)),
+                report_interval_s=broker.report_interval_s, engine_report=self._engine_report, card_id=card_id)
 
     async def _ready(self) -> None:
         if not self._started:
@@ -92,8 +114,11 @@ class LlmServer:
                 if not self._started:
                     await self.engine.start()
                     self._started = True
+                    if self.reporter is not None:
+                        self._report_task = asyncio.get_running_loop().create_task(self.reporter.run())
 
     async def check_health(self) -> None:  # Serve's health check: the engine's loop must be alive
+        await self._ready()  # the first health check starts the engine and the report loop, traffic or not
         if self._started and self.engine._manager is not None and not self.engine._manager.is_running():
             raise RuntimeError(f"{self.name}: the continuous batching thread died")
 
@@ -119,7 +144,13 @@ class LlmServer:
             return openai_error(field, f"{field}: {exc.message} (got {exc.value!r})" if field != "max_tokens"
                                 else f"max_tokens: {exc.message}")
         self._last_active_s = time.monotonic()
+        if self.reporter is not None:
+            self.reporter.arrived()
         return rid, ids, stream
+
+    def _finished(self, started_s: float, ok: bool) -> None:
+        if self.reporter is not None:
+            self.reporter.finished((time.monotonic() - started_s) * 1000.0, ok)
 
     def _envelope(self, kind: str, rid: str, created: int) -> dict[str, Any]:
         return {"id": rid, "object": "chat.completion" if kind == CHAT else "text_completion",
@@ -128,6 +159,7 @@ class LlmServer:
     async def generate(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """A whole completion: ``{"status": 200, "body": <OpenAI response>}`` or an error dict."""
         await self._ready()
+        t0 = time.monotonic()
         got = self._submit(kind, body)
         if isinstance(got, dict):
             return got
@@ -136,6 +168,7 @@ class LlmServer:
             tokens, last = await stream.collect()
         finally:
             await stream.aclose()  # a cancelled caller cancels the sequence
+        self._finished(t0, last.finish_reason is not FinishReason.ERROR)
         if last.finish_reason is FinishReason.ERROR:
             return {"status": 500, "body": {"error": {"message": last.error, "type": "server_error", "param": None, "code": None}}}
         text = self.tok.decode(tokens)
@@ -152,6 +185,7 @@ class LlmServer:
         """First item: ``{"status": 200}`` or an error dict; then SSE strings, ending in ``data: [DONE]``.
         Cancelling the consumer (the client went away) cancels the sequence and frees its blocks."""
         await self._ready()
+        t0 = time.monotonic()
         got = self._submit(kind, body)
         if isinstance(got, dict):
             yield got
@@ -176,33 +210,48 @@ class LlmServer:
                 else:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
                 yield _sse(dict(env, choices=[choice]))
+                if delta.finished:
+                    self._finished(t0, delta.finish_reason is not FinishReason.ERROR)
             yield DONE
         finally:
             await stream.aclose()
 
     # ---------------------------------------------------------------- broker side
 
-    async def report(self) -> dict[str, Any]:
-        """``engine_report`` of this server's engine (for the broker and status)."""
-        await self._ready()
-        busy = self.engine.stats().running or self.engine.stats().waiting
-        if busy:
+    def _engine_report(self) -> dict[str, Any]:
+        st = self.engine.stats()
+        if st.running or st.waiting:
             self._last_active_s = time.monotonic()
-        return engine_report(self.engine, 0.0 if busy else time.monotonic() - self._last_active_s, self.name)
+        return engine_report(self.engine, 0.0 if (st.running or st.waiting) else time.monotonic() - self._last_active_s,
+                             self.name)
 
-    async def apply(self, decision: dict[str, Any]) -> dict[str, Any]:
-        """Apply a broker decision (``broker.llm_rules.LlmDecision`` as a dict): bounds now, the
-        KV cache size at the next drain. Returns the bounds and cache target as applied."""
+    async def report(self) -> dict[str, Any]:
+        """``engine_report`` of this server's engine, with the bounds the broker set last (status pages)."""
         await self._ready()
-        bounds = self.engine.set_bounds(int(decision["max_num_seqs"]), int(decision["max_batched_tokens"]),
-                                        bool(decision["prefill_paused"]))
-        target = self.engine.set_kv_cache_blocks(int(decision["kv_blocks"]))
-        return dict(asdict(bounds), kv_blocks_target=target)
+        out = self._engine_report()
+        if self.reporter is not None:
+            out["broker_bounds"] = self.reporter.applied
+            out["settings_version"] = self.reporter.settings.version if self.reporter.settings else 0
+        return out
 
-    async def apply_bounds(self, max_num_seqs: int, max_batched_tokens: int, prefill_paused: bool = False) -> dict[str, Any]:
-        await self._ready()
-        return asdict(self.engine.set_bounds(max_num_seqs, max_batched_tokens, prefill_paused))
+    def apply(self, reply: dict[str, Any]) -> dict[str, Any] | None:
+        """A broker reply (``ModelSettings`` as a dict) on the running engine: bounds now, the KV
+        cache at the next drain. Local: the report loop calls it with each reply."""
+        if self.reporter is None:
+            raise RuntimeError(f"{self.name}: built without config_text, so no broker drives this engine")
+        return self.reporter.apply(reply)
 
-    async def apply_kv_cache_blocks(self, num_blocks: int) -> int:
-        await self._ready()
-        return self.engine.set_kv_cache_blocks(num_blocks)
+
+def _replica_id(name: str) -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests, the benchmark)
+        return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def _broker_actor(name: str, namespace: str) -> Any:
+    import ray
+
+    return ray.get_actor(name, namespace=namespace)

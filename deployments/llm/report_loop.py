@@ -1,0 +1,114 @@
+"""An LLM replica's side of the broker's report/reply path: one report per interval, bounds in the reply.
+
+Design note. The LLM server reports like a batch replica (``deployments.broker_link``): one
+``StatsReport`` delta per ``report_interval_s`` (arrivals, completions, end-to-end latency
+samples, busy time, queue = running + waiting, memory) with its engine's report in
+``StatsReport.engine``, and gets its ``ModelSettings`` back in the same round trip. The
+engine bounds the broker set ride in ``ModelSettings.engine``; ``apply`` sets them on the
+running engine (bounds at once, the KV cache at the next drain). The broker never calls
+the server. Memory is the engine's own account, weights plus the KV cache tensor: what the
+grant governs (on CPU the process RSS is mostly torch and transformers, not the model).
+
+A report that does not reach the broker leaves the engine on its last bounds; the link merges
+the unsent counters into the next delta. The clock and the broker handle are injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from broker.types import ModelSettings
+from deployments.broker_link import BrokerLink, ReplicaGauges
+from deployments.llm.cpu_engine import CpuEngine
+
+logger = logging.getLogger("ray.serve")
+
+
+def weights_bytes(engine: CpuEngine) -> int:
+    model = getattr(engine, "_model", None)
+    if model is None:
+        return 0
+    return int(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
+class EngineReporter:
+    """Counts one engine's requests into a ``BrokerLink`` delta; ``report_once`` sends it and applies the reply."""
+
+    def __init__(self, model: str, replica_id: str, engine: CpuEngine, get_handle: Callable[[], Any], *,
+                 report_interval_s: float, engine_report: Callable[[], dict[str, Any]],
+                 clock: Callable[[], float] = time.time, card_id: str = "") -> None:
+        self.engine = engine
+        self.report_interval_s = float(report_interval_s)
+        self.link = BrokerLink(model, replica_id, get_handle, rpc_timeout_s=max(2.0, 4.0 * report_interval_s),
+                               clock=clock, card_id=card_id)
+        self._engine_report = engine_report
+        self._clock = clock
+        self.settings: ModelSettings | None = None  # the broker's last reply
+        self.applied: dict[str, Any] | None = None  # engine bounds applied from it
+        self._last_tokens_out = 0
+        self._last_report_s = clock()
+
+    # ------------------------------------------------------------ counting (the server calls these)
+    def arrived(self) -> None:
+        self.link.delta.arrivals += 1
+
+    def refused(self) -> None:
+        self.link.delta.rejections += 1
+
+    def finished(self, latency_ms: float, ok: bool) -> None:
+        if ok:
+            self.link.delta.completions += 1
+            self.link.delta.add_latency(latency_ms)
+        else:
+            self.link.delta.errors += 1
+
+    # ------------------------------------------------------------ one round trip
+    def mem_used_bytes(self) -> int:
+        return weights_bytes(self.engine) + self.engine.kv_cache_bytes()
+
+    async def report_once(self) -> bool:
+        """Send the delta and the engine report; apply the engine bounds in the reply. False: no reply."""
+        report = self._engine_report()
+        report["weights_bytes"] = weights_bytes(self.engine)
+        now = self._clock()
+        # busy: generating now, or tokens came out since the last report (a short burst between reports)
+        if report["running"] or int(report["tokens_out"]) > self._last_tokens_out:
+            self.link.delta.busy_s += max(0.0, now - self._last_report_s)
+        self._last_tokens_out, self._last_report_s = int(report["tokens_out"]), now
+        used = self.mem_used_bytes()
+        self.link.delta.mem_peak_bytes = max(self.link.delta.mem_peak_bytes, used)
+        version = self.settings.version if self.settings is not None else 0
+        gauges = ReplicaGauges(queue_depth=int(report["running"]) + int(report["waiting"]), mem_used_bytes=used,
+                               device_free_frac=None, sm_util_frac=None, settings_version=version)
+        reply = await self.link.report(gauges, engine=report)
+        if reply is None:
+            return False
+        self.apply(reply)
+        return True
+
+    def apply(self, reply: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply a settings reply's engine bounds (unchanged bounds are not set again); what was applied."""
+        settings = ModelSettings.from_dict(reply)
+        self.settings = settings
+        bounds = settings.engine
+        if not bounds or bounds == self.applied:
+            return None
+        applied = self.engine.set_bounds(int(bounds["max_num_seqs"]), int(bounds["max_batched_tokens"]),
+                                         bool(bounds["prefill_paused"]))
+        target = self.engine.set_kv_cache_blocks(int(bounds["kv_blocks"]))
+        self.applied = dict(bounds)
+        return {"max_num_seqs": applied.max_num_seqs, "max_batched_tokens": applied.max_batched_tokens,
+                "prefill_paused": applied.prefill_paused, "kv_blocks_target": target}
+
+    async def run(self) -> None:
+        """Report every interval until cancelled; the loop survives anything else."""
+        while True:
+            await asyncio.sleep(self.report_interval_s)
+            try:
+                await self.report_once()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("gpubroker llm %s: report loop error", self.link.model)
