@@ -13,7 +13,8 @@ Processes per arm (the client runs in this process and is not counted):
   actor and the fleet API replica (not on the request path: reports and status);
   ``fleet-pinned`` is the same fleet held static at plain's batch and wait;
 - ``plain``: the proxy, the FastAPI ingress replica and the ``@serve.batch`` replica
-  (``bench/plain_serve.py``, two hops as before);
+  (``bench/plain_serve.py``, two hops: the shape the fleet had before);
+- ``plain-1hop``: the proxy and a ``@serve.batch`` replica answering HTTP itself (one hop);
 - ``bentoml``: every process of ``bentoml serve`` (its session), when a BentoML venv exists.
 
 ``--profile`` adds a second run per Serve arm under ``py-spy record --nonblocking`` on the
@@ -226,6 +227,27 @@ def plain_arm(stack: sc.Stack, args: argparse.Namespace, tmp: Path) -> dict[str,
         tgt.delete()
 
 
+def plain_one_hop_arm(stack: sc.Stack, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from ray import serve
+
+    from bench.plain_serve import build_plain_one_hop
+
+    app = "plain1-cost"
+    serve.run(build_plain_one_hop(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL), name=app,
+              route_prefix=f"/v1/models/{MODEL}", blocking=False)
+    try:
+        for _ in range(3):
+            sc.wait_http(f"{stack.base_url}/v1/models/{MODEL}/infer", json.loads(BODY), timeout_s=180)
+        pids = serve_pids({"replica": f"{app}#{MODEL}#"})
+        out = {"pids": pids, "run": measure_cpu(pids, stack.base_url, args.rate, args.duration, 0, args.idle)}
+        if args.profile:
+            out["profile"] = profile_run({r: pids[r] for r in ("proxy", "replica")}, stack.base_url, args.rate,
+                                         args.profile_s, tmp, "plain1")
+        return out
+    finally:
+        serve.delete(app, _blocking=True)
+
+
 def bentoml_arm(args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
     from bench.peer import runner
 
@@ -259,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--idle", type=float, default=5.0, help="seconds of idle burn measured before the load")
     ap.add_argument("--profile", action="store_true", help="a second run per arm under py-spy")
     ap.add_argument("--profile-s", type=float, default=12.0)
-    ap.add_argument("--arms", default="fleet,fleet-pinned,plain,bentoml")
+    ap.add_argument("--arms", default="fleet,fleet-pinned,plain,plain-1hop,bentoml")
     ap.add_argument("--peer-venv", default=None, help="a venv with bentoml (default bench/peer/.venv-bentoml)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
@@ -269,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "arms": {}}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        if {"fleet", "fleet-pinned", "plain"} & set(arms):
+        if {"fleet", "fleet-pinned", "plain", "plain-1hop"} & set(arms):
             with sc.Stack() as stack:
                 for arm in ("fleet", "fleet-pinned"):
                     if arm in arms:
@@ -278,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if "plain" in arms:
                     res["arms"]["plain"] = plain_arm(stack, args, tmp)
                     print("plain", json.dumps(res["arms"]["plain"]["run"]), flush=True)
+                if "plain-1hop" in arms:
+                    res["arms"]["plain-1hop"] = plain_one_hop_arm(stack, args, tmp)
+                    print("plain-1hop", json.dumps(res["arms"]["plain-1hop"]["run"]), flush=True)
         if "bentoml" in arms:
             b = bentoml_arm(args, tmp)
             if b is not None:

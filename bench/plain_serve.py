@@ -7,7 +7,9 @@ model replica running the same adapter (``deployments.models.load_adapter``) wit
 as ``deployments.app``. What it lacks is everything gpubroker adds: admission and input
 checks, reports to the broker, the fast loop, OOM split-retry.
 
-``set_batch`` changes the setting live (for grids without a redeploy).
+``set_batch`` changes the setting live (for grids without a redeploy). ``build_plain_one_hop``
+is the same ``@serve.batch`` replica answering HTTP itself (one hop, like the fleet's models
+since ``deployments.http_model``); ``bench/cost_per_request.py`` measures both shapes.
 """
 
 
@@ -76,3 +78,31 @@ def build_plain(model_ref: str, options: dict[str, Any], batch: int, wait_ms: fl
     ).bind(model_ref, options, batch, wait_ms)
     return PlainIngress.options(name="ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
                                 max_ongoing_requests=4096).bind(model, name)
+
+
+class PlainHttpModel(PlainModel):
+    """Plain Serve in one hop, as a Serve user writes it: the ``@serve.batch`` deployment answers
+    HTTP itself (``__call__``), routed at ``/v1/models/<name>``: the like-for-like baseline of
+    the one-hop fleet (``deployments.http_model``), without its checks, reports and gate."""
+
+    def __init__(self, model_ref: str, options: dict[str, Any], batch: int, wait_ms: float, name: str):
+        super().__init__(model_ref, options, batch, wait_ms)
+        self.name = name
+
+    async def __call__(self, request: Request) -> JSONResponse:
+        doc = json.loads(await request.body())
+        single = "input" in doc
+        outputs = await self.infer([doc["input"]] if single else doc["inputs"])
+        if single:
+            return JSONResponse(content={"model": self.name, "output": outputs[0]})
+        return JSONResponse(content={"model": self.name, "outputs": outputs})
+
+
+def build_plain_one_hop(model_ref: str, options: dict[str, Any], batch: int, wait_ms: float, name: str):
+    """The one-hop baseline app (deploy it at route prefix ``/v1/models/<name>``)."""
+    from deployments.app import MODEL_NUM_CPUS
+
+    return serve.deployment(PlainHttpModel).options(
+        name=name, num_replicas=1, max_ongoing_requests=max(4096, int(batch) * 2),
+        ray_actor_options={"num_cpus": MODEL_NUM_CPUS},
+    ).bind(model_ref, options, batch, wait_ms, name)
