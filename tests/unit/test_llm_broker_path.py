@@ -1,0 +1,133 @@
+"""The broker drives a real CPU engine through the report/reply path, nothing else.
+
+BrokerCore on a fake clock (integer seconds) + a real ``CpuEngine`` inside ``LlmServer`` + the
+server's report loop (``EngineReporter.report_once``), with the broker handle a thin fake that
+calls ``BrokerCore.report``. The card's free share is moved by a second replica's reported
+memory, as on a shared card.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+pytest.importorskip("transformers")
+
+from broker.core import BrokerCore  # noqa: E402
+from broker.llm_rules import LlmRule  # noqa: E402
+from broker.vocab import EntryKind  # noqa: E402
+from deployments.llm.report_loop import weights_bytes  # noqa: E402
+from deployments.llm.server import LlmServer  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llm-demo.yaml"
+
+
+class _Remote:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self._fn(*args)
+
+        return call()
+
+
+class FakeBrokerHandle:
+    """What ``ray.get_actor`` gives the replica, calling the core in process."""
+
+    def __init__(self, core: BrokerCore):
+        self.report = _Remote(core.report)
+
+
+def _other_replica(core: BrokerCore, seq: int, used_bytes: int) -> None:
+    core.report({"model": "code", "replica_id": "code-1", "seq": seq, "now_s": 0.0, "interval_s": 1.0,
+                 "mem_used_bytes": used_bytes, "mem_peak_bytes": used_bytes})
+
+
+def _engine_entries(core: BrokerCore, model: str) -> list[dict]:
+    return [e for e in core.decisions(model) if e["kind"] == EntryKind.ENGINE]
+
+
+def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(tmp_path):
+    text = CONFIG.read_text(encoding="utf-8")
+    now = [1000]
+    ckpt = tmp_path / "broker.json"
+    core = BrokerCore(text, clock=lambda: float(now[0]), checkpoint_path=ckpt)
+    capacity = core.status()["capacity_bytes"]
+
+    async def body():
+        server = LlmServer("chat", config_text=text, get_broker=lambda: FakeBrokerHandle(core))
+        await server._ready()
+        server._report_task.cancel()  # the test drives the loop's round trips itself
+        rep, engine = server.reporter, server.engine
+        try:
+            assert await rep.report_once()  # the first report: no engine bounds yet, the engine keeps its own
+            assert rep.settings is not None and rep.settings.engine is None and engine.bounds.max_num_seqs == 8
+
+            async def step(other_used: int) -> None:
+                server._last_active_s = time.monotonic()  # not idle: the idle rule waits on wall time
+                for _ in range(2):  # the card's free share a tick sees is measured by the tick before
+                    now[0] += 1
+                    _other_replica(core, now[0], other_used)
+                    assert await rep.report_once()
+                    core.tick()
+                assert await rep.report_once()
+                await engine.wait_rebuilt()
+
+            await step(0)
+            start = _engine_entries(core, "chat")[0]
+            assert start["rule"] == LlmRule.START and start["trigger"] == "expected_peak_concurrency"
+            assert engine.bounds.max_num_seqs == 8 == start["new"]["max_num_seqs"]  # half the peak of 16
+            grant = core.status()["models"]["chat"]["grant_bytes"]
+            # the KV cache the broker keeps is inside the model's grant, with the weights
+            assert weights_bytes(engine) + engine.kv_cache_bytes() <= grant
+            assert engine.stats().kv_blocks_total == start["new"]["kv_blocks"]
+
+            await step(int(0.9 * capacity))  # the neighbour fills the card: free under 15%
+            squeeze = _engine_entries(core, "chat")[-1]
+            assert squeeze["rule"] == LlmRule.SQUEEZE and squeeze["trigger"] == "free_mem_frac"
+            assert squeeze["trigger_value"] < 0.15
+            assert engine.bounds.prefill_paused and engine.bounds.max_num_seqs == 4
+            held = engine.submit("held", server.tok.encode("hello"), 8)
+            assert (engine.stats().running, engine.stats().waiting) == (0, 1)  # no new prefill under the squeeze
+
+            await step(0)  # headroom back
+            resume = _engine_entries(core, "chat")[-1]
+            assert resume["rule"] == LlmRule.RESUME and not engine.bounds.prefill_paused
+            tokens, last = await held.collect()
+            assert last.finished and tokens
+
+            status = core.status()["models"]["chat"]["engine"]
+            assert status["max_num_seqs"] == engine.bounds.max_num_seqs and status["reporting"]
+            assert status["tokens_out_per_s"] >= 0 and status["ttft_slo_ms"] == 1500.0
+        finally:
+            await engine.stop()
+
+    asyncio.run(body())
+    # the rule state survives a broker restart: the next decision continues, it does not start over
+    restarted = BrokerCore(text, clock=lambda: float(now[0]), checkpoint_path=ckpt)
+    assert restarted.restored and restarted.settings("chat")["engine"]["max_num_seqs"] == 4
+    assert restarted._llm.to_dict()["states"]["chat"]["max_num_seqs"] == 4
+
+
+def test_batch_policy_holds_llm_models_and_lending_takes_the_engines_need():
+    from broker.llm_window import LlmControl
+    from broker.policy import LLM_HOLD_REASON
+    from quotas.config import parse_config_text
+
+    text = CONFIG.read_text(encoding="utf-8")
+    now = [1000]
+    core = BrokerCore(text, clock=lambda: float(now[0]))
+    now[0] += 1
+    core.tick()
+    assert core._last_decision.models["chat"].reason == LLM_HOLD_REASON
+    ctl = LlmControl(parse_config_text(text, "t"))
+    assert ctl.models == ("chat", "code") and ctl.need_bytes() == {}
