@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from cli.live import follow_decisions, new_decisions, watch_status
-from cli.views import describe_decision, err_console, print_config_error, status_table
+from cli.views import describe_decision, engine_table, err_console, print_config_error, status_table
 from deployments import fleet, fleet_client
 from deployments.fleet import FleetError, Note, UpEvent, UpStage
 from quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
@@ -158,6 +158,9 @@ def status(
         print(json.dumps(st, indent=2))
         return
     console.print(status_table(st))
+    engines = engine_table(st)
+    if engines is not None:
+        console.print(engines)
 
 
 def _follow(

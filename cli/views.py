@@ -100,6 +100,34 @@ def status_table(st: dict[str, Any]) -> Table:
     return table
 
 
+def engine_table(st: dict[str, Any]) -> Table | None:
+    """The LLM engines' bounds as the broker set them, and what their engines report (None: no LLMs)."""
+    engines = {n: m["engine"] for n, m in st.get("models", {}).items() if m.get("engine") is not None}
+    if not engines:
+        return None
+    table = Table(title="LLM engines (bounds set by the broker's llm rules)")
+    for col in ("model", "max seqs", "batch tok", "KV blocks", "KV used/free", "prefill", "run/wait",
+                "TTFT P95", "TPOT P95", "SLO ms", "tok/s in/out", "rule"):
+        table.add_column(col, justify="left" if col in ("model", "rule") else "right")
+    for name, e in engines.items():
+        ok = [e.get("ttft_p95_ms") is None or e["ttft_p95_ms"] <= e["ttft_slo_ms"],
+              e.get("tpot_p95_ms") is None or e["tpot_p95_ms"] <= e["tpot_slo_ms"]]
+        ttft = _ms(e.get("ttft_p95_ms")) if ok[0] else f"[red]{_ms(e.get('ttft_p95_ms'))}[/]"
+        tpot = _ms(e.get("tpot_p95_ms")) if ok[1] else f"[red]{_ms(e.get('tpot_p95_ms'))}[/]"
+
+        def g(key: str, e: dict[str, Any] = e) -> str:
+            return "-" if e.get(key) is None else str(e[key])
+
+        table.add_row(
+            name, g("max_num_seqs"), g("max_batched_tokens"), f"{g('kv_blocks')} ({g('kv_blocks_total')} now)",
+            f"{g('kv_blocks_used')}/{g('kv_blocks_free')}",
+            "[red]PAUSED[/]" if e.get("prefill_paused") else "on", f"{g('running')}/{g('waiting')}",
+            ttft, tpot, f"{e['ttft_slo_ms']:g}/{e['tpot_slo_ms']:g}",
+            f"{e.get('tokens_in_per_s', 0):.0f}/{e.get('tokens_out_per_s', 0):.0f}", str(e.get("rule", "-")),
+        )
+    return table
+
+
 def describe_decision(d: dict[str, Any]) -> str:
     t = time.strftime("%H:%M:%S", time.localtime(d.get("time_s", 0))) + f".{int((d.get('time_s', 0) % 1) * 1000):03d}"
     kind = d.get("kind")
