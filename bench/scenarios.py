@@ -173,16 +173,15 @@ class Stack:
             ray.shutdown()
 
     def deploy_fleet(self, config_text: str, app: str = "fleet", *, warm_models: Mapping[str, bytes] | None = None,
-                     timeout_s: float = 180.0, route_prefix: str = "/") -> "FleetTarget":
-        from ray import serve
-
+                     timeout_s: float = 180.0, route_prefix: str = "/", model_cls: type | None = None) -> "FleetTarget":
         from broker.actor import start_broker
         from deployments.app import fleet_apps, run_fleet
         from quotas.config import parse_config_text
 
         cfg = parse_config_text(config_text, "bench fleet")
         start_broker(config_text)
-        apps = fleet_apps(cfg, config_text, fleet_app=app, prefix=route_prefix)  # one app per model: one hop
+        extra = {"model_cls": model_cls} if model_cls is not None else {}
+        apps = fleet_apps(cfg, config_text, fleet_app=app, prefix=route_prefix, **extra)  # one app per model: one hop
         run_fleet(apps, wait=True)
         self._models[app] = [a.name for a in apps[1:]]
         base = self.base_url + route_prefix.rstrip("/")

@@ -85,11 +85,11 @@ def config_text_from_args(args: dict[str, Any]) -> str:
 
 
 def model_deployment(name: str, spec: ModelSpec, cfg: FleetConfig, config_text: str, *,
-                     model_num_cpus: float = MODEL_NUM_CPUS) -> Application:
-    """One model's application graph: the ``HttpModel`` deployment, its own ingress."""
+                     model_num_cpus: float = MODEL_NUM_CPUS, model_cls: type = HttpModel) -> Application:
+    """One model's application graph: the ``HttpModel`` deployment (or a subclass), its own ingress."""
     from ray.serve.config import BackpressureConfig
 
-    return serve.deployment(HttpModel).options(
+    return serve.deployment(model_cls).options(
         name=name,
         num_replicas=spec.replicas,
         max_ongoing_requests=spec.max_ongoing_requests,
@@ -107,14 +107,16 @@ def fleet_api(config_text: str) -> Application:
 
 
 def fleet_apps(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MODEL_NUM_CPUS,
-               fleet_app: str = FLEET_APP, prefix: str = "/") -> list[ServeApp]:
-    """The fleet's Serve applications: the fleet API at ``prefix``, each model under it."""
+               fleet_app: str = FLEET_APP, prefix: str = "/", model_cls: type = HttpModel) -> list[ServeApp]:
+    """The fleet's Serve applications: the fleet API at ``prefix``, each model under it
+    (``model_cls``: the batch models' deployment class, ``HttpModel`` or a subclass)."""
     apps = [ServeApp(fleet_app, prefix, fleet_api(config_text))]
     for name, spec in cfg.models.items():
         if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
             continue
         apps.append(ServeApp(model_app_name(name, fleet_app), model_route(name, prefix),
-                             model_deployment(name, spec, cfg, config_text, model_num_cpus=model_num_cpus)))
+                             model_deployment(name, spec, cfg, config_text, model_num_cpus=model_num_cpus,
+                                              model_cls=model_cls)))
     if any(m.kind == "llm" for m in cfg.models.values()):
         apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llm_app(cfg, config_text)))
     return apps

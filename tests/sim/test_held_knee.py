@@ -1,0 +1,47 @@
+"""Knees that hold on every seed (bench.knee.held_knee) and the gated static arm of the ablation."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.knee import held_knee
+from bench.sim_types import Arm, parse_arm
+
+
+def test_held_knee_is_where_every_seed_passes():
+    limits = {0: 100.0, 1: 90.0, 2: 80.0}  # seed -> the largest rate it passes
+    calls: list[tuple[float, int]] = []
+
+    def passes(rate: float, seed: int) -> bool:
+        calls.append((rate, seed))
+        return rate <= limits[seed]
+
+    held = held_knee(passes, 100.0, (0, 1, 2), step=0.95)
+    assert held <= 80.0 and held > 80.0 * 0.95  # the first 5 % step under the weakest seed
+    assert (100.0, 0) not in calls  # seed 0 passes at its own knee: not re-run there
+    assert all(passes(held, s) for s in (0, 1, 2))
+
+
+def test_held_knee_equals_seed0_when_all_seeds_pass_and_respects_the_budget():
+    assert held_knee(lambda r, s: True, 50.0, (0, 1, 2)) == 50.0
+    assert held_knee(lambda r, s: s == 0, 50.0, (0, 1, 2), max_runs=5) == 0.0
+    assert held_knee(lambda r, s: True, 0.0, (0, 1, 2)) == 0.0
+
+
+def test_gated_static_arm_parses_and_labels():
+    assert parse_arm("static:32:10:gate") == Arm("static", 32, 10.0, True)
+    assert parse_arm("static:32:10:gate").label == "static:32:10:gate"
+    assert parse_arm("static:32:10") == Arm("static", 32, 10.0, False)
+    with pytest.raises(ValueError):
+        parse_arm("static:32:10:lazy")
+
+
+def test_the_gate_makes_a_static_arm_form_bigger_batches():
+    from bench.sim import run_sim
+    from quotas.config import load_config
+
+    cfg = load_config("configs/sim-a20-c0.5.yaml")
+    eager = run_sim(cfg, "static:32:10", {"prof": 200.0}, 60.0, warmup_s=15.0).models["prof"]
+    gated = run_sim(cfg, "static:32:10:gate", {"prof": 200.0}, 60.0, warmup_s=15.0).models["prof"]
+    assert gated.mean_batch > 2 * eager.mean_batch  # eager closes a batch 10 ms after its first request
+    assert gated.completed >= eager.completed
