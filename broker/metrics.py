@@ -78,6 +78,54 @@ def _num(value: Any) -> float:
     return float(value)
 
 
+class LlmGauges:
+    """LLM engine signals per model (``broker.llm_window.LlmControl.status``): TTFT and TPOT
+    P50/P95/P99, tokens/s in and out, running and waiting sequences, KV blocks used and free,
+    preemptions, and the bounds the broker set."""
+
+    QUANTILES = ("50", "95", "99")
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        mg = ("model", "gpu")
+        self.ttft = Gauge(f"{PREFIX}llm_ttft_seconds", "Time to first token over the engine's recent completions.",
+                          (*mg, "quantile"), registry=r)
+        self.tpot = Gauge(f"{PREFIX}llm_tpot_seconds", "Time per output token over the engine's recent completions.",
+                          (*mg, "quantile"), registry=r)
+        self.slo = Gauge(f"{PREFIX}llm_slo_seconds", "TTFT and TPOT P95 objectives (llm.ttft_slo_ms, llm.tpot_slo_ms).",
+                         (*mg, "metric"), registry=r)
+        self.tokens = Gauge(f"{PREFIX}llm_tokens_per_second", "Prompt (in) and generated (out) tokens per second.",
+                            (*mg, "direction"), registry=r)
+        self.seqs = Gauge(f"{PREFIX}llm_sequences", "Sequences running in the engine and waiting at its admission.",
+                          (*mg, "state"), registry=r)
+        self.blocks = Gauge(f"{PREFIX}llm_kv_blocks", "KV cache blocks used and free now.", (*mg, "state"), registry=r)
+        self.preemptions = Gauge(f"{PREFIX}llm_preemptions", "Sequences evicted and recomputed since the engine started.",
+                                 mg, registry=r)
+        self.bound = Gauge(f"{PREFIX}llm_bound", "Engine bounds the broker set: max_num_seqs, max_batched_tokens, "
+                           "kv_blocks, prefill_paused (1 paused).", (*mg, "bound"), registry=r)
+
+    def observe(self, name: str, gpu: str, e: Mapping[str, Any]) -> None:
+        for q in self.QUANTILES:
+            for gauge, key in ((self.ttft, "ttft"), (self.tpot, "tpot")):
+                ms = e.get(f"{key}_p{q}_ms")
+                gauge.labels(name, gpu, q).set(math.nan if ms is None else ms / 1000.0)
+        for metric in ("ttft", "tpot"):
+            self.slo.labels(name, gpu, metric).set(_num(e.get(f"{metric}_slo_ms")) / 1000.0)
+        self.tokens.labels(name, gpu, "in").set(_num(e.get("tokens_in_per_s")))
+        self.tokens.labels(name, gpu, "out").set(_num(e.get("tokens_out_per_s")))
+        for state in ("running", "waiting"):
+            self.seqs.labels(name, gpu, state).set(_num(e.get(state)))
+        self.blocks.labels(name, gpu, "used").set(_num(e.get("kv_blocks_used")))
+        self.blocks.labels(name, gpu, "free").set(_num(e.get("kv_blocks_free")))
+        self.preemptions.labels(name, gpu).set(_num(e.get("preemptions")))
+        for bound in ("max_num_seqs", "max_batched_tokens", "kv_blocks", "prefill_paused"):
+            self.bound.labels(name, gpu, bound).set(_num(e.get(bound)))
+
+    def forget(self, name: str, gpu: str) -> None:
+        for gauge in (self.ttft, self.tpot, self.slo, self.tokens, self.seqs, self.blocks, self.preemptions, self.bound):
+            for labels in [k for k in list(gauge._metrics) if k[:2] == (name, gpu)]:
+                gauge.remove(*labels)
+
+
 class BrokerMetrics:
     """Every metric the broker exports, in one registry.
 
@@ -134,6 +182,7 @@ class BrokerMetrics:
                            mg, registry=r)
         self.replicas = Gauge(f"{PREFIX}replicas", "Replicas that reported recently.", mg, registry=r)
         self.version = Gauge(f"{PREFIX}settings_version", "Version of the model's settings.", mg, registry=r)
+        self.llm = LlmGauges(r)  # kind: llm engines (status models.<name>.engine)
         self.capacity = Gauge(f"{PREFIX}card_capacity_bytes", "Card memory (host memory pool on cpu).", ("gpu",), registry=r)
         self.usable = Gauge(f"{PREFIX}card_usable_bytes", "What the ledger may grant: capacity less reserve and overhead.",
                             ("gpu",), registry=r)
@@ -230,6 +279,8 @@ class BrokerMetrics:
             self.admit.labels(*lab).set(_num(m.get("admit", True)))
             self.replicas.labels(*lab).set(_num(m.get("replicas")))
             self.version.labels(*lab).set(_num(m.get("settings_version")))
+            if m.get("engine") is not None:
+                self.llm.observe(name, g, m["engine"])
         for gone in self._models - set(models):
             self._forget_model(gone)
         self._models = set(models)
@@ -269,6 +320,7 @@ class BrokerMetrics:
                 gauge.remove(name, self.gpu)
             except KeyError:
                 pass
+        self.llm.forget(name, self.gpu)
 
     # ---------------------------------------------------------------- reloads
     @_never_raises
