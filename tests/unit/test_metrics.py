@@ -291,6 +291,7 @@ def exported() -> set[str]:
     m = BrokerMetrics(CollectorRegistry(), gpu="cpu")
     m.observe_report(report())
     m.observe_tick(decision(moves=[QuotaMove("lend", "cold", "hot", 1 << 20, "idle")]), status(), 0.001)
+    m.llm.observe("chat", "cpu", {})  # an LLM engine's series (broker.metrics.LlmGauges)
     return m.sample_names()
 
 
