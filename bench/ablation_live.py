@@ -47,7 +47,7 @@ def arm_knee(target: Any, w: Any, cap: float, o: Opts, start: float, label: str,
         say_row(o, f"{label} s{seed}")(row)
         return m.passes
 
-    held = held_knee(passes, k0, o.seeds, max_runs=2 * max(1, len(o.seeds) - 1) + len(o.seeds))
+    held = held_knee(passes, k0, o.seeds, max_runs=4 * len(o.seeds))
     return {"seed0_knee_rps": k0, "held_knee_rps": held, "rows": rows, "seed_rows": tried}
 
 

@@ -236,31 +236,29 @@ def held_knee(passes: Callable[[float, int], bool], seed0_knee: float, seeds: Se
     """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
 
     Seed 0 passes at its own knee (that is how it was found), so there the other seeds are
-    run; below it every seed is, in order, and a rate fails at its first failing seed. Steps
-    down by ``step`` until a rate holds; ``max_runs`` bounds the calls (0.0 when none holds
-    within it). A knee that holds on one seed and not another is an edge, not a rate the arm
-    holds: this is the knee the tables report, with seed 0's beside it."""
+    run; below it every seed is, the one that failed last first (it is the likeliest to fail
+    again: fewer runs), and a rate fails at its first failing seed. Steps down by ``step``
+    until a rate holds; ``max_runs`` bounds the calls (0.0 when none holds within it). A knee
+    that passes on one seed and not another is an edge, not a rate the arm holds: this is the
+    knee the tables report, with seed 0's beside it."""
     if seed0_knee <= 0:
         return 0.0
     runs = 0
     rate = float(seed0_knee)
-    first = True
-    while max_runs is None or runs < max_runs:
-        holds = True
-        for s in seeds:
-            if first and s == seeds[0]:
-                continue
+    order = list(seeds[1:])  # at seed 0's knee, seed 0 is known to pass
+    while True:
+        failed = None
+        for s in order:
             if max_runs is not None and runs >= max_runs:
                 return 0.0
             runs += 1
             if not passes(rate, s):
-                holds = False
+                failed = s
                 break
-        if holds:
+        if failed is None:
             return rate
-        first = False
+        order = [failed] + [s for s in seeds if s != failed]
         rate *= step
-    return 0.0
 
 
 def knee_on_seeds(config: FleetConfig, policy: str | Arm, start_rate: float, rs: RunSettings = RunSettings(),

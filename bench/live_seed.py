@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from bench import scenarios as sc
-from bench.knee import bound, bound_batch
+from bench.knee import bound, bound_batch, held_knee
 from bench.live_runs import (
     Opts,
     Workload,
@@ -19,6 +19,28 @@ from bench.live_runs import (
     say_row,
     start_peer,
 )
+
+
+def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float:
+    """The knee that holds on every seed (``bench.knee.held_knee``): searched down from seed
+    0's (``doc["knee_rps"]``); ``doc`` keeps seed 0's as ``seed0_knee_rps``, the held one as
+    ``knee_rps`` and the other seeds' runs as ``seeds_at_knee``. Returns the held knee."""
+    k0 = doc["knee_rps"]
+    doc["seed0_knee_rps"] = k0
+    if len(o.seeds) < 2 or k0 <= 0:
+        return k0
+    rows: list[dict[str, Any]] = []
+
+    def passes(rate: float, seed: int) -> bool:
+        m = run(rate, seed)
+        rows.append(m.row())
+        say_row(o, f"{label} s{seed}")(rows[-1])
+        return m.passes
+
+    held = held_knee(passes, k0, o.seeds, max_runs=4 * len(o.seeds))
+    doc.update(knee_rps=held, seeds_at_knee=rows)
+    o.log(f"[seed] {label} knee held on seeds {list(o.seeds)}: {held:.1f}/s (seed 0: {k0:.1f}/s)")
+    return held
 
 
 def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
@@ -112,8 +134,7 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
         )
         out["static8"] = {"knee_rps": k8, "rows": rows8}
         o.log(f"[seed] static 8 knee at S: {k8:.1f}/s")
-        if len(o.seeds) > 1 and k8 > 0:  # the knee again with the other seeds
-            out["static8"]["seeds_at_knee"] = [run_arm(st, w.model, k8, s, s_ms, o, w.body).row() for s in o.seeds[1:]]
+        k8 = hold(out["static8"], lambda r, s: run_arm(st, w.model, r, s, s_ms, o, w.body), o, "static 8")
     finally:
         st.delete()
     fits = pooled_fit(rows8, w.model)
@@ -134,8 +155,7 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
         )
         out["broker"] = {"knee_rps": kb, "rows": rowsb}
         o.log(f"[seed] broker knee at 1.2·S: {kb:.1f}/s (bound {bd:.1f}/s)")
-        if len(o.seeds) > 1 and kb > 0:
-            out["broker"]["seeds_at_knee"] = [run_arm(br, w.model, kb, s, cap, o, w.body).row() for s in o.seeds[1:]]
+        kb = hold(out["broker"], lambda r, s: run_arm(br, w.model, r, s, cap, o, w.body), o, "broker")
     finally:
         br.delete()
     fitb = pooled_fit(rowsb, w.model)
@@ -166,8 +186,8 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
                     max_runs=4 if q else 5,
                     on_row=say_row(o, "bentoml"),
                 )
-                # one seed (the 15-minute budget): the gain's two knees get the other seeds
                 out["bentoml"] = {"knee_rps": kp, "rows": rowsp, "max_batch_size": 128, "max_latency_ms": cap}
+                kp = hold(out["bentoml"], lambda r, s: run_arm(p, w.model, r, s, cap, o, w.body), o, "bentoml")
                 out["broker_vs_bentoml"] = kb / kp if kp else None
                 o.log(f"[seed] BentoML knee at 1.2·S: {kp:.1f}/s")
             finally:

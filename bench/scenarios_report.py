@@ -23,7 +23,7 @@ def _told(row: dict[str, Any]) -> str:
 
 def seed_md(res: dict[str, Any]) -> str:
     lines = [f"### seed: knee gain ({_machine(res)})", "",
-             "| workload | fitted a / c (ms) | static 8:10 saturation: lazy 8/(a+8c) / eager model / **measured** | ref rate (½ measured) | S | cap 1.2·S | static 8 knee @S | broker knee @1.2·S | BentoML knee @1.2·S | bound (1−2a/C)/c | gain | broker/bound | broker/BentoML |",
+             "| workload | fitted a / c (ms) | static 8:10 saturation: lazy 8/(a+8c) / eager model / **measured** | ref rate (½ measured) | S | cap 1.2·S | static 8 knee @S, held on all seeds | broker knee @1.2·S, held | BentoML knee @1.2·S, held | bound (1−2a/C)/c | gain | broker/bound | broker/BentoML |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["results"]:
         fb = r.get("fit_broker", {})
@@ -32,8 +32,8 @@ def seed_md(res: dict[str, Any]) -> str:
             f"| {r['workload']} | {_f(fb.get('a_ms'), 2)} / {_f(fb.get('c_ms'), 3)} | "
             f"{_f(r.get('static8_saturation_lazy_rps'))} / {_f(r.get('static8_saturation_eager_model_rps'))} / **{_f(r.get('static8_saturation_rps'))}**/s | "
             f"{_f(r['reference_rps'])}/s | {_f(r['S_ms'], 0)} ms | "
-            f"{_f(r['cap_ms'], 0)} ms | {_f(r['static8']['knee_rps'])}/s | {_f(r['broker']['knee_rps'])}/s | "
-            f"{_f(bento.get('knee_rps')) + '/s' if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
+            f"{_f(r['cap_ms'], 0)} ms | {_held(r['static8'])} | {_held(r['broker'])} | "
+            f"{_held(bento) if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
             f"{_f(r['bound_rps'])}/s | {_f(r['gain'], 2)} | {_f(r['broker_vs_bound'], 2)} | {_f(r.get('broker_vs_bentoml'), 2)} |")
     lines.append("")
     for r in res["results"]:
@@ -52,6 +52,13 @@ def seed_md(res: dict[str, Any]) -> str:
                              f"{m['rejections']} | {m['timeouts']} | {_f(m['send_lag_p99_ms'])} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _held(doc: dict[str, Any]) -> str:
+    """A knee held on every seed, with seed 0's beside it (older results: seed 0's only)."""
+    if doc.get("seed0_knee_rps") is None:
+        return f"{_f(doc.get('knee_rps'))}/s (seed 0)"
+    return f"**{_f(doc['knee_rps'])}/s** (seed 0: {_f(doc['seed0_knee_rps'])}/s)"
 
 
 def oracle_md(res: dict[str, Any]) -> str:
