@@ -18,8 +18,8 @@ One Serve deployment per (model, card) group: named ``<model>`` when the model i
 
 Call from ``deployments.app`` (this module builds the deployments, app.py wires the ingress)::
 
-    placement = place_fleet(cfg)                        # or place_fleet(cfg, discover_cards())
-    groups = bind_model_groups(cfg, config_text, placement, model_num_cpus=MODEL_NUM_CPUS)
+    groups = bind_model_groups(cfg, config_text, model_num_cpus=MODEL_NUM_CPUS)
+    # gpus: auto: bind_model_groups(cfg, config_text, place_fleet(cfg, discover_cards()), ...)
     # groups: {model: {card_id: bound deployment}}; route a model's requests over its groups
 """
 
@@ -125,10 +125,27 @@ def deployment_plans(placement: Placement, *, model_num_cpus: float, use_card_re
     return tuple(plans)
 
 
-def bind_model_groups(cfg: Any, config_text: str, placement: Placement, *, model_num_cpus: float,
+def fleet_plans(cfg: Any, placement: Placement | None = None, *, model_num_cpus: float,
+                use_card_resources: bool | None = None) -> tuple[DeploymentPlan, ...]:
+    """The deployments of a ``FleetConfig``: of ``placement`` when given; else a fleet without
+    ``gpus:`` is one deployment per model on its one card, named as the model, with today's
+    options (no capacity needed), and a listed ``gpus:`` fleet is placed here
+    (``gpus: auto`` needs ``place_fleet(cfg, discover_cards())`` passed in)."""
+    if placement is None and cfg.gpus is None:
+        return tuple(DeploymentPlan(name, name, SINGLE_CARD_ID, int(spec.replicas), {"num_cpus": model_num_cpus})
+                     for name, spec in sorted(cfg.models.items()))
+    if placement is None:
+        from quotas.placement import place_fleet
+
+        placement = place_fleet(cfg)
+    return deployment_plans(placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources)
+
+
+def bind_model_groups(cfg: Any, config_text: str, placement: Placement | None = None, *, model_num_cpus: float,
                       deployment_cls: Any = None, use_card_resources: bool | None = None) -> dict[str, dict[str, Any]]:
-    """Bound Serve deployments, ``{model: {card_id: Application}}``, one per (model, card) group,
-    with the options ``deployments.app.build_fleet`` gives a model today (queue bound per group)."""
+    """Bound Serve deployments, ``{model: {card_id: Application}}``, one per (model, card) group
+    (``fleet_plans``), with the options ``deployments.app.build_fleet`` gives a model today
+    (the queue bound per group)."""
     from ray import serve
 
     if deployment_cls is None:
@@ -136,7 +153,7 @@ def bind_model_groups(cfg: Any, config_text: str, placement: Placement, *, model
 
         deployment_cls = ModelReplica
     out: dict[str, dict[str, Any]] = {}
-    for plan in deployment_plans(placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources):
+    for plan in fleet_plans(cfg, placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources):
         spec = cfg.models[plan.model]
         out.setdefault(plan.model, {})[plan.card_id] = serve.deployment(deployment_cls).options(
             name=plan.name,

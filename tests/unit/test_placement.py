@@ -265,3 +265,15 @@ def test_property_replacing_after_a_node_loss_keeps_survivors_and_never_overgran
         assert len(after.replicas[d.name]) + after.unplaced.get(d.name, 0) == d.replicas
     for plan in after.cards:
         assert plan.card.id in alive_ids and plan.base_bytes <= plan.usable_bytes
+
+
+def test_fleet_plans_of_a_one_card_fleet_need_no_capacity():
+    from deployments.placement_resources import fleet_plans
+    from quotas.config import parse_config
+
+    cfg = parse_config({"models": {"a": {"model": "mlp", "replicas": 2, "quota": {"min": "1MiB", "base": "2MiB", "max": "3MiB"}}}})
+    assert cfg.gpu.capacity == "auto"
+    (plan,) = fleet_plans(cfg, model_num_cpus=0.1)
+    assert (plan.name, plan.card_id, plan.num_replicas, plan.ray_actor_options) == ("a", "card0", 2, {"num_cpus": 0.1})
+    demo = load_config("configs/cluster-demo.yaml")
+    assert {p.name for p in fleet_plans(demo, model_num_cpus=0.1)} == {"cnn@a1", "cnn@b1", "minilm@a0", "minilm@b0", "mlp", "profiled"}
