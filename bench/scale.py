@@ -11,11 +11,10 @@ models go idle, lend, get busy and reclaim while the clock runs, and lending has
 Cases:
 
 - ``models``: one card, 10 / 100 / 1000 models: median and p99 tick, per-report cost.
-- ``cards``: 16 cards x 100 models (100 models in all, 6-7 per card; also 100 per card, 1600
-  in all). When the core takes a ``gpus:`` fleet (one ledger per card) this is one core; until
-  then it is 16 cores of one card each, and the tick of the cluster is the sum of their 16
-  ticks (one broker ticks every card in one control step). ``per_card_core`` in the JSON says
-  which ran.
+- ``cards``: 16 emulated cards x 100 models (100 models in all, 6-7 per card; also 100 per
+  card, 1600 in all), one ``broker.fleet_core.FleetBroker`` (one ``BrokerCore`` and ledger per
+  card, one tick for all; every replica names its card), as the live broker runs a ``gpus:``
+  fleet. ``cores`` in the JSON is how many per-card cores ticked.
 - ``sim``: the simulator (``bench.sim.run_sim``, broker arm) on 100 models x 1 hour of Azure
   trace arrivals (``bench.arrivals``), wall-clock timed.
 
@@ -56,9 +55,10 @@ def _model(i: int, base: int) -> dict[str, Any]:
     }
 
 
-def synthetic_config(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int = 1) -> FleetConfig:
-    """``n_models`` profiled models whose bases fill up to 90% of a card's usable; one card (``gpu:``) or
-    ``cards`` emulated cards (``gpus:``, each model pinned to card ``i % cards``)."""
+def synthetic_doc(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int = 1) -> dict[str, Any]:
+    """The YAML document (sizes in bytes) of ``n_models`` profiled models whose bases fill up to
+    90% of a card's usable; one card (``gpu:``) or ``cards`` emulated cards (``gpus:``, model
+    ``i`` pinned to card ``c<i % cards>``)."""
     per_card = -(-n_models // cards)  # the most models one card holds
     base = int(capacity_bytes * 0.88 * 0.9) // per_card
     models = {f"m{i:04d}": _model(i, base) for i in range(n_models)}
@@ -74,14 +74,19 @@ def synthetic_config(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int
                        for k in range(cards)]
         for i, spec in enumerate(models.values()):
             spec["placement"] = {"cards": [f"c{i % cards:02d}"]}
-    return parse_config(doc, f"synthetic {n_models} models x {cards} card(s)")
+    return doc
+
+
+def synthetic_config(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int = 1) -> FleetConfig:
+    """``synthetic_doc`` validated."""
+    return parse_config(synthetic_doc(n_models, capacity_bytes, cards), f"synthetic {n_models} models x {cards} card(s)")
 
 
 class _Replica:
     """One synthetic replica: its load phase and the settings it last got."""
 
-    def __init__(self, name: str, rid: str, phase: int, settings: dict[str, Any]) -> None:
-        self.name, self.rid, self.phase, self.seq = name, rid, phase, 0
+    def __init__(self, name: str, rid: str, phase: int, settings: dict[str, Any], card_id: str = "") -> None:
+        self.name, self.rid, self.phase, self.seq, self.card_id = name, rid, phase, 0, card_id
         self.settings = settings
 
 
@@ -100,7 +105,7 @@ def _report(rep: _Replica, now_s: float, step: int, rng: random.Random) -> Stats
         arrivals=arrivals, completions=arrivals, latency_ms=lat, batches=batches,
         batch_requests=tuple(int(b[0]) for b in batches), busy_s=sum(b[1] for b in batches) / 1000.0,
         queue_depth=int(rate // 4) if busy else 0, mem_used_bytes=used, mem_peak_bytes=used,
-        device_free_frac=0.3, settings_version=int(rep.settings["version"]),
+        device_free_frac=0.3, settings_version=int(rep.settings["version"]), card_id=rep.card_id,
     )
 
 
@@ -110,20 +115,31 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class _Cores:
-    """One or several cores on one fake clock, driven like replicas drive the live broker."""
+    """One broker on a fake clock, driven as replicas drive the live one: a ``BrokerCore`` for
+    one card, the fleet broker (``broker.fleet_core.FleetBroker``: one core per card, one tick
+    for all) for ``gpus:`` fleets, where every replica names its card."""
 
-    def __init__(self, configs: list[FleetConfig], seed: int) -> None:
+    def __init__(self, doc: dict[str, Any], seed: int) -> None:
         self.t = [1_700_000_000.0]
         clock: Callable[[], float] = lambda: self.t[0]
-        self.cores = [BrokerCore(cfg, clock=clock, metrics=NullMetrics()) for cfg in configs]
+        cfg = parse_config(doc, "synthetic")
+        self.cards = bool(cfg.gpus)
+        if self.cards:
+            from broker.fleet_core import FleetBroker
+
+            self.broker: Any = FleetBroker(json.dumps(doc), clock=clock, metrics=NullMetrics())
+            card_of = {m: self.broker.placement.replicas[m][0] for m in cfg.models}
+        else:
+            self.broker = BrokerCore(cfg, clock=clock, metrics=NullMetrics())
+            card_of = {m: "" for m in cfg.models}
         self.rng = random.Random(seed)
-        self.replicas: list[tuple[BrokerCore, _Replica]] = []
-        for c, (core, cfg) in enumerate(zip(self.cores, configs)):
-            for i, name in enumerate(cfg.models):
-                rid = f"{name}-c{c}-r0"
-                cal = {"weights_bytes": int(cfg.models[name].options["weights_bytes"]),
-                       "bytes_per_unit": float(cfg.models[name].options["bytes_per_item"]), "cost_unit": "requests"}
-                self.replicas.append((core, _Replica(name, rid, i % 4, core.register(name, rid, cal))))
+        self.replicas: list[_Replica] = []
+        for i, (name, spec) in enumerate(cfg.models.items()):
+            rid, card = f"{name}-r0", card_of[name]
+            cal = {"weights_bytes": int(spec.options["weights_bytes"]), "bytes_per_unit": float(spec.options["bytes_per_item"]),
+                   "cost_unit": "requests"}
+            settings = self.broker.register(name, rid, cal, card) if card else self.broker.register(name, rid, cal)
+            self.replicas.append(_Replica(name, rid, i % 4, settings, card))
 
     def run(self, seconds: float) -> dict[str, list[float]]:
         tick_ms: list[float] = []
@@ -133,13 +149,12 @@ class _Cores:
         for step in range(steps):
             self.t[0] += REPORT_INTERVAL_S
             started = time.perf_counter()
-            for core, rep in self.replicas:
-                rep.settings = core.report(_report(rep, self.t[0], step, self.rng))
+            for rep in self.replicas:
+                rep.settings = self.broker.report(_report(rep, self.t[0], step, self.rng))
             report_us.append((time.perf_counter() - started) * 1e6 / max(1, len(self.replicas)))
             if (step + 1) % per_tick == 0:
                 started = time.perf_counter()
-                for core in self.cores:  # one broker ticks every card in one control step
-                    core.tick()
+                self.broker.tick()  # one control step for every card
                 tick_ms.append((time.perf_counter() - started) * 1000.0)
         return {"tick_ms": tick_ms, "report_us": report_us}
 
@@ -151,41 +166,27 @@ def _summary(label: str, runs: dict[str, list[float]], **extra: Any) -> dict[str
             "report_us": round(statistics.median(runs["report_us"]), 1)}
 
 
-def per_card_core() -> bool:
-    """Does the core hold one ledger per card (a ``gpus:`` fleet, ``status()['cards']``)?"""
-    try:
-        core = BrokerCore(synthetic_config(4, cards=2), metrics=NullMetrics(), clock=lambda: 0.0)
-        return isinstance(core.status().get("cards"), list)
-    except Exception:  # noqa: BLE001 - today's core refuses a gpus: fleet (gpu.capacity auto)
-        return False
-
-
-def _timed(configs: list[FleetConfig], seconds: float, seed: int) -> dict[str, list[float]]:
-    """Run one report window untimed (the window fills, lending starts), then time ``seconds``."""
-    cores = _Cores(configs, seed)
-    cores.run(max(m.control.window_s for cfg in configs for m in cfg.models.values()))
-    return cores.run(seconds)
+def _timed(doc: dict[str, Any], seconds: float, seed: int) -> tuple[dict[str, list[float]], int]:
+    """Run one report window untimed (the window fills, lending starts), then time ``seconds``.
+    Returns the timings and how many per-card cores the broker ran."""
+    cores = _Cores(doc, seed)
+    cores.run(max(float(m.get("control", {}).get("window_s", 30.0)) for m in doc["models"].values()))
+    return cores.run(seconds), len(getattr(cores.broker, "cores", {None: None}))
 
 
 def bench_models(counts: tuple[int, ...], seconds: float, seed: int = 0) -> list[dict[str, Any]]:
     rows = []
     for n in counts:
         span = seconds if n <= 100 else seconds / 2  # 1000 models: fewer ticks, same statistics
-        rows.append(_summary(f"1 card x {n} models", _timed([synthetic_config(n)], span, seed), cards=1, models=n))
+        runs, cores = _timed(synthetic_doc(n), span, seed)
+        rows.append(_summary(f"1 card x {n} models", runs, cards=1, models=n, cores=cores))
     return rows
 
 
 def bench_cards(cards: int, models: int, seconds: float, seed: int = 0) -> dict[str, Any]:
-    """``models`` models in all over ``cards`` cards (one core per card until the core has cards)."""
-    one = per_card_core()
-    if one:
-        configs = [synthetic_config(models, cards=cards)]
-    else:
-        per = [models // cards + (1 if k < models % cards else 0) for k in range(cards)]
-        configs = [synthetic_config(n) for n in per if n > 0]
-    runs = _timed(configs, seconds, seed)
-    return _summary(f"{cards} cards x {models} models", runs, cards=cards, models=models, per_card_core=one,
-                    cores=len(configs))
+    """``models`` models in all over ``cards`` emulated cards, one ``FleetBroker``."""
+    runs, cores = _timed(synthetic_doc(models, cards=cards), seconds, seed)
+    return _summary(f"{cards} cards x {models} models", runs, cards=cards, models=models, cores=cores)
 
 
 def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0.5, seed: int = 0) -> dict[str, Any]:
@@ -210,8 +211,7 @@ def run(quick: bool = False, out: Path = Path("bench/out")) -> dict[str, Any]:
     if not quick:
         cards.append(bench_cards(16, 1600, seconds / 4))
     sim = bench_sim(duration_s=300.0 if quick else 3600.0)
-    res = {"quick": quick, "seconds_per_case": seconds, "targets": TARGETS, "models": rows, "cards": cards, "sim": sim,
-           "per_card_core": cards[0]["per_card_core"]}
+    res = {"quick": quick, "seconds_per_case": seconds, "targets": TARGETS, "models": rows, "cards": cards, "sim": sim}
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     return res
@@ -226,6 +226,6 @@ def table(res: dict[str, Any]) -> str:
     sim = res["sim"]
     lines.append("")
     lines.append(f"{sim['case']}: {sim['wall_s']:.1f} s wall (target under {TARGETS['sim_wall_s']:.0f} s)")
-    if not res["per_card_core"]:
-        lines.append("The core has one card today: the 16-card rows run 16 one-card cores and time the sum of their ticks.")
+    lines.append("Tick: one control step of the whole broker (a gpus: fleet: FleetBroker.tick, every card's core); "
+                 "report: one replica report, median.")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 def bench(
     scenario: str = typer.Argument(
         ..., help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), or scale "
-        "(the control plane: tick time against models and cards, and the simulator's speed; no Ray)"
+        "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
+        "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)"
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(
@@ -56,6 +57,13 @@ def bench(
         print(json.dumps(res) if as_json else scale.table(res))
         typer.echo(f"wrote {out / 'scale.json'}", err=True)
         return
+    if scenario == "llm":  # LLM engines in process, broker vs static bounds, lending between two (bench/llm_bench.py)
+        from bench import llm_bench
+
+        res = llm_bench.run(quick=quick, out=out, log=lambda msg: typer.echo(msg, err=True))
+        print(json.dumps(res, default=str) if as_json else llm_bench.table(res))
+        typer.echo(f"wrote {out / 'llm.json'}", err=True)
+        return
     if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
         from bench import results
 
@@ -71,7 +79,7 @@ def bench(
         typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
         return
     if scenario not in SCENARIO_NAMES:
-        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale)", err=True)
+        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale, llm)", err=True)
         raise typer.Exit(2)
     from bench.live_runs import parse_arrivals
 

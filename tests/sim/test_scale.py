@@ -17,16 +17,21 @@ def test_synthetic_fleets_validate_and_place_one_model_per_card_slot():
 
 
 def test_core_runs_on_the_fake_clock_and_ticks_once_per_control_interval():
-    cores = scale._Cores([scale.synthetic_config(10)], seed=1)
+    cores = scale._Cores(scale.synthetic_doc(10), seed=1)
     runs = cores.run(20.0)
     assert len(runs["tick_ms"]) == 20 and len(runs["report_us"]) == 40
-    status = cores.cores[0].status()
+    status = cores.broker.status()
     assert status["ticks"] == 20 and all(m["replicas"] == 1 for m in status["models"].values())
 
 
-def test_sixteen_cards_run_as_one_core_per_card_until_the_core_has_cards():
+def test_sixteen_cards_run_in_one_fleet_broker_with_a_core_per_card():
+    cores = scale._Cores(scale.synthetic_doc(32, cards=16), seed=1)
+    cores.run(4.0)
+    assert len(cores.broker.cores) == 16
+    status = cores.broker.status()
+    assert len(status["cards"]) == 16 and all(len(c["models"]) == 2 for c in status["cards"])
     row = scale.bench_cards(16, 32, seconds=2.0)
-    assert row["cores"] == (1 if row["per_card_core"] else 16) and row["ticks"] == 2
+    assert row["cores"] == 16 and row["ticks"] == 2
 
 
 def test_table_names_every_case_and_the_one_card_fallback():
@@ -34,7 +39,7 @@ def test_table_names_every_case_and_the_one_card_fallback():
                        "max_tick_ms": 2.0, "report_us": 30.0}],
            "cards": [{"case": "16 cards x 100 models", "cores": 16, "ticks": 3, "median_tick_ms": 5.0,
                       "p99_tick_ms": 9.0, "max_tick_ms": 9.0, "report_us": 40.0}],
-           "sim": {"case": "simulator: 100 models x 1 h trace", "wall_s": 12.0}, "per_card_core": False}
+           "sim": {"case": "simulator: 100 models x 1 h trace", "wall_s": 12.0}}
     text = scale.table(res)
     assert "| 16 cards x 100 models | 16 | 3 | 5.00 | 9.00 |" in text
-    assert "16 one-card cores" in text and "12.0 s wall" in text
+    assert "FleetBroker.tick" in text and "12.0 s wall" in text
