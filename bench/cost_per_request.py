@@ -5,7 +5,10 @@ memory touched: the model itself costs no CPU), at the same open-loop Poisson ra
 processes burn is the serving path. Per arm, each server process's CPU time (utime + stime from
 ``/proc/<pid>/stat``, all threads) is read before and after the measured run; the same
 processes' idle burn (health checks, report loops), measured for ``idle_s`` just before, is
-subtracted; the rest divided by the answered requests is the CPU time per request.
+subtracted; the rest divided by the answered requests is the CPU time per request. All arms are
+deployed at once (their own route prefixes; the one Serve proxy is shared) and measured in
+``--rounds`` interleaved rounds, each in a rotated order, so a neighbour's load on the machine
+drifts over every arm alike; the tables give the median round.
 
 Processes per arm (the client runs in this process and is not counted):
 
@@ -15,13 +18,13 @@ Processes per arm (the client runs in this process and is not counted):
 - ``plain``: the proxy, the FastAPI ingress replica and the ``@serve.batch`` replica
   (``bench/plain_serve.py``, two hops: the shape the fleet had before);
 - ``plain-1hop``: the proxy and a ``@serve.batch`` replica answering HTTP itself (one hop);
-- ``bentoml``: every process of ``bentoml serve`` (its session), when a BentoML venv exists.
+- ``bentoml``: every process under ``bentoml serve``, when a BentoML venv exists.
 
-``--profile`` adds a second run per Serve arm under ``py-spy record --nonblocking`` on the
-proxy and the model replica and prints where their samples fall (leaf frame, grouped by
-package). Run::
+``--profile`` adds one more run per arm under ``py-spy record --nonblocking`` on each of its
+processes and says where their busy samples fall (by activity: the innermost frame that names
+one). Run::
 
-    .venv/bin/python -m bench.cost_per_request --rate 40 --duration 20 --profile \
+    .venv/bin/python -m bench.cost_per_request --rounds 3 --profile \
         --out bench/out/cost_per_request.json [--peer-venv bench/peer/.venv-bentoml]
 """
 
@@ -35,8 +38,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench import arrivals as arr
 from bench import loadgen as lg
@@ -135,7 +141,7 @@ ACTIVITIES = (  # frame -> activity; a stack goes to the first frame, leaf to ro
     ("ray/serve/_private/proxy", "Serve proxy (request, response)"),
     ("ray/serve/_private/http_util.py", "Serve ASGI plumbing (receive/send)"),
     ("ray/serve/_private/replica.py", "Serve replica (call wrapper)"),
-    ("deployments/", "gpubroker (deployments/)"), ("broker/", "gpubroker (broker/)"), ("bench/", "model (bench/)"),
+    ("deployments/models/", "model adapter (deployments/models/)"), ("deployments/", "gpubroker (deployments/)"), ("broker/", "gpubroker (broker/)"), ("bench/", "model (bench/)"),
     ("uvicorn", "HTTP server (uvicorn/h11/httptools)"), ("h11", "HTTP server (uvicorn/h11/httptools)"),
     ("httptools", "HTTP server (uvicorn/h11/httptools)"), ("starlette", "ASGI framework (starlette/fastapi)"),
     ("fastapi", "ASGI framework (starlette/fastapi)"), ("pydantic", "pydantic"),
@@ -176,7 +182,8 @@ def summarize_profile(path: Path, top: int = 8) -> dict[str, Any]:
         total += n
         groups[activity_of(frames)] += n
         leaves[frames[-1][:110]] += n
-        if any(k in f and "http_proxy.py" not in f for f in frames for k in OURS):  # the proxy middleware wraps all
+        if any(k in f and "http_proxy.py" not in f and "deployments/models/" not in f  # the middleware wraps
+               for f in frames for k in OURS):  # everything; the adapters are the model's code
             ours += n
     if not total:
         return {"samples": 0}
@@ -195,91 +202,90 @@ def profile_run(pids: dict[str, int], base_url: str, rate: float, duration_s: fl
 
 
 # ------------------------------------------------------------------------------ arms
-def fleet_arm(stack: sc.Stack, args: argparse.Namespace, tmp: Path, pinned: bool = False) -> dict[str, Any]:
-    """The broker fleet; ``pinned``: the same fleet held at plain's batch and wait (static)."""
+@dataclass
+class Target:
+    """One arm, deployed: where to send, whose CPU to count, how to take it down."""
+
+    base_url: str
+    pids: dict[str, int]
+    close: Any
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+def fleet_target(stack: sc.Stack, pinned: bool) -> Target:
+    """The broker fleet (one hop); ``pinned``: the same fleet held static at plain's batch and wait."""
     spec = sc.profiled_spec(OPTIONS["a_ms"], OPTIONS["c_ms"], 2000.0, weights_bytes=0, bytes_per_item=0, ceiling=64)
     if pinned:
         spec = sc.pin_static(spec, BATCH, WAIT_MS)
-    broker = f"bench-cost-{'pin' if pinned else 'ctl'}-{int(time.time()) % 10**6}"
-    tgt = stack.deploy_fleet(sc.fleet_yaml({MODEL: spec}, broker_name=broker, http_port=stack.port), app="fleet-cost",
-                             warm_models={MODEL: BODY})
-    try:
-        pids = serve_pids({"replica": f"fleet-cost-{MODEL}#", "fleet_api": "fleet-cost#"}, broker)
-        out = {"pids": pids, "run": measure_cpu(pids, tgt.base_url, args.rate, args.duration, 0, args.idle)}
-        if args.profile:
-            out["profile"] = profile_run({r: pids[r] for r in ("proxy", "replica")}, tgt.base_url, args.rate,
-                                         args.profile_s, tmp, "fleet-pinned" if pinned else "fleet")
-        return out
-    finally:
-        tgt.delete()
+    app = "pin-cost" if pinned else "fleet-cost"
+    broker = f"bench-{app}-{int(time.time()) % 10**6}"
+    tgt = stack.deploy_fleet(sc.fleet_yaml({MODEL: spec}, broker_name=broker, http_port=stack.port), app=app,
+                             route_prefix=f"/{app}", warm_models={MODEL: BODY})
+    pids = serve_pids({"replica": f"{app}-{MODEL}#", "fleet_api": f"{app}#"}, broker)
+    return Target(tgt.base_url, pids, tgt.delete)
 
 
-def plain_arm(stack: sc.Stack, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    tgt = stack.deploy_plain(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL, app="plain-cost", warm_body=BODY)
-    try:
-        pids = serve_pids({"ingress": "plain-cost#ingress#", "replica": f"plain-cost#{MODEL}#"})
-        out = {"pids": pids, "run": measure_cpu(pids, tgt.base_url, args.rate, args.duration, 0, args.idle)}
-        if args.profile:
-            out["profile"] = profile_run({r: pids[r] for r in ("proxy", "ingress", "replica")}, tgt.base_url,
-                                         args.rate, args.profile_s, tmp, "plain")
-        return out
-    finally:
-        tgt.delete()
+def plain_target(stack: sc.Stack) -> Target:
+    tgt = stack.deploy_plain(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL, app="plain-cost",
+                             route_prefix="/plain-cost", warm_body=BODY)
+    return Target(tgt.base_url, serve_pids({"ingress": "plain-cost#ingress#", "replica": f"plain-cost#{MODEL}#"}), tgt.delete)
 
 
-def plain_one_hop_arm(stack: sc.Stack, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def plain_one_hop_target(stack: sc.Stack) -> Target:
     from ray import serve
 
     from bench.plain_serve import build_plain_one_hop
 
-    app = "plain1-cost"
+    app, prefix = "plain1-cost", "/plain1-cost"
     serve.run(build_plain_one_hop(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL), name=app,
-              route_prefix=f"/v1/models/{MODEL}", blocking=False)
-    try:
-        for _ in range(3):
-            sc.wait_http(f"{stack.base_url}/v1/models/{MODEL}/infer", json.loads(BODY), timeout_s=180)
-        pids = serve_pids({"replica": f"{app}#{MODEL}#"})
-        out = {"pids": pids, "run": measure_cpu(pids, stack.base_url, args.rate, args.duration, 0, args.idle)}
-        if args.profile:
-            out["profile"] = profile_run({r: pids[r] for r in ("proxy", "replica")}, stack.base_url, args.rate,
-                                         args.profile_s, tmp, "plain1")
-        return out
-    finally:
-        serve.delete(app, _blocking=True)
+              route_prefix=f"{prefix}/v1/models/{MODEL}", blocking=False)
+    base = stack.base_url + prefix
+    for _ in range(3):
+        sc.wait_http(f"{base}/v1/models/{MODEL}/infer", json.loads(BODY), timeout_s=180)
+    return Target(base, serve_pids({"replica": f"{app}#{MODEL}#"}), lambda: serve.delete(app, _blocking=True))
 
 
-def bentoml_arm(args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
+def bentoml_target(args: argparse.Namespace, tmp: Path) -> Target | None:
     from bench.peer import runner
 
     venv = Path(args.peer_venv) if args.peer_venv else runner.PEER_VENV
     if not (venv / "bin" / "bentoml").exists():
         return None
     runner.PEER_VENV = venv
-    port = sc.free_port()
     # its max_latency_ms is a latency budget (past it BentoML answers 503), not a wait: a loose one
-    peer = runner.PeerServer(sc.TAGGED["profiled"], OPTIONS, MODEL, BATCH, PEER_MAX_LATENCY_MS, port,
+    peer = runner.PeerServer(sc.TAGGED["profiled"], OPTIONS, MODEL, BATCH, PEER_MAX_LATENCY_MS, sc.free_port(),
                              log_path=str(tmp / "bentoml.log"))
     try:
         peer.wait_ready(json.loads(BODY), timeout_s=180)
         for _ in range(3):
             sc.http_json(f"{peer.base_url}/v1/models/{MODEL}/infer", json.loads(BODY))
-        pids = {f"bentoml-{p}": p for p in descendants(peer.proc.pid)}
-        out = {"pids": pids, "run": measure_cpu(pids, peer.base_url, args.rate, args.duration, 0, args.idle)}
-        if args.profile:
-            busy = sorted(pids.values())
-            out["profile"] = profile_run({f"bentoml-{p}": p for p in busy}, peer.base_url, args.rate, args.profile_s,
-                                         tmp, "bentoml")
-        return out
-    finally:
+    except Exception:
         peer.delete()
+        raise
+    return Target(peer.base_url, {f"bentoml-{p}": p for p in descendants(peer.proc.pid)}, peer.delete)
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median CPU ms per request over the rounds, per process and on the serving path."""
+    def path_ms(run: dict[str, Any]) -> float:
+        return sum(v for r, v in run["cpu_ms_per_request"].items() if r not in ("broker", "fleet_api"))
+
+    per_round = [round(path_ms(r), 3) for r in runs]
+    roles = runs[0]["cpu_ms_per_request"]
+    return {"serving_path_cpu_ms": float(np.median(per_round)), "rounds_cpu_ms": per_round,
+            "cpu_ms_per_request": {k: round(float(np.median([r["cpu_ms_per_request"][k] for r in runs])), 3) for k in roles},
+            "p50_ms": float(np.median([r["p50_ms"] for r in runs if r["p50_ms"] is not None])),
+            "p95_ms": float(np.median([r["p95_ms"] for r in runs if r["p95_ms"] is not None])),
+            "answered": sum(r["answered"] for r in runs), "offered": sum(r["offered"] for r in runs)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=40.0, help="offered requests per second (Poisson)")
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds of load per arm")
-    ap.add_argument("--idle", type=float, default=5.0, help="seconds of idle burn measured before the load")
-    ap.add_argument("--profile", action="store_true", help="a second run per arm under py-spy")
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds of load per arm and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; each runs every arm once, in a rotated order")
+    ap.add_argument("--idle", type=float, default=4.0, help="seconds of idle burn measured before each run")
+    ap.add_argument("--profile", action="store_true", help="one more run per arm under py-spy")
     ap.add_argument("--profile-s", type=float, default=12.0)
     ap.add_argument("--arms", default="fleet,fleet-pinned,plain,plain-1hop,bentoml")
     ap.add_argument("--peer-venv", default=None, help="a venv with bentoml (default bench/peer/.venv-bentoml)")
@@ -287,36 +293,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
     res: dict[str, Any] = {"scenario": "cost_per_request", "machine": sc.machine_info(), "rate_rps": args.rate,
-                           "duration_s": args.duration, "model_options": OPTIONS, "batch": BATCH, "wait_ms": WAIT_MS,
-                           "arms": {}}
-    with tempfile.TemporaryDirectory() as d:
+                           "duration_s": args.duration, "rounds": args.rounds, "model_options": OPTIONS,
+                           "batch": BATCH, "wait_ms": WAIT_MS, "command": "python -m bench.cost_per_request "
+                           + " ".join(argv if argv is not None else sys.argv[1:]), "arms": {}}
+    targets: dict[str, Target] = {}
+    with tempfile.TemporaryDirectory() as d, sc.Stack() as stack:
         tmp = Path(d)
-        if {"fleet", "fleet-pinned", "plain", "plain-1hop"} & set(arms):
-            with sc.Stack() as stack:
-                for arm in ("fleet", "fleet-pinned"):
-                    if arm in arms:
-                        res["arms"][arm] = fleet_arm(stack, args, tmp, pinned=arm == "fleet-pinned")
-                        print(arm, json.dumps(res["arms"][arm]["run"]), flush=True)
-                if "plain" in arms:
-                    res["arms"]["plain"] = plain_arm(stack, args, tmp)
-                    print("plain", json.dumps(res["arms"]["plain"]["run"]), flush=True)
-                if "plain-1hop" in arms:
-                    res["arms"]["plain-1hop"] = plain_one_hop_arm(stack, args, tmp)
-                    print("plain-1hop", json.dumps(res["arms"]["plain-1hop"]["run"]), flush=True)
-        if "bentoml" in arms:
-            b = bentoml_arm(args, tmp)
-            if b is not None:
-                res["arms"]["bentoml"] = b
-                print("bentoml", json.dumps(b["run"]), flush=True)
-            else:
-                print("bentoml: no venv with bentoml (make bench-peer-venv, or --peer-venv PATH); skipped")
+        try:
+            builders = {"fleet": lambda: fleet_target(stack, False), "fleet-pinned": lambda: fleet_target(stack, True),
+                        "plain": lambda: plain_target(stack), "plain-1hop": lambda: plain_one_hop_target(stack),
+                        "bentoml": lambda: bentoml_target(args, tmp)}
+            for arm in arms:
+                t = builders[arm]()
+                if t is None:
+                    print(f"{arm}: no venv with bentoml (make bench-peer-venv, or --peer-venv PATH); skipped")
+                    continue
+                targets[arm] = t
+            proxy = serve_pids({}).get("proxy")  # every Serve arm shares the one proxy
+            for arm, t in targets.items():
+                if not arm.startswith("bentoml") and proxy:
+                    t.pids["proxy"] = proxy
+            order = list(targets)
+            for k in range(args.rounds):  # interleaved: load on the machine drifts over all arms alike
+                for arm in order[k % len(order):] + order[:k % len(order)]:
+                    t = targets[arm]
+                    run = measure_cpu(t.pids, t.base_url, args.rate, args.duration, k, args.idle)
+                    t.runs.append(run)
+                    print(f"round {k} {arm:<12} " + json.dumps(run["cpu_ms_per_request"]), flush=True)
+            for arm, t in targets.items():
+                res["arms"][arm] = {"pids": t.pids, "runs": t.runs, **summary(t.runs)}
+                if args.profile:
+                    busy = {r: p for r, p in t.pids.items() if r not in ("broker", "fleet_api")}
+                    res["arms"][arm]["profile"] = profile_run(busy, t.base_url, args.rate, args.profile_s, tmp, arm)
+        finally:
+            for t in targets.values():
+                try:
+                    t.close()
+                except Exception:  # noqa: BLE001
+                    pass
     for arm, doc in res["arms"].items():
-        per = doc["run"]["cpu_ms_per_request"]
-        path = sum(v for r, v in per.items() if r not in ("broker", "fleet_api"))
-        doc["serving_path_cpu_ms"] = round(path, 3)
-        doc["total_cpu_ms"] = round(sum(per.values()), 3)
-        print(f"{arm:<8} serving path {path:7.3f} CPU ms/request  (all counted {doc['total_cpu_ms']:.3f})  "
-              + "  ".join(f"{r} {v:.3f}" for r, v in per.items()))
+        print(f"{arm:<12} serving path {doc['serving_path_cpu_ms']:7.3f} CPU ms/request (median of {doc['rounds_cpu_ms']})  "
+              + "  ".join(f"{r} {v:.3f}" for r, v in doc["cpu_ms_per_request"].items())
+              + f"  P50 {doc['p50_ms']:.0f} ms P95 {doc['p95_ms']:.0f} ms  answered {doc['answered']}/{doc['offered']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))

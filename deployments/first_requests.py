@@ -57,7 +57,7 @@ class FirstRequests:
     models: dict[str, ModelFirst] = field(default_factory=dict)
 
     @classmethod
-    def for_examples(cls, examples: dict[str, tuple[bool, Any, str]]) -> "FirstRequests":
+    def for_examples(cls, examples: dict[str, tuple[bool, Any, str]]) -> FirstRequests:
         """``examples``: model -> (has an example_input, the input, why not)."""
         out = cls()
         for name, (has, value, why) in examples.items():
