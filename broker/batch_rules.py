@@ -183,10 +183,18 @@ def p95_high(s: Inputs) -> BatchWant | None:
 
 
 def idle(s: Inputs) -> BatchWant | None:
-    """No arrivals for idle_hold_s: the floor (that is what lets the model lend its memory)."""
+    """No arrivals for idle_hold_s. Eager formation: the floor (the cap is what a burst forms its
+    first batches with; the floor is the least memory a batch takes). Lazy formation: hold the cap:
+    batches size themselves to the load, so an idle model's big cap costs no memory, while a cap
+    at the floor would meet the next burst with batches of the floor until the next tick. What an
+    idle model lends follows its measured use either way (``broker.lending``), and a lowered grant
+    clamps the cap through the memory ceiling."""
     if s.ctx.idle_for_s < s.spec.control.idle_hold_s or s.load.queue_depth > 0:
         return None
     floor, rate = s.spec.batch.floor, s.load.arrival_rate_rps
+    if s.ctx.formation == "lazy":
+        return s.want(s.cap, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE,
+                      f"no arrivals for {s.ctx.idle_for_s:.0f}s: lazy batches size themselves, hold batch {s.cap}")
     if s.cap > floor:
         return s.want(floor, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, f"no arrivals for {s.ctx.idle_for_s:.0f}s: batch {s.cap}->{floor}")
     return s.want(s.cap, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, "idle at the floor")

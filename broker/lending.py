@@ -16,8 +16,9 @@ moves to make, and when a move may complete, in this order, each tick:
    the borrower's grant and so its cap (step 0); after each further ``transfer_timeout_s`` (T)
    without a confirmation the next step, each a logged move of its own kind
    (``RECLAIM_STEPS``): release caches (``ModelSettings.release_cache``), pause admission and
-   drain (``drain``), restart the replica (``restart_token`` bumps; repeated every T while
-   the reclaim is pending). **Bound**: the owner has its base back within
+   drain (``drain``), restart the replicas (``restart_token`` bumps, once: the old process
+   keeps failing its health check and each replacement starts on the new token, so a second
+   bump while Serve is still replacing it would only kill a healthy replacement). **Bound**: the owner has its base back within
    ``3 T + restart + stale_after_s + control_interval_s`` of the reclaim, where ``restart``
    is the time Serve takes to replace a replica that fails its health check and the new one
    to report (its old replica's last report drops out of the window after ``stale_after_s``);
@@ -47,7 +48,7 @@ base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.memory_model import MemoryModel
 from broker.state import BatchWant, ModelState
@@ -63,12 +64,12 @@ ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of a
 
 
 # Escalation of a reclaim (or release) the borrower has not honoured, in order (QuotaMove.kind):
-# after T release caches, after 2 T pause admission and drain, after 3 T (and every T after) restart.
+# after T release caches, after 2 T pause admission and drain, after 3 T restart (once).
 RECLAIM_STEPS = (MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART)
 
 
 def step_kind(step: int) -> MoveKind:
-    """The move kind of escalation step ``step`` (1, 2, 3 and every later one: restart)."""
+    """The move kind of escalation step ``step`` (1, 2 or 3)."""
     return RECLAIM_STEPS[min(step, len(RECLAIM_STEPS)) - 1]
 
 
@@ -81,8 +82,10 @@ class QuotaPlan:
     confirm_after: Mapping[str, int]  # donor -> settings version it must run before its transfers complete
     notes: tuple[str, ...]  # refusals and other remarks
     new_donors: frozenset[str]  # models whose grant dropped this tick (the caller records their new version)
-    reclaim_steps: Mapping[str, int]  # borrower -> escalation step reached (1 cache, 2 drain, 3+ restarts)
+    reclaim_steps: Mapping[str, int]  # borrower -> escalation step reached (1 cache, 2 drain, 3 restart)
     restart_tokens: Mapping[str, int]  # model -> restart token (only ever rises)
+    lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
+    lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent (this loan spell)
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,13 @@ def plan_quota(
     reclaim_steps: Mapping[str, int] | None = None,
     restart_tokens: Mapping[str, int] | None = None,
     need_bytes: Mapping[str, int] | None = None,
+    lend_scale: Mapping[str, float] | None = None,
+    lent_at: Mapping[str, float] | None = None,
 ) -> QuotaPlan:
     """One tick of quota moves (module docstring); returns a ``QuotaPlan``, changes nothing it is given."""
     ledger = ledger.copy()
+    scale = dict(lend_scale or {})
+    lent = dict(lent_at or {})
     moves: list[QuotaMove] = []
     notes: list[str] = []
     new_donors: set[str] = set()
@@ -167,7 +174,7 @@ def plan_quota(
     for borrower in sorted({t.donor for t in ledger.pending if t.kind in ESCALATING}):
         mine = [t for t in ledger.pending if t.kind in ESCALATING and t.donor == borrower]
         first = min(mine, key=lambda t: t.started_s)
-        reached = int((now_s - first.started_s) // timeout_s) if timeout_s > 0 else 0
+        reached = min(len(RECLAIM_STEPS), int((now_s - first.started_s) // timeout_s)) if timeout_s > 0 else 0
         before = (reclaim_steps or {}).get(borrower, 0)
         steps[borrower] = max(before, reached)
         gate = confirm_gate(loads[borrower], config.models[borrower].replicas, after.get(borrower, 0), first.started_s)
@@ -193,15 +200,21 @@ def plan_quota(
         return min(q.max, max(q.min, replicas(name) * model.grant_for(wants[name].cap)))
 
     def working_set(name: str) -> int:
+        # What an idle lender keeps: its memory in use now (latest reports, not the window's peak:
+        # a burst that ended 20 s ago must not pin its memory for the next model's burst) times
+        # the margin, its min, and the memory for a floor batch. A lender still above a lowered
+        # grant is not confirmed until it is measured under it (two-phase), so this is safe.
         spec = config.models[name]
-        ws = max(int(loads[name].mem_peak_bytes * spec.control.working_set_margin), spec.quota.min)
+        ws = max(int(loads[name].mem_used_bytes * spec.control.working_set_margin), spec.quota.min)
         if mm(name).calibrated:
             ws = max(ws, replicas(name) * mm(name).grant_for(spec.batch.floor))
         return ws
 
     def idle(name: str) -> bool:
+        # a model whose loans keep coming back soon after it lends waits longer before it lends again
         st = states[name]
-        return st.quiet_since_s is not None and now_s - st.quiet_since_s >= config.models[name].control.idle_hold_s
+        hold = config.models[name].control.idle_hold_s * scale.get(name, 1.0)
+        return st.quiet_since_s is not None and now_s - st.quiet_since_s >= hold
 
     def busy_for(name: str) -> float:
         st = states[name]
@@ -214,6 +227,8 @@ def plan_quota(
             notes.append(f"{kind} {donor}->{recipient} refused: {exc}")
             return
         new_donors.add(donor)
+        if kind == MoveKind.LEND:
+            lent[donor] = now_s
         moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
     def grow(name: str, amount: int, kind: str, why: str) -> int:
@@ -236,6 +251,14 @@ def plan_quota(
         load = loads[owner]
         why = (f"{owner} load back for {busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
                f"queue {load.queue_depth:.0f}): reclaim toward base {format_size(spec.quota.base)}")
+        if owner in lent:  # lend regret: a loan that had to come back soon doubles the owner's idle hold
+            ctl, since = spec.control, now_s - lent.pop(owner)
+            old = scale.get(owner, 1.0)
+            new = min(ctl.lend_backoff_max, old * 2.0) if since < ctl.lend_regret_s else max(1.0, old / 2.0)
+            if new != old:
+                scale[owner] = new
+                why += (f"; its loan came back {since:.0f}s after it lent: lends again only after "
+                        f"{ctl.idle_hold_s * new:.0f}s idle")
         for borrower, amount in ledger.reclaim_plan(owner):
             take = min(amount, short)
             if take <= 0:
@@ -309,6 +332,8 @@ def plan_quota(
         new_donors=frozenset(new_donors),
         reclaim_steps=steps,
         restart_tokens=tokens,
+        lend_scale=scale,
+        lent_at=lent,
     )
 
 

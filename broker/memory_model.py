@@ -39,7 +39,9 @@ class MemoryModel:
         oom = min(load.oom_costs) if load.oom_costs else None
         model = cls(int(load.weights_bytes), float(load.bytes_per_unit), oom)
         if model.calibrated and load.mem_peak_bytes > 0 and load.replicas > 0:
-            biggest = max((cost for cost, _ in load.batch_timings), default=load.mean_batch)
+            # the biggest batch over the same window as the peak (the fit's recent batches may
+            # all be smaller than the one that set the peak: that would inflate the fixed part)
+            biggest = max(load.max_batch, max((cost for cost, _ in load.batch_timings), default=load.mean_batch))
             observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
             if observed > model.weights_bytes:
                 model = cls(int(observed), model.bytes_per_unit, oom)

@@ -47,6 +47,8 @@ class PolicyState:
     # reclaim escalation (broker.lending): borrower -> step reached; model -> restart token
     reclaim_steps: Mapping[str, int] = field(default_factory=dict)
     restart_tokens: Mapping[str, int] = field(default_factory=dict)
+    lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
+    lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +59,8 @@ class PolicyState:
             "confirm_after": dict(self.confirm_after),
             "reclaim_steps": dict(self.reclaim_steps),
             "restart_tokens": dict(self.restart_tokens),
+            "lend_scale": dict(self.lend_scale),
+            "lent_at": dict(self.lent_at),
         }
 
     @classmethod
@@ -79,6 +83,8 @@ class PolicyState:
             confirm_after={k: int(v) for k, v in data.get("confirm_after", {}).items()},
             reclaim_steps={k: int(v) for k, v in data.get("reclaim_steps", {}).items()},
             restart_tokens={k: int(v) for k, v in data.get("restart_tokens", {}).items()},
+            lend_scale={k: float(v) for k, v in data.get("lend_scale", {}).items()},
+            lent_at={k: float(v) for k, v in data.get("lent_at", {}).items()},
         )
 
 
@@ -208,7 +214,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
         new_states[name] = ms
 
     plan = plan_quota(snapshot, config, state.ledger, new_states, wants, state.confirm_after, now,
-                      state.reclaim_steps, state.restart_tokens, need_bytes)
+                      state.reclaim_steps, state.restart_tokens, need_bytes, state.lend_scale, state.lent_at)
     ledger, moves = plan.ledger, plan.moves
     notes.extend(plan.notes)
     flags_now = replace(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
@@ -254,7 +260,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
         confirm_after[donor] = new_states[donor].version
     new_state = PolicyState(models=new_states, ledger=ledger, profile=profile.name, tick=state.tick + 1,
                             confirm_after=confirm_after, reclaim_steps=plan.reclaim_steps,
-                            restart_tokens=plan.restart_tokens)
+                            restart_tokens=plan.restart_tokens, lend_scale=plan.lend_scale, lent_at=plan.lent_at)
     return FleetDecision(now_s=now, profile=profile.name, models=decisions, moves=tuple(moves), notes=tuple(notes)), new_state
 
 

@@ -124,6 +124,7 @@ class ModelLoad:
     attainment: float | None = None  # share of requests in the window answered within the SLO (rejects/timeouts miss)
     batch_timings: tuple[tuple[float, float], ...] = ()  # recent (batch cost, exec ms) for the L(b) fit
     mean_batch: float = 0.0  # mean batch cost over the window
+    max_batch: float = 0.0  # biggest batch cost over the window (the one behind mem_peak_bytes)
     cost_per_request: float = 1.0  # mean cost units per request (tokens per request for token models)
     busy_frac: float = 0.0  # share of wall time executing batches (per replica, averaged)
     mem_used_bytes: int = 0  # sum over replicas, latest

@@ -119,6 +119,7 @@ class ReportWindow:
         slo = self._slo_ms.get(name, spec.slo_p95_ms)
         met = 0.0
         counted = 0
+        max_cost = 0.0  # biggest batch over the window (what the window's peak memory ran)
         for t, r in events:
             if t >= live_from:
                 latest[r.replica_id] = r
@@ -133,6 +134,8 @@ class ReportWindow:
             for (cost, _), reqs in zip(r.batches, r.batch_requests):
                 batch_cost += cost
                 batch_requests += reqs
+                if cost > max_cost:
+                    max_cost = cost
             batches += len(r.batches)
             if t > since_s:
                 emergency = emergency or r.emergency_shrinks > 0
@@ -183,6 +186,7 @@ class ReportWindow:
             attainment=attainment(met, counted),
             batch_timings=tuple(timings[-fit_window:]),
             mean_batch=(batch_cost / batches) if batches else 0.0,
+            max_batch=max_cost,
             cost_per_request=(batch_cost / batch_requests) if batch_requests else 1.0,
             busy_frac=(sum(busy) / len(busy)) if busy else 0.0,
             mem_used_bytes=sum(r.mem_used_bytes for r in latest.values()),

@@ -14,7 +14,8 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 def bench(
     scenario: str = typer.Argument(
-        ..., help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), or scale "
+        ..., help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), lending "
+        "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), or scale "
         "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
         "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)"
     ),
@@ -63,6 +64,13 @@ def bench(
         res = llm_bench.run(quick=quick, out=out, log=lambda msg: typer.echo(msg, err=True))
         print(json.dumps(res, default=str) if as_json else llm_bench.table(res))
         typer.echo(f"wrote {out / 'llm.json'}", err=True)
+        return
+    if scenario == "lending":  # where memory binds: static split vs broker with quotas fixed vs lending (simulator)
+        from bench import lending
+
+        res = lending.run(quick=quick, out=out, on_progress=lambda m: typer.echo(m, err=True))
+        print(json.dumps(res, default=str) if as_json else lending.table(res))
+        typer.echo(f"wrote {out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
         return
     if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
         from bench import results

@@ -215,6 +215,8 @@ class ControlSpec(_Strict):
     hold_max_intervals: int = Field(8, ge=1, description="Longest anti-oscillation hold, in broker.control_interval_s.")
     emergency_recovery_intervals: int = Field(5, ge=0, description="After an emergency, grow only by aimd_step for this many control intervals.")
     max_pause_intervals: int = Field(3, ge=1, description="An emergency admission pause re-opens after this many control intervals.")
+    lend_regret_s: float = Field(30.0, gt=0, description="A loan its lender reclaims within this many seconds of lending doubles the lender's idle_hold_s (a later one halves it back).")
+    lend_backoff_max: float = Field(16.0, ge=1, le=1024, description="Most the lend-regret doubling may multiply idle_hold_s by.")
     working_set_margin: float = Field(1.1, ge=1, le=4, description="A lender keeps its peak memory times this (lending never cuts into it).")
     recover_step_frac: float = Field(0.125, gt=0, le=1, description="Replica fast loop: widen the cap back by this share of the broker's cap per batch.")
     critical_free_factor: float = Field(0.5, gt=0, lt=1, description="Replica fast loop: pause admission below gpu.emergency_free_frac times this at the floor.")

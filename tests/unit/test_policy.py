@@ -137,8 +137,10 @@ def test_unconfirmed_transfer_is_aborted_after_timeout():
     cfg = make_config(gpu={"capacity": "6.7GiB"}, broker={"transfer_timeout_s": 3})
     d = Driver(cfg, usable=6 * GiB)
     busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5))
-    for _ in range(12):  # b's memory stays over its lowered grant
-        d.step({"a": _calibrated("a", **busy), "b": _calibrated("b", mem_used_bytes=3 * GiB - 1, mem_peak_bytes=700 * MiB)})
+    for _ in range(12):  # b lends on its measured use; then its memory rises and stays over its lowered grant
+        lent = any(m.kind == "lend" for h in d.history for m in h.moves)
+        used = 3 * GiB - 1 if lent else 700 * MiB
+        d.step({"a": _calibrated("a", **busy), "b": _calibrated("b", mem_used_bytes=used, mem_peak_bytes=used)})
     aborts = [m for h in d.history for m in h.moves if m.kind == "abort"]
     assert aborts and aborts[0].donor == "b"
     assert d.grant("a") == 3 * GiB

@@ -30,7 +30,7 @@ SIZES = (2, 4, 8, 16, 32)  # batch sizes the fake replica reports (distinct: the
 PLAN_CAP = 60  # b_lat for L(b) = 20 + 0.5 b under SLO 100 ms
 
 CONFIG = """
-broker: {{control_interval_s: 1.0, report_interval_s: 0.5, metrics_port: 0}}
+broker: {{control_interval_s: 1.0, report_interval_s: 0.5, metrics_port: 0, batch_formation: {formation}}}
 gpu: {{device: cpu, capacity: 10GiB, reserve_frac: 0.1, emergency_free_frac: 0.10}}
 models:
   m:
@@ -74,9 +74,10 @@ def spread(lo: float, hi: float, n: int = 20) -> tuple[float, ...]:
 class Fleet:
     """One fake replica of model ``m`` reporting to a BrokerCore; the core ticks every second."""
 
-    def __init__(self, strategy: str = "hybrid", initial: int = 8, slo: float = 100.0) -> None:
+    def __init__(self, strategy: str = "hybrid", initial: int = 8, slo: float = 100.0, formation: str = "lazy") -> None:
         self.clock = HalfSteps()
-        self.core = BrokerCore(CONFIG.format(strategy=strategy, initial=initial, slo=slo), clock=self.clock)
+        self.core = BrokerCore(CONFIG.format(strategy=strategy, initial=initial, slo=slo, formation=formation),
+                               clock=self.clock)
         self.seq = 0
         self.sample = 0
 
@@ -166,11 +167,21 @@ def test_p95_high_shrinks_a_cap_above_the_plan():
 
 
 def test_idle_goes_to_the_floor_with_a_fit():
-    f = Fleet()
+    f = Fleet(formation="eager")
     f.run(2, Load())
     entries = f.run(12, Load(rate_rps=0.0, queue=0))  # the rate window (5 s) empties, then idle_hold_s (5 s)
-    assert only(entries)["rule"] == Rule.IDLE
+    assert [e for e in entries if e["rule"] == Rule.IDLE]
     assert f.cap() == 2
+
+
+def test_idle_holds_the_cap_with_lazy_formation():
+    """Lazy batches size themselves: an idle model keeps its cap for the next burst (its memory
+    use, not its cap, decides what it lends)."""
+    f = Fleet(formation="lazy")
+    f.run(2, Load())
+    before = f.cap()
+    f.run(12, Load(rate_rps=0.0, queue=0))
+    assert f.cap() == before > 2
 
 
 def test_sm_busy_holds_the_plans_growth_while_p95_rises():

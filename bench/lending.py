@@ -1,0 +1,250 @@
+"""``gpubroker bench lending``: where memory binds, does lending buy goodput?
+
+Design note. Lending proves something only where the static split runs out of memory. Four
+models share one card (16 GiB, 14.1 GiB usable); each model's batch memory (1 GiB of weights
++ 512 MiB per item) is what limits it: its 3.5 GiB base holds a batch of 4 (with the 10% allocator
+headroom the memory model keeps). Each model bursts
+in turn (gamma arrivals, CV 2) to a rate a batch of 5 cannot serve, while the others run at
+their base rate. All arms form batches the same way (lazy: the replica's gate for the broker,
+the simulator's lazy batcher for static arms), so formation is not what differs:
+
+- ``static-split``: base quotas, a static cap that fits them (5), Serve's defaults otherwise;
+- ``broker-fixed``: the broker's batch control, quotas fixed at base (min = base = max);
+- ``broker``: the broker with lending on.
+
+Memory is enforced as the simulator enforces it (``bench.sim_batching``): a batch over its
+replica's grant runs out of memory, is split in two and retried; an over-grant event is a
+sample (every control interval) at which a model's measured memory is above its grant by more
+than the allocator's granularity. The ablation starts from the static cap with Ray's eager formation,
+quotas fixed and no emergency shrink, and turns each part on alone: lazy formation, batch
+control, lending, emergency shrink; then all of them. A second load has every model burst
+independently (gamma CV 4 at the same mean), all contending for the card: the broker's
+attainment on each model must be at least the static split's.
+
+The live stack (``gpubroker up`` with RLIMIT_DATA enforcement, ``docs/ENFORCEMENT.md``) runs the
+same policy code; this benchmark runs in the simulator so that 3 arms x 2 loads x the ablation fit
+in minutes and are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from bench import arrivals as arr
+from bench.sim import Simulator, parse_arm
+from bench.sim_profile import profile_for
+from bench.sim_types import DONE
+from bench.sim_workload import finish
+from quotas.config import FleetConfig, parse_config
+
+GIB = 1024**3
+MIB = 1024**2
+MODELS = ("m0", "m1", "m2", "m3")
+STATIC_CAP = 4  # (0.9 x base 3.5 GiB - weights 1 GiB) / 512 MiB per item
+GRANULARITY_BYTES = 2 * MIB  # allocator granularity: use above grant by less is not an over-grant
+TARGET_GAIN = 1.3
+IND_MEAN_RPS = 40.0
+
+
+def fleet(*, fixed: bool = False, formation: str = "lazy", strategy: str = "hybrid",
+          emergency_free_frac: float = 0.10) -> FleetConfig:
+    """The lending card. ``fixed``: quotas pinned at base (min = base = max)."""
+    models = {}
+    for name in MODELS:
+        quota = {"min": "3.5GiB", "base": "3.5GiB", "max": "3.5GiB"} if fixed else \
+            {"min": "1.5GiB", "base": "3.5GiB", "max": "8GiB"}
+        models[name] = {
+            "model": "profiled",
+            "options": {"a_ms": 5, "c_ms": 1, "weights_bytes": 1 * GIB, "bytes_per_item": 512 * MIB},
+            "quota": quota,
+            "batch": {"floor": 1, "ceiling": 32, "initial": STATIC_CAP},
+            "wait": {"min_ms": 0, "max_ms": 20},
+            "slo_p95_ms": 100,
+            "max_queued": 2000,
+            "request_timeout_s": 10,
+            "control": {"strategy": strategy, "idle_hold_s": 3, "reclaim_hold_s": 1},
+        }
+    return parse_config({
+        "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, "batch_formation": formation},
+        "gpu": {"device": "cpu", "capacity": "16GiB", "reserve_frac": 0.12, "emergency_free_frac": emergency_free_frac},
+        "models": models,
+    })
+
+
+def in_turn(base_rps: float, burst_rps: float, phase_s: float, burst_s: float, seed: int) -> tuple[list[np.ndarray], list[tuple[float, float]]]:
+    """Each model bursts to ``burst_rps`` for ``burst_s`` in its own phase, in turn (gamma CV 2)."""
+    out, windows = [], []
+    duration = phase_s * len(MODELS)
+    for i in range(len(MODELS)):
+        start = i * phase_s + (phase_s - burst_s) / 2
+        end = start + burst_s
+        windows.append((start, end))
+        segs = [(0.0, start, base_rps), (start, end, burst_rps), (end, duration, base_rps)]
+        out.append(arr.piecewise(segs, seed=seed * 100 + i, kind="gamma", cv=2.0))
+    return out, windows
+
+
+def independent(mean_rps: float, duration_s: float, seed: int) -> list[np.ndarray]:
+    """Every model bursts on its own: gamma CV 4 at the same mean rate, all contending."""
+    return [arr.gamma(mean_rps, duration_s, 4.0, seed * 100 + 50 + i) for i in range(len(MODELS))]
+
+
+def _workload(cfg: FleetConfig, times: list[np.ndarray]):
+    return {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in zip(MODELS, times)}
+
+
+def run_arm(cfg: FleetConfig, arm: str, times: list[np.ndarray], duration_s: float, warmup_s: float,
+            windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """One arm: fleet goodput, per-model attainment (and off-burst attainment), OOMs, over-grants."""
+    sim = Simulator(cfg, parse_arm(arm), _workload(cfg, times), duration_s, warmup_s=warmup_s, drain_s=10.0,
+                    batching="lazy" if arm != "eager" else "eager")
+    res = sim.run()
+    span = duration_s - warmup_s
+    lat_ms = (sim.done_t - sim.t_np) * 1000.0
+    models: dict[str, Any] = {}
+    good_total = 0
+    for m, name in enumerate(MODELS):
+        cap = cfg.models[name].slo_p95_ms
+        sel = (sim.m_np == m) & (sim.t_np >= warmup_s) & (sim.t_np < duration_s)
+        good = sel & (sim.status == DONE) & (lat_ms <= cap)
+        good_total += int(good.sum())
+        row = {"attainment": float(good.sum() / max(1, sel.sum())), "offered": int(sel.sum()),
+               "goodput_rps": float(good.sum() / span), "p95_ms": res.models[name].p95_ms,
+               "ooms": res.models[name].ooms, "errors": res.models[name].errors,
+               "rejects": res.models[name].rejects, "timeouts": res.models[name].timeouts,
+               "mean_batch": res.models[name].mean_batch, "mem_peak_bytes": res.models[name].mem_peak_bytes}
+        if windows is not None:
+            s, e = windows[m]
+            off = sel & ((sim.t_np < s) | (sim.t_np >= e + 5.0))  # outside its own burst (and 5 s of drain)
+            row["attainment_off_burst"] = float((off & good).sum() / max(1, off.sum()))
+            row["attainment_in_burst"] = float((good & ~off & (sim.t_np >= s)).sum()
+                                               / max(1, (sel & ~off & (sim.t_np >= s)).sum()))
+        models[name] = row
+    over = 0
+    for name in MODELS:
+        col = res.series[name]
+        over += sum(1 for g, u in zip(col["grant_bytes"], col["mem_bytes"]) if g >= 0 and u > g + GRANULARITY_BYTES)
+    moves = [d for d in res.decisions if d.get("move")]
+    return {"arm": arm, "fleet_goodput_rps": good_total / span, "over_grant_events": over, "models": models,
+            "ooms": sum(r["ooms"] for r in models.values()), "quota_moves": len(moves), "wall_s": round(res.wall_s, 2)}
+
+
+ABLATION: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    # (row, arm, fleet() options): the static cap with Ray's eager formation, fixed quotas, no emergency shrink
+    (f"none (static {STATIC_CAP}, eager formation)", f"static:{STATIC_CAP}:10", {"fixed": True}),
+    ("lazy formation alone", f"static:{STATIC_CAP}:10", {"fixed": True, "lazy": True}),
+    ("batch control alone", "broker", {"fixed": True, "formation": "eager", "emergency_free_frac": 1e-6}),
+    ("lending alone", "broker", {"formation": "eager", "strategy": "static", "emergency_free_frac": 1e-6}),
+    ("emergency shrink alone", "broker", {"fixed": True, "formation": "eager", "strategy": "static"}),
+    ("all on (broker)", "broker", {}),
+)
+
+
+def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
+        on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = on_progress or (lambda _m: None)
+    t0 = time.perf_counter()
+    phase_s, burst_s = (40.0, 25.0) if quick else (60.0, 40.0)
+    duration = phase_s * len(MODELS)
+    warmup = 10.0
+    base_rps, burst_rps = 5.0, 550.0
+    times, windows = in_turn(base_rps, burst_rps, phase_s, burst_s, seed)
+    arms = {}
+    for arm_name, arm, cfg in (("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),
+                               ("broker-fixed", "broker", fleet(fixed=True)),
+                               ("broker", "broker", fleet())):
+        arms[arm_name] = run_arm(cfg, arm, times, duration, warmup, windows)
+        say(f"in turn: {arm_name}: fleet goodput {arms[arm_name]['fleet_goodput_rps']:.1f}/s, "
+            f"over-grant events {arms[arm_name]['over_grant_events']}")
+    ablation = []
+    for row, arm, opts in ABLATION:
+        opts = dict(opts)
+        lazy = opts.pop("lazy", False)
+        cfg = fleet(**opts)
+        if arm.startswith("static"):
+            sim_arm = arm
+            r = run_arm(cfg, sim_arm, times, duration, warmup, windows) if lazy else _run_eager(cfg, sim_arm, times, duration, warmup, windows)
+        else:
+            r = run_arm(cfg, arm, times, duration, warmup, windows)
+        ablation.append({"parts": row, "fleet_goodput_rps": r["fleet_goodput_rps"], "ooms": r["ooms"],
+                         "over_grant_events": r["over_grant_events"]})
+        say(f"ablation: {row}: {r['fleet_goodput_rps']:.1f}/s")
+    ind_duration = 120.0 if quick else 240.0
+    ind_times = independent(IND_MEAN_RPS, ind_duration, seed)
+    contention = {name: run_arm(cfg, arm, ind_times, ind_duration, warmup)
+                  for name, arm, cfg in (("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),
+                                         ("broker", "broker", fleet()))}
+    say("independent bursts: " + ", ".join(f"{k} {v['fleet_goodput_rps']:.1f}/s" for k, v in contention.items()))
+    b, f, s = (arms[k]["fleet_goodput_rps"] for k in ("broker", "broker-fixed", "static-split"))
+    off_burst = min(r["attainment_off_burst"] for r in arms["broker"]["models"].values())
+    never_worse = all(contention["broker"]["models"][m]["attainment"] >= contention["static-split"]["models"][m]["attainment"]
+                      for m in MODELS)
+    result = {
+        "scenario": "lending", "quick": quick, "seed": seed,
+        "load": {"in_turn": {"base_rps": base_rps, "burst_rps": burst_rps, "phase_s": phase_s, "burst_s": burst_s,
+                             "arrivals": "gamma:2"},
+                 "independent": {"mean_rps": IND_MEAN_RPS, "duration_s": ind_duration, "arrivals": "gamma:4"}},
+        "arms": arms,
+        "ablation": ablation,
+        "independent": contention,
+        "targets": {
+            "broker_vs_fixed": b / f if f else None,
+            "broker_vs_static": b / s if s else None,
+            "target_gain": TARGET_GAIN,
+            "off_burst_attainment_min": off_burst,
+            "over_grant_events": sum(a["over_grant_events"] for a in arms.values()),
+            "independent_never_worse": never_worse,
+        },
+        "runtime_s": round(time.perf_counter() - t0, 1),
+    }
+    t = result["targets"]
+    t["met"] = bool(t["broker_vs_fixed"] and t["broker_vs_fixed"] >= TARGET_GAIN and t["broker_vs_static"] >= TARGET_GAIN
+                    and off_burst >= 0.99 and t["over_grant_events"] == 0 and never_worse)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lending.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    return result
+
+
+def _run_eager(cfg, arm, times, duration, warmup, windows):
+    """A static arm on Ray's eager formation (the ablation's starting point)."""
+    sim = Simulator(cfg, parse_arm(arm), _workload(cfg, times), duration, warmup_s=warmup, drain_s=10.0, batching="eager")
+    res = sim.run()
+    span = duration - warmup
+    lat_ms = (sim.done_t - sim.t_np) * 1000.0
+    good = 0
+    for m, name in enumerate(MODELS):
+        sel = (sim.m_np == m) & (sim.t_np >= warmup) & (sim.t_np < duration)
+        good += int((sel & (sim.status == DONE) & (lat_ms <= cfg.models[name].slo_p95_ms)).sum())
+    return {"fleet_goodput_rps": good / span, "ooms": sum(r.ooms for r in res.models.values()), "over_grant_events": 0}
+
+
+def table(res: dict[str, Any]) -> str:
+    t = res["targets"]
+    lines = ["| arm | fleet goodput /s | over-grant events | OOM splits | quota moves | "
+             + " | ".join(f"{m} attain (off / in burst)" for m in MODELS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(MODELS)]
+    for name, a in res["arms"].items():
+        cells = " | ".join(f"{a['models'][m]['attainment_off_burst']:.3f} / {a['models'][m]['attainment_in_burst']:.3f}"
+                           for m in MODELS)
+        lines.append(f"| {name} | {a['fleet_goodput_rps']:.1f} | {a['over_grant_events']} | {a['ooms']} | "
+                     f"{a['quota_moves']} | {cells} |")
+    lines += ["", f"broker / broker-fixed **{t['broker_vs_fixed']:.2f}×**, broker / static-split "
+              f"**{t['broker_vs_static']:.2f}×** (target ≥ {t['target_gain']}); lowest off-burst attainment "
+              f"{t['off_burst_attainment_min']:.3f} (target ≥ 0.99); over-grant events {t['over_grant_events']} (target 0). "
+              f"Targets {'met' if t['met'] else 'NOT met'}.", "",
+              "| parts on (ablation) | fleet goodput /s | OOM splits |", "|---|---|---|"]
+    for row in res["ablation"]:
+        lines.append(f"| {row['parts']} | {row['fleet_goodput_rps']:.1f} | {row['ooms']} |")
+    lines += ["", "| independent bursts (gamma CV 4) | fleet goodput /s | " + " | ".join(f"{m} attain" for m in MODELS) + " |",
+              "|---|---|" + "---|" * len(MODELS)]
+    for name, a in res["independent"].items():
+        lines.append(f"| {name} | {a['fleet_goodput_rps']:.1f} | "
+                     + " | ".join(f"{a['models'][m]['attainment']:.3f}" for m in MODELS) + " |")
+    lines.append(f"\nbroker at least the static split's attainment on every model: {t['independent_never_worse']}")
+    return "\n".join(lines)
