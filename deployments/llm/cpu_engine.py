@@ -211,7 +211,7 @@ class CpuEngine:
         return stream
 
     def _validate(self, request_id: str, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> None:
-        if self._stopped or self._manager is None:
+        if self._stopped or (self._manager is None and self._rebuild_task is None):  # a rebuild: it waits, admitted after
             raise EngineRequestError("request_id", request_id, "the engine is not running: start() it first")
         if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
             raise EngineRequestError("request_id", request_id, "already in flight: use a fresh id per request")
