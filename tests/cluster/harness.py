@@ -67,6 +67,12 @@ class CardCluster:
 
         return card_nodes()[card_id]
 
+    def card_nodes(self) -> dict[str, str]:
+        """card id -> Ray node id, for the alive nodes."""
+        from deployments.cluster_discovery import card_nodes
+
+        return card_nodes()
+
     def kill_node(self, name: str) -> None:
         """Node loss: every process of that node, at once (not the head: the driver lives there)."""
         if name == self.head:
