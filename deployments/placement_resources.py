@@ -152,6 +152,11 @@ def bind_model_groups(cfg: Any, config_text: str, placement: Placement | None = 
         from deployments.replica import ModelReplica
 
         deployment_cls = ModelReplica
+    if placement is None and cfg.gpus is not None:
+        from quotas.placement import place_fleet
+
+        placement = place_fleet(cfg)
+    many = placement is not None and len(placement.cards) > 1  # replicas of a one-card fleet get card_id ""
     out: dict[str, dict[str, Any]] = {}
     for plan in fleet_plans(cfg, placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources):
         spec = cfg.models[plan.model]
@@ -163,5 +168,5 @@ def bind_model_groups(cfg: Any, config_text: str, placement: Placement | None = 
             ray_actor_options=plan.ray_actor_options,
             health_check_period_s=5,
             graceful_shutdown_timeout_s=5,
-        ).bind(plan.model, config_text, plan.card_id if len(placement.cards) > 1 else "", plan.num_replicas)
+        ).bind(plan.model, config_text, plan.card_id if many else "", plan.num_replicas)
     return out
