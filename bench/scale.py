@@ -27,7 +27,6 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +120,10 @@ class _Cores:
 
     def __init__(self, doc: dict[str, Any], seed: int) -> None:
         self.t = [1_700_000_000.0]
-        clock: Callable[[], float] = lambda: self.t[0]
+
+        def clock() -> float:
+            return self.t[0]
+
         cfg = parse_config(doc, "synthetic")
         self.cards = bool(cfg.gpus)
         if self.cards:

@@ -125,7 +125,7 @@ class PlacementSpec(_Strict):
     )
 
     @model_validator(mode="after")
-    def _cards(self) -> "PlacementSpec":
+    def _cards(self) -> PlacementSpec:
         if isinstance(self.cards, list):
             if not self.cards:
                 raise ValueError("placement.cards is an empty list; write any or list card ids")

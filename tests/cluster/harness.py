@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from deployments.placement_resources import node_labels, node_resources
 from quotas.cards import Card, fleet_cards
