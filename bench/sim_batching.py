@@ -192,6 +192,7 @@ class BatchingMixin:
             b.chunks.appendleft(chunk[half:])
             b.chunks.appendleft(chunk[:half])
             rep.st_oom += 1
+            rep.st_oom_costs.append(float(cost_units))  # what the replica reports: the cost that ran out
             self.oom_total[rep.m] += 1
             b.chunk = None
             b.chunk_cost = 0

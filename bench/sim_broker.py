@@ -18,20 +18,18 @@ a test can replay the same sequence into a second core and compare decisions.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.sim_types import LATENCY_SAMPLES_PER_REPORT, SimReplica
 from broker.core import BrokerCore, NullMetrics
 from broker.types import ModelSettings, StatsReport
 
-if TYPE_CHECKING:  # pragma: no cover
-    from bench.sim import Simulator
 
 
 class SimBroker:
     """The simulator's side of the report/reply path."""
 
-    def __init__(self, sim: Simulator, *, record: bool = False) -> None:
+    def __init__(self, sim: Any, *, record: bool = False) -> None:  # sim: bench.sim.Simulator (no import: no cycle)
         self.sim = sim
         self.core = BrokerCore(
             sim.config, capacity_bytes=sim.capacity, clock=lambda: sim.epoch0 + sim.now, metrics=NullMetrics()
@@ -82,6 +80,7 @@ class SimBroker:
             device_free_frac=max(0.0, 1.0 - used / sim.capacity),
             sm_util_frac=min(1.0, card_share),
             oom_splits=rep.st_oom,
+            oom_costs=tuple(rep.st_oom_costs),
             emergency_shrinks=rep.st_emerg,
             settings_version=max(0, rep.version),
         )

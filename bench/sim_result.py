@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from bench.sim_types import DONE, FAILED, PENDING, REJECTED, TIMED_OUT, ModelResult, SimResult
 
-if TYPE_CHECKING:  # pragma: no cover
-    from bench.sim import Simulator
 
 
-def build_result(self: Simulator) -> SimResult:
+def build_result(self: Any) -> SimResult:
+    """``self``: the ``bench.sim.Simulator`` that ran (typed loosely: this module must not import it)."""
     t, mids, st = self.t_np, self.m_np, self.status
     lat_ms = (self.done_t - t) * 1000.0
     in_win = (t >= self.warmup_s) & (t < self.duration_s)

@@ -90,7 +90,7 @@ class SimReplica:
         "grant", "admit", "max_ongoing", "version", "local_cap", "floor", "mcb", "max_queued", "timeout_s",
         "mem_now", "seq", "last_report_t", "card_busy_mark", "busy_acc",
         "st_arr", "st_done", "st_rej", "st_to", "st_err", "st_lat", "st_batches", "st_breq", "st_peak",
-        "st_oom", "st_emerg", "forming", "form_cost", "formed", "gate", "paused", "held",
+        "st_oom", "st_oom_costs", "st_emerg", "forming", "form_cost", "formed", "gate", "paused", "held",
     )
 
     def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):
@@ -133,6 +133,7 @@ class SimReplica:
         self.st_breq: list[int] = []
         self.st_peak = self.mem_now
         self.st_oom = 0
+        self.st_oom_costs: list[float] = []
         self.st_emerg = 0
 
 
