@@ -207,3 +207,20 @@ def test_reclaim_escalates_and_returns_base_within_the_bound(tmp_path):
     bound_s = 3 * timeout_s + 2 * 0.5 + stale_after_s + 1.0
     assert 3 * timeout_s <= returned - begun <= bound_s, (returned - begun, bound_s)
     assert not ledger_of(core).pending
+
+
+def test_restart_is_asked_for_once_while_serve_replaces_the_replica(tmp_path):
+    """A second token bump while the replacement starts would kill a healthy replacement."""
+    timeout_s = 2.0
+    core, fleet, clock = setup(tmp_path, timeout_s=timeout_s)
+    fleet.restart_on_token = False  # Serve is slow: the old replica lingers, still holding
+    run_until(core, fleet, clock, lent)
+    for _ in range(2):
+        step(core, fleet, clock, HOT_BUSY, HOT_USES_ALL)
+    both_busy = {"hot": True, "cold": True}
+    run_until(core, fleet, clock, lambda c: any(t.kind == "reclaim" for t in ledger_of(c).pending),
+              busy=both_busy, used={"hot": None, "cold": 20 * MIB})
+    for _ in range(int(8 * timeout_s)):  # four times the restart step's delay
+        step(core, fleet, clock, both_busy, {"hot": None, "cold": 20 * MIB})
+    assert len(moves(core, MoveKind.RECLAIM_RESTART)) == 1
+    assert core.settings("hot")["restart_token"] == 1 and ledger_of(core).pending
