@@ -40,7 +40,7 @@ from broker import policy
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.llm_window import LlmControl
-from broker.metrics import BrokerMetrics
+from broker.metrics import BrokerMetrics, NullMetrics
 from broker.profiles import active_profile
 from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
 from broker.types import EntryKind, FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
@@ -63,25 +63,6 @@ class _Tally:
     completions: int
     misses: int  # rejections + timeouts + errors
     busy_s: float
-
-
-class NullMetrics:
-    """Metrics that record nothing: for the simulator, whose thousands of virtual ticks a second
-    need no Prometheus series (and no ``status()`` per tick to feed them)."""
-
-    active = False
-
-    def observe_report(self, report: StatsReport) -> None:
-        pass
-
-    def observe_rejections(self, model: str, count: int) -> None:
-        pass
-
-    def observe_tick(self, decision: FleetDecision, status: dict[str, Any], tick_s: float) -> None:
-        pass
-
-    def observe_reload(self, ok: bool, config_hash: str) -> None:
-        pass
 
 
 class BrokerCore:

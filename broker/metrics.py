@@ -377,3 +377,22 @@ def start_exporter(metrics: BrokerMetrics, host: str = "127.0.0.1", port: int = 
     exporter = Exporter(server, thread, host, int(server.server_address[1]))
     logger.info("metrics exporter serving %s", exporter.url)
     return exporter
+
+
+class NullMetrics:
+    """Metrics that record nothing: for the simulator, whose thousands of virtual ticks a second
+    need no Prometheus series (and no ``status()`` per tick to feed them)."""
+
+    active = False
+
+    def observe_report(self, report: StatsReport) -> None:
+        pass
+
+    def observe_rejections(self, model: str, count: int) -> None:
+        pass
+
+    def observe_tick(self, decision: FleetDecision, status: dict[str, Any], tick_s: float) -> None:
+        pass
+
+    def observe_reload(self, ok: bool, config_hash: str) -> None:
+        pass

@@ -38,6 +38,8 @@ from broker.types import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
 from deployments.fast_loop import FastEvent, fast_loop_step, params_for
 from deployments.gate import LazyGate
+from deployments.items import Item as _Item
+from deployments.items import batch_cost, error as _error  # noqa: F401 - batch_cost is part of this module's API
 from deployments.oom import ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
@@ -55,31 +57,6 @@ def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
         grant_bytes=spec.quota.base,
         admit=True,
     )
-
-
-class _Item:
-    """One input on its way through Serve's batcher."""
-
-    __slots__ = ("value", "cost", "owner", "let_in")
-
-    def __init__(self, value: Any, cost: int, owner: "ModelReplica"):
-        self.value = value
-        self.cost = cost
-        self.owner = owner
-        self.let_in = False  # counted in the replica's let-in-not-running cost (lazy gate)
-
-
-def batch_cost(items: list) -> int:
-    """``batch_size_fn`` for token-priced models: the batch's total cost.
-
-    An item costlier than the whole cap counts as the cap, so it runs alone instead of being
-    refused by Serve's batcher ("Size of item is greater than max_batch_size").
-    """
-    return sum(min(item.cost, max(1, item.owner.cap)) for item in items)
-
-
-def _error(status: int, detail: str, **extra: Any) -> dict[str, Any]:
-    return {"status": status, "detail": detail, **extra}
 
 
 class ModelReplica:

@@ -16,15 +16,11 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
-    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
@@ -33,24 +29,13 @@ from pydantic import (
 from quotas.cards import GpusSection, PlacementSpec
 from quotas.llm_spec import LLM_ENGINES, LlmSpec
 from quotas.placement import check_fleet_cards
-from quotas.sizes import format_size, parse_size
-from quotas.vocab import BatchFormation, Objective, Strategy
+from quotas.sizes import format_size
+from quotas.config_base import DAY_NAMES, Size, _Strict, _size  # noqa: F401 - re-exported
+from quotas.schedule import ProfileSpec, ProfilesSection  # noqa: F401 - re-exported
+from quotas.vocab import BatchFormation, Strategy
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
-DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2
-
-
-def _size(value: Any) -> int:
-    return parse_size(value)
-
-
-# A size in the YAML ("24GiB", "512MB", 1048576): bytes in Python, human form when dumped.
-Size = Annotated[int, BeforeValidator(_size), PlainSerializer(format_size, return_type=str)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class BrokerSection(_Strict):
@@ -279,129 +264,6 @@ class ModelSpec(_Strict):
             f"'{value}' is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor an import path; "
             "write a built-in name or 'pkg.module:Class'"
         )
-
-
-_HOURS_RE = re.compile(r"^(\d{1,2}):(\d{2})-(\d{1,2}):(\d{2})$")
-
-
-def _parse_days(value: Any) -> tuple[int, ...]:
-    """'mon-fri', 'sat,sun', ['mon', 'tue'] or 'daily' -> sorted weekday numbers (mon=0)."""
-    if value in ("daily", "all", "*"):
-        return tuple(range(7))
-    items = value.split(",") if isinstance(value, str) else list(value)
-    days: set[int] = set()
-    for item in items:
-        item = str(item).strip().lower()
-        if "-" in item:
-            start, end = (part.strip()[:3] for part in item.split("-", 1))
-            if start not in DAY_NAMES or end not in DAY_NAMES:
-                raise ValueError(f"'{item}' is not a day range; write e.g. mon-fri")
-            i, j = DAY_NAMES.index(start), DAY_NAMES.index(end)
-            days.update(range(i, j + 1) if i <= j else [*range(i, 7), *range(0, j + 1)])
-        else:
-            if item[:3] not in DAY_NAMES:
-                raise ValueError(f"'{item}' is not a day; use mon, tue, wed, thu, fri, sat, sun, a range such as mon-fri, or daily")
-            days.add(DAY_NAMES.index(item[:3]))
-    return tuple(sorted(days))
-
-
-def _parse_hours(value: str) -> tuple[int, int]:
-    """'08:00-20:00' -> (480, 1200) minutes; end 24:00 allowed; end <= start wraps midnight."""
-    match = _HOURS_RE.match(value.strip())
-    if not match:
-        raise ValueError(f"'{value}' is not an hour range; write HH:MM-HH:MM such as 08:00-20:00")
-    h1, m1, h2, m2 = (int(x) for x in match.groups())
-    if h1 > 23 or m1 > 59 or h2 > 24 or m2 > 59 or (h2 == 24 and m2 != 0):
-        raise ValueError(f"'{value}' has an impossible time; hours run 00:00 to 24:00")
-    start, end = h1 * 60 + m1, h2 * 60 + m2
-    if start == end:
-        raise ValueError(f"'{value}' is empty (start equals end); widen it or use 00:00-24:00 for all day")
-    return start, end
-
-
-class ProfileSpec(_Strict):
-    name: str = Field(description="Profile name shown in status and metrics.")
-    objective: Objective = Field(
-        Objective.BALANCED, description="throughput: larger batches within the slack; latency: smaller batches, tight caps."
-    )
-    price_per_gpu_hour: float = Field(0.0, ge=0, description="Price of the card per hour in this window (for cost per 1k requests).")
-    latency_slack: float = Field(1.0, ge=0.5, le=5.0, description="Multiplier on every model's P95 cap in this window (e.g. 1.2 at peak).")
-    default: bool = Field(False, description="The profile used outside every window; exactly one profile is default.")
-    days: str | list[str] | None = Field(None, description="Days of the window: mon-fri, [sat, sun], daily. Not set on the default.")
-    hours: str | None = Field(None, description="Hours of the window, HH:MM-HH:MM in the schedule's timezone. Not set on the default.")
-
-    @model_validator(mode="after")
-    def _window(self) -> "ProfileSpec":
-        if self.default:
-            if self.days is not None or self.hours is not None:
-                raise ValueError("the default profile applies outside every window; remove its days/hours")
-            return self
-        if self.days is None or self.hours is None:
-            raise ValueError("a non-default profile needs both days and hours (e.g. days: mon-fri, hours: 08:00-20:00)")
-        _parse_days(self.days)
-        _parse_hours(self.hours)
-        return self
-
-    def weekly_minutes(self) -> list[tuple[int, int]]:
-        """The window as half-open [start, end) minute ranges within the week (mon 00:00 = 0)."""
-        if self.default:
-            return []
-        start, end = _parse_hours(self.hours or "")
-        out = []
-        for day in _parse_days(self.days):
-            base = day * 1440
-            if end > start:
-                out.append((base + start, base + end))
-            else:  # wraps midnight: tail of this day, then the head of the next
-                out.append((base + start, base + 1440))
-                nxt = ((day + 1) % 7) * 1440
-                out.append((nxt, nxt + end))
-        return out
-
-
-class ProfilesSection(_Strict):
-    timezone: str = Field("UTC", description="IANA timezone the windows are written in, e.g. Europe/Berlin.")
-    schedule: list[ProfileSpec] = Field(
-        default_factory=lambda: [ProfileSpec(name="default", default=True)],
-        description="Profiles: windows with price and objective, plus exactly one default.",
-    )
-
-    @field_validator("timezone")
-    @classmethod
-    def _tz(cls, value: str) -> str:
-        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-        try:
-            ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError):
-            raise ValueError(f"'{value}' is not an IANA timezone; write e.g. UTC or Europe/Berlin") from None
-        return value
-
-    @model_validator(mode="after")
-    def _schedule(self) -> "ProfilesSection":
-        defaults = [p.name for p in self.schedule if p.default]
-        if len(defaults) != 1:
-            raise ValueError(
-                f"schedule has {len(defaults)} default profiles ({', '.join(defaults) or 'none'}); mark exactly one with default: true"
-            )
-        names = [p.name for p in self.schedule]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"profile names repeat: {', '.join(dupes)}; give each profile its own name")
-        spans = [(s, e, p.name) for p in self.schedule for (s, e) in p.weekly_minutes()]
-        spans.sort()
-        for (s1, e1, n1), (s2, e2, n2) in zip(spans, spans[1:]):
-            if s2 < e1 and n1 != n2:
-                day, minute = divmod(s2, 1440)
-                raise ValueError(
-                    f"windows of profiles '{n1}' and '{n2}' overlap on {DAY_NAMES[day]} at "
-                    f"{minute // 60:02d}:{minute % 60:02d}; change their days or hours so they do not overlap"
-                )
-        return self
-
-    @property
-    def default_profile(self) -> ProfileSpec:
-        return next(p for p in self.schedule if p.default)
 
 
 class FleetConfig(_Strict):
