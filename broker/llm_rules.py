@@ -18,9 +18,11 @@ grant. The problem statement's rules, as a table in precedence order (first matc
 - ``idle_shrink``: nothing running or waiting for ``idle_hold_s``: shrink the KV cache to
   ``kv_blocks_min``, so the grant's rest can be lent.
 - ``busy_grow``: sequences waiting (or the cache's reservations over ``busy_used_frac``):
-  grow the KV cache up to what the grant allows (``kv_blocks_max`` at most).
+  grow the KV cache up to what the grant allows (``kv_blocks_max`` at most), and only by at
+  least ``grow_min_gain_frac`` (a resize drains the engine; a small one costs more than it buys).
 - ``seqs_grow``: sequences waiting behind a binding ``max_num_seqs`` while TTFT and TPOT are
-  within their SLOs: raise it by ``seqs_step`` (it starts at half the expected peak).
+  within their SLOs: raise it by ``seqs_step``, or by half the queue up to doubling (it starts
+  at half the expected peak; the grant's cache caps it).
 - ``hold``: nothing to do.
 
 ``start`` (no state yet) sets ``max_num_seqs`` to half the expected peak concurrency, capped
@@ -84,7 +86,8 @@ class LlmRuleConfig:
     idle_hold_s: float = 5.0
     busy_used_frac: float = 0.8  # cache reservations over this share count as busy
     seqs_backoff: float = 0.75
-    seqs_step: int = 2
+    seqs_step: int = 2  # smallest max_num_seqs raise; with a longer queue up to half of it (at most doubling)
+    grow_min_gain_frac: float = 0.5  # a cache resize drains the engine: grow only by at least this share
 
     @property
     def blocks_per_seq(self) -> int:
@@ -237,6 +240,8 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     if not (load.waiting > 0 or full) or s.kv_blocks >= cap or _held(load, cfg, s):
         return None
     new = min(cap, max(2 * s.kv_blocks, s.max_num_seqs * cfg.blocks_per_seq))
+    if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
+        return None  # not worth a drain: wait for more grant
     return _Want(replace(s, kv_blocks=new), LlmTrigger.WAITING, load.waiting,
                  f"waiting {load.waiting} with {load.kv_blocks_reserved}/{load.kv_blocks_total} KV blocks reserved: "
                  f"grow KV cache {s.kv_blocks}->{new} blocks (grant allows {cap})")
@@ -252,7 +257,7 @@ def _seqs_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
                                             or (ttft is not None and ttft > cfg.ttft_slo_ms
                                                 and load.prefill_time_frac >= cfg.prefill_dominant_frac)):
         return None
-    new = s.max_num_seqs + cfg.seqs_step
+    new = s.max_num_seqs + max(cfg.seqs_step, min(load.waiting, s.max_num_seqs) // 2)
     return _Want(replace(s, max_num_seqs=new), LlmTrigger.WAITING, load.waiting,
                  f"waiting {load.waiting} behind max_num_seqs {s.max_num_seqs} with SLOs met: raise it to {new}")
 

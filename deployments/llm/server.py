@@ -24,13 +24,13 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions
-from deployments.llm.report_loop import EngineReporter
 from deployments.llm.engine import (
     EngineRequestError,
     FinishReason,
     Sampling,
     percentile,
 )
+from deployments.llm.report_loop import EngineReporter
 from deployments.llm.tiny_model import ByteTokenizer, TinyLlamaSpec
 
 COMPLETION, CHAT = "completion", "chat"

@@ -205,3 +205,16 @@ def test_a_failed_cache_rebuild_keeps_serving_on_the_old_size():
         assert tokens and last.finish_reason is not FinishReason.ERROR
 
     run(body, kv_cache_blocks=32)
+
+
+def test_a_request_sent_during_a_cache_rebuild_waits_and_runs_after():
+    async def body(engine):
+        engine.set_kv_cache_blocks(8)  # idle: the rebuild starts at once
+        await until(lambda: engine._manager is None, "the old manager is stopped for the rebuild")
+        during = engine.submit("during", PROMPT, 8)  # not refused: it waits for the new cache
+        assert engine.stats().waiting == 1
+        tokens, last = await during.collect()
+        assert tokens and last.finish_reason is not FinishReason.ERROR
+        assert (engine.stats().kv_blocks_total, engine.stats().rebuilds) == (8, 1)
+
+    run(body, kv_cache_blocks=32)

@@ -149,3 +149,15 @@ def test_every_rule_in_the_table_has_a_test_here():
 def test_squeeze_comes_first_even_when_ttft_breaches(free):
     d, _ = decide_llm(load(free_mem_frac=free, ttft_p95_ms=900.0, prefill_time_frac=0.9), CFG, replace(state()))
     assert d.rule is LlmRule.SQUEEZE
+
+
+def test_busy_grow_waits_when_the_grant_allows_only_a_small_gain():
+    grant = CFG.base_bytes + (70 + 2) * BLOCK  # 64 -> 70 blocks: under the 50% a drain is worth
+    d, _ = decide_llm(load(waiting=5, running=8, grant_bytes=grant), CFG, state(kv_blocks=64))
+    assert d.rule is not LlmRule.BUSY_GROW and d.kv_blocks == 64
+
+
+def test_seqs_grow_by_half_a_long_queue_at_most_doubling():
+    s = state(max_num_seqs=8, kv_blocks=256)
+    d, _ = decide_llm(load(waiting=30, running=8), CFG, s)
+    assert d.rule is LlmRule.SEQS_GROW and d.max_num_seqs == 12  # 8 + min(30, 8) // 2
