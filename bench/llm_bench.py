@@ -71,8 +71,9 @@ def load_rows(path: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return np.concatenate([[gaps.mean()], gaps]), np.asarray(ctx)[order], np.asarray(gen)[order]
 
 
-def scale_lengths(ctx: np.ndarray, gen: np.ndarray, max_model_len: int = MAX_MODEL_LEN,
-                  gen_max: int = GEN_MAX) -> tuple[np.ndarray, np.ndarray]:
+def scale_lengths(
+    ctx: np.ndarray, gen: np.ndarray, max_model_len: int = MAX_MODEL_LEN, gen_max: int = GEN_MAX
+) -> tuple[np.ndarray, np.ndarray]:
     """Trace lengths in the tiny model's context: prompts scaled so their median is an eighth of
     the context (and at most what leaves room for the output), outputs capped at ``gen_max``."""
     g = np.clip(gen, 1, gen_max)
@@ -98,10 +99,17 @@ def engine_options(kv_blocks: int, seqs: int, hidden: int = 64, kv_heads: int = 
     from deployments.llm.cpu_engine import CpuEngineOptions
     from deployments.llm.tiny_model import TinyLlamaSpec
 
-    spec = TinyLlamaSpec(hidden_size=hidden, intermediate_size=2 * hidden, num_kv_heads=kv_heads,
-                         max_model_len=MAX_MODEL_LEN)
-    return CpuEngineOptions(model=spec, kv_cache_blocks=kv_blocks, kv_cache_blocks_max=max(kv_blocks, 512),
-                            max_num_seqs=seqs, max_num_seqs_max=64, max_batched_tokens=512)
+    spec = TinyLlamaSpec(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_kv_heads=kv_heads, max_model_len=MAX_MODEL_LEN
+    )
+    return CpuEngineOptions(
+        model=spec,
+        kv_cache_blocks=kv_blocks,
+        kv_cache_blocks_max=max(kv_blocks, 512),
+        max_num_seqs=seqs,
+        max_num_seqs_max=64,
+        max_batched_tokens=512,
+    )
 
 
 async def _one(engine: Any, model: str, rid: str, req: Req, t0: float, out: list[Rec]) -> None:
@@ -125,24 +133,38 @@ async def _one(engine: Any, model: str, rid: str, req: Req, t0: float, out: list
 
 async def replay(engines: dict[str, Any], loads: dict[str, list[Req]], t0: float) -> list[Rec]:
     recs: list[Rec] = []
-    await asyncio.gather(*(_one(engines[m], m, f"{m}-{i}", r, t0, recs) for m, reqs in loads.items()
-                           for i, r in enumerate(reqs)))
+    await asyncio.gather(
+        *(_one(engines[m], m, f"{m}-{i}", r, t0, recs) for m, reqs in loads.items() for i, r in enumerate(reqs))
+    )
     return recs
 
 
 def summary(recs: list[Rec], duration_s: float, model: str | None = None) -> dict[str, Any]:
     rs = [r for r in recs if model is None or r.model == model]
-    good = [r for r in rs if r.ok and r.ttft_ms is not None and r.ttft_ms <= TTFT_SLO_MS
-            and (r.tpot_ms is None or r.tpot_ms <= TPOT_SLO_MS)]
+    good = [
+        r
+        for r in rs
+        if r.ok
+        and r.ttft_ms is not None
+        and r.ttft_ms <= TTFT_SLO_MS
+        and (r.tpot_ms is None or r.tpot_ms <= TPOT_SLO_MS)
+    ]
 
     def pct(key: str, q: float) -> float | None:
         xs = [getattr(r, key) for r in rs if getattr(r, key) is not None]
         return round(float(np.percentile(xs, q)), 1) if xs else None
 
-    return {"requests": len(rs), "completed": sum(r.ok for r in rs), "within_slo": len(good),
-            "goodput_rps": round(len(good) / duration_s, 3), "attainment": round(len(good) / max(1, len(rs)), 3),
-            "ttft_p50_ms": pct("ttft_ms", 50), "ttft_p95_ms": pct("ttft_ms", 95), "tpot_p95_ms": pct("tpot_ms", 95),
-            "tokens_out_per_s": round(sum(r.tokens for r in rs) / duration_s, 1)}
+    return {
+        "requests": len(rs),
+        "completed": sum(r.ok for r in rs),
+        "within_slo": len(good),
+        "goodput_rps": round(len(good) / duration_s, 3),
+        "attainment": round(len(good) / max(1, len(rs)), 3),
+        "ttft_p50_ms": pct("ttft_ms", 50),
+        "ttft_p95_ms": pct("ttft_ms", 95),
+        "tpot_p95_ms": pct("tpot_ms", 95),
+        "tokens_out_per_s": round(sum(r.tokens for r in rs) / duration_s, 1),
+    }
 
 
 # ------------------------------------------------------------------ the broker in process
@@ -166,9 +188,11 @@ def broker_config(models: dict[str, dict[str, Any]], capacity: str, reserve_frac
     """A fleet YAML of ``kind: llm`` models (name -> {options, llm, quota, control})."""
     import yaml
 
-    doc = {"broker": {"control_interval_s": 1.0, "report_interval_s": 0.5},
-           "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": reserve_frac, "emergency_free_frac": 0.05},
-           "models": {n: {"kind": "llm", "model": "tiny-llama", **m} for n, m in models.items()}}
+    doc = {
+        "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5},
+        "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": reserve_frac, "emergency_free_frac": 0.05},
+        "models": {n: {"kind": "llm", "model": "tiny-llama", **m} for n, m in models.items()},
+    }
     return yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -178,8 +202,14 @@ def _options_dict(o: Any) -> dict[str, Any]:
     return d
 
 
-async def run_arm(arm: str, opts: dict[str, Any], loads: dict[str, list[Req]], duration_s: float,
-                  config_text: str | None = None, log=print) -> dict[str, Any]:
+async def run_arm(
+    arm: str,
+    opts: dict[str, Any],
+    loads: dict[str, list[Req]],
+    duration_s: float,
+    config_text: str | None = None,
+    log=print,
+) -> dict[str, Any]:
     """One arm: fresh engines (``opts``: model -> CpuEngineOptions), the broker when ``config_text``."""
     from broker.core import BrokerCore
     from deployments.llm.cpu_engine import CpuEngine
@@ -214,8 +244,13 @@ async def run_arm(arm: str, opts: dict[str, Any], loads: dict[str, list[Req]], d
                 await asyncio.sleep(1.0)
                 core.tick()
                 st = core.status()["models"]
-                trace_bounds.append({m: {k: st[m]["engine"].get(k) for k in ("max_num_seqs", "kv_blocks", "prefill_paused")}
-                                     | {"grant_bytes": st[m]["grant_bytes"]} for m in engines})
+                trace_bounds.append(
+                    {
+                        m: {k: st[m]["engine"].get(k) for k in ("max_num_seqs", "kv_blocks", "prefill_paused")}
+                        | {"grant_bytes": st[m]["grant_bytes"]}
+                        for m in engines
+                    }
+                )
 
         tasks = [asyncio.create_task(r.run()) for r in reps] + [asyncio.create_task(ticks())]
     t0 = time.perf_counter() + 0.5
@@ -231,11 +266,20 @@ async def run_arm(arm: str, opts: dict[str, Any], loads: dict[str, list[Req]], d
     if core is not None:
         entries = [e for e in core.decisions() if e["kind"] in ("engine", "move")]
         out["rules"] = sorted({str(e.get("rule") or e.get("move")) for e in entries})
-        out["moves"] = [{"move": str(e["move"]), "donor": e["donor"], "recipient": e["recipient"],
-                         "amount_bytes": e["amount_bytes"]} for e in entries if e["kind"] == "move"]
+        out["moves"] = [
+            {
+                "move": str(e["move"]),
+                "donor": e["donor"],
+                "recipient": e["recipient"],
+                "amount_bytes": e["amount_bytes"],
+            }
+            for e in entries
+            if e["kind"] == "move"
+        ]
         out["bounds_trace"] = trace_bounds
-        out["max_num_seqs_max_seen"] = {m: max((b[m]["max_num_seqs"] or 0) for b in trace_bounds) if trace_bounds else None
-                                        for m in engines}
+        out["max_num_seqs_max_seen"] = {
+            m: max((b[m]["max_num_seqs"] or 0) for b in trace_bounds) if trace_bounds else None for m in engines
+        }
     log(f"  {arm}: goodput {out['goodput_rps']}/s, attainment {out['attainment']}, TTFT P95 {out['ttft_p95_ms']} ms")
     return out
 
@@ -258,18 +302,30 @@ async def single(quick: bool, log=print) -> dict[str, Any]:
     arms = []
     for n in (8, *grid):
         arms.append(await run_arm(f"static-{n}", {"llm": engine_options(kv, n)}, loads, duration, log=log))
-    text = broker_config({"llm": {"options": _options_dict(engine_options(kv, 8)),
-                                  "llm": {"expected_peak_concurrency": 32, "ttft_slo_ms": TTFT_SLO_MS,
-                                          "tpot_slo_ms": TPOT_SLO_MS},
-                                  "quota": {"min": "64MiB", "base": "256MiB", "max": "256MiB"}}}, "1GiB")
+    text = broker_config(
+        {
+            "llm": {
+                "options": _options_dict(engine_options(kv, 8)),
+                "llm": {"expected_peak_concurrency": 32, "ttft_slo_ms": TTFT_SLO_MS, "tpot_slo_ms": TPOT_SLO_MS},
+                "quota": {"min": "64MiB", "base": "256MiB", "max": "256MiB"},
+            }
+        },
+        "1GiB",
+    )
     arms.append(await run_arm("broker", {"llm": engine_options(kv, 8)}, loads, duration, text, log=log))
     static = [a for a in arms if a["arm"].startswith("static-")]
     best = max(static, key=lambda a: a["goodput_rps"])
     s8 = next(a for a in static if a["arm"] == "static-8")
     broker = arms[-1]
-    return {"rate_rps": rate, "duration_s": duration, "requests": len(loads["llm"]), "arms": arms,
-            "best_static": best["arm"], "broker_over_static8": _ratio(broker, s8),
-            "broker_over_best_static": _ratio(broker, best)}
+    return {
+        "rate_rps": rate,
+        "duration_s": duration,
+        "requests": len(loads["llm"]),
+        "arms": arms,
+        "best_static": best["arm"],
+        "broker_over_static8": _ratio(broker, s8),
+        "broker_over_best_static": _ratio(broker, best),
+    }
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
@@ -280,7 +336,10 @@ async def two_llms(quick: bool, log=print) -> dict[str, Any]:
     """a busy, then idle while b bursts; memory-bound: the grant's KV cache limits max_num_seqs."""
     calm, burst = (8.0, 40.0) if quick else (20.0, 60.0)
     duration = calm + burst
-    loads = {"a": workload(2.0, calm, seed=1), "b": workload(0.3, calm, seed=2) + workload(4.0, burst, seed=3, start_s=calm)}
+    loads = {
+        "a": workload(2.0, calm, seed=1),
+        "b": workload(0.3, calm, seed=2) + workload(4.0, burst, seed=3, start_s=calm),
+    }
     o = engine_options(64, 4, hidden=128, kv_heads=4)  # 32 KiB blocks: 8 blocks (256 KiB) per worst-case sequence
     control = {"window_s": 6, "idle_hold_s": 3, "reclaim_hold_s": 2}
     llm = {"expected_peak_concurrency": 16, "ttft_slo_ms": TTFT_SLO_MS, "tpot_slo_ms": TPOT_SLO_MS}
@@ -288,14 +347,21 @@ async def two_llms(quick: bool, log=print) -> dict[str, Any]:
     for arm, b_max in (("lending-off", "4MiB"), ("lending-on", "12MiB")):
         a_quota = {"min": "2MiB", "base": "8MiB", "max": "8MiB"}
         b_quota = {"min": "2MiB", "base": "4MiB", "max": b_max}
-        text = broker_config({"a": {"options": _options_dict(o), "llm": llm, "quota": a_quota, "control": control},
-                              "b": {"options": _options_dict(o), "llm": llm, "quota": b_quota, "control": control}},
-                             "16MiB")
+        text = broker_config(
+            {
+                "a": {"options": _options_dict(o), "llm": llm, "quota": a_quota, "control": control},
+                "b": {"options": _options_dict(o), "llm": llm, "quota": b_quota, "control": control},
+            },
+            "16MiB",
+        )
         res["arms"].append(await run_arm(arm, {"a": o, "b": o}, loads, duration, text, log=log))
     off, on = res["arms"]
     res["lending_gain"] = _ratio(on, off)
-    res["b_gain"] = (round(on["models"]["b"]["goodput_rps"] / off["models"]["b"]["goodput_rps"], 3)
-                     if off["models"]["b"]["goodput_rps"] else None)
+    res["b_gain"] = (
+        round(on["models"]["b"]["goodput_rps"] / off["models"]["b"]["goodput_rps"], 3)
+        if off["models"]["b"]["goodput_rps"]
+        else None
+    )
     return res
 
 
@@ -314,13 +380,17 @@ def run(quick: bool = False, out: Path | None = None, log=print) -> dict[str, An
 
 
 def table(res: dict[str, Any]) -> str:
-    rows = ["| arm | requests | within SLO | goodput req/s | attainment | TTFT P50 ms | TTFT P95 ms | TPOT P95 ms | tok/s out |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| arm | requests | within SLO | goodput req/s | attainment | TTFT P50 ms | TTFT P95 ms | TPOT P95 ms | tok/s out |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def row(name: str, s: dict[str, Any]) -> str:
         f = lambda v: "-" if v is None else (f"{v:g}" if isinstance(v, (int, float)) and not math.isnan(v) else str(v))  # noqa: E731
-        return (f"| {name} | {s['requests']} | {s['within_slo']} | {f(s['goodput_rps'])} | {f(s['attainment'])} | "
-                f"{f(s['ttft_p50_ms'])} | {f(s['ttft_p95_ms'])} | {f(s['tpot_p95_ms'])} | {f(s['tokens_out_per_s'])} |")
+        return (
+            f"| {name} | {s['requests']} | {s['within_slo']} | {f(s['goodput_rps'])} | {f(s['attainment'])} | "
+            f"{f(s['ttft_p50_ms'])} | {f(s['ttft_p95_ms'])} | {f(s['tpot_p95_ms'])} | {f(s['tokens_out_per_s'])} |"
+        )
 
     single = res["single"]
     rows += [row(a["arm"], a) for a in single["arms"]]
@@ -328,11 +398,13 @@ def table(res: dict[str, Any]) -> str:
     for a in two["arms"]:
         rows.append(row(f"two LLMs, {a['arm']} (fleet)", a))
         rows += [row(f"&nbsp;&nbsp;{a['arm']}: {m}", s) for m, s in a["models"].items()]
-    notes = (f"\nOne engine at {single['rate_rps']} req/s for {single['duration_s']:.0f} s: broker / static-8 goodput "
-             f"{single['broker_over_static8']}, broker / best static ({single['best_static']}) "
-             f"{single['broker_over_best_static']}. Two LLMs: lending on / off fleet goodput {two['lending_gain']}, "
-             f"bursting model b {two['b_gain']}. SLOs: TTFT P95 {res['ttft_slo_ms']:g} ms, TPOT P95 "
-             f"{res['tpot_slo_ms']:g} ms per request. Runtime {res['runtime_s']:.0f} s.")
+    notes = (
+        f"\nOne engine at {single['rate_rps']} req/s for {single['duration_s']:.0f} s: broker / static-8 goodput "
+        f"{single['broker_over_static8']}, broker / best static ({single['best_static']}) "
+        f"{single['broker_over_best_static']}. Two LLMs: lending on / off fleet goodput {two['lending_gain']}, "
+        f"bursting model b {two['b_gain']}. SLOs: TTFT P95 {res['ttft_slo_ms']:g} ms, TPOT P95 "
+        f"{res['tpot_slo_ms']:g} ms per request. Runtime {res['runtime_s']:.0f} s."
+    )
     return "\n".join(rows) + "\n" + notes
 
 

@@ -138,7 +138,12 @@ class LlmDecision:
     reason: str  # names the trigger metric and its value, and what changed
 
     def bounds_changed(self, state: LlmState | None) -> bool:
-        return state is None or (self.max_num_seqs, self.max_batched_tokens, self.kv_blocks, self.prefill_paused) != _settings(state)
+        return state is None or (
+            self.max_num_seqs,
+            self.max_batched_tokens,
+            self.kv_blocks,
+            self.prefill_paused,
+        ) != _settings(state)
 
 
 @dataclass(frozen=True)
@@ -173,12 +178,20 @@ def _squeeze(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
     if f >= cfg.squeeze_free_frac:
         return None
     if s.prefill_paused and (_held(load, cfg, s) or s.max_num_seqs <= 1):
-        return _Want(s, LlmTrigger.FREE_MEM_FRAC, f,
-                     f"free_mem_frac {f:.3f} < {cfg.squeeze_free_frac}: prefills stay paused at max_num_seqs {s.max_num_seqs}")
+        return _Want(
+            s,
+            LlmTrigger.FREE_MEM_FRAC,
+            f,
+            f"free_mem_frac {f:.3f} < {cfg.squeeze_free_frac}: prefills stay paused at max_num_seqs {s.max_num_seqs}",
+        )
     new = max(1, s.max_num_seqs // 2)
     recover_to = max(s.recover_to, s.max_num_seqs)
-    return _Want(replace(s, max_num_seqs=new, prefill_paused=True, recover_to=recover_to), LlmTrigger.FREE_MEM_FRAC, f,
-                 f"free_mem_frac {f:.3f} < {cfg.squeeze_free_frac}: halve max_num_seqs {s.max_num_seqs}->{new}, pause new prefills")
+    return _Want(
+        replace(s, max_num_seqs=new, prefill_paused=True, recover_to=recover_to),
+        LlmTrigger.FREE_MEM_FRAC,
+        f,
+        f"free_mem_frac {f:.3f} < {cfg.squeeze_free_frac}: halve max_num_seqs {s.max_num_seqs}->{new}, pause new prefills",
+    )
 
 
 def _resume(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
@@ -186,10 +199,18 @@ def _resume(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
         return None
     f = load.free_mem_frac
     if f < cfg.resume_free_frac:
-        return _Want(s, LlmTrigger.FREE_MEM_FRAC, f,
-                     f"free_mem_frac {f:.3f} < resume {cfg.resume_free_frac}: keep prefills paused")
-    return _Want(replace(s, prefill_paused=False), LlmTrigger.FREE_MEM_FRAC, f,
-                 f"free_mem_frac {f:.3f} >= {cfg.resume_free_frac}: resume prefills at max_num_seqs {s.max_num_seqs}")
+        return _Want(
+            s,
+            LlmTrigger.FREE_MEM_FRAC,
+            f,
+            f"free_mem_frac {f:.3f} < resume {cfg.resume_free_frac}: keep prefills paused",
+        )
+    return _Want(
+        replace(s, prefill_paused=False),
+        LlmTrigger.FREE_MEM_FRAC,
+        f,
+        f"free_mem_frac {f:.3f} >= {cfg.resume_free_frac}: resume prefills at max_num_seqs {s.max_num_seqs}",
+    )
 
 
 def _prefill_bound(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
@@ -205,10 +226,14 @@ def _prefill_bound(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want |
     if (seqs, tokens) == (s.max_num_seqs, s.max_batched_tokens):
         return None
     tpot_txt = "n/a" if tpot is None else f"{tpot:.1f}"
-    return _Want(replace(s, max_num_seqs=seqs, max_batched_tokens=tokens, recover_to=0), LlmTrigger.TTFT_P95_MS, ttft,
-                 f"ttft_p95_ms {ttft:.1f} > SLO {cfg.ttft_slo_ms:g} with tpot_p95_ms {tpot_txt} <= {cfg.tpot_slo_ms:g} "
-                 f"and prefill {load.prefill_time_frac:.2f} of sequence time: max_num_seqs {s.max_num_seqs}->{seqs}, "
-                 f"max_batched_tokens {s.max_batched_tokens}->{tokens}")
+    return _Want(
+        replace(s, max_num_seqs=seqs, max_batched_tokens=tokens, recover_to=0),
+        LlmTrigger.TTFT_P95_MS,
+        ttft,
+        f"ttft_p95_ms {ttft:.1f} > SLO {cfg.ttft_slo_ms:g} with tpot_p95_ms {tpot_txt} <= {cfg.tpot_slo_ms:g} "
+        f"and prefill {load.prefill_time_frac:.2f} of sequence time: max_num_seqs {s.max_num_seqs}->{seqs}, "
+        f"max_batched_tokens {s.max_batched_tokens}->{tokens}",
+    )
 
 
 def _recover(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
@@ -216,22 +241,34 @@ def _recover(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
         return None
     f = load.free_mem_frac
     if f < cfg.resume_free_frac or _held(load, cfg, s):
-        return _Want(s, LlmTrigger.FREE_MEM_FRAC, f,
-                     f"free_mem_frac {f:.3f}: hold max_num_seqs {s.max_num_seqs} (recovering to {s.recover_to})")
+        return _Want(
+            s,
+            LlmTrigger.FREE_MEM_FRAC,
+            f,
+            f"free_mem_frac {f:.3f}: hold max_num_seqs {s.max_num_seqs} (recovering to {s.recover_to})",
+        )
     new = min(s.recover_to, s.max_num_seqs + cfg.seqs_step)
     left = 0 if new >= s.recover_to else s.recover_to
-    return _Want(replace(s, max_num_seqs=new, recover_to=left), LlmTrigger.FREE_MEM_FRAC, f,
-                 f"free_mem_frac {f:.3f} >= {cfg.resume_free_frac}: step max_num_seqs {s.max_num_seqs}->{new} "
-                 f"toward {s.recover_to}")
+    return _Want(
+        replace(s, max_num_seqs=new, recover_to=left),
+        LlmTrigger.FREE_MEM_FRAC,
+        f,
+        f"free_mem_frac {f:.3f} >= {cfg.resume_free_frac}: step max_num_seqs {s.max_num_seqs}->{new} "
+        f"toward {s.recover_to}",
+    )
 
 
 def _idle_shrink(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
     if load.running or load.waiting or load.idle_for_s < cfg.idle_hold_s or s.kv_blocks <= cfg.kv_blocks_min:
         return None
     lent = cache_bytes(cfg, s.kv_blocks) - cache_bytes(cfg, cfg.kv_blocks_min)
-    return _Want(replace(s, kv_blocks=cfg.kv_blocks_min), LlmTrigger.IDLE_FOR_S, load.idle_for_s,
-                 f"idle_for_s {load.idle_for_s:.1f} >= {cfg.idle_hold_s:g}: shrink KV cache {s.kv_blocks}->"
-                 f"{cfg.kv_blocks_min} blocks (frees {lent} bytes to lend)")
+    return _Want(
+        replace(s, kv_blocks=cfg.kv_blocks_min),
+        LlmTrigger.IDLE_FOR_S,
+        load.idle_for_s,
+        f"idle_for_s {load.idle_for_s:.1f} >= {cfg.idle_hold_s:g}: shrink KV cache {s.kv_blocks}->"
+        f"{cfg.kv_blocks_min} blocks (frees {lent} bytes to lend)",
+    )
 
 
 def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
@@ -242,9 +279,13 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     new = min(cap, max(2 * s.kv_blocks, s.max_num_seqs * cfg.blocks_per_seq))
     if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
         return None  # not worth a drain: wait for more grant
-    return _Want(replace(s, kv_blocks=new), LlmTrigger.WAITING, load.waiting,
-                 f"waiting {load.waiting} with {load.kv_blocks_reserved}/{load.kv_blocks_total} KV blocks reserved: "
-                 f"grow KV cache {s.kv_blocks}->{new} blocks (grant allows {cap})")
+    return _Want(
+        replace(s, kv_blocks=new),
+        LlmTrigger.WAITING,
+        load.waiting,
+        f"waiting {load.waiting} with {load.kv_blocks_reserved}/{load.kv_blocks_total} KV blocks reserved: "
+        f"grow KV cache {s.kv_blocks}->{new} blocks (grant allows {cap})",
+    )
 
 
 def _seqs_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
@@ -253,18 +294,27 @@ def _seqs_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     if s.max_num_seqs >= seqs_in_grant(cfg, load.grant_bytes):
         return None
     ttft, tpot = load.ttft_p95_ms, load.tpot_p95_ms
-    if load.samples >= cfg.min_samples and ((tpot is not None and tpot > cfg.tpot_slo_ms)
-                                            or (ttft is not None and ttft > cfg.ttft_slo_ms
-                                                and load.prefill_time_frac >= cfg.prefill_dominant_frac)):
+    if load.samples >= cfg.min_samples and (
+        (tpot is not None and tpot > cfg.tpot_slo_ms)
+        or (ttft is not None and ttft > cfg.ttft_slo_ms and load.prefill_time_frac >= cfg.prefill_dominant_frac)
+    ):
         return None
     new = s.max_num_seqs + max(cfg.seqs_step, min(load.waiting, s.max_num_seqs) // 2)
-    return _Want(replace(s, max_num_seqs=new), LlmTrigger.WAITING, load.waiting,
-                 f"waiting {load.waiting} behind max_num_seqs {s.max_num_seqs} with SLOs met: raise it to {new}")
+    return _Want(
+        replace(s, max_num_seqs=new),
+        LlmTrigger.WAITING,
+        load.waiting,
+        f"waiting {load.waiting} behind max_num_seqs {s.max_num_seqs} with SLOs met: raise it to {new}",
+    )
 
 
 def _hold(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
-    return _Want(s, LlmTrigger.HOLD, float(load.running),
-                 f"running {load.running}, waiting {load.waiting}: hold max_num_seqs {s.max_num_seqs}")
+    return _Want(
+        s,
+        LlmTrigger.HOLD,
+        float(load.running),
+        f"running {load.running}, waiting {load.waiting}: hold max_num_seqs {s.max_num_seqs}",
+    )
 
 
 RULES: tuple[tuple[LlmRule, Callable[[EngineLoad, LlmRuleConfig, LlmState], _Want | None]], ...] = (
@@ -285,9 +335,13 @@ def start_state(cfg: LlmRuleConfig, grant_bytes: int) -> _Want:
     seqs = min(half, fits)
     blocks = max(cfg.kv_blocks_min, cfg.expected_peak_concurrency * cfg.blocks_per_seq)
     state = LlmState(seqs, cfg.max_batched_tokens_max, blocks)
-    return _Want(state, LlmTrigger.EXPECTED_PEAK, float(cfg.expected_peak_concurrency),
-                 f"expected_peak_concurrency {cfg.expected_peak_concurrency}: max_num_seqs {seqs} "
-                 f"(half the peak is {half}, memory allows {fits})")
+    return _Want(
+        state,
+        LlmTrigger.EXPECTED_PEAK,
+        float(cfg.expected_peak_concurrency),
+        f"expected_peak_concurrency {cfg.expected_peak_concurrency}: max_num_seqs {seqs} "
+        f"(half the peak is {half}, memory allows {fits})",
+    )
 
 
 def _settings(s: LlmState) -> tuple[int, int, int, bool]:
@@ -309,7 +363,7 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
     if state is None:
         rule, want = LlmRule.START, start_state(cfg, load.grant_bytes)
     else:
-        for rule, fn in RULES:
+        for rule, fn in RULES:  # noqa: B007 - the matching rule is used after the loop
             want = fn(load, cfg, state)
             if want is not None:
                 break
@@ -319,28 +373,44 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
     busy_blocks = kv_blocks_in_grant(cfg, 1 << 62)  # the largest cache it may grow to
     want_blocks = new.kv_blocks if (load.running == 0 and load.waiting == 0) else busy_blocks
     decision = LlmDecision(
-        max_num_seqs=new.max_num_seqs, max_batched_tokens=new.max_batched_tokens, kv_blocks=new.kv_blocks,
-        prefill_paused=new.prefill_paused, kv_cache_bytes=cache_bytes(cfg, new.kv_blocks),
+        max_num_seqs=new.max_num_seqs,
+        max_batched_tokens=new.max_batched_tokens,
+        kv_blocks=new.kv_blocks,
+        prefill_paused=new.prefill_paused,
+        kv_cache_bytes=cache_bytes(cfg, new.kv_blocks),
         want_grant_bytes=cfg.base_bytes + cache_bytes(cfg, want_blocks),
-        rule=rule, trigger=want.trigger, value=float(want.value), reason=want.reason,
+        rule=rule,
+        trigger=want.trigger,
+        value=float(want.value),
+        reason=want.reason,
     )
     return decision, new
 
 
-def rule_config_for(expected_peak_concurrency: int, ttft_slo_ms: float, tpot_slo_ms: float,
-                    report: Mapping[str, Any], base_bytes: int = 0, seq_tokens: int | None = None,
-                    **overrides: Any) -> LlmRuleConfig:
+def rule_config_for(
+    expected_peak_concurrency: int,
+    ttft_slo_ms: float,
+    tpot_slo_ms: float,
+    report: Mapping[str, Any],
+    base_bytes: int = 0,
+    seq_tokens: int | None = None,
+    **overrides: Any,
+) -> LlmRuleConfig:
     """Rule parameters from a model's ``llm`` objectives (quotas.config.LlmSpec) and its
     engine's report (``deployments.llm.server.engine_report``: geometry and ceilings).
     ``seq_tokens`` defaults to the context length: the worst case the admission reserves."""
     return LlmRuleConfig(
-        expected_peak_concurrency=int(expected_peak_concurrency), ttft_slo_ms=float(ttft_slo_ms),
-        tpot_slo_ms=float(tpot_slo_ms), kv_block_bytes=int(report["kv_block_bytes"]),
+        expected_peak_concurrency=int(expected_peak_concurrency),
+        ttft_slo_ms=float(ttft_slo_ms),
+        tpot_slo_ms=float(tpot_slo_ms),
+        kv_block_bytes=int(report["kv_block_bytes"]),
         kv_block_tokens=int(report["kv_block_tokens"]),
         seq_tokens=int(seq_tokens if seq_tokens is not None else report["max_model_len"]),
-        base_bytes=int(base_bytes), max_num_seqs_max=int(report["max_num_seqs_max"]),
+        base_bytes=int(base_bytes),
+        max_num_seqs_max=int(report["max_num_seqs_max"]),
         max_batched_tokens_max=int(report["max_batched_tokens_max"]),
-        kv_blocks_min=int(report["kv_cache_blocks_min"]), kv_blocks_max=int(report["kv_cache_blocks_max"]),
+        kv_blocks_min=int(report["kv_cache_blocks_min"]),
+        kv_blocks_max=int(report["kv_cache_blocks_max"]),
         **overrides,
     )
 
@@ -348,10 +418,16 @@ def rule_config_for(expected_peak_concurrency: int, ttft_slo_ms: float, tpot_slo
 def load_from_report(report: Mapping[str, Any], now_s: float, free_mem_frac: float, grant_bytes: int) -> EngineLoad:
     """The rules' snapshot from an engine report plus what the broker knows (time, card, grant)."""
     return EngineLoad(
-        now_s=float(now_s), running=int(report["running"]), waiting=int(report["waiting"]),
-        ttft_p95_ms=report.get("ttft_p95_ms"), tpot_p95_ms=report.get("tpot_p95_ms"),
-        samples=int(report.get("samples", 0)), prefill_time_frac=float(report.get("prefill_time_frac", 0.0)),
-        kv_blocks_total=int(report["kv_blocks_total"]), kv_blocks_reserved=int(report["kv_blocks_reserved"]),
-        free_mem_frac=float(free_mem_frac), grant_bytes=int(grant_bytes),
+        now_s=float(now_s),
+        running=int(report["running"]),
+        waiting=int(report["waiting"]),
+        ttft_p95_ms=report.get("ttft_p95_ms"),
+        tpot_p95_ms=report.get("tpot_p95_ms"),
+        samples=int(report.get("samples", 0)),
+        prefill_time_frac=float(report.get("prefill_time_frac", 0.0)),
+        kv_blocks_total=int(report["kv_blocks_total"]),
+        kv_blocks_reserved=int(report["kv_blocks_reserved"]),
+        free_mem_frac=float(free_mem_frac),
+        grant_bytes=int(grant_bytes),
         idle_for_s=float(report.get("idle_for_s", 0.0)),
     )

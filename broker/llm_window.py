@@ -95,8 +95,13 @@ def _state_from_dict(d: Mapping[str, Any]) -> LlmState:
 
 def engine_settings(d: LlmDecision) -> dict[str, Any]:
     """The bounds a decision sets, as ``ModelSettings.engine`` carries them."""
-    return {"max_num_seqs": d.max_num_seqs, "max_batched_tokens": d.max_batched_tokens, "kv_blocks": d.kv_blocks,
-            "prefill_paused": d.prefill_paused, "kv_cache_bytes": d.kv_cache_bytes}
+    return {
+        "max_num_seqs": d.max_num_seqs,
+        "max_batched_tokens": d.max_batched_tokens,
+        "kv_blocks": d.kv_blocks,
+        "prefill_paused": d.prefill_paused,
+        "kv_cache_bytes": d.kv_cache_bytes,
+    }
 
 
 def _view(s: LlmState | None) -> dict[str, Any] | None:
@@ -141,7 +146,9 @@ class LlmControl:
         return {n: d.want_grant_bytes for n, d in self._decisions.items()}
 
     # ------------------------------------------------------------ one tick
-    def step(self, now_s: float, free_frac: float, grants: Mapping[str, int], dry_run: bool = False) -> list[tuple[dict[str, Any], str]]:
+    def step(
+        self, now_s: float, free_frac: float, grants: Mapping[str, int], dry_run: bool = False
+    ) -> list[tuple[dict[str, Any], str]]:
         """Run the rules for every engine with a fresh report; the decision-log entries of the changes."""
         out = []
         for name in self.models:
@@ -151,9 +158,14 @@ class LlmControl:
             spec = self._cfg.models[name]
             replicas = max(1, len(self.window.live(name, now_s)))
             report = seen.report
-            cfg = rule_config_for(spec.llm.expected_peak_concurrency, spec.llm.ttft_slo_ms, spec.llm.tpot_slo_ms,
-                                  report, base_bytes=int(report.get("weights_bytes", 0)),
-                                  idle_hold_s=spec.control.idle_hold_s)
+            cfg = rule_config_for(
+                spec.llm.expected_peak_concurrency,
+                spec.llm.ttft_slo_ms,
+                spec.llm.tpot_slo_ms,
+                report,
+                base_bytes=int(report.get("weights_bytes", 0)),
+                idle_hold_s=spec.control.idle_hold_s,
+            )
             grant = int(grants.get(name, spec.quota.base)) // replicas
             load = load_from_report(report, now_s, free_frac, grant)
             old = self._states.get(name)
@@ -164,18 +176,47 @@ class LlmControl:
             self._last_rule[name] = decision.rule
         return out
 
-    def _entry(self, now_s: float, name: str, old: LlmState | None, new: LlmState, d: LlmDecision, load: Any,
-               grant: int, dry: bool) -> tuple[dict[str, Any], str]:
-        inputs = {"running": load.running, "waiting": load.waiting, "ttft_p95_ms": load.ttft_p95_ms,
-                  "tpot_p95_ms": load.tpot_p95_ms, "free_mem_frac": round(load.free_mem_frac, 4),
-                  "kv_blocks_total": load.kv_blocks_total, "kv_blocks_reserved": load.kv_blocks_reserved,
-                  "idle_for_s": round(load.idle_for_s, 2), "grant_bytes": grant}
-        entry = {"kind": EntryKind.ENGINE, "time_s": now_s, "model": name, "trigger": str(d.trigger),
-                 "rule": str(d.rule), "trigger_value": d.value if math.isfinite(d.value) else None,
-                 "reason": d.reason, "inputs": inputs, "old": _view(old), "new": _view(new),
-                 "kv_cache_bytes": d.kv_cache_bytes, "want_grant_bytes": d.want_grant_bytes, "dry_run": dry}
-        line = (f"{name}: engine {d.rule} [{d.trigger}={d.value:.3g}] {d.reason}; KV cache "
-                f"{format_size(d.kv_cache_bytes)} in grant {format_size(grant)}" + (" (dry run)" if dry else ""))
+    def _entry(
+        self,
+        now_s: float,
+        name: str,
+        old: LlmState | None,
+        new: LlmState,
+        d: LlmDecision,
+        load: Any,
+        grant: int,
+        dry: bool,
+    ) -> tuple[dict[str, Any], str]:
+        inputs = {
+            "running": load.running,
+            "waiting": load.waiting,
+            "ttft_p95_ms": load.ttft_p95_ms,
+            "tpot_p95_ms": load.tpot_p95_ms,
+            "free_mem_frac": round(load.free_mem_frac, 4),
+            "kv_blocks_total": load.kv_blocks_total,
+            "kv_blocks_reserved": load.kv_blocks_reserved,
+            "idle_for_s": round(load.idle_for_s, 2),
+            "grant_bytes": grant,
+        }
+        entry = {
+            "kind": EntryKind.ENGINE,
+            "time_s": now_s,
+            "model": name,
+            "trigger": str(d.trigger),
+            "rule": str(d.rule),
+            "trigger_value": d.value if math.isfinite(d.value) else None,
+            "reason": d.reason,
+            "inputs": inputs,
+            "old": _view(old),
+            "new": _view(new),
+            "kv_cache_bytes": d.kv_cache_bytes,
+            "want_grant_bytes": d.want_grant_bytes,
+            "dry_run": dry,
+        }
+        line = (
+            f"{name}: engine {d.rule} [{d.trigger}={d.value:.3g}] {d.reason}; KV cache "
+            f"{format_size(d.kv_cache_bytes)} in grant {format_size(grant)}" + (" (dry run)" if dry else "")
+        )
         return entry, line
 
     # ------------------------------------------------------------ reply, status, checkpoint
@@ -191,23 +232,52 @@ class LlmControl:
         spec = self._cfg.models[name]
         seen, d = self.window.latest(name, now_s), self._decisions.get(name)
         rep = dict(seen.report) if seen else {}
-        out: dict[str, Any] = {k: rep.get(k) for k in (
-            "running", "waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_reserved",
-            "kv_cache_bytes", "preemptions", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "tpot_p50_ms",
-            "tpot_p95_ms", "tpot_p99_ms", "samples")}
+        out: dict[str, Any] = {
+            k: rep.get(k)
+            for k in (
+                "running",
+                "waiting",
+                "kv_blocks_total",
+                "kv_blocks_used",
+                "kv_blocks_free",
+                "kv_blocks_reserved",
+                "kv_cache_bytes",
+                "preemptions",
+                "ttft_p50_ms",
+                "ttft_p95_ms",
+                "ttft_p99_ms",
+                "tpot_p50_ms",
+                "tpot_p95_ms",
+                "tpot_p99_ms",
+                "samples",
+            )
+        }
         out.update(self.window.rates(name, now_s))
-        out.update(ttft_slo_ms=spec.llm.ttft_slo_ms, tpot_slo_ms=spec.llm.tpot_slo_ms, reporting=seen is not None,
-                   running_bounds={k: rep.get(k) for k in ("max_num_seqs", "max_batched_tokens", "prefill_paused")})
+        out.update(
+            ttft_slo_ms=spec.llm.ttft_slo_ms,
+            tpot_slo_ms=spec.llm.tpot_slo_ms,
+            reporting=seen is not None,
+            running_bounds={k: rep.get(k) for k in ("max_num_seqs", "max_batched_tokens", "prefill_paused")},
+        )
         if d is not None:
-            out.update({k: getattr(d, k) for k in ENGINE_KEYS}, rule=str(d.rule), reason=d.reason,
-                       want_grant_bytes=d.want_grant_bytes, kv_cache_target_bytes=d.kv_cache_bytes)
+            out.update(
+                {k: getattr(d, k) for k in ENGINE_KEYS},
+                rule=str(d.rule),
+                reason=d.reason,
+                want_grant_bytes=d.want_grant_bytes,
+                kv_cache_target_bytes=d.kv_cache_bytes,
+            )
         return {"kind": "llm", "engine": out}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"states": {n: _state_to_dict(s) for n, s in self._states.items()},
-                "decisions": {n: {**asdict(d), "value": d.value if math.isfinite(d.value) else None}
-                              for n, d in self._decisions.items()},
-                "last_rule": dict(self._last_rule)}
+        return {
+            "states": {n: _state_to_dict(s) for n, s in self._states.items()},
+            "decisions": {
+                n: {**asdict(d), "value": d.value if math.isfinite(d.value) else None}
+                for n, d in self._decisions.items()
+            },
+            "last_rule": dict(self._last_rule),
+        }
 
     def load(self, data: Mapping[str, Any] | None) -> None:
         """Resume from ``to_dict`` (a checkpoint); models no longer LLMs are dropped."""
@@ -216,7 +286,11 @@ class LlmControl:
         self._decisions = {}
         for n, raw in data.get("decisions", {}).items():
             if n in self.models:
-                raw = dict(raw, rule=LlmRule(raw["rule"]), trigger=LlmTrigger(raw["trigger"]),
-                           value=float(raw.get("value") or 0.0))
+                raw = dict(
+                    raw,
+                    rule=LlmRule(raw["rule"]),
+                    trigger=LlmTrigger(raw["trigger"]),
+                    value=float(raw.get("value") or 0.0),
+                )
                 self._decisions[n] = LlmDecision(**raw)
         self._last_rule = {n: r for n, r in data.get("last_rule", {}).items() if n in self.models}

@@ -82,14 +82,26 @@ class CpuEngineOptions:
     def __post_init__(self):
         checks = (
             ("page_tokens", self.page_tokens >= 4, "must be at least 4"),
-            ("kv_cache_blocks_min", 1 <= self.kv_cache_blocks_min <= self.kv_cache_blocks_max,
-             f"must be in [1, kv_cache_blocks_max={self.kv_cache_blocks_max}]"),
-            ("kv_cache_blocks", self.kv_cache_blocks_min <= self.kv_cache_blocks <= self.kv_cache_blocks_max,
-             f"must be in [kv_cache_blocks_min={self.kv_cache_blocks_min}, kv_cache_blocks_max={self.kv_cache_blocks_max}]"),
-            ("max_num_seqs", 1 <= self.max_num_seqs <= self.max_num_seqs_max,
-             f"must be in [1, max_num_seqs_max={self.max_num_seqs_max}]"),
-            ("max_batched_tokens", 1 <= self.max_batched_tokens <= self.max_batched_tokens_max,
-             f"must be in [1, max_batched_tokens_max={self.max_batched_tokens_max}]"),
+            (
+                "kv_cache_blocks_min",
+                1 <= self.kv_cache_blocks_min <= self.kv_cache_blocks_max,
+                f"must be in [1, kv_cache_blocks_max={self.kv_cache_blocks_max}]",
+            ),
+            (
+                "kv_cache_blocks",
+                self.kv_cache_blocks_min <= self.kv_cache_blocks <= self.kv_cache_blocks_max,
+                f"must be in [kv_cache_blocks_min={self.kv_cache_blocks_min}, kv_cache_blocks_max={self.kv_cache_blocks_max}]",
+            ),
+            (
+                "max_num_seqs",
+                1 <= self.max_num_seqs <= self.max_num_seqs_max,
+                f"must be in [1, max_num_seqs_max={self.max_num_seqs_max}]",
+            ),
+            (
+                "max_batched_tokens",
+                1 <= self.max_batched_tokens <= self.max_batched_tokens_max,
+                f"must be in [1, max_batched_tokens_max={self.max_batched_tokens_max}]",
+            ),
             ("sample_window", self.sample_window >= 1, "must be at least 1"),
         )
         for name, ok, why in checks:
@@ -176,14 +188,22 @@ class CpuEngine:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         o = self.options
-        gen = GenerationConfig(do_sample=o.do_sample, max_new_tokens=o.model.max_model_len,
-                               eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        gen = GenerationConfig(
+            do_sample=o.do_sample, max_new_tokens=o.model.max_model_len, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+        )
         if o.do_sample:
             gen.temperature, gen.top_p = 0.999, 0.999  # makes transformers build the per-request warpers
         cb = ContinuousBatchingConfig(
-            page_size=o.page_tokens, num_blocks=num_blocks, max_batch_tokens=o.max_batched_tokens_max,
-            max_requests_per_batch=o.max_num_seqs_max, allow_block_sharing=False, use_cuda_graph=False,
-            use_async_batching=False, safety_margin=0.0, scheduler_type="fifo", per_request_processors=o.do_sample,
+            page_size=o.page_tokens,
+            num_blocks=num_blocks,
+            max_batch_tokens=o.max_batched_tokens_max,
+            max_requests_per_batch=o.max_num_seqs_max,
+            allow_block_sharing=False,
+            use_cuda_graph=False,
+            use_async_batching=False,
+            safety_margin=0.0,
+            scheduler_type="fifo",
+            per_request_processors=o.do_sample,
         )
         manager = self._model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
@@ -200,18 +220,28 @@ class CpuEngine:
     def blocks_for(self, prompt_len: int, max_tokens: int) -> int:
         return math.ceil((prompt_len + max_tokens) / self.options.page_tokens)
 
-    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-               sampling: Sampling = GREEDY) -> TokenStream:
+    def submit(
+        self, request_id: str, prompt_ids: list[int], max_tokens: int, sampling: Sampling = GREEDY
+    ) -> TokenStream:
         self._validate(request_id, prompt_ids, max_tokens, sampling)
         stream = TokenStream(request_id, self.cancel)
-        seq = _Seq(request_id, list(prompt_ids), int(max_tokens), sampling, stream,
-                   self.blocks_for(len(prompt_ids), max_tokens), self._clock())
+        seq = _Seq(
+            request_id,
+            list(prompt_ids),
+            int(max_tokens),
+            sampling,
+            stream,
+            self.blocks_for(len(prompt_ids), max_tokens),
+            self._clock(),
+        )
         self._waiting.append(seq)
         self._admit()
         return stream
 
     def _validate(self, request_id: str, prompt_ids: list[int], max_tokens: int, sampling: Sampling) -> None:
-        if self._stopped or (self._manager is None and self._rebuild_task is None):  # a rebuild: it waits, admitted after
+        if self._stopped or (
+            self._manager is None and self._rebuild_task is None
+        ):  # a rebuild: it waits, admitted after
             raise EngineRequestError("request_id", request_id, "the engine is not running: start() it first")
         if request_id in self._running or any(s.request_id == request_id for s in self._waiting):
             raise EngineRequestError("request_id", request_id, "already in flight: use a fresh id per request")
@@ -224,21 +254,28 @@ class CpuEngine:
             raise EngineRequestError("max_tokens", max_tokens, "must be an integer >= 1")
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise EngineRequestError(
-                "max_tokens", max_tokens,
+                "max_tokens",
+                max_tokens,
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {len(prompt_ids) + max_tokens} "
                 f"is over the context length {self.max_model_len}: lower max_tokens to at most "
-                f"{max(0, self.max_model_len - len(prompt_ids))} or shorten the prompt")
+                f"{max(0, self.max_model_len - len(prompt_ids))} or shorten the prompt",
+            )
         need = self.blocks_for(len(prompt_ids), max_tokens)
         if need > self.options.kv_cache_blocks_max:
             raise EngineRequestError(
-                "max_tokens", max_tokens,
+                "max_tokens",
+                max_tokens,
                 f"needs {need} KV blocks, more than the engine's largest cache ({self.options.kv_cache_blocks_max}): "
-                "lower max_tokens or raise kv_cache_blocks_max")
+                "lower max_tokens or raise kv_cache_blocks_max",
+            )
         if sampling.temperature < 0:
             raise EngineRequestError("temperature", sampling.temperature, "must be >= 0 (0 is greedy)")
         if sampling.temperature > 0 and not self.options.do_sample:
-            raise EngineRequestError("temperature", sampling.temperature,
-                                     "this engine decodes greedily (do_sample: false): send temperature 0")
+            raise EngineRequestError(
+                "temperature",
+                sampling.temperature,
+                "this engine decodes greedily (do_sample: false): send temperature 0",
+            )
         if not 0 < sampling.top_p <= 1:
             raise EngineRequestError("top_p", sampling.top_p, "must be in (0, 1]")
 
@@ -287,8 +324,14 @@ class CpuEngine:
             kwargs = {}
             if self.options.do_sample:
                 kwargs = {"temperature": float(max(seq.sampling.temperature, 1e-5)), "top_p": float(seq.sampling.top_p)}
-            rid = self._manager.add_request(seq.prompt_ids, request_id=seq.request_id, max_new_tokens=seq.max_tokens,
-                                            streaming=True, eos_token_id=EOS_ID, **kwargs)
+            rid = self._manager.add_request(
+                seq.prompt_ids,
+                request_id=seq.request_id,
+                max_new_tokens=seq.max_tokens,
+                streaming=True,
+                eos_token_id=EOS_ID,
+                **kwargs,
+            )
             if rid is None:
                 self._end(seq, FinishReason.ERROR, "the continuous batching manager refused the request (stopped)")
 
@@ -299,7 +342,7 @@ class CpuEngine:
             return  # cancelled meanwhile
         now = self._clock()
         tokens = list(output.generated_tokens)
-        new = tokens[seq.sent:]
+        new = tokens[seq.sent :]
         seq.sent = len(tokens)
         if new:
             if seq.first_s is None:
@@ -409,11 +452,26 @@ class CpuEngine:
             used = self._blocks_total - round(bp.cache.compute_free_capacity() * self._blocks_total)
         c, b = self._c, self._bounds
         return EngineStats(
-            running=len(self._running), waiting=len(self._waiting), max_num_seqs=b.max_num_seqs,
-            max_batched_tokens=b.max_batched_tokens, prefill_paused=b.prefill_paused,
-            kv_blocks_total=self._blocks_total, kv_blocks_used=max(0, used), kv_blocks_reserved=self._reserved(),
-            kv_blocks_target=self._blocks_target, kv_block_tokens=self.options.page_tokens,
-            kv_block_bytes=self.options.block_bytes, preemptions=0, tokens_in=c.tokens_in, tokens_out=c.tokens_out,
-            finished=c.finished, cancelled=c.cancelled, failed=c.failed, rebuilds=c.rebuilds,
-            prefill_s=c.prefill_s, decode_s=c.decode_s, ttft_ms=tuple(c.ttft_ms), tpot_ms=tuple(c.tpot_ms),
+            running=len(self._running),
+            waiting=len(self._waiting),
+            max_num_seqs=b.max_num_seqs,
+            max_batched_tokens=b.max_batched_tokens,
+            prefill_paused=b.prefill_paused,
+            kv_blocks_total=self._blocks_total,
+            kv_blocks_used=max(0, used),
+            kv_blocks_reserved=self._reserved(),
+            kv_blocks_target=self._blocks_target,
+            kv_block_tokens=self.options.page_tokens,
+            kv_block_bytes=self.options.block_bytes,
+            preemptions=0,
+            tokens_in=c.tokens_in,
+            tokens_out=c.tokens_out,
+            finished=c.finished,
+            cancelled=c.cancelled,
+            failed=c.failed,
+            rebuilds=c.rebuilds,
+            prefill_s=c.prefill_s,
+            decode_s=c.decode_s,
+            ttft_ms=tuple(c.ttft_ms),
+            tpot_ms=tuple(c.tpot_ms),
         )

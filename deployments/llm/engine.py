@@ -144,8 +144,9 @@ class LlmEngine(Protocol):
     async def stop(self) -> None:
         """Fail what is left and stop stepping."""
 
-    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int,
-               sampling: Sampling = GREEDY) -> AsyncIterator[TokenDelta]:
+    def submit(
+        self, request_id: str, prompt_ids: list[int], max_tokens: int, sampling: Sampling = GREEDY
+    ) -> AsyncIterator[TokenDelta]:
         """Accept a request and return its token stream. Refuses a bad request at once with
         ``EngineRequestError`` (before any token); closing the stream early cancels it."""
 

@@ -102,7 +102,10 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "gpubroker"} for n in sorted(self.handles)]}
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "owned_by": "gpubroker"} for n in sorted(self.handles)],
+        }
 
     @api.get("/v1/llm/{name}/stats")
     async def stats(self, name: str) -> JSONResponse:
@@ -151,19 +154,27 @@ class OpenAIIngress:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def build_llm_fleet(llms: dict[str, dict[str, Any]], llm_num_cpus: float = LLM_NUM_CPUS,
-                    config_text: str | None = None) -> Application:
+def build_llm_fleet(
+    llms: dict[str, dict[str, Any]], llm_num_cpus: float = LLM_NUM_CPUS, config_text: str | None = None
+) -> Application:
     """The ingress and one ``LlmServer`` deployment per LLM (name -> engine options). With the
     fleet's ``config_text`` each server reports to the broker and runs the bounds it sets."""
     handles = {
-        name: serve.deployment(LlmServer).options(
-            name=f"llm-{name}", num_replicas=1, max_ongoing_requests=1024,
-            ray_actor_options={"num_cpus": llm_num_cpus}, health_check_period_s=5, graceful_shutdown_timeout_s=5,
-        ).bind(name, options, config_text)
+        name: serve.deployment(LlmServer)
+        .options(
+            name=f"llm-{name}",
+            num_replicas=1,
+            max_ongoing_requests=1024,
+            ray_actor_options={"num_cpus": llm_num_cpus},
+            health_check_period_s=5,
+            graceful_shutdown_timeout_s=5,
+        )
+        .bind(name, options, config_text)
         for name, options in llms.items()
     }
-    return OpenAIIngress.options(name="llm-ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
-                                 max_ongoing_requests=4096).bind(handles)
+    return OpenAIIngress.options(
+        name="llm-ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096
+    ).bind(handles)
 
 
 def build_llm_app(args: dict[str, Any]) -> Application:

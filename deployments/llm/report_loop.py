@@ -38,13 +38,23 @@ def weights_bytes(engine: CpuEngine) -> int:
 class EngineReporter:
     """Counts one engine's requests into a ``BrokerLink`` delta; ``report_once`` sends it and applies the reply."""
 
-    def __init__(self, model: str, replica_id: str, engine: CpuEngine, get_handle: Callable[[], Any], *,
-                 report_interval_s: float, engine_report: Callable[[], dict[str, Any]],
-                 clock: Callable[[], float] = time.time, card_id: str = "") -> None:
+    def __init__(
+        self,
+        model: str,
+        replica_id: str,
+        engine: CpuEngine,
+        get_handle: Callable[[], Any],
+        *,
+        report_interval_s: float,
+        engine_report: Callable[[], dict[str, Any]],
+        clock: Callable[[], float] = time.time,
+        card_id: str = "",
+    ) -> None:
         self.engine = engine
         self.report_interval_s = float(report_interval_s)
-        self.link = BrokerLink(model, replica_id, get_handle, rpc_timeout_s=max(2.0, 4.0 * report_interval_s),
-                               clock=clock, card_id=card_id)
+        self.link = BrokerLink(
+            model, replica_id, get_handle, rpc_timeout_s=max(2.0, 4.0 * report_interval_s), clock=clock, card_id=card_id
+        )
         self._engine_report = engine_report
         self._clock = clock
         self.settings: ModelSettings | None = None  # the broker's last reply
@@ -82,8 +92,13 @@ class EngineReporter:
         used = self.mem_used_bytes()
         self.link.delta.mem_peak_bytes = max(self.link.delta.mem_peak_bytes, used)
         version = self.settings.version if self.settings is not None else 0
-        gauges = ReplicaGauges(queue_depth=int(report["running"]) + int(report["waiting"]), mem_used_bytes=used,
-                               device_free_frac=None, sm_util_frac=None, settings_version=version)
+        gauges = ReplicaGauges(
+            queue_depth=int(report["running"]) + int(report["waiting"]),
+            mem_used_bytes=used,
+            device_free_frac=None,
+            sm_util_frac=None,
+            settings_version=version,
+        )
         reply = await self.link.report(gauges, engine=report)
         if reply is None:
             return False
@@ -97,12 +112,17 @@ class EngineReporter:
         bounds = settings.engine
         if not bounds or bounds == self.applied:
             return None
-        applied = self.engine.set_bounds(int(bounds["max_num_seqs"]), int(bounds["max_batched_tokens"]),
-                                         bool(bounds["prefill_paused"]))
+        applied = self.engine.set_bounds(
+            int(bounds["max_num_seqs"]), int(bounds["max_batched_tokens"]), bool(bounds["prefill_paused"])
+        )
         target = self.engine.set_kv_cache_blocks(int(bounds["kv_blocks"]))
         self.applied = dict(bounds)
-        return {"max_num_seqs": applied.max_num_seqs, "max_batched_tokens": applied.max_batched_tokens,
-                "prefill_paused": applied.prefill_paused, "kv_blocks_target": target}
+        return {
+            "max_num_seqs": applied.max_num_seqs,
+            "max_batched_tokens": applied.max_batched_tokens,
+            "prefill_paused": applied.prefill_paused,
+            "kv_blocks_target": target,
+        }
 
     async def run(self) -> None:
         """Report every interval until cancelled; the loop survives anything else."""

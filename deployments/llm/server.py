@@ -42,14 +42,18 @@ def engine_options(options: dict[str, Any]) -> CpuEngineOptions:
     engine_keys = {f.name for f in fields(CpuEngineOptions)} - {"model"}
     unknown = sorted(set(options) - model_keys - engine_keys)
     if unknown:
-        raise ValueError(f"options {unknown} are not engine options; known: {', '.join(sorted(model_keys | engine_keys))}")
+        raise ValueError(
+            f"options {unknown} are not engine options; known: {', '.join(sorted(model_keys | engine_keys))}"
+        )
     spec = TinyLlamaSpec(**{k: v for k, v in options.items() if k in model_keys})
     return CpuEngineOptions(model=spec, **{k: v for k, v in options.items() if k in engine_keys})
 
 
 def openai_error(field: str, message: str, status: int = 400) -> dict[str, Any]:
-    return {"status": status, "body": {"error": {"message": message, "type": "invalid_request_error",
-                                                 "param": field, "code": None}}}
+    return {
+        "status": status,
+        "body": {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": None}},
+    }
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -70,19 +74,33 @@ def engine_report(engine: CpuEngine, idle_for_s: float, name: str = "") -> dict[
         for q in (50, 95, 99):
             out[f"{metric}_p{q}_ms"] = percentile(samples, q)
     o = engine.options
-    out.update(model=name, samples=len(s.ttft_ms), kv_blocks_free=s.kv_blocks_free,
-               prefill_time_frac=s.prefill_time_frac, kv_cache_bytes=engine.kv_cache_bytes(),
-               max_model_len=engine.max_model_len, max_num_seqs_max=o.max_num_seqs_max,
-               max_batched_tokens_max=o.max_batched_tokens_max, kv_cache_blocks_min=o.kv_cache_blocks_min,
-               kv_cache_blocks_max=o.kv_cache_blocks_max, idle_for_s=float(idle_for_s))
+    out.update(
+        model=name,
+        samples=len(s.ttft_ms),
+        kv_blocks_free=s.kv_blocks_free,
+        prefill_time_frac=s.prefill_time_frac,
+        kv_cache_bytes=engine.kv_cache_bytes(),
+        max_model_len=engine.max_model_len,
+        max_num_seqs_max=o.max_num_seqs_max,
+        max_batched_tokens_max=o.max_batched_tokens_max,
+        kv_cache_blocks_min=o.kv_cache_blocks_min,
+        kv_cache_blocks_max=o.kv_cache_blocks_max,
+        idle_for_s=float(idle_for_s),
+    )
     return out
 
 
 class LlmServer:
     """One engine behind Serve (wrap with ``serve.deployment``; see ``openai_api.build_llm_app``)."""
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None, config_text: str | None = None,
-                 card_id: str = "", get_broker: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        name: str,
+        options: dict[str, Any] | None = None,
+        config_text: str | None = None,
+        card_id: str = "",
+        get_broker: Callable[[], Any] | None = None,
+    ):
         """``config_text``: the fleet config; the engine options are the model's ``options`` and the
         server reports to the broker (``get_broker``, by default the broker actor the config names)."""
         self.name = name
@@ -93,8 +111,10 @@ class LlmServer:
 
             cfg = parse_config_text(config_text, "llm server config")
             if name not in cfg.models or cfg.models[name].kind != "llm":
-                raise ValueError(f"model '{name}' is not a kind: llm model of the config; LLMs: "
-                                 f"{', '.join(n for n, m in cfg.models.items() if m.kind == 'llm') or 'none'}")
+                raise ValueError(
+                    f"model '{name}' is not a kind: llm model of the config; LLMs: "
+                    f"{', '.join(n for n, m in cfg.models.items() if m.kind == 'llm') or 'none'}"
+                )
             options = dict(cfg.models[name].options)
         self.engine = CpuEngine(engine_options(dict(options or {})))
         self.tok = ByteTokenizer()
@@ -105,8 +125,14 @@ class LlmServer:
         if cfg is not None:
             broker = cfg.broker
             self.reporter = EngineReporter(
-                name, _replica_id(name), self.engine, get_broker or (lambda: _broker_actor(broker.name, broker.namespace)),
-                report_interval_s=broker.report_interval_s, engine_report=self._engine_report, card_id=card_id)
+                name,
+                _replica_id(name),
+                self.engine,
+                get_broker or (lambda: _broker_actor(broker.name, broker.namespace)),
+                report_interval_s=broker.report_interval_s,
+                engine_report=self._engine_report,
+                card_id=card_id,
+            )
 
     async def _ready(self) -> None:
         if not self._started:
@@ -141,8 +167,12 @@ class LlmServer:
             stream = self.engine.submit(rid, ids, int(body["max_tokens"]), sampling)
         except EngineRequestError as exc:
             field = "messages" if (exc.field == "prompt" and kind == CHAT) else exc.field
-            return openai_error(field, f"{field}: {exc.message} (got {exc.value!r})" if field != "max_tokens"
-                                else f"max_tokens: {exc.message}")
+            return openai_error(
+                field,
+                f"{field}: {exc.message} (got {exc.value!r})"
+                if field != "max_tokens"
+                else f"max_tokens: {exc.message}",
+            )
         self._last_active_s = time.monotonic()
         if self.reporter is not None:
             self.reporter.arrived()
@@ -153,8 +183,12 @@ class LlmServer:
             self.reporter.finished((time.monotonic() - started_s) * 1000.0, ok)
 
     def _envelope(self, kind: str, rid: str, created: int) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion" if kind == CHAT else "text_completion",
-                "created": created, "model": self.name}
+        return {
+            "id": rid,
+            "object": "chat.completion" if kind == CHAT else "text_completion",
+            "created": created,
+            "model": self.name,
+        }
 
     async def generate(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """A whole completion: ``{"status": 200, "body": <OpenAI response>}`` or an error dict."""
@@ -170,7 +204,10 @@ class LlmServer:
             await stream.aclose()  # a cancelled caller cancels the sequence
         self._finished(t0, last.finish_reason is not FinishReason.ERROR)
         if last.finish_reason is FinishReason.ERROR:
-            return {"status": 500, "body": {"error": {"message": last.error, "type": "server_error", "param": None, "code": None}}}
+            return {
+                "status": 500,
+                "body": {"error": {"message": last.error, "type": "server_error", "param": None, "code": None}},
+            }
         text = self.tok.decode(tokens)
         reason = "stop" if last.finish_reason is FinishReason.STOP else "length"
         out = self._envelope(kind, rid, int(time.time()))
@@ -178,7 +215,11 @@ class LlmServer:
             out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}]
         else:
             out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
-        out["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
+        out["usage"] = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(tokens),
+            "total_tokens": len(ids) + len(tokens),
+        }
         return {"status": 200, "body": out}
 
     async def generate_stream(self, kind: str, body: dict[str, Any]) -> AsyncIterator[Any]:
@@ -194,7 +235,9 @@ class LlmServer:
         yield {"status": 200}
         created = int(time.time())
         decoder = self.tok.stream_decoder()
-        env = dict(self._envelope(kind, rid, created), object="chat.completion.chunk" if kind == CHAT else "text_completion")
+        env = dict(
+            self._envelope(kind, rid, created), object="chat.completion.chunk" if kind == CHAT else "text_completion"
+        )
         try:
             if kind == CHAT:
                 yield _sse(dict(env, choices=[{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]))
@@ -202,7 +245,9 @@ class LlmServer:
                 text = decoder.feed(delta.token_ids, final=delta.finished)
                 reason = None
                 if delta.finished:
-                    reason = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(delta.finish_reason, "error")
+                    reason = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(
+                        delta.finish_reason, "error"
+                    )
                 if not text and reason is None:
                     continue
                 if kind == CHAT:
@@ -222,8 +267,9 @@ class LlmServer:
         st = self.engine.stats()
         if st.running or st.waiting:
             self._last_active_s = time.monotonic()
-        return engine_report(self.engine, 0.0 if (st.running or st.waiting) else time.monotonic() - self._last_active_s,
-                             self.name)
+        return engine_report(
+            self.engine, 0.0 if (st.running or st.waiting) else time.monotonic() - self._last_active_s, self.name
+        )
 
     async def report(self) -> dict[str, Any]:
         """``engine_report`` of this server's engine, with the bounds the broker set last (status pages)."""

@@ -47,7 +47,7 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 def sse_events(url: str, path: str, body: dict) -> list[str]:
     with httpx.stream("POST", url + path, json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        return [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
 
 
 def stats(url: str, model: str) -> dict:
@@ -118,8 +118,9 @@ def test_closing_a_stream_cancels_its_sequence_and_frees_its_blocks(url):
         assert got
     deadline = time.monotonic() + 60  # polling bound, not an assertion on speed
     s = stats(url, "chat")
-    while time.monotonic() < deadline and not (s["cancelled"] > before["cancelled"] and s["running"] == 0
-                                               and s["kv_blocks_used"] == 0):
+    while time.monotonic() < deadline and not (
+        s["cancelled"] > before["cancelled"] and s["running"] == 0 and s["kv_blocks_used"] == 0
+    ):
         time.sleep(0.2)
         s = stats(url, "chat")
     assert s["cancelled"] == before["cancelled"] + 1

@@ -74,17 +74,24 @@ def test_batch_model_and_llm_both_serve(fleet):
     url, _ = fleet
     r = httpx.post(f"{url}/v1/models/mlp/infer", json={"input": {"x": [0.1] * 64}}, timeout=60)
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{url}/openai/v1/completions", json={"model": "chat", "prompt": "hello", "max_tokens": 8}, timeout=120)
+    r = httpx.post(
+        f"{url}/openai/v1/completions", json={"model": "chat", "prompt": "hello", "max_tokens": 8}, timeout=120
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] >= 1
-    with httpx.stream("POST", f"{url}/openai/v1/chat/completions", timeout=120,
-                      json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                            "stream": True}) as s:
+    with httpx.stream(
+        "POST",
+        f"{url}/openai/v1/chat/completions",
+        timeout=120,
+        json={"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True},
+    ) as s:
         assert s.status_code == 200
-        events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in s.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[0])["object"] == "chat.completion.chunk"
-    r = httpx.post(f"{url}/openai/v1/completions", json={"model": "chat", "prompt": "x" * 120, "max_tokens": 8}, timeout=60)
+    r = httpx.post(
+        f"{url}/openai/v1/completions", json={"model": "chat", "prompt": "x" * 120, "max_tokens": 8}, timeout=60
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
@@ -96,15 +103,21 @@ def test_broker_sets_the_engines_bounds_through_the_reply(fleet):
         eng = st.get("engine") or {}
         stats = httpx.get(f"{url}/openai/v1/llm/chat/stats", timeout=60).json()
         bounds = stats.get("broker_bounds") or {}
-        return (eng.get("reporting") and eng.get("max_num_seqs") is not None
-                and bounds.get("max_num_seqs") == eng["max_num_seqs"] == stats["max_num_seqs"]) and (eng, stats)
+        return (
+            eng.get("reporting")
+            and eng.get("max_num_seqs") is not None
+            and bounds.get("max_num_seqs") == eng["max_num_seqs"] == stats["max_num_seqs"]
+        ) and (eng, stats)
 
-    eng, stats = wait_for(applied, timeout_s=120, interval_s=1.0, what="the broker's engine bounds on the running engine")
+    eng, stats = wait_for(
+        applied, timeout_s=120, interval_s=1.0, what="the broker's engine bounds on the running engine"
+    )
     # config start was max_num_seqs 2; the broker's start rule sets half the expected peak of 12
     assert eng["max_num_seqs"] == 6 == stats["max_num_seqs"]
     entries = ray_decisions(broker, "chat")
-    assert any(e["kind"] == "engine" and e["rule"] == "start" and e["trigger"] == "expected_peak_concurrency"
-               for e in entries)
+    assert any(
+        e["kind"] == "engine" and e["rule"] == "start" and e["trigger"] == "expected_peak_concurrency" for e in entries
+    )
     st = _status(broker)
     assert "engine" not in st["models"]["mlp"]  # the batch model stays a batch model
     assert st["models"]["chat"]["kind"] == "llm"

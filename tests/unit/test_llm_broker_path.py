@@ -48,8 +48,17 @@ class FakeBrokerHandle:
 
 
 def _other_replica(core: BrokerCore, seq: int, used_bytes: int) -> None:
-    core.report({"model": "code", "replica_id": "code-1", "seq": seq, "now_s": 0.0, "interval_s": 1.0,
-                 "mem_used_bytes": used_bytes, "mem_peak_bytes": used_bytes})
+    core.report(
+        {
+            "model": "code",
+            "replica_id": "code-1",
+            "seq": seq,
+            "now_s": 0.0,
+            "interval_s": 1.0,
+            "mem_used_bytes": used_bytes,
+            "mem_peak_bytes": used_bytes,
+        }
+    )
 
 
 def _engine_entries(core: BrokerCore, model: str) -> list[dict]:

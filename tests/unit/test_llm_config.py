@@ -8,8 +8,11 @@ from quotas.config import ConfigError, load_config, parse_config_text
 
 
 def fleet(model_lines: str) -> str:
-    return ("gpu: {device: cpu, capacity: 1GiB}\nmodels:\n  m:\n" + "".join(f"    {line}\n" for line in model_lines.split(";"))
-            + "    quota: {min: 64MiB, base: 128MiB, max: 256MiB}\n")
+    return (
+        "gpu: {device: cpu, capacity: 1GiB}\nmodels:\n  m:\n"
+        + "".join(f"    {line}\n" for line in model_lines.split(";"))
+        + "    quota: {min: 64MiB, base: 128MiB, max: 256MiB}\n"
+    )
 
 
 def test_llm_demo_config_parses_with_its_objectives():
@@ -19,10 +22,13 @@ def test_llm_demo_config_parses_with_its_objectives():
     assert (chat.llm.expected_peak_concurrency, chat.llm.ttft_slo_ms, chat.llm.tpot_slo_ms) == (16, 1500.0, 150.0)
 
 
-@pytest.mark.parametrize("lines, fragment", [
-    ("kind: llm;model: mlp", "with kind: llm write model: tiny-llama"),
-    ("model: tiny-llama", "add kind: llm"),
-])
+@pytest.mark.parametrize(
+    "lines, fragment",
+    [
+        ("kind: llm;model: mlp", "with kind: llm write model: tiny-llama"),
+        ("model: tiny-llama", "add kind: llm"),
+    ],
+)
 def test_kind_and_model_must_agree(lines, fragment):
     with pytest.raises(ConfigError) as err:
         parse_config_text(fleet(lines))
@@ -50,13 +56,16 @@ def test_openai_bodies_fill_defaults_and_name_the_bad_field():
 
     body, err = parse_body("completion", {"model": "m", "prompt": "hi"})
     assert err is None and body["max_tokens"] == 16 and body["stream"] is False
-    body, err = parse_body("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                    "max_completion_tokens": 5})
+    body, err = parse_body(
+        "chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5}
+    )
     assert err is None and body["max_tokens"] == 5
-    for raw, field in (({"model": "m", "prompt": "hi", "n": 2}, "n"),
-                       ({"model": "m", "prompt": "hi", "stop": ["\n"]}, "stop"),
-                       ({"model": "m"}, "prompt"),
-                       ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role")):
+    for raw, field in (
+        ({"model": "m", "prompt": "hi", "n": 2}, "n"),
+        ({"model": "m", "prompt": "hi", "stop": ["\n"]}, "stop"),
+        ({"model": "m"}, "prompt"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ):
         _, err = parse_body("chat" if "messages" in raw else "completion", raw)
         assert err is not None and err.status_code == 400
         import json

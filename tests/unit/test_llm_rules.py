@@ -20,22 +20,47 @@ from broker.llm_rules import (
 )
 
 BLOCK = 8192  # bytes per block
-CFG = LlmRuleConfig(expected_peak_concurrency=16, ttft_slo_ms=500.0, tpot_slo_ms=50.0, kv_block_bytes=BLOCK,
-                    kv_block_tokens=16, seq_tokens=64, base_bytes=1_000_000, kv_blocks_max=256)
+CFG = LlmRuleConfig(
+    expected_peak_concurrency=16,
+    ttft_slo_ms=500.0,
+    tpot_slo_ms=50.0,
+    kv_block_bytes=BLOCK,
+    kv_block_tokens=16,
+    seq_tokens=64,
+    base_bytes=1_000_000,
+    kv_blocks_max=256,
+)
 BIG_GRANT = CFG.base_bytes + (256 + 2) * BLOCK  # room for the largest cache
 
 
 def load(**over) -> EngineLoad:
-    base = {"now_s": 100.0, "running": 4, "waiting": 0, "ttft_p95_ms": 100.0, "tpot_p95_ms": 10.0, "samples": 50,
-            "prefill_time_frac": 0.2, "kv_blocks_total": 64, "kv_blocks_reserved": 16, "free_mem_frac": 0.5,
-            "grant_bytes": BIG_GRANT, "idle_for_s": 0.0}
+    base = {
+        "now_s": 100.0,
+        "running": 4,
+        "waiting": 0,
+        "ttft_p95_ms": 100.0,
+        "tpot_p95_ms": 10.0,
+        "samples": 50,
+        "prefill_time_frac": 0.2,
+        "kv_blocks_total": 64,
+        "kv_blocks_reserved": 16,
+        "free_mem_frac": 0.5,
+        "grant_bytes": BIG_GRANT,
+        "idle_for_s": 0.0,
+    }
     base.update(over)
     return EngineLoad(**base)
 
 
 def state(**over) -> LlmState:
-    base = {"max_num_seqs": 8, "max_batched_tokens": 256, "kv_blocks": 64, "prefill_paused": False,
-            "recover_to": 0, "last_change_s": 0.0}
+    base = {
+        "max_num_seqs": 8,
+        "max_batched_tokens": 256,
+        "kv_blocks": 64,
+        "prefill_paused": False,
+        "recover_to": 0,
+        "last_change_s": 0.0,
+    }
     base.update(over)
     return LlmState(**base)
 
@@ -139,8 +164,12 @@ def test_every_rule_in_the_table_has_a_test_here():
     import sys
 
     names = " ".join(n for n in dir(sys.modules[__name__]) if n.startswith("test_"))
-    short = {LlmRule.PREFILL_BOUND: "prefill_bound", LlmRule.IDLE_SHRINK: "idle", LlmRule.BUSY_GROW: "busy",
-             LlmRule.SEQS_GROW: "seqs_grow"}
+    short = {
+        LlmRule.PREFILL_BOUND: "prefill_bound",
+        LlmRule.IDLE_SHRINK: "idle",
+        LlmRule.BUSY_GROW: "busy",
+        LlmRule.SEQS_GROW: "seqs_grow",
+    }
     for rule, _ in RULES:
         assert short.get(rule, rule.value) in names, f"rule {rule} has no test"
 
