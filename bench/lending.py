@@ -62,7 +62,7 @@ def fleet(*, fixed: bool = False, formation: str = "lazy", strategy: str = "hybr
             "model": "profiled",
             "options": {"a_ms": 5, "c_ms": 1, "weights_bytes": 1 * GIB, "bytes_per_item": 512 * MIB},
             "quota": quota,
-            "batch": {"floor": 1, "ceiling": 32, "initial": STATIC_CAP},
+            "batch": {"floor": 2, "ceiling": 32, "initial": STATIC_CAP},
             "wait": {"min_ms": 0, "max_ms": 20},
             "slo_p95_ms": 100,
             "max_queued": 2000,
