@@ -25,7 +25,7 @@ def refuse(over: dict) -> list[str]:
 
 def test_demo_config_is_valid():
     cfg = load_config(ROOT / "configs" / "demo.yaml")
-    assert set(cfg.models) == {"minilm", "cnn", "mlp"}
+    assert set(cfg.models) == {"minilm", "cnn", "mlp", "prof"}
     assert cfg.broker.metrics_host == "127.0.0.1" and cfg.broker.http_host == "127.0.0.1"
     assert cfg.models["minilm"].batch.unit == "tokens"
     assert len(cfg.config_hash()) == 12
