@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from cli.live import follow_decisions, new_decisions, watch_status
-from cli.views import describe_decision, engine_table, err_console, print_config_error, status_table
+from cli.views import card_table, describe_decision, engine_table, err_console, print_config_error, status_table
 from deployments import fleet, fleet_client
 from deployments.fleet import FleetError, Note, UpEvent, UpStage
 from quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
@@ -157,6 +157,9 @@ def status(
     if as_json:
         print(json.dumps(st, indent=2))
         return
+    cards = card_table(st)
+    if cards is not None:
+        console.print(cards)
     console.print(status_table(st))
     engines = engine_table(st)
     if engines is not None:

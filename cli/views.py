@@ -100,6 +100,23 @@ def status_table(st: dict[str, Any]) -> Table:
     return table
 
 
+def card_table(st: dict[str, Any]) -> Table | None:
+    """The fleet by card (a many-card fleet; None for one card): each card's memory and its models."""
+    cards = st.get("cards") or []
+    if len(cards) < 2:
+        return None
+    table = Table(title=f"cards ({sum(1 for c in cards if c.get('live', True))} of {len(cards)} live)")
+    for col in ("card", "node", "device", "capacity", "usable", "granted", "used", "models: grant / used (replicas)"):
+        table.add_column(col, justify="left" if col in ("card", "node", "device") or col.startswith("models") else "right")
+    for c in cards:
+        models = "; ".join(f"{n} {format_size(m['grant_bytes'])} / {format_size(m['used_bytes'])} ({m['replicas']})"
+                           for n, m in c.get("models", {}).items()) or "-"
+        card = c["id"] if c.get("live", True) else f"[red]{c['id']} LOST[/]"
+        table.add_row(card, str(c.get("node", "")), str(c.get("device", "")), format_size(c["capacity_bytes"]),
+                      format_size(c["usable_bytes"]), format_size(c["granted_bytes"]), format_size(c["used_bytes"]), models)
+    return table
+
+
 def engine_table(st: dict[str, Any]) -> Table | None:
     """The LLM engines' bounds as the broker set them, and what their engines report (None: no LLMs)."""
     engines = {n: m["engine"] for n, m in st.get("models", {}).items() if m.get("engine") is not None}

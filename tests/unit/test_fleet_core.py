@@ -153,3 +153,18 @@ def test_apply_that_moves_replicas_to_other_cards_is_refused_and_changes_nothing
     ok = fb.apply(CONFIG.replace("slo_p95_ms: 1500", "slo_p95_ms: 1200"))
     assert ok["ok"], ok
     assert all(core.config.models["hot"].slo_p95_ms == 1200 for core in fb.cores.values())
+
+
+def test_status_table_groups_the_fleet_by_card():
+    from rich.console import Console
+
+    from cli.views import card_table
+
+    _, fb, _, _ = _fleet()
+    st = fb.status()
+    console = Console(width=200, record=True)
+    console.print(card_table(st))
+    text = console.export_text()
+    assert "a0" in text and "b0" in text and "hot 128.0MiB" in text
+    one = dict(st, cards=st["cards"][:1])
+    assert card_table(one) is None  # one card: the model table says it all
