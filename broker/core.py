@@ -37,6 +37,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry
 
 from broker import policy
+from broker.cost import cost_per_1k_requests
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.llm_window import LlmControl
@@ -83,6 +84,7 @@ class BrokerCore:
         card_id: str = "",
     ) -> None:
         self._clock = clock
+        self._started_s = clock()
         if isinstance(config, FleetConfig):
             cfg = config
             config_text = json.dumps(config.model_dump(mode="json"))
@@ -421,7 +423,6 @@ class BrokerCore:
                 tallies.popleft()
             completions = sum(t.completions for t in tallies)
             misses = sum(t.misses for t in tallies)
-            busy = sum(t.busy_s for t in tallies)
             seen = self._replicas.get(name, {})
             models[name] = {
                 "grant_bytes": s.grant_bytes,
@@ -443,7 +444,9 @@ class BrokerCore:
                 "settings_version": s.version,
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
                 "admit": s.admit,
-                "cost_per_1k_requests": (price * busy / 3600.0 / completions * 1000.0) if completions else None,
+                # the card-hours its grant holds (broker.cost), over the window it has been up for
+                "cost_per_1k_requests": cost_per_1k_requests(price, s.grant_bytes, self._usable,
+                                                             min(window_s, now - self._started_s), completions),
                 "cost_unit": self._cost_units.get(name, spec.batch.unit),
                 "calibrated": name in self._memory_models,
                 "emergency_shrinks": self._events[name]["emergency_shrinks"],

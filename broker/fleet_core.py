@@ -235,6 +235,7 @@ class FleetBroker:
                 "granted_bytes": st["granted_bytes"] if st else 0,
                 "used_bytes": st["used_bytes"] if st else 0,
                 "live": cid not in self.lost,
+                "price_per_gpu_hour": st["price_per_gpu_hour"] if st else None,  # the card's whole cost per hour
                 "models": {},
             }
             for name, m in (st["models"] if st else {}).items():
@@ -244,6 +245,8 @@ class FleetBroker:
                 models[name].setdefault("cards", []).append(cid)
             cards.append(entry)
         out["cards"] = cards
+        for m in models.values():
+            m.pop("_spent", None)
         if not self.single:
             live = [c for c in cards if c["live"]]
             out["models"] = models
@@ -263,8 +266,16 @@ _SUMMED = ("grant_bytes", "base_bytes", "used_bytes", "queue_depth", "arrival_ra
            "replicas", "completions", "misses", "emergency_shrinks", "oom_splits")
 
 
+def _spent(m: dict[str, Any]) -> float:
+    """What a model's requests on one card cost in all (cost per 1k x completions / 1000)."""
+    cost = m.get("cost_per_1k_requests")
+    return 0.0 if cost is None else cost * (m.get("completions") or 0) / 1000.0
+
+
 def _merge_start(m: dict[str, Any]) -> dict[str, Any]:
-    return dict(m)
+    out = dict(m)
+    out["_spent"] = _spent(m)
+    return out
 
 
 def _merge(acc: dict[str, Any], m: dict[str, Any]) -> None:
@@ -275,3 +286,6 @@ def _merge(acc: dict[str, Any], m: dict[str, Any]) -> None:
     for key in ("p50_ms", "p95_ms", "p99_ms"):
         if m.get(key) is not None and (acc.get(key) is None or m[key] > acc[key]):
             acc[key] = m[key]
+    acc["_spent"] = acc.get("_spent", 0.0) + _spent(m)  # card-hours on every card it holds, summed
+    done = acc.get("completions") or 0
+    acc["cost_per_1k_requests"] = acc["_spent"] / done * 1000.0 if done else None
