@@ -174,8 +174,9 @@ def test_deployment_plans_name_groups_and_share_each_card_resource():
 def test_one_card_fleet_keeps_todays_names_and_options():
     from deployments.placement_resources import deployment_plans
 
-    plans = deployment_plans(place_fleet(load_config("configs/demo.yaml")), model_num_cpus=0.1)
-    assert sorted(pl.name for pl in plans) == ["cnn", "minilm", "mlp"]
+    cfg = load_config("configs/demo.yaml")
+    plans = deployment_plans(place_fleet(cfg), model_num_cpus=0.1)
+    assert sorted(pl.name for pl in plans) == sorted(cfg.models)
     assert all(pl.ray_actor_options == {"num_cpus": 0.1} for pl in plans)
 
 
