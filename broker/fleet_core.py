@@ -157,7 +157,15 @@ class FleetBroker:
         return out
 
     def apply(self, config_text: str) -> dict[str, Any]:
-        """A new config for every card, or none: placement must stay as deployed."""
+        """A new config for every card, or none: placement must stay as deployed. Every outcome
+        shows in the reload metrics (the cores count their own; refusals here are counted here)."""
+        out = self._apply(config_text)
+        if not out.get("_counted"):
+            self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
+        out.pop("_counted", None)
+        return out
+
+    def _apply(self, config_text: str) -> dict[str, Any]:
         from quotas.config import ConfigError
 
         try:
@@ -174,15 +182,16 @@ class FleetBroker:
                                "so this needs `gpubroker down` then `gpubroker up NEW_CONFIG`"]}
         if self.single:
             out = next(iter(self.cores.values())).apply(config_text)
+            out["_counted"] = True
         else:
             old_cfg, old_text = self._cfg, self._text
             applied: list[str] = []
             out = {"ok": True, "issues": [], "notes": []}
             for cid, core in self.cores.items():
-                res = core.apply(card_config(cfg, placement, cid).model_dump_json())
+                res = core._apply(card_config(cfg, placement, cid).model_dump_json())  # noqa: SLF001 - counted once, below
                 if not res["ok"]:  # put back the cards already changed: all or nothing
                     for done in applied:
-                        self.cores[done].apply(card_config(old_cfg, self._placement, done).model_dump_json())
+                        self.cores[done]._apply(card_config(old_cfg, self._placement, done).model_dump_json())  # noqa: SLF001
                     self._cfg, self._text = old_cfg, old_text
                     return {"ok": False, "config_hash": self.config_hash,
                             "issues": [f"card {cid}: {i}" for i in res["issues"]]}
