@@ -168,6 +168,14 @@ class FleetBroker:
     def _apply(self, config_text: str) -> dict[str, Any]:
         from quotas.config import ConfigError
 
+        if self.single:  # one card: the core's own checks and messages (a model added, a field that needs up)
+            core = next(iter(self.cores.values()))
+            out = core.apply(config_text)
+            if out["ok"]:
+                self._cfg, self._text = core.config, config_text
+            out["_counted"] = True
+            return out
+
         try:
             cfg = parse_config_text(config_text, "apply")
         except ConfigError as exc:

@@ -142,7 +142,7 @@ def main() -> int:
     ap.add_argument("--burst-s", type=float, default=30.0)
     ap.add_argument("--cool-s", type=float, default=20.0)
     ap.add_argument("--base-rps", type=float, default=1.5, help="requests/s per model outside the burst (4 items each)")
-    ap.add_argument("--burst-rps", type=float, default=30.0, help="requests/s on the burst model (4 items each)")
+    ap.add_argument("--burst-rps", type=float, default=50.0, help="requests/s on the burst model (4 items each)")
     ap.add_argument("--no-compare", action="store_true", help="skip the fixed-split run of the same burst")
     args = ap.parse_args()
     started = time.time()
