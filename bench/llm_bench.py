@@ -38,6 +38,7 @@ from bench.arrivals import trace_path
 TTFT_SLO_MS, TPOT_SLO_MS = 4000.0, 1000.0  # generous: two shared CPU cores run every arm
 MAX_MODEL_LEN = 128
 GEN_MAX = 24
+GRACE_S = 10.0  # after the last arrival, requests still open this much later are cancelled (misses)
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,23 @@ def scale_lengths(
     return np.clip(p, 4, max_model_len - g - 1), g
 
 
-def workload(rate: float, duration_s: float, seed: int = 0, start_s: float = 0.0) -> list[Req]:
+def workload(
+    rate: float, duration_s: float, seed: int = 0, start_s: float = 0.0, poisson: bool = False, gen_max: int = GEN_MAX
+) -> list[Req]:
+    """The trace from a row chosen by ``seed``: its gaps scaled to ``rate`` (or Poisson arrivals at
+    ``rate``: the trace's clumps would end a burst early) and its scaled lengths."""
     gaps, ctx, gen = load_rows()
-    prompt, out = scale_lengths(ctx, gen)
+    prompt, out = scale_lengths(ctx, gen, gen_max=gen_max)
     i = int(np.random.default_rng(seed).integers(0, len(gaps)))
+    if poisson:
+        from bench.arrivals import poisson as poisson_times
+
+        times = poisson_times(rate, duration_s, seed=seed)
+        n = len(gaps)
+        return [
+            Req(round(start_s + float(t), 4), int(prompt[(i + k) % n]), int(out[(i + k) % n]))
+            for k, t in enumerate(times)
+        ]
     scale = 1.0 / (gaps.mean() * rate)
     t, reqs = start_s, []
     while True:
@@ -131,11 +145,21 @@ async def _one(engine: Any, model: str, rid: str, req: Req, t0: float, out: list
     out.append(Rec(model, req.t_s, ok, ttft, tpot, n))
 
 
-async def replay(engines: dict[str, Any], loads: dict[str, list[Req]], t0: float) -> list[Rec]:
+async def replay(engines: dict[str, Any], loads: dict[str, list[Req]], t0: float, until_s: float) -> list[Rec]:
+    """Every request at its time; at ``until_s`` after the start the ones still open are cancelled
+    (their streams closed, their sequences freed) and count as misses."""
     recs: list[Rec] = []
-    await asyncio.gather(
-        *(_one(engines[m], m, f"{m}-{i}", r, t0, recs) for m, reqs in loads.items() for i, r in enumerate(reqs))
-    )
+    tasks = [
+        asyncio.create_task(_one(engines[m], m, f"{m}-{i}", r, t0, recs))
+        for m, reqs in loads.items()
+        for i, r in enumerate(reqs)
+    ]
+    _, late = await asyncio.wait(tasks, timeout=max(0.0, t0 + until_s - time.perf_counter()))
+    for t in late:
+        t.cancel()
+    await asyncio.gather(*late, return_exceptions=True)
+    done = {(r.model, r.t_s) for r in recs}
+    recs += [Rec(m, r.t_s, False, None, None, 0) for m, reqs in loads.items() for r in reqs if (m, r.t_s) not in done]
     return recs
 
 
@@ -255,7 +279,7 @@ async def run_arm(
         tasks = [asyncio.create_task(r.run()) for r in reps] + [asyncio.create_task(ticks())]
     t0 = time.perf_counter() + 0.5
     try:
-        recs = await replay(engines, loads, t0)
+        recs = await replay(engines, loads, t0, duration_s + GRACE_S)
     finally:
         for t in tasks:
             t.cancel()
@@ -265,6 +289,16 @@ async def run_arm(
     out = {"arm": arm, **summary(recs, duration_s), "models": {m: summary(recs, duration_s, m) for m in engines}}
     if core is not None:
         entries = [e for e in core.decisions() if e["kind"] in ("engine", "move")]
+        t_wall = time.time() - (time.perf_counter() - t0)  # the run's start on the broker's clock
+        out["engine_log"] = [
+            {
+                "t_s": round(e["time_s"] - t_wall, 1),
+                "model": e["model"],
+                "rule": e.get("rule") or str(e.get("move")),
+                "reason": e["reason"],
+            }
+            for e in entries
+        ]
         out["rules"] = sorted({str(e.get("rule") or e.get("move")) for e in entries})
         out["moves"] = [
             {
@@ -294,10 +328,10 @@ async def warmup(log=print) -> None:
 
 async def single(quick: bool, log=print) -> dict[str, Any]:
     await warmup(log)
-    duration = 25.0 if quick else 60.0
+    duration = 20.0 if quick else 60.0
     rate = 3.0
     loads = {"llm": workload(rate, duration, seed=0)}
-    grid = (16, 32) if quick else (4, 16, 24, 32)
+    grid = (32,) if quick else (4, 16, 24, 32)
     kv = 384
     arms = []
     for n in (8, *grid):
@@ -333,20 +367,22 @@ def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
 
 
 async def two_llms(quick: bool, log=print) -> dict[str, Any]:
-    """a busy, then idle while b bursts; memory-bound: the grant's KV cache limits max_num_seqs."""
-    calm, burst = (8.0, 40.0) if quick else (20.0, 60.0)
+    """a busy, then idle while b bursts (Poisson arrivals, trace lengths); memory-bound: the KV
+    cache b's base grant holds limits its max_num_seqs to 3 worst-case sequences."""
+    calm, burst = (6.0, 36.0) if quick else (20.0, 60.0)
     duration = calm + burst
     loads = {
-        "a": workload(2.0, calm, seed=1),
-        "b": workload(0.3, calm, seed=2) + workload(4.0, burst, seed=3, start_s=calm),
+        "a": workload(2.0, calm, seed=1, poisson=True),
+        "b": workload(0.3, calm, seed=2, poisson=True)
+        + workload(20.0, burst, seed=3, start_s=calm, poisson=True, gen_max=64),  # long answers hold sequences
     }
     o = engine_options(64, 4, hidden=128, kv_heads=4)  # 32 KiB blocks: 8 blocks (256 KiB) per worst-case sequence
     control = {"window_s": 6, "idle_hold_s": 3, "reclaim_hold_s": 2}
     llm = {"expected_peak_concurrency": 16, "ttft_slo_ms": TTFT_SLO_MS, "tpot_slo_ms": TPOT_SLO_MS}
     res = {"calm_s": calm, "burst_s": burst, "requests": {m: len(r) for m, r in loads.items()}, "arms": []}
-    for arm, b_max in (("lending-off", "4MiB"), ("lending-on", "12MiB")):
+    for arm, b_max in (("lending-off", "2560KiB"), ("lending-on", "12MiB")):
         a_quota = {"min": "2MiB", "base": "8MiB", "max": "8MiB"}
-        b_quota = {"min": "2MiB", "base": "4MiB", "max": b_max}
+        b_quota = {"min": "2MiB", "base": "2560KiB", "max": b_max}
         text = broker_config(
             {
                 "a": {"options": _options_dict(o), "llm": llm, "quota": a_quota, "control": control},

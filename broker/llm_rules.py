@@ -18,8 +18,8 @@ grant. The problem statement's rules, as a table in precedence order (first matc
 - ``idle_shrink``: nothing running or waiting for ``idle_hold_s``: shrink the KV cache to
   ``kv_blocks_min``, so the grant's rest can be lent.
 - ``busy_grow``: sequences waiting (or the cache's reservations over ``busy_used_frac``):
-  grow the KV cache up to what the grant allows (``kv_blocks_max`` at most), and only by at
-  least ``grow_min_gain_frac`` (a resize drains the engine; a small one costs more than it buys).
+  grow the KV cache to what the grant allows (``kv_blocks_max`` at most) in one step, and only
+  by at least ``grow_min_gain_frac`` (a resize drains the engine; a small one costs more than it buys).
 - ``seqs_grow``: sequences waiting behind a binding ``max_num_seqs`` while TTFT and TPOT are
   within their SLOs: raise it by ``seqs_step``, or by half the queue up to doubling (it starts
   at half the expected peak; the grant's cache caps it).
@@ -276,7 +276,7 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     full = load.kv_blocks_reserved >= cfg.busy_used_frac * max(1, load.kv_blocks_total)
     if not (load.waiting > 0 or full) or s.kv_blocks >= cap or _held(load, cfg, s):
         return None
-    new = min(cap, max(2 * s.kv_blocks, s.max_num_seqs * cfg.blocks_per_seq))
+    new = cap  # straight to what the grant allows: every resize drains the engine once
     if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
         return None  # not worth a drain: wait for more grant
     return _Want(
