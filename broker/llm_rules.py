@@ -362,6 +362,8 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
     """The first matching rule's bounds and cache size, after guard-rails, and the new state."""
     if state is None:
         rule, want = LlmRule.START, start_state(cfg, load.grant_bytes)
+        if load.kv_blocks_total > want.state.kv_blocks:  # keep a larger cache the grant holds: a resize drains
+            want = replace(want, state=replace(want.state, kv_blocks=load.kv_blocks_total))
     else:
         for rule, fn in RULES:  # noqa: B007 - the matching rule is used after the loop
             want = fn(load, cfg, state)

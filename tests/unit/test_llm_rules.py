@@ -190,3 +190,8 @@ def test_seqs_grow_by_half_a_long_queue_at_most_doubling():
     s = state(max_num_seqs=8, kv_blocks=256)
     d, _ = decide_llm(load(waiting=30, running=8), CFG, s)
     assert d.rule is LlmRule.SEQS_GROW and d.max_num_seqs == 12  # 8 + min(30, 8) // 2
+
+
+def test_start_keeps_a_larger_cache_the_grant_holds():
+    d, _ = decide_llm(load(kv_blocks_total=200, grant_bytes=BIG_GRANT), CFG, None)
+    assert d.rule is LlmRule.START and d.kv_blocks == 200  # no resize (a drain) at the first decision
