@@ -4,11 +4,11 @@ Design note. Lending proves something only where the static split runs out of me
 models share one card (16 GiB, 14.1 GiB usable); each model's batch memory (1 GiB of weights
 + 512 MiB per item) is what limits it: its 3.5 GiB base holds a batch of 4 (with the 10% allocator
 headroom the memory model keeps). Each model bursts
-in turn (gamma arrivals, CV 2) to a rate a batch of 5 cannot serve, while the others run at
+in turn (gamma arrivals, CV 2) to a rate a batch of 4 cannot serve, while the others run at
 their base rate. All arms form batches the same way (lazy: the replica's gate for the broker,
 the simulator's lazy batcher for static arms), so formation is not what differs:
 
-- ``static-split``: base quotas, a static cap that fits them (5), Serve's defaults otherwise;
+- ``static-split``: base quotas, a static cap that fits them (4), Serve's defaults otherwise;
 - ``broker-fixed``: the broker's batch control, quotas fixed at base (min = base = max);
 - ``broker``: the broker with lending on.
 

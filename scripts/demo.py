@@ -71,7 +71,7 @@ def text_of(rng: random.Random, words: int) -> str:
 
 
 def build_schedule(models: list[str], burst: str, examples: dict, phases: list[tuple[str, float, float, float]],
-                   seed: int = 7) -> list[tuple[float, str, dict]]:
+                   seed: int = 7, burst_items: int = 4) -> list[tuple[float, str, dict]]:
     """(time, model, body) for the whole run, sorted; drawn before anything is sent."""
     rng = random.Random(seed)
     sched: list[tuple[float, str, dict]] = []
@@ -83,7 +83,7 @@ def build_schedule(models: list[str], burst: str, examples: dict, phases: list[t
                 if name == "minilm":
                     body = {"inputs": [{"text": text_of(rng, rng.randint(8, 40))} for _ in range(4)]}
                 else:
-                    body = {"inputs": [examples[name]] * 4}
+                    body = {"inputs": [examples[name]] * (burst_items if name == burst else 4)}
                 sched.append((at, name, body))
         t0 += duration
     sched.sort(key=lambda x: x[0])
@@ -142,7 +142,8 @@ def main() -> int:
     ap.add_argument("--burst-s", type=float, default=30.0)
     ap.add_argument("--cool-s", type=float, default=20.0)
     ap.add_argument("--base-rps", type=float, default=1.5, help="requests/s per model outside the burst (4 items each)")
-    ap.add_argument("--burst-rps", type=float, default=50.0, help="requests/s on the burst model (4 items each)")
+    ap.add_argument("--burst-rps", type=float, default=12.0, help="requests/s on the burst model (--burst-items each)")
+    ap.add_argument("--burst-items", type=int, default=16, help="items per request to the burst model (others: 4)")
     ap.add_argument("--no-compare", action="store_true", help="skip the fixed-split run of the same burst")
     args = ap.parse_args()
     started = time.time()
@@ -171,7 +172,7 @@ def main() -> int:
         phases = [("warm", args.warm_s, args.base_rps, args.base_rps),
                   ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
                   ("cool-down", args.cool_s, args.base_rps / 2, 0.0)]
-        sched = build_schedule(models, args.burst, example_inputs(cfg), phases)
+        sched = build_schedule(models, args.burst, example_inputs(cfg), phases, burst_items=args.burst_items)
         total = sum(p[1] for p in phases)
         since = httpx.get(f"{url}/v1/status", timeout=30).json()["decision_seq"]
         console.rule(f"[bold]2. open-loop load: {len(sched)} requests over {total:.0f}s "
