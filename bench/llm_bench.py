@@ -369,12 +369,12 @@ def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
 async def two_llms(quick: bool, log=print) -> dict[str, Any]:
     """a busy, then idle while b bursts (Poisson arrivals, trace lengths); memory-bound: the KV
     cache b's base grant holds limits its max_num_seqs to 3 worst-case sequences."""
-    calm, burst = (6.0, 36.0) if quick else (20.0, 60.0)
+    calm, burst = (6.0, 30.0) if quick else (20.0, 60.0)
     duration = calm + burst
     loads = {
         "a": workload(2.0, calm, seed=1, poisson=True),
         "b": workload(0.3, calm, seed=2, poisson=True)
-        + workload(20.0, burst, seed=3, start_s=calm, poisson=True, gen_max=64),  # long answers hold sequences
+        + workload(36.0, burst, seed=3, start_s=calm, poisson=True, gen_max=64),  # long answers hold sequences
     }
     o = engine_options(64, 4, hidden=128, kv_heads=4)  # 32 KiB blocks: 8 blocks (256 KiB) per worst-case sequence
     control = {"window_s": 6, "idle_hold_s": 3, "reclaim_hold_s": 2}
