@@ -85,20 +85,40 @@ def config_text_from_args(args: dict[str, Any]) -> str:
 
 
 def model_deployment(name: str, spec: ModelSpec, cfg: FleetConfig, config_text: str, *,
-                     model_num_cpus: float = MODEL_NUM_CPUS, model_cls: type = HttpModel) -> Application:
-    """One model's application graph: the ``HttpModel`` deployment (or a subclass), its own ingress."""
+                     model_num_cpus: float = MODEL_NUM_CPUS, model_cls: type = HttpModel,
+                     placement: Any = None) -> Application:
+    """One model's application graph: the ``HttpModel`` deployment (or a subclass), its own ingress.
+
+    A fleet with ``gpus:`` places every replica on a card (``placement``, ``quotas.placement``): a
+    model on one card is one deployment asking for that card's resource; a model on several cards
+    is one deployment per card (``<model>@<card>``) behind a ``CardRouter`` ingress."""
     from ray.serve.config import BackpressureConfig
 
-    return serve.deployment(model_cls).options(
-        name=name,
-        num_replicas=spec.replicas,
-        max_ongoing_requests=spec.max_ongoing_requests,
-        max_queued_requests=SERVE_QUEUE_FACTOR * spec.max_ongoing_requests * spec.replicas,
-        backpressure_config=BackpressureConfig(retry_after_s=max(1, round(cfg.broker.control_interval_s))),
-        ray_actor_options={"num_cpus": model_num_cpus},
-        health_check_period_s=5,
-        graceful_shutdown_timeout_s=5,
-    ).bind(name, config_text)
+    def one(dep_name: str, replicas: int, actor_options: dict[str, Any], *args: Any) -> Application:
+        return serve.deployment(model_cls).options(
+            name=dep_name,
+            num_replicas=replicas,
+            max_ongoing_requests=spec.max_ongoing_requests,
+            max_queued_requests=SERVE_QUEUE_FACTOR * spec.max_ongoing_requests * replicas,
+            backpressure_config=BackpressureConfig(retry_after_s=max(1, round(cfg.broker.control_interval_s))),
+            ray_actor_options=actor_options,
+            health_check_period_s=5,
+            graceful_shutdown_timeout_s=5,
+        ).bind(name, config_text, *args)
+
+    if placement is None or cfg.gpus is None:
+        return one(name, spec.replicas, {"num_cpus": model_num_cpus})
+    from deployments.http_cards import CardRouter
+    from deployments.placement_resources import deployment_plans
+
+    plans = [p for p in deployment_plans(placement, model_num_cpus=model_num_cpus) if p.model == name]
+    if len(plans) == 1:
+        p = plans[0]
+        return one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas)
+    groups = {p.card_id: one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas) for p in plans}
+    return serve.deployment(CardRouter).options(
+        name=name, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096,
+    ).bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
 
 
 def fleet_api(config_text: str) -> Application:
@@ -107,16 +127,23 @@ def fleet_api(config_text: str) -> Application:
 
 
 def fleet_apps(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MODEL_NUM_CPUS,
-               fleet_app: str = FLEET_APP, prefix: str = "/", model_cls: type = HttpModel) -> list[ServeApp]:
+               fleet_app: str = FLEET_APP, prefix: str = "/", model_cls: type = HttpModel,
+               cards: tuple[Any, ...] | None = None) -> list[ServeApp]:
     """The fleet's Serve applications: the fleet API at ``prefix``, each model under it
-    (``model_cls``: the batch models' deployment class, ``HttpModel`` or a subclass)."""
+    (``model_cls``: the batch models' deployment class, ``HttpModel`` or a subclass). With
+    ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus: auto``)."""
+    placement = None
+    if cfg.gpus is not None:
+        from quotas.placement import place_fleet
+
+        placement = place_fleet(cfg, cards)
     apps = [ServeApp(fleet_app, prefix, fleet_api(config_text))]
     for name, spec in cfg.models.items():
         if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
             continue
         apps.append(ServeApp(model_app_name(name, fleet_app), model_route(name, prefix),
                              model_deployment(name, spec, cfg, config_text, model_num_cpus=model_num_cpus,
-                                              model_cls=model_cls)))
+                                              model_cls=model_cls, placement=placement)))
     if any(m.kind == "llm" for m in cfg.models.values()):
         apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llm_app(cfg, config_text)))
     return apps

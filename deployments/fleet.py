@@ -55,14 +55,20 @@ def deploy(
     from deployments.app import MODEL_NUM_CPUS, fleet_apps, run_fleet
 
     notify = on_progress or (lambda stage, info: None)
+    cards = None
+    if cfg.gpus == "auto":  # every GPU of every node, found once here; the broker and placement get the same list
+        from deployments.cluster_discovery import discover_cards
+
+        cards = tuple(discover_cards())
     notify("broker", {})
-    broker = start_broker(config_text)
+    broker = start_broker(config_text, cards=cards)
     notify("broker-up", {})
     host = http_host or cfg.broker.http_host
     port = http_port or cfg.broker.http_port
     serve.start(http_options={"host": host, "port": port})
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
-    apps = fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME)
+    apps = fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME,
+                      cards=cards)
     run_fleet(apps, logging_config={"enable_access_log": False})  # not waiting: progress below
     deadline = time.time() + timeout_s
     while True:
