@@ -171,7 +171,8 @@ class LlmControl:
             old = self._states.get(name)
             decision, state = decide_llm(load, cfg, old)
             self._states[name], self._decisions[name] = state, decision
-            if decision.bounds_changed(old) or self._last_rule.get(name) != decision.rule:
+            rule_changed = self._last_rule.get(name) != decision.rule and decision.rule is not LlmRule.HOLD
+            if decision.bounds_changed(old) or rule_changed:  # a change, or a new rule holding (a squeeze's pause)
                 out.append(self._entry(now_s, name, old, state, decision, load, grant, dry_run))
             self._last_rule[name] = decision.rule
         return out

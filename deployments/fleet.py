@@ -107,6 +107,9 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
 
     out = {}
     for name, spec in cfg.models.items():
+        if spec.kind == "llm":  # an LLM answers POST /openai/v1/completions, not /v1/models/<name>/infer
+            out[name] = (False, None, "an LLM: POST /openai/v1/completions with model: " + name)
+            continue
         try:
             out[name] = example_of(resolve_model(spec.model)(**spec.options))
         except Exception as exc:  # noqa: BLE001
