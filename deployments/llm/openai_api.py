@@ -17,6 +17,7 @@ engine's request). Build with ``build_llm_app({"config": "configs/llm-demo.yaml"
 
 # no "from __future__ import annotations": FastAPI must see the real Request annotation
 
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -179,12 +180,26 @@ def build_llm_fleet(
 
 def build_llm_app(args: dict[str, Any]) -> Application:
     """Serve builder: ``{"config": path}`` or ``{"config_text": yaml}``; serves its ``kind: llm`` models."""
-    from deployments.app import config_text_from_args
     from quotas.config import parse_config_text
 
-    text = config_text_from_args(args)
+    text = _config_text(args)
     cfg = parse_config_text(text, str(args.get("config", "config_text")))
     return llm_app(cfg, text, float(args.get("llm_num_cpus", LLM_NUM_CPUS)))
+
+
+def _config_text(args: dict[str, Any]) -> str:
+    """The fleet YAML from ``config_text``, or from the ``config`` path (tried against the project
+    root too: ``serve deploy`` builds apps in a worker outside the checkout)."""
+    if args.get("config_text"):
+        return str(args["config_text"])
+    given = Path(str(args.get("config") or ""))
+    for path in (given, Path(__file__).resolve().parents[2] / given):
+        if str(given) not in ("", ".") and path.is_file():
+            return path.read_text(encoding="utf-8")
+    raise ValueError(
+        f"build_llm_app args: config {args.get('config')!r} is not a file; pass config "
+        "(a fleet YAML path) or config_text (the YAML itself)"
+    )
 
 
 def llm_app(cfg: Any, config_text: str, llm_num_cpus: float = LLM_NUM_CPUS) -> Application:
