@@ -67,7 +67,7 @@ def fleet(*, fixed: bool = False, formation: str = "lazy", strategy: str = "hybr
             "slo_p95_ms": 100,
             "max_queued": 2000,
             "request_timeout_s": 10,
-            "control": {"strategy": strategy, "idle_hold_s": 3, "reclaim_hold_s": 1},
+            "control": {"strategy": strategy, "idle_hold_s": 5, "reclaim_hold_s": 1},
         }
     return parse_config({
         "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, "batch_formation": formation},
@@ -174,7 +174,7 @@ def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
         ablation.append({"parts": row, "fleet_goodput_rps": r["fleet_goodput_rps"], "ooms": r["ooms"],
                          "over_grant_events": r["over_grant_events"]})
         say(f"ablation: {row}: {r['fleet_goodput_rps']:.1f}/s")
-    ind_duration = 120.0 if quick else 240.0
+    ind_duration = 240.0 if quick else 600.0
     ind_times = independent(IND_MEAN_RPS, ind_duration, seed)
     contention = {name: run_arm(cfg, arm, ind_times, ind_duration, warmup)
                   for name, arm, cfg in (("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),

@@ -49,7 +49,7 @@ def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
 
 
 def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo_ms: float, objective: str, ceiling: int,
-               rho_cap: float | None = None, formation: str = "eager") -> BatchPlan:
+               rho_cap: float | None = None, formation: str = "eager", run_cap: int | None = None) -> BatchPlan:
     """Batch and wait timeout for Ray 2.60's @serve.batch.
 
     Ray forms the next batch as soon as a request arrives (first request + wait timeout, or
@@ -65,7 +65,7 @@ def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo
     b_lat = fit.largest_batch_within(slo_ms / 2.0)
     headroom = BATCH_HEADROOM.get(objective, 2.0)
     if formation == "lazy":
-        return _plan_lazy(fit, lam, u, b_lat, headroom, slo_ms, objective, ceiling)
+        return _plan_lazy(fit, lam, u, b_lat, headroom, slo_ms, objective, ceiling, run_cap)
     if lam <= 0:
         return BatchPlan(u, 0.0, 0.0, b_lat, fit.predict_ms(u), min(float(ceiling), max(b_lat, u)))
     rho_max = RHO_MAX.get(objective, 0.8) if rho_cap is None else min(rho_cap, RHO_MAX.get(objective, 0.8))
@@ -89,7 +89,7 @@ def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo
 
 
 def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, headroom: float, slo_ms: float, objective: str,
-               ceiling: int) -> BatchPlan:
+               ceiling: int, run_cap: int | None = None) -> BatchPlan:
     """Lazy formation (the next batch forms when the replica is free): batches size themselves
     to the load at the fixed point b = lambda a / (1 - lambda c), so no wait is needed under
     load; the cap leaves headroom for bursts, and a short wait (a share of the SLO budget left
@@ -98,8 +98,11 @@ def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, headroom: fl
     b_fp = lam * fit.a_ms / denom if (lam > 0 and denom > 0) else (0.0 if lam <= 0 else math.inf)
     want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
     cap = min(float(ceiling), max(b_lat, want, u))
-    budget_s = max(0.0, slo_ms - 2.0 * fit.predict_ms(cap)) / 1000.0 * LAZY_WAIT_BUDGET_FRAC.get(objective, 0.25)
-    fill_s = cap / (lam * 1000.0) if lam > 0 else 0.0
+    # the wait is for the batch that will run: the cap, or less where the grant holds less
+    # (``run_cap``); the cap itself stays the load's want, so lending sees what the model needs
+    runs = min(cap, float(run_cap)) if run_cap is not None and run_cap > 0 else cap
+    budget_s = max(0.0, slo_ms - 2.0 * fit.predict_ms(runs)) / 1000.0 * LAZY_WAIT_BUDGET_FRAC.get(objective, 0.25)
+    fill_s = runs / (lam * 1000.0) if lam > 0 else 0.0
     batch = max(u, b_fp) if math.isfinite(b_fp) else float(ceiling)
     rho = lam * fit.predict_ms(batch) / batch if math.isfinite(b_fp) and lam > 0 else (0.0 if lam <= 0 else math.inf)
     return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap)

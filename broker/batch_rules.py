@@ -59,6 +59,7 @@ class RuleContext:
     formation: str = "eager"  # how the runtime forms batches (broker.batch_formation)
     paused_for_s: float = 0.0  # how long this model's admission has been paused
     max_pause_s: float = 3.0  # a pause re-opens after this long (memory that never frees must not starve it)
+    mem_ceiling: int | None = None  # the batch the grant holds now (None: memory does not limit): the wait plans for it
 
 
 @dataclass(frozen=True)
@@ -352,7 +353,8 @@ def inputs_for(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: L
         # batches (utilisation at most drain_rho) until it is gone.
         draining = load.queue_depth / replicas > ctl.band_high and queued_units > cap
         plan = plan_batch(fit, units_per_s, max(load.cost_per_request, 1.0), ctx.slo_ms, ctx.objective,
-                          spec.batch.ceiling, ctl.drain_rho if draining else None, ctx.formation)
+                          spec.batch.ceiling, ctl.drain_rho if draining else None, ctx.formation,
+                          run_cap=ctx.mem_ceiling)
     # The AIMD reacts to the recent P95 (rate window, a few seconds, never one sample); the
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None

@@ -196,6 +196,8 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
             formation=config.broker.batch_formation,
             paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
             max_pause_s=spec.control.max_pause_intervals * interval,
+            mem_ceiling=(memory_model(load).cap_for(state.ledger.grant(name) / max(1, spec.replicas))
+                         if name in state.ledger.quotas else None),
         )
         want = (decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx) if spec.kind != "llm"
                 else BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON))
