@@ -64,11 +64,22 @@ def ablation(config: FleetConfig, rs: RunSettings, seeds: tuple[int, ...], say=p
     s_ms = cap_s(eager, name, rs, ref)
     cap = 1.2 * s_ms
     cfg_cap = with_cap(config, {name: cap})
-    out: dict[str, Any] = {"model": name, "a_ms": prof.a_ms, "c_ms": prof.c_ms, "reference_rps": ref, "S_ms": s_ms,
-                           "cap_ms": cap, "bound_rps": bound(prof.a_ms, prof.c_ms, cap), "seeds": list(seeds),
-                           "settings": rs.__dict__, "arms": {}}
-    say(f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}; static 8 saturates at {sat8:.1f}/s, reference {ref:.1f}/s, "
-        f"S = {s_ms:.1f} ms, cap 1.2·S = {cap:.1f} ms, bound {out['bound_rps']:.1f}/s")
+    out: dict[str, Any] = {
+        "model": name,
+        "a_ms": prof.a_ms,
+        "c_ms": prof.c_ms,
+        "reference_rps": ref,
+        "S_ms": s_ms,
+        "cap_ms": cap,
+        "bound_rps": bound(prof.a_ms, prof.c_ms, cap),
+        "seeds": list(seeds),
+        "settings": rs.__dict__,
+        "arms": {},
+    }
+    say(
+        f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}; static 8 saturates at {sat8:.1f}/s, reference {ref:.1f}/s, "
+        f"S = {s_ms:.1f} ms, cap 1.2·S = {cap:.1f} ms, bound {out['bound_rps']:.1f}/s"
+    )
     t0 = time.time()
     k8 = knee_on_seeds(with_cap(eager, {name: s_ms}), "static:8:10", ref, rs, seeds)
     out["arms"]["static 8 at S (reference)"] = {"arm": "static:8:10", **k8}
@@ -76,13 +87,17 @@ def ablation(config: FleetConfig, rs: RunSettings, seeds: tuple[int, ...], say=p
         arm, k0, grid = best_static(with_formation(cfg_cap, "eager"), ref, rs, gated)
         held = knee_on_seeds(with_formation(cfg_cap, "eager"), arm, k0, rs, seeds)
         out["arms"][label] = {"arm": arm, **held, "grid": grid}
-        say(f"  {label:<26} {arm:<20} seed-0 knee {held['seed0_knee_rps']:7.1f}/s  held on {len(seeds)} seeds "
-            f"{held['held_knee_rps']:7.1f}/s  ({time.time() - t0:.0f}s)")
+        say(
+            f"  {label:<26} {arm:<20} seed-0 knee {held['seed0_knee_rps']:7.1f}/s  held on {len(seeds)} seeds "
+            f"{held['held_knee_rps']:7.1f}/s  ({time.time() - t0:.0f}s)"
+        )
     for label, formation in (("broker, Ray's formation", "eager"), ("broker, lazy gate", "lazy")):
         held = knee_on_seeds(with_formation(cfg_cap, formation), "broker", ref, rs, seeds)
         out["arms"][label] = {"arm": f"broker (batch_formation: {formation})", **held}
-        say(f"  {label:<26} {'broker':<20} seed-0 knee {held['seed0_knee_rps']:7.1f}/s  held on {len(seeds)} seeds "
-            f"{held['held_knee_rps']:7.1f}/s  ({time.time() - t0:.0f}s)")
+        say(
+            f"  {label:<26} {'broker':<20} seed-0 knee {held['seed0_knee_rps']:7.1f}/s  held on {len(seeds)} seeds "
+            f"{held['held_knee_rps']:7.1f}/s  ({time.time() - t0:.0f}s)"
+        )
     base = out["arms"]["static 8 at S (reference)"]["held_knee_rps"] or float("nan")
     for doc in out["arms"].values():
         doc["gain_vs_static8"] = round(doc["held_knee_rps"] / base, 3) if base == base and base > 0 else None
@@ -104,8 +119,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["config"] = args.config
     print(f"{'arm':<28} {'setting':<30} {'seed-0 knee':>12} {'held knee':>10} {'x static 8':>10} {'of bound':>9}")
     for label, doc in res["arms"].items():
-        print(f"{label:<28} {doc['arm']:<30} {doc['seed0_knee_rps']:12.1f} {doc['held_knee_rps']:10.1f} "
-              f"{doc['gain_vs_static8'] or float('nan'):10.2f} {doc['of_bound'] or float('nan'):9.2f}")
+        print(
+            f"{label:<28} {doc['arm']:<30} {doc['seed0_knee_rps']:12.1f} {doc['held_knee_rps']:10.1f} "
+            f"{doc['gain_vs_static8'] or float('nan'):10.2f} {doc['of_bound'] or float('nan'):9.2f}"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))

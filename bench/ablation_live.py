@@ -36,8 +36,14 @@ def _static_from_sim(doc: dict[str, Any], label: str) -> tuple[int, float]:
 
 
 def arm_knee(target: Any, w: Any, cap: float, o: Opts, start: float, label: str, max_runs: int) -> dict[str, Any]:
-    k0, rows = sc.live_knee(lambda r: run_arm(target, w.model, r, 0, cap, o, w.body), start, step=1.15,
-                            bisect_iters=1, max_runs=max_runs, on_row=say_row(o, label))
+    k0, rows = sc.live_knee(
+        lambda r: run_arm(target, w.model, r, 0, cap, o, w.body),
+        start,
+        step=1.15,
+        bisect_iters=1,
+        max_runs=max_runs,
+        on_row=say_row(o, label),
+    )
     tried: list[dict[str, Any]] = []
 
     def passes(rate: float, seed: int) -> bool:
@@ -54,7 +60,9 @@ def arm_knee(target: Any, w: Any, cap: float, o: Opts, start: float, label: str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sim-json", required=True, help="bench.ablation's result for configs/sim-a20-c0.5.yaml")
-    ap.add_argument("--cap-ms", type=float, default=697.0, help="P95 cap (default 1.2 x S = 581 ms of the last seed run)")
+    ap.add_argument(
+        "--cap-ms", type=float, default=697.0, help="P95 cap (default 1.2 x S = 581 ms of the last seed run)"
+    )
     ap.add_argument("--time-scale", type=float, default=10.0)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--max-runs", type=int, default=5, help="runs per seed-0 knee search")
@@ -75,8 +83,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "broker-eager": ("broker, Ray's formation", "eager", None, None),
         "broker-gate": ("broker, lazy gate", "lazy", None, None),
     }
-    res: dict[str, Any] = {"scenario": "ablation-live", "machine": sc.machine_info(), "workload": w.label, "cap_ms": cap,
-                           "seeds": list(o.seeds), "sim_json": args.sim_json, "arms": {}}
+    res: dict[str, Any] = {
+        "scenario": "ablation-live",
+        "machine": sc.machine_info(),
+        "workload": w.label,
+        "cap_ms": cap,
+        "seeds": list(o.seeds),
+        "sim_json": args.sim_json,
+        "arms": {},
+    }
     t0 = time.time()
     with sc.Stack() as stack:
         for key in args.arms.split(","):
@@ -84,8 +99,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             spec = w.spec(cap)
             if static is not None:
                 spec = sc.pin_static(spec, static[0], static[1] * k)
-            text = sc.fleet_yaml({w.model: spec}, broker_name=f"bench-abl-{key}-{int(time.time()) % 10**6}",
-                                 http_port=stack.port)
+            text = sc.fleet_yaml(
+                {w.model: spec}, broker_name=f"bench-abl-{key}-{int(time.time()) % 10**6}", http_port=stack.port
+            )
             text = text.replace("broker:\n", f"broker:\n  batch_formation: {formation}\n", 1)
             sim_arm = sim["arms"][label]
             start = max(1.0, 0.8 * sim_arm["seed0_knee_rps"] / k)  # the simulator's knee, scaled, a step under
@@ -94,12 +110,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 doc = arm_knee(tgt, w, cap, o, start, label, args.max_runs)
             finally:
                 tgt.delete()
-            doc.update(setting=f"static:{static[0]}:{static[1] * k:g}" if static else f"broker ({formation})",
-                       sim_seed0_knee_rps=sim_arm["seed0_knee_rps"] / k, sim_held_knee_rps=sim_arm["held_knee_rps"] / k)
+            doc.update(
+                setting=f"static:{static[0]}:{static[1] * k:g}" if static else f"broker ({formation})",
+                sim_seed0_knee_rps=sim_arm["seed0_knee_rps"] / k,
+                sim_held_knee_rps=sim_arm["held_knee_rps"] / k,
+            )
             res["arms"][label] = doc
-            print(f"[ablation-live] {label:<26} {doc['setting']:<18} seed-0 knee {doc['seed0_knee_rps']:6.1f}/s  "
-                  f"held {doc['held_knee_rps']:6.1f}/s  (sim, scaled: {doc['sim_seed0_knee_rps']:.1f} / "
-                  f"{doc['sim_held_knee_rps']:.1f})  {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"[ablation-live] {label:<26} {doc['setting']:<18} seed-0 knee {doc['seed0_knee_rps']:6.1f}/s  "
+                f"held {doc['held_knee_rps']:6.1f}/s  (sim, scaled: {doc['sim_seed0_knee_rps']:.1f} / "
+                f"{doc['sim_held_knee_rps']:.1f})  {time.time() - t0:.0f}s",
+                flush=True,
+            )
     res["runtime_s"] = round(time.time() - t0, 1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,9 @@ def split_rates(total: float, n: int, how: str = "even") -> list[float]:
     raise ValueError(f"split '{how}' is not known; use 'even' or 'powerlaw'")
 
 
-def piecewise(segments: list[tuple[float, float, float]], seed: int = 0, kind: str = "poisson", cv: float = 1.0) -> np.ndarray:
+def piecewise(
+    segments: list[tuple[float, float, float]], seed: int = 0, kind: str = "poisson", cv: float = 1.0
+) -> np.ndarray:
     """Arrivals over consecutive segments ``(start_s, end_s, rate)``; rate 0 leaves a gap."""
     out: list[np.ndarray] = []
     for k, (start, end, rate) in enumerate(segments):

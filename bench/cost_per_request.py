@@ -87,8 +87,9 @@ def descendants(root: int) -> list[int]:
 def _pid_of(name: str, namespace: str) -> int:
     import ray
 
-    return int(ray.get(ray.get_actor(name, namespace=namespace).__ray_call__.remote(lambda _self: os.getpid()),
-                       timeout=30))
+    return int(
+        ray.get(ray.get_actor(name, namespace=namespace).__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+    )
 
 
 def serve_pids(app_prefixes: dict[str, str], broker_name: str | None = None) -> dict[str, int]:
@@ -109,8 +110,9 @@ def serve_pids(app_prefixes: dict[str, str], broker_name: str | None = None) -> 
     return roles
 
 
-def measure_cpu(pids: dict[str, int], base_url: str, rate: float, duration_s: float, seed: int,
-                idle_s: float) -> dict[str, Any]:
+def measure_cpu(
+    pids: dict[str, int], base_url: str, rate: float, duration_s: float, seed: int, idle_s: float
+) -> dict[str, Any]:
     """Idle burn, then one open-loop run: CPU ms per answered request, per process and in all."""
     t0 = {r: cpu_s(p) for r, p in pids.items()}
     time.sleep(idle_s)
@@ -125,11 +127,16 @@ def measure_cpu(pids: dict[str, int], base_url: str, rate: float, duration_s: fl
     n = max(1, len(ok))
     per = {r: max(0.0, (c1[r] - c0[r]) - idle[r] * wall) * 1000.0 / n for r in pids}
     lat = sorted(x.latency_ms for x in ok)
-    return {"offered": len(sched), "answered": len(ok), "wall_s": round(wall, 2),
-            "cpu_ms_per_request": {r: round(v, 3) for r, v in per.items()},
-            "idle_cpu_frac": {r: round(v, 4) for r, v in idle.items()},
-            "p50_ms": lg.percentile(lat, 50), "p95_ms": lg.percentile(lat, 95),
-            "errors": dict(Counter(x.status for x in run.records if x.status != 200))}
+    return {
+        "offered": len(sched),
+        "answered": len(ok),
+        "wall_s": round(wall, 2),
+        "cpu_ms_per_request": {r: round(v, 3) for r, v in per.items()},
+        "idle_cpu_frac": {r: round(v, 4) for r, v in idle.items()},
+        "p50_ms": lg.percentile(lat, 50),
+        "p95_ms": lg.percentile(lat, 95),
+        "errors": dict(Counter(x.status for x in run.records if x.status != 200)),
+    }
 
 
 # ------------------------------------------------------------------------------ profile
@@ -141,13 +148,23 @@ ACTIVITIES = (  # frame -> activity; a stack goes to the first frame, leaf to ro
     ("ray/serve/_private/proxy", "Serve proxy (request, response)"),
     ("ray/serve/_private/http_util.py", "Serve ASGI plumbing (receive/send)"),
     ("ray/serve/_private/replica.py", "Serve replica (call wrapper)"),
-    ("deployments/models/", "model adapter (deployments/models/)"), ("deployments/", "gpubroker (deployments/)"), ("broker/", "gpubroker (broker/)"), ("bench/", "model (bench/)"),
-    ("uvicorn", "HTTP server (uvicorn/h11/httptools)"), ("h11", "HTTP server (uvicorn/h11/httptools)"),
-    ("httptools", "HTTP server (uvicorn/h11/httptools)"), ("starlette", "ASGI framework (starlette/fastapi)"),
-    ("fastapi", "ASGI framework (starlette/fastapi)"), ("pydantic", "pydantic"),
-    ("ray/serve/", "Ray Serve (other)"), ("json", "serialization (json/pickle)"), ("pickle", "serialization (json/pickle)"),
-    ("concurrent/futures", "thread pool (to_thread)"), ("ray/_private/worker.py", "Ray core worker loop (native)"),
-    ("asyncio", "asyncio event loop"), ("threading.py", "native thread (Ray core / gRPC, no Python frame)"),
+    ("deployments/models/", "model adapter (deployments/models/)"),
+    ("deployments/", "gpubroker (deployments/)"),
+    ("broker/", "gpubroker (broker/)"),
+    ("bench/", "model (bench/)"),
+    ("uvicorn", "HTTP server (uvicorn/h11/httptools)"),
+    ("h11", "HTTP server (uvicorn/h11/httptools)"),
+    ("httptools", "HTTP server (uvicorn/h11/httptools)"),
+    ("starlette", "ASGI framework (starlette/fastapi)"),
+    ("fastapi", "ASGI framework (starlette/fastapi)"),
+    ("pydantic", "pydantic"),
+    ("ray/serve/", "Ray Serve (other)"),
+    ("json", "serialization (json/pickle)"),
+    ("pickle", "serialization (json/pickle)"),
+    ("concurrent/futures", "thread pool (to_thread)"),
+    ("ray/_private/worker.py", "Ray core worker loop (native)"),
+    ("asyncio", "asyncio event loop"),
+    ("threading.py", "native thread (Ray core / gRPC, no Python frame)"),
 )
 OURS = ("deployments/", "broker/")
 
@@ -161,9 +178,25 @@ def activity_of(frames: list[str]) -> str:
 
 
 def py_spy(pid: int, duration_s: float, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(PY_SPY), "record", "--pid", str(pid), "--duration", str(int(duration_s)),
-                             "--rate", "250", "--nonblocking", "--format", "raw", "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            str(PY_SPY),
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(int(duration_s)),
+            "--rate",
+            "250",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def summarize_profile(path: Path, top: int = 8) -> dict[str, Any]:
@@ -182,17 +215,25 @@ def summarize_profile(path: Path, top: int = 8) -> dict[str, Any]:
         total += n
         groups[activity_of(frames)] += n
         leaves[frames[-1][:110]] += n
-        if any(k in f and "http_proxy.py" not in f and "deployments/models/" not in f  # the middleware wraps
-               for f in frames for k in OURS):  # everything; the adapters are the model's code
+        if any(
+            k in f and "http_proxy.py" not in f and "deployments/models/" not in f  # the middleware wraps
+            for f in frames
+            for k in OURS
+        ):  # everything; the adapters are the model's code
             ours += n
     if not total:
         return {"samples": 0}
-    return {"samples": total, "ours_inclusive": round(ours / total, 3),
-            "activities": {g: round(v / total, 3) for g, v in groups.most_common()},
-            "top_leaves": [(f, round(v / total, 3)) for f, v in leaves.most_common(top)]}
+    return {
+        "samples": total,
+        "ours_inclusive": round(ours / total, 3),
+        "activities": {g: round(v / total, 3) for g, v in groups.most_common()},
+        "top_leaves": [(f, round(v / total, 3)) for f, v in leaves.most_common(top)],
+    }
 
 
-def profile_run(pids: dict[str, int], base_url: str, rate: float, duration_s: float, tmp: Path, tag: str) -> dict[str, Any]:
+def profile_run(
+    pids: dict[str, int], base_url: str, rate: float, duration_s: float, tmp: Path, tag: str
+) -> dict[str, Any]:
     sched = lg.plan(MODEL, arr.poisson(rate, duration_s + 2.0, 99), BODY)
     procs = {r: py_spy(p, duration_s, tmp / f"{tag}-{r}.txt") for r, p in pids.items()}
     lg.run(base_url, sched, timeout_s=30.0)
@@ -219,16 +260,30 @@ def fleet_target(stack: sc.Stack, pinned: bool) -> Target:
         spec = sc.pin_static(spec, BATCH, WAIT_MS)
     app = "pin-cost" if pinned else "fleet-cost"
     broker = f"bench-{app}-{int(time.time()) % 10**6}"
-    tgt = stack.deploy_fleet(sc.fleet_yaml({MODEL: spec}, broker_name=broker, http_port=stack.port), app=app,
-                             route_prefix=f"/{app}", warm_models={MODEL: BODY})
+    tgt = stack.deploy_fleet(
+        sc.fleet_yaml({MODEL: spec}, broker_name=broker, http_port=stack.port),
+        app=app,
+        route_prefix=f"/{app}",
+        warm_models={MODEL: BODY},
+    )
     pids = serve_pids({"replica": f"{app}-{MODEL}#", "fleet_api": f"{app}#"}, broker)
     return Target(tgt.base_url, pids, tgt.delete)
 
 
 def plain_target(stack: sc.Stack) -> Target:
-    tgt = stack.deploy_plain(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL, app="plain-cost",
-                             route_prefix="/plain-cost", warm_body=BODY)
-    return Target(tgt.base_url, serve_pids({"ingress": "plain-cost#ingress#", "replica": f"plain-cost#{MODEL}#"}), tgt.delete)
+    tgt = stack.deploy_plain(
+        sc.TAGGED["profiled"],
+        OPTIONS,
+        BATCH,
+        WAIT_MS,
+        MODEL,
+        app="plain-cost",
+        route_prefix="/plain-cost",
+        warm_body=BODY,
+    )
+    return Target(
+        tgt.base_url, serve_pids({"ingress": "plain-cost#ingress#", "replica": f"plain-cost#{MODEL}#"}), tgt.delete
+    )
 
 
 def plain_one_hop_target(stack: sc.Stack) -> Target:
@@ -237,8 +292,12 @@ def plain_one_hop_target(stack: sc.Stack) -> Target:
     from bench.plain_serve import build_plain_one_hop
 
     app, prefix = "plain1-cost", "/plain1-cost"
-    serve.run(build_plain_one_hop(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL), name=app,
-              route_prefix=f"{prefix}/v1/models/{MODEL}", blocking=False)
+    serve.run(
+        build_plain_one_hop(sc.TAGGED["profiled"], OPTIONS, BATCH, WAIT_MS, MODEL),
+        name=app,
+        route_prefix=f"{prefix}/v1/models/{MODEL}",
+        blocking=False,
+    )
     base = stack.base_url + prefix
     for _ in range(3):
         sc.wait_http(f"{base}/v1/models/{MODEL}/infer", json.loads(BODY), timeout_s=180)
@@ -253,8 +312,15 @@ def bentoml_target(args: argparse.Namespace, tmp: Path) -> Target | None:
         return None
     runner.PEER_VENV = venv
     # its max_latency_ms is a latency budget (past it BentoML answers 503), not a wait: a loose one
-    peer = runner.PeerServer(sc.TAGGED["profiled"], OPTIONS, MODEL, BATCH, PEER_MAX_LATENCY_MS, sc.free_port(),
-                             log_path=str(tmp / "bentoml.log"))
+    peer = runner.PeerServer(
+        sc.TAGGED["profiled"],
+        OPTIONS,
+        MODEL,
+        BATCH,
+        PEER_MAX_LATENCY_MS,
+        sc.free_port(),
+        log_path=str(tmp / "bentoml.log"),
+    )
     try:
         peer.wait_ready(json.loads(BODY), timeout_s=180)
         for _ in range(3):
@@ -267,16 +333,23 @@ def bentoml_target(args: argparse.Namespace, tmp: Path) -> Target | None:
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median CPU ms per request over the rounds, per process and on the serving path."""
+
     def path_ms(run: dict[str, Any]) -> float:
         return sum(v for r, v in run["cpu_ms_per_request"].items() if r not in ("broker", "fleet_api"))
 
     per_round = [round(path_ms(r), 3) for r in runs]
     roles = runs[0]["cpu_ms_per_request"]
-    return {"serving_path_cpu_ms": float(np.median(per_round)), "rounds_cpu_ms": per_round,
-            "cpu_ms_per_request": {k: round(float(np.median([r["cpu_ms_per_request"][k] for r in runs])), 3) for k in roles},
-            "p50_ms": float(np.median([r["p50_ms"] for r in runs if r["p50_ms"] is not None])),
-            "p95_ms": float(np.median([r["p95_ms"] for r in runs if r["p95_ms"] is not None])),
-            "answered": sum(r["answered"] for r in runs), "offered": sum(r["offered"] for r in runs)}
+    return {
+        "serving_path_cpu_ms": float(np.median(per_round)),
+        "rounds_cpu_ms": per_round,
+        "cpu_ms_per_request": {
+            k: round(float(np.median([r["cpu_ms_per_request"][k] for r in runs])), 3) for k in roles
+        },
+        "p50_ms": float(np.median([r["p50_ms"] for r in runs if r["p50_ms"] is not None])),
+        "p95_ms": float(np.median([r["p95_ms"] for r in runs if r["p95_ms"] is not None])),
+        "answered": sum(r["answered"] for r in runs),
+        "offered": sum(r["offered"] for r in runs),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -292,17 +365,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
-    res: dict[str, Any] = {"scenario": "cost_per_request", "machine": sc.machine_info(), "rate_rps": args.rate,
-                           "duration_s": args.duration, "rounds": args.rounds, "model_options": OPTIONS,
-                           "batch": BATCH, "wait_ms": WAIT_MS, "command": "python -m bench.cost_per_request "
-                           + " ".join(argv if argv is not None else sys.argv[1:]), "arms": {}}
+    res: dict[str, Any] = {
+        "scenario": "cost_per_request",
+        "machine": sc.machine_info(),
+        "rate_rps": args.rate,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+        "model_options": OPTIONS,
+        "batch": BATCH,
+        "wait_ms": WAIT_MS,
+        "command": "python -m bench.cost_per_request " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "arms": {},
+    }
     targets: dict[str, Target] = {}
     with tempfile.TemporaryDirectory() as d, sc.Stack() as stack:
         tmp = Path(d)
         try:
-            builders = {"fleet": lambda: fleet_target(stack, False), "fleet-pinned": lambda: fleet_target(stack, True),
-                        "plain": lambda: plain_target(stack), "plain-1hop": lambda: plain_one_hop_target(stack),
-                        "bentoml": lambda: bentoml_target(args, tmp)}
+            builders = {
+                "fleet": lambda: fleet_target(stack, False),
+                "fleet-pinned": lambda: fleet_target(stack, True),
+                "plain": lambda: plain_target(stack),
+                "plain-1hop": lambda: plain_one_hop_target(stack),
+                "bentoml": lambda: bentoml_target(args, tmp),
+            }
             for arm in arms:
                 t = builders[arm]()
                 if t is None:
@@ -315,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     t.pids["proxy"] = proxy
             order = list(targets)
             for k in range(args.rounds):  # interleaved: load on the machine drifts over all arms alike
-                for arm in order[k % len(order):] + order[:k % len(order)]:
+                for arm in order[k % len(order) :] + order[: k % len(order)]:
                     t = targets[arm]
                     run = measure_cpu(t.pids, t.base_url, args.rate, args.duration, k, args.idle)
                     t.runs.append(run)
@@ -332,9 +417,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 except Exception:  # noqa: BLE001
                     pass
     for arm, doc in res["arms"].items():
-        print(f"{arm:<12} serving path {doc['serving_path_cpu_ms']:7.3f} CPU ms/request (median of {doc['rounds_cpu_ms']})  "
-              + "  ".join(f"{r} {v:.3f}" for r, v in doc["cpu_ms_per_request"].items())
-              + f"  P50 {doc['p50_ms']:.0f} ms P95 {doc['p95_ms']:.0f} ms  answered {doc['answered']}/{doc['offered']}")
+        print(
+            f"{arm:<12} serving path {doc['serving_path_cpu_ms']:7.3f} CPU ms/request (median of {doc['rounds_cpu_ms']})  "
+            + "  ".join(f"{r} {v:.3f}" for r, v in doc["cpu_ms_per_request"].items())
+            + f"  P50 {doc['p50_ms']:.0f} ms P95 {doc['p95_ms']:.0f} ms  answered {doc['answered']}/{doc['offered']}"
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))

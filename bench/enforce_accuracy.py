@@ -89,11 +89,22 @@ print(json.dumps({"pattern": pattern, "grant_mib": grant / MiB, "headroom_mib": 
 
 
 def measure(pattern: str, grant_bytes: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, pattern, str(grant_bytes), str(STEP_BYTES)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, pattern, str(grant_bytes), str(STEP_BYTES)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if out.returncode != 0:
-        return {"pattern": pattern, "grant_mib": grant_bytes / MiB, "headroom_mib": None, "got_mib": None,
-                "rss_over_mib": None, "error": f"child died ({out.returncode}): {out.stderr.strip()[-200:]}"}
+        return {
+            "pattern": pattern,
+            "grant_mib": grant_bytes / MiB,
+            "headroom_mib": None,
+            "got_mib": None,
+            "rss_over_mib": None,
+            "error": f"child died ({out.returncode}): {out.stderr.strip()[-200:]}",
+        }
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

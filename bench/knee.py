@@ -20,8 +20,9 @@ with the same seed, so the arms of a comparison see the same arrivals (scaled).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from bench.arrivals import split_rates
 from bench.sim import Arm, SimResult, parse_arm, run_sim
@@ -29,7 +30,14 @@ from bench.sim_profile import Profile, profile_for
 from quotas.config import FleetConfig
 
 ORACLE_BATCHES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
-ORACLE_WAITS_MS = (0.0, 5.0, 10.0, 20.0, 30.0, 50.0)  # BENCHMARK.md's grid plus 30/50 ms (eager batching needs longer waits)
+ORACLE_WAITS_MS = (
+    0.0,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    50.0,
+)  # BENCHMARK.md's grid plus 30/50 ms (eager batching needs longer waits)
 COMPLETION_MIN = 0.99
 
 
@@ -79,14 +87,17 @@ def reference_rate(profile: Profile) -> float:
     return 0.5 * saturation(profile, 8)
 
 
-def measured_saturation(config: FleetConfig, model: str, arm: str = "static:8:10", rs: RunSettings = RunSettings()) -> float:
+def measured_saturation(
+    config: FleetConfig, model: str, arm: str = "static:8:10", rs: RunSettings = RunSettings()
+) -> float:
     """The highest rate ``arm`` sustains at all, this model alone: its knee under a loose cap
     (10 x L(batch)). With eager batching a static arm's batch depends on the rate
     (1 + rate x wait, up to the batch), so its saturation is this fixed point, not b/(a + b c)."""
     prof = profile_for(model, config.models[model])
     b = parse_arm(arm).batch
-    loose = with_cap(config.model_copy(update={"models": {model: config.models[model]}}),
-                     {model: 10.0 * (prof.a_ms + prof.c_ms * b)})
+    loose = with_cap(
+        config.model_copy(update={"models": {model: config.models[model]}}), {model: 10.0 * (prof.a_ms + prof.c_ms * b)}
+    )
     quick = RunSettings(duration_s=60.0, warmup_s=15.0, seed=rs.seed, arrivals=rs.arrivals, batching=rs.batching)
     return knee(loose, arm, 0.25 * saturation(prof, b), quick, bisect_iters=4).knee_rps
 
@@ -117,7 +128,10 @@ def evaluate(result: SimResult) -> tuple[bool, str]:
         if m.offered == 0:
             continue
         if m.p95_ms is None or m.p95_ms > m.cap_ms:
-            return False, f"{name}: P95 {m.p95_ms if m.p95_ms is None else round(m.p95_ms, 1)} ms > cap {m.cap_ms:.1f} ms"
+            return (
+                False,
+                f"{name}: P95 {m.p95_ms if m.p95_ms is None else round(m.p95_ms, 1)} ms > cap {m.cap_ms:.1f} ms",
+            )
         ratio = m.completed / m.offered
         if ratio < COMPLETION_MIN:
             return False, f"{name}: completed/offered {ratio:.3f} < {COMPLETION_MIN}"
@@ -126,8 +140,15 @@ def evaluate(result: SimResult) -> tuple[bool, str]:
 
 def run_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> SimResult:
     return run_sim(
-        config, policy, rates_for(config, total, rs.split), rs.duration_s,
-        arrivals=rs.arrivals, seed=rs.seed, warmup_s=rs.warmup_s, drain_s=rs.drain_s, batching=rs.batching,
+        config,
+        policy,
+        rates_for(config, total, rs.split),
+        rs.duration_s,
+        arrivals=rs.arrivals,
+        seed=rs.seed,
+        warmup_s=rs.warmup_s,
+        drain_s=rs.drain_s,
+        batching=rs.batching,
     )
 
 
@@ -135,12 +156,17 @@ def _row(total: float, result: SimResult, ok: bool, why: str) -> dict[str, Any]:
     row: dict[str, Any] = {"rate": round(total, 3), "pass": ok, "why": why}
     for name, m in result.models.items():
         row[name] = {
-            "offered_rps": round(m.offered_rps, 2), "completed_rps": round(m.completed_rps, 2),
-            "goodput_rps": round(m.goodput_rps, 2), "attainment": round(m.attainment, 4),
+            "offered_rps": round(m.offered_rps, 2),
+            "completed_rps": round(m.completed_rps, 2),
+            "goodput_rps": round(m.goodput_rps, 2),
+            "attainment": round(m.attainment, 4),
             "p50_ms": None if m.p50_ms is None else round(m.p50_ms, 2),
             "p95_ms": None if m.p95_ms is None else round(m.p95_ms, 2),
             "p99_ms": None if m.p99_ms is None else round(m.p99_ms, 2),
-            "mean_batch": round(m.mean_batch, 2), "ooms": m.ooms, "rejects": m.rejects, "timeouts": m.timeouts,
+            "mean_batch": round(m.mean_batch, 2),
+            "ooms": m.ooms,
+            "rejects": m.rejects,
+            "timeouts": m.timeouts,
         }
     return row
 
@@ -174,11 +200,20 @@ def knee(
         return good
 
     caps = {n: float(s.slo_p95_ms) for n, s in config.models.items()}
-    return KneeResult(label, caps, search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate), rows)
+    return KneeResult(
+        label, caps, search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate), rows
+    )
 
 
-def search_knee(ok: Callable[[float], bool], start_rate: float, *, step: float = 1.1, bisect_iters: int = 5,
-                max_rate: float | None = None, max_runs: int | None = None) -> float:
+def search_knee(
+    ok: Callable[[float], bool],
+    start_rate: float,
+    *,
+    step: float = 1.1,
+    bisect_iters: int = 5,
+    max_rate: float | None = None,
+    max_runs: int | None = None,
+) -> float:
     """The largest rate ``ok`` passes: climb from ``start_rate`` by ``step`` until a rate fails
     (or step down until one passes), then bisect. ``max_rate`` stops the climb; ``max_runs``
     bounds the calls to ``ok`` (the live benchmark's runs are expensive). 0 when none passes."""
@@ -231,8 +266,14 @@ def search_knee(ok: Callable[[float], bool], start_rate: float, *, step: float =
 HELD_STEP = 0.95  # a held knee is searched down from seed 0's in 5 % steps
 
 
-def held_knee(passes: Callable[[float, int], bool], seed0_knee: float, seeds: Sequence[int], *,
-              step: float = HELD_STEP, max_runs: int | None = None) -> float:
+def held_knee(
+    passes: Callable[[float, int], bool],
+    seed0_knee: float,
+    seeds: Sequence[int],
+    *,
+    step: float = HELD_STEP,
+    max_runs: int | None = None,
+) -> float:
     """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
 
     Seed 0 passes at its own knee (that is how it was found), so there the other seeds are
@@ -261,8 +302,16 @@ def held_knee(passes: Callable[[float, int], bool], seed0_knee: float, seeds: Se
         rate *= step
 
 
-def knee_on_seeds(config: FleetConfig, policy: str | Arm, start_rate: float, rs: RunSettings = RunSettings(),
-                  seeds: Sequence[int] = (0, 1, 2), *, bisect_iters: int = 5, max_rate: float | None = None) -> dict[str, Any]:
+def knee_on_seeds(
+    config: FleetConfig,
+    policy: str | Arm,
+    start_rate: float,
+    rs: RunSettings = RunSettings(),
+    seeds: Sequence[int] = (0, 1, 2),
+    *,
+    bisect_iters: int = 5,
+    max_rate: float | None = None,
+) -> dict[str, Any]:
     """Seed 0's knee (``knee`` with ``rs.seed = seeds[0]``) and the knee that holds on every seed."""
     from dataclasses import replace
 
@@ -275,8 +324,14 @@ def knee_on_seeds(config: FleetConfig, policy: str | Arm, start_rate: float, rs:
         return ok
 
     held = held_knee(passes, k0.knee_rps, seeds)
-    return {"policy": k0.policy, "seed0_knee_rps": k0.knee_rps, "held_knee_rps": held, "seeds": list(seeds),
-            "seed_rows": tried, "rows": k0.rows}
+    return {
+        "policy": k0.policy,
+        "seed0_knee_rps": k0.knee_rps,
+        "held_knee_rps": held,
+        "seeds": list(seeds),
+        "seed_rows": tried,
+        "rows": k0.rows,
+    }
 
 
 def passes_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> bool:
@@ -324,16 +379,30 @@ def cap_s(config: FleetConfig, model: str, rs: RunSettings = RunSettings(), ref:
     one = config.model_copy(update={"models": {model: config.models[model]}})
     if ref is None:
         ref = reference_for(config, model, rs)[1]
-    res = run_sim(one, "static:8:10", {model: ref}, rs.duration_s,
-                  arrivals=rs.arrivals, seed=rs.seed, warmup_s=rs.warmup_s, drain_s=rs.drain_s, batching=rs.batching)
+    res = run_sim(
+        one,
+        "static:8:10",
+        {model: ref},
+        rs.duration_s,
+        arrivals=rs.arrivals,
+        seed=rs.seed,
+        warmup_s=rs.warmup_s,
+        drain_s=rs.drain_s,
+        batching=rs.batching,
+    )
     p95 = res.models[model].p95_ms
     if p95 is None:
         raise ValueError(f"models.{model}: static 8 completed nothing at the reference rate; check its profile")
     return p95
 
 
-def seed_validation(config: FleetConfig, rs: RunSettings = RunSettings(), *, oracle_grid: bool = True,
-                    on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def seed_validation(
+    config: FleetConfig,
+    rs: RunSettings = RunSettings(),
+    *,
+    oracle_grid: bool = True,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """The headline figures for a one-model profile config (BENCHMARK.md):
     static 8 knee at cap S, broker knee at cap 1.2·S, oracle knee at 1.2·S, bound, ratios."""
     if len(config.models) != 1:
@@ -343,8 +412,10 @@ def seed_validation(config: FleetConfig, rs: RunSettings = RunSettings(), *, ora
     prof = profile_for(name, config.models[name])
     sat8, ref = reference_for(config, name, rs)
     s_ms = cap_s(config, name, rs, ref)
-    say(f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}  {rs.batching} batching: static 8 saturates at {sat8:.1f}/s, "
-        f"reference {ref:.1f}/s, S = {s_ms:.1f} ms")
+    say(
+        f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}  {rs.batching} batching: static 8 saturates at {sat8:.1f}/s, "
+        f"reference {ref:.1f}/s, S = {s_ms:.1f} ms"
+    )
     cfg_s = with_cap(config, {name: s_ms})
     cfg_b = with_cap(config, {name: 1.2 * s_ms})
     k8 = knee(cfg_s, "static:8:10", ref, rs)
@@ -352,22 +423,35 @@ def seed_validation(config: FleetConfig, rs: RunSettings = RunSettings(), *, ora
     kb = knee(cfg_b, "broker", ref, rs)
     say(f"broker knee at 1.2·S: {kb.knee_rps:.1f}/s")
     out: dict[str, Any] = {
-        "model": name, "a_ms": prof.a_ms, "c_ms": prof.c_ms,
-        "batching": rs.batching, "static8_saturation_rps": sat8, "static8_saturation_lazy_rps": saturation(prof, 8),
-        "reference_rps": ref, "S_ms": s_ms, "cap_ms": 1.2 * s_ms,
-        "static8_knee_rps": k8.knee_rps, "broker_knee_rps": kb.knee_rps,
-        "bound_rps": bound(prof.a_ms, prof.c_ms, 1.2 * s_ms), "bound_batch": bound_batch(prof.a_ms, prof.c_ms, 1.2 * s_ms),
+        "model": name,
+        "a_ms": prof.a_ms,
+        "c_ms": prof.c_ms,
+        "batching": rs.batching,
+        "static8_saturation_rps": sat8,
+        "static8_saturation_lazy_rps": saturation(prof, 8),
+        "reference_rps": ref,
+        "S_ms": s_ms,
+        "cap_ms": 1.2 * s_ms,
+        "static8_knee_rps": k8.knee_rps,
+        "broker_knee_rps": kb.knee_rps,
+        "bound_rps": bound(prof.a_ms, prof.c_ms, 1.2 * s_ms),
+        "bound_batch": bound_batch(prof.a_ms, prof.c_ms, 1.2 * s_ms),
         "gain": kb.knee_rps / k8.knee_rps if k8.knee_rps else None,
-        "broker_rows": kb.rows, "static8_rows": k8.rows,
+        "broker_rows": kb.rows,
+        "static8_rows": k8.rows,
         "settings": rs.__dict__,
     }
     out["broker_vs_bound"] = kb.knee_rps / out["bound_rps"] if out["bound_rps"] else None
     if oracle_grid:
         ok, arm, arms = oracle(cfg_b, ref, rs)
         say(f"oracle knee at 1.2·S: {ok:.1f}/s ({arm})")
-        out.update({
-            "oracle_knee_rps": ok, "oracle_arm": arm, "oracle_arms": arms,
-            "oracle_gain": ok / k8.knee_rps if k8.knee_rps else None,
-            "broker_vs_oracle": kb.knee_rps / ok if ok else None,
-        })
+        out.update(
+            {
+                "oracle_knee_rps": ok,
+                "oracle_arm": arm,
+                "oracle_arms": arms,
+                "oracle_gain": ok / k8.knee_rps if k8.knee_rps else None,
+                "broker_vs_oracle": kb.knee_rps / ok if ok else None,
+            }
+        )
     return out

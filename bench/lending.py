@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -51,13 +52,17 @@ TARGET_GAIN = 1.3
 IND_MEAN_RPS = 40.0
 
 
-def fleet(*, fixed: bool = False, formation: str = "lazy", strategy: str = "hybrid",
-          emergency_free_frac: float = 0.10) -> FleetConfig:
+def fleet(
+    *, fixed: bool = False, formation: str = "lazy", strategy: str = "hybrid", emergency_free_frac: float = 0.10
+) -> FleetConfig:
     """The lending card. ``fixed``: quotas pinned at base (min = base = max)."""
     models = {}
     for name in MODELS:
-        quota = {"min": "3.5GiB", "base": "3.5GiB", "max": "3.5GiB"} if fixed else \
-            {"min": "1.5GiB", "base": "3.5GiB", "max": "8GiB"}
+        quota = (
+            {"min": "3.5GiB", "base": "3.5GiB", "max": "3.5GiB"}
+            if fixed
+            else {"min": "1.5GiB", "base": "3.5GiB", "max": "8GiB"}
+        )
         models[name] = {
             "model": "profiled",
             "options": {"a_ms": 5, "c_ms": 1, "weights_bytes": 1 * GIB, "bytes_per_item": 512 * MIB},
@@ -69,14 +74,23 @@ def fleet(*, fixed: bool = False, formation: str = "lazy", strategy: str = "hybr
             "request_timeout_s": 10,
             "control": {"strategy": strategy, "idle_hold_s": 5, "reclaim_hold_s": 1},
         }
-    return parse_config({
-        "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, "batch_formation": formation},
-        "gpu": {"device": "cpu", "capacity": "16GiB", "reserve_frac": 0.12, "emergency_free_frac": emergency_free_frac},
-        "models": models,
-    })
+    return parse_config(
+        {
+            "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, "batch_formation": formation},
+            "gpu": {
+                "device": "cpu",
+                "capacity": "16GiB",
+                "reserve_frac": 0.12,
+                "emergency_free_frac": emergency_free_frac,
+            },
+            "models": models,
+        }
+    )
 
 
-def in_turn(base_rps: float, burst_rps: float, phase_s: float, burst_s: float, seed: int) -> tuple[list[np.ndarray], list[tuple[float, float]]]:
+def in_turn(
+    base_rps: float, burst_rps: float, phase_s: float, burst_s: float, seed: int
+) -> tuple[list[np.ndarray], list[tuple[float, float]]]:
     """Each model bursts to ``burst_rps`` for ``burst_s`` in its own phase, in turn (gamma CV 2)."""
     out, windows = [], []
     duration = phase_s * len(MODELS)
@@ -98,11 +112,24 @@ def _workload(cfg: FleetConfig, times: list[np.ndarray]):
     return {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in zip(MODELS, times)}
 
 
-def run_arm(cfg: FleetConfig, arm: str, times: list[np.ndarray], duration_s: float, warmup_s: float,
-            windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+def run_arm(
+    cfg: FleetConfig,
+    arm: str,
+    times: list[np.ndarray],
+    duration_s: float,
+    warmup_s: float,
+    windows: list[tuple[float, float]] | None = None,
+) -> dict[str, Any]:
     """One arm: fleet goodput, per-model attainment (and off-burst attainment), OOMs, over-grants."""
-    sim = Simulator(cfg, parse_arm(arm), _workload(cfg, times), duration_s, warmup_s=warmup_s, drain_s=10.0,
-                    batching="lazy" if arm != "eager" else "eager")
+    sim = Simulator(
+        cfg,
+        parse_arm(arm),
+        _workload(cfg, times),
+        duration_s,
+        warmup_s=warmup_s,
+        drain_s=10.0,
+        batching="lazy" if arm != "eager" else "eager",
+    )
     res = sim.run()
     span = duration_s - warmup_s
     lat_ms = (sim.done_t - sim.t_np) * 1000.0
@@ -113,25 +140,40 @@ def run_arm(cfg: FleetConfig, arm: str, times: list[np.ndarray], duration_s: flo
         sel = (sim.m_np == m) & (sim.t_np >= warmup_s) & (sim.t_np < duration_s)
         good = sel & (sim.status == DONE) & (lat_ms <= cap)
         good_total += int(good.sum())
-        row = {"attainment": float(good.sum() / max(1, sel.sum())), "offered": int(sel.sum()),
-               "goodput_rps": float(good.sum() / span), "p95_ms": res.models[name].p95_ms,
-               "ooms": res.models[name].ooms, "errors": res.models[name].errors,
-               "rejects": res.models[name].rejects, "timeouts": res.models[name].timeouts,
-               "mean_batch": res.models[name].mean_batch, "mem_peak_bytes": res.models[name].mem_peak_bytes}
+        row = {
+            "attainment": float(good.sum() / max(1, sel.sum())),
+            "offered": int(sel.sum()),
+            "goodput_rps": float(good.sum() / span),
+            "p95_ms": res.models[name].p95_ms,
+            "ooms": res.models[name].ooms,
+            "errors": res.models[name].errors,
+            "rejects": res.models[name].rejects,
+            "timeouts": res.models[name].timeouts,
+            "mean_batch": res.models[name].mean_batch,
+            "mem_peak_bytes": res.models[name].mem_peak_bytes,
+        }
         if windows is not None:
             s, e = windows[m]
             off = sel & ((sim.t_np < s) | (sim.t_np >= e + 5.0))  # outside its own burst (and 5 s of drain)
             row["attainment_off_burst"] = float((off & good).sum() / max(1, off.sum()))
-            row["attainment_in_burst"] = float((good & ~off & (sim.t_np >= s)).sum()
-                                               / max(1, (sel & ~off & (sim.t_np >= s)).sum()))
+            row["attainment_in_burst"] = float(
+                (good & ~off & (sim.t_np >= s)).sum() / max(1, (sel & ~off & (sim.t_np >= s)).sum())
+            )
         models[name] = row
     over = 0
     for name in MODELS:
         col = res.series[name]
         over += sum(1 for g, u in zip(col["grant_bytes"], col["mem_bytes"]) if g >= 0 and u > g + GRANULARITY_BYTES)
     moves = [d for d in res.decisions if d.get("move")]
-    return {"arm": arm, "fleet_goodput_rps": good_total / span, "over_grant_events": over, "models": models,
-            "ooms": sum(r["ooms"] for r in models.values()), "quota_moves": len(moves), "wall_s": round(res.wall_s, 2)}
+    return {
+        "arm": arm,
+        "fleet_goodput_rps": good_total / span,
+        "over_grant_events": over,
+        "models": models,
+        "ooms": sum(r["ooms"] for r in models.values()),
+        "quota_moves": len(moves),
+        "wall_s": round(res.wall_s, 2),
+    }
 
 
 ABLATION: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -145,8 +187,9 @@ ABLATION: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
-        on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run(
+    *, quick: bool = False, out: Path | None = None, seed: int = 0, on_progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     say = on_progress or (lambda _m: None)
     t0 = time.perf_counter()
     phase_s, burst_s = (40.0, 25.0) if quick else (60.0, 40.0)
@@ -155,12 +198,16 @@ def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
     base_rps, burst_rps = 5.0, 550.0
     times, windows = in_turn(base_rps, burst_rps, phase_s, burst_s, seed)
     arms = {}
-    for arm_name, arm, cfg in (("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),
-                               ("broker-fixed", "broker", fleet(fixed=True)),
-                               ("broker", "broker", fleet())):
+    for arm_name, arm, cfg in (
+        ("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),
+        ("broker-fixed", "broker", fleet(fixed=True)),
+        ("broker", "broker", fleet()),
+    ):
         arms[arm_name] = run_arm(cfg, arm, times, duration, warmup, windows)
-        say(f"in turn: {arm_name}: fleet goodput {arms[arm_name]['fleet_goodput_rps']:.1f}/s, "
-            f"over-grant events {arms[arm_name]['over_grant_events']}")
+        say(
+            f"in turn: {arm_name}: fleet goodput {arms[arm_name]['fleet_goodput_rps']:.1f}/s, "
+            f"over-grant events {arms[arm_name]['over_grant_events']}"
+        )
     ablation = []
     for row, arm, opts in ABLATION:
         opts = dict(opts)
@@ -168,27 +215,52 @@ def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
         cfg = fleet(**opts)
         if arm.startswith("static"):
             sim_arm = arm
-            r = run_arm(cfg, sim_arm, times, duration, warmup, windows) if lazy else _run_eager(cfg, sim_arm, times, duration, warmup, windows)
+            r = (
+                run_arm(cfg, sim_arm, times, duration, warmup, windows)
+                if lazy
+                else _run_eager(cfg, sim_arm, times, duration, warmup, windows)
+            )
         else:
             r = run_arm(cfg, arm, times, duration, warmup, windows)
-        ablation.append({"parts": row, "fleet_goodput_rps": r["fleet_goodput_rps"], "ooms": r["ooms"],
-                         "over_grant_events": r["over_grant_events"]})
+        ablation.append(
+            {
+                "parts": row,
+                "fleet_goodput_rps": r["fleet_goodput_rps"],
+                "ooms": r["ooms"],
+                "over_grant_events": r["over_grant_events"],
+            }
+        )
         say(f"ablation: {row}: {r['fleet_goodput_rps']:.1f}/s")
     ind_duration = 240.0 if quick else 600.0
     ind_times = independent(IND_MEAN_RPS, ind_duration, seed)
-    contention = {name: run_arm(cfg, arm, ind_times, ind_duration, warmup)
-                  for name, arm, cfg in (("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),
-                                         ("broker", "broker", fleet()))}
+    contention = {
+        name: run_arm(cfg, arm, ind_times, ind_duration, warmup)
+        for name, arm, cfg in (
+            ("static-split", f"static:{STATIC_CAP}:10", fleet(fixed=True)),
+            ("broker", "broker", fleet()),
+        )
+    }
     say("independent bursts: " + ", ".join(f"{k} {v['fleet_goodput_rps']:.1f}/s" for k, v in contention.items()))
     b, f, s = (arms[k]["fleet_goodput_rps"] for k in ("broker", "broker-fixed", "static-split"))
     off_burst = min(r["attainment_off_burst"] for r in arms["broker"]["models"].values())
-    never_worse = all(contention["broker"]["models"][m]["attainment"] >= contention["static-split"]["models"][m]["attainment"]
-                      for m in MODELS)
+    never_worse = all(
+        contention["broker"]["models"][m]["attainment"] >= contention["static-split"]["models"][m]["attainment"]
+        for m in MODELS
+    )
     result = {
-        "scenario": "lending", "quick": quick, "seed": seed,
-        "load": {"in_turn": {"base_rps": base_rps, "burst_rps": burst_rps, "phase_s": phase_s, "burst_s": burst_s,
-                             "arrivals": "gamma:2"},
-                 "independent": {"mean_rps": IND_MEAN_RPS, "duration_s": ind_duration, "arrivals": "gamma:4"}},
+        "scenario": "lending",
+        "quick": quick,
+        "seed": seed,
+        "load": {
+            "in_turn": {
+                "base_rps": base_rps,
+                "burst_rps": burst_rps,
+                "phase_s": phase_s,
+                "burst_s": burst_s,
+                "arrivals": "gamma:2",
+            },
+            "independent": {"mean_rps": IND_MEAN_RPS, "duration_s": ind_duration, "arrivals": "gamma:4"},
+        },
         "arms": arms,
         "ablation": ablation,
         "independent": contention,
@@ -203,8 +275,14 @@ def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
         "runtime_s": round(time.perf_counter() - t0, 1),
     }
     t = result["targets"]
-    t["met"] = bool(t["broker_vs_fixed"] and t["broker_vs_fixed"] >= TARGET_GAIN and t["broker_vs_static"] >= TARGET_GAIN
-                    and off_burst >= 0.99 and t["over_grant_events"] == 0 and never_worse)
+    t["met"] = bool(
+        t["broker_vs_fixed"]
+        and t["broker_vs_fixed"] >= TARGET_GAIN
+        and t["broker_vs_static"] >= TARGET_GAIN
+        and off_burst >= 0.99
+        and t["over_grant_events"] == 0
+        and never_worse
+    )
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "lending.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
@@ -213,7 +291,9 @@ def run(*, quick: bool = False, out: Path | None = None, seed: int = 0,
 
 def _run_eager(cfg, arm, times, duration, warmup, windows):
     """A static arm on Ray's eager formation (the ablation's starting point)."""
-    sim = Simulator(cfg, parse_arm(arm), _workload(cfg, times), duration, warmup_s=warmup, drain_s=10.0, batching="eager")
+    sim = Simulator(
+        cfg, parse_arm(arm), _workload(cfg, times), duration, warmup_s=warmup, drain_s=10.0, batching="eager"
+    )
     res = sim.run()
     span = duration - warmup
     lat_ms = (sim.done_t - sim.t_np) * 1000.0
@@ -226,25 +306,43 @@ def _run_eager(cfg, arm, times, duration, warmup, windows):
 
 def table(res: dict[str, Any]) -> str:
     t = res["targets"]
-    lines = ["| arm | fleet goodput /s | over-grant events | OOM splits | quota moves | "
-             + " | ".join(f"{m} attain (off / in burst)" for m in MODELS) + " |",
-             "|---|---|---|---|---|" + "---|" * len(MODELS)]
+    lines = [
+        "| arm | fleet goodput /s | over-grant events | OOM splits | quota moves | "
+        + " | ".join(f"{m} attain (off / in burst)" for m in MODELS)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(MODELS),
+    ]
     for name, a in res["arms"].items():
-        cells = " | ".join(f"{a['models'][m]['attainment_off_burst']:.3f} / {a['models'][m]['attainment_in_burst']:.3f}"
-                           for m in MODELS)
-        lines.append(f"| {name} | {a['fleet_goodput_rps']:.1f} | {a['over_grant_events']} | {a['ooms']} | "
-                     f"{a['quota_moves']} | {cells} |")
-    lines += ["", f"broker / broker-fixed **{t['broker_vs_fixed']:.2f}×**, broker / static-split "
-              f"**{t['broker_vs_static']:.2f}×** (target ≥ {t['target_gain']}); lowest off-burst attainment "
-              f"{t['off_burst_attainment_min']:.3f} (target ≥ 0.99); over-grant events {t['over_grant_events']} (target 0). "
-              f"Targets {'met' if t['met'] else 'NOT met'}.", "",
-              "| parts on (ablation) | fleet goodput /s | OOM splits |", "|---|---|---|"]
+        cells = " | ".join(
+            f"{a['models'][m]['attainment_off_burst']:.3f} / {a['models'][m]['attainment_in_burst']:.3f}"
+            for m in MODELS
+        )
+        lines.append(
+            f"| {name} | {a['fleet_goodput_rps']:.1f} | {a['over_grant_events']} | {a['ooms']} | "
+            f"{a['quota_moves']} | {cells} |"
+        )
+    lines += [
+        "",
+        f"broker / broker-fixed **{t['broker_vs_fixed']:.2f}×**, broker / static-split "
+        f"**{t['broker_vs_static']:.2f}×** (target ≥ {t['target_gain']}); lowest off-burst attainment "
+        f"{t['off_burst_attainment_min']:.3f} (target ≥ 0.99); over-grant events {t['over_grant_events']} (target 0). "
+        f"Targets {'met' if t['met'] else 'NOT met'}.",
+        "",
+        "| parts on (ablation) | fleet goodput /s | OOM splits |",
+        "|---|---|---|",
+    ]
     for row in res["ablation"]:
         lines.append(f"| {row['parts']} | {row['fleet_goodput_rps']:.1f} | {row['ooms']} |")
-    lines += ["", "| independent bursts (gamma CV 4) | fleet goodput /s | " + " | ".join(f"{m} attain" for m in MODELS) + " |",
-              "|---|---|" + "---|" * len(MODELS)]
+    lines += [
+        "",
+        "| independent bursts (gamma CV 4) | fleet goodput /s | " + " | ".join(f"{m} attain" for m in MODELS) + " |",
+        "|---|---|" + "---|" * len(MODELS),
+    ]
     for name, a in res["independent"].items():
-        lines.append(f"| {name} | {a['fleet_goodput_rps']:.1f} | "
-                     + " | ".join(f"{a['models'][m]['attainment']:.3f}" for m in MODELS) + " |")
+        lines.append(
+            f"| {name} | {a['fleet_goodput_rps']:.1f} | "
+            + " | ".join(f"{a['models'][m]['attainment']:.3f}" for m in MODELS)
+            + " |"
+        )
     lines.append(f"\nbroker at least the static split's attainment on every model: {t['independent_never_worse']}")
     return "\n".join(lines)

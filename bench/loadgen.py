@@ -23,8 +23,9 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,8 +73,12 @@ class RunResult:
     status_samples: list[dict[str, Any]] = field(default_factory=list)  # (t_s, status) polls
 
     def to_dict(self) -> dict[str, Any]:
-        return {"duration_s": self.duration_s, "wall_s": self.wall_s, "records": [asdict(r) for r in self.records],
-                "status_samples": self.status_samples}
+        return {
+            "duration_s": self.duration_s,
+            "wall_s": self.wall_s,
+            "records": [asdict(r) for r in self.records],
+            "status_samples": self.status_samples,
+        }
 
 
 # ------------------------------------------------------------------------------ schedules
@@ -112,8 +117,9 @@ def merge(*schedules: Iterable[Planned]) -> list[Planned]:
     return allp
 
 
-def schedule_for(kind: str, rate: float, duration_s: float, seed: int, *, cv: float = 1.0,
-                 trace_path: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+def schedule_for(
+    kind: str, rate: float, duration_s: float, seed: int, *, cv: float = 1.0, trace_path: str | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Arrival times (and token lengths for the trace) of one model: poisson | gamma | trace."""
     if kind == "poisson":
         return arr.poisson(rate, duration_s, seed), None
@@ -137,7 +143,7 @@ async def _poll_status(session, url: str, every_s: float, t0: float, out: list, 
             pass
         try:
             await asyncio.wait_for(stop.wait(), timeout=every_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -178,7 +184,7 @@ async def run_async(
                         _read_tags(rec, payload)
                     else:
                         rec.error = payload[:200].decode(errors="replace")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 rec.status, rec.error = STATUS_CLIENT_FAIL, f"client timeout after {timeout_s:g}s"
             except Exception as exc:  # noqa: BLE001 - a failed request is a record, not a crash
                 rec.status, rec.error = STATUS_CLIENT_FAIL, repr(exc)[:200]
@@ -276,7 +282,9 @@ def summarize(
     """Per-model summary of the requests scheduled in ``[warmup_s, duration_s − cooldown_s)``."""
     lo, hi = warmup_s, duration_s - cooldown_s
     if hi <= lo:
-        raise ValueError(f"warmup_s ({warmup_s}) + cooldown_s ({cooldown_s}) leave nothing of duration_s ({duration_s})")
+        raise ValueError(
+            f"warmup_s ({warmup_s}) + cooldown_s ({cooldown_s}) leave nothing of duration_s ({duration_s})"
+        )
     window = hi - lo
     by_model: dict[str, list[Record]] = {}
     for r in records:
@@ -289,22 +297,42 @@ def summarize(
         lat = [r.latency_ms for r in ok]
         good = sum(1 for x in lat if cap is None or x <= cap)
         rej = sum(1 for r in recs if r.status == 503)
-        tmo = sum(1 for r in recs if r.status in (504, STATUS_CLIENT_FAIL) and (r.status == 504 or "timeout" in (r.error or "")))
+        tmo = sum(
+            1
+            for r in recs
+            if r.status in (504, STATUS_CLIENT_FAIL) and (r.status == 504 or "timeout" in (r.error or ""))
+        )
         err = len(recs) - len(ok) - rej - tmo
         lags = [max(0.0, (r.send_s - r.sched_s) * 1000.0) for r in recs if r.send_s is not None]
-        done_in = sum(1 for r in records if r.model == model and r.status == STATUS_OK and r.finish_s is not None
-                      and lo <= r.finish_s < hi)
+        done_in = sum(
+            1
+            for r in records
+            if r.model == model and r.status == STATUS_OK and r.finish_s is not None and lo <= r.finish_s < hi
+        )
         p95 = percentile(lat, 95)
         passes = None
         if cap is not None:
             passes = bool(p95 is not None and p95 <= cap and len(ok) >= COMPLETION_MIN * len(recs))
         out[model] = ModelSummary(
-            model=model, window_s=window, offered=len(recs), completed=len(ok), good=good,
-            rejections=rej, timeouts=tmo, errors=err,
-            offered_rps=len(recs) / window, completed_rps=len(ok) / window, goodput_rps=good / window,
+            model=model,
+            window_s=window,
+            offered=len(recs),
+            completed=len(ok),
+            good=good,
+            rejections=rej,
+            timeouts=tmo,
+            errors=err,
+            offered_rps=len(recs) / window,
+            completed_rps=len(ok) / window,
+            goodput_rps=good / window,
             attainment=good / len(recs) if recs else 0.0,
-            p50_ms=percentile(lat, 50), p95_ms=p95, p99_ms=percentile(lat, 99), cap_ms=cap,
-            send_lag_p99_ms=percentile(lags, 99), throughput_rps=done_in / window, passes=passes,
+            p50_ms=percentile(lat, 50),
+            p95_ms=p95,
+            p99_ms=percentile(lat, 99),
+            cap_ms=cap,
+            send_lag_p99_ms=percentile(lags, 99),
+            throughput_rps=done_in / window,
+            passes=passes,
         )
     return out
 
@@ -318,13 +346,16 @@ def all_pass(summary: Mapping[str, ModelSummary]) -> bool:
     return all(s.passes for s in summary.values() if s.offered > 0)
 
 
-def batch_stats(records: Sequence[Record], model: str | None = None, *, lo_s: float = 0.0,
-                hi_s: float = float("inf")) -> dict[str, Any]:
+def batch_stats(
+    records: Sequence[Record], model: str | None = None, *, lo_s: float = 0.0, hi_s: float = float("inf")
+) -> dict[str, Any]:
     """Mean batch (request-weighted: the batch a request ran in) and the L(b) = a + c·b fit
     from the batch tags of the completed requests scheduled in ``[lo_s, hi_s)``."""
     from broker.latency_model import fit_latency
 
-    recs = [r for r in records if r.batch is not None and (model is None or r.model == model) and lo_s <= r.sched_s < hi_s]
+    recs = [
+        r for r in records if r.batch is not None and (model is None or r.model == model) and lo_s <= r.sched_s < hi_s
+    ]
     if not recs:
         return {"mean_batch": None, "mean_batch_cost": None, "fit_a_ms": None, "fit_c_ms": None, "fit_batches": 0}
     # one point per batch: requests of a batch share (cost, ms); dedupe on that pair
@@ -342,8 +373,11 @@ def batch_stats(records: Sequence[Record], model: str | None = None, *, lo_s: fl
 def mean_batch(samples: Sequence[Mapping[str, Any]], model: str) -> float | None:
     """Mean batch size from broker status polls: completions-weighted mean of the replicas'
     reported batch sizes when the status carries them (``mean_batch``), else None."""
-    vals = [s["status"]["models"][model].get("mean_batch") for s in samples
-            if model in s.get("status", {}).get("models", {})]
+    vals = [
+        s["status"]["models"][model].get("mean_batch")
+        for s in samples
+        if model in s.get("status", {}).get("models", {})
+    ]
     vals = [v for v in vals if v is not None]
     return float(np.mean(vals)) if vals else None
 
@@ -363,12 +397,16 @@ def status_series(samples: Sequence[Mapping[str, Any]], model: str, keys: Sequen
     return out
 
 
-def settings_seen(samples: Sequence[Mapping[str, Any]], model: str, lo_s: float = 0.0,
-                  hi_s: float = float("inf")) -> dict[str, Any]:
+def settings_seen(
+    samples: Sequence[Mapping[str, Any]], model: str, lo_s: float = 0.0, hi_s: float = float("inf")
+) -> dict[str, Any]:
     """The batch cap and wait timeout the status polls showed for ``model`` in ``[lo_s, hi_s)``:
     median, min and max of each (None when no poll saw the model)."""
-    ser = status_series([s for s in samples if lo_s <= float(s.get("t_s", 0.0)) < hi_s], model,
-                        ("max_batch_size", "batch_wait_timeout_s"))
+    ser = status_series(
+        [s for s in samples if lo_s <= float(s.get("t_s", 0.0)) < hi_s],
+        model,
+        ("max_batch_size", "batch_wait_timeout_s"),
+    )
     out: dict[str, Any] = {}
     for k in ("max_batch_size", "batch_wait_timeout_s"):
         v = [float(x) for x in ser[k] if x is not None]
@@ -382,12 +420,17 @@ def seeds_table(per_seed: Sequence[Mapping[str, ModelSummary]]) -> dict[str, dic
     out = {}
     for m in models:
         rows = [s[m] for s in per_seed if m in s]
-        def agg(key: str) -> dict[str, float | None]:
+
+        def agg(key: str, rows: list = rows) -> dict[str, float | None]:
             vals = [getattr(r, key) for r in rows if getattr(r, key) is not None]
             if not vals:
                 return {"mean": None, "min": None, "max": None}
             return {"mean": float(np.mean(vals)), "min": float(min(vals)), "max": float(max(vals))}
-        out[m] = {k: agg(k) for k in ("offered_rps", "completed_rps", "goodput_rps", "attainment", "p50_ms", "p95_ms", "p99_ms")}
+
+        out[m] = {
+            k: agg(k)
+            for k in ("offered_rps", "completed_rps", "goodput_rps", "attainment", "p50_ms", "p95_ms", "p99_ms")
+        }
         out[m]["passes_all"] = all(bool(r.passes) for r in rows)
         out[m]["rejections"] = sum(r.rejections for r in rows)
         out[m]["timeouts"] = sum(r.timeouts for r in rows)

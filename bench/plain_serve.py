@@ -12,7 +12,6 @@ is the same ``@serve.batch`` replica answering HTTP itself (one hop, like the fl
 since ``deployments.http_model``); ``bench/cost_per_request.py`` measures both shapes.
 """
 
-
 import asyncio
 import json
 from typing import Any
@@ -30,8 +29,11 @@ class PlainModel:
 
         self.adapter = load_adapter(model_ref, options, "cpu")
         self.token_priced = getattr(self.adapter, "cost_unit", "requests") == "tokens"
-        self._batch = serve.batch(max_batch_size=int(batch), batch_wait_timeout_s=float(wait_ms) / 1000.0,
-                                  batch_size_fn=(lambda items: sum(c for _, c in items)) if self.token_priced else None)(self._run)
+        self._batch = serve.batch(
+            max_batch_size=int(batch),
+            batch_wait_timeout_s=float(wait_ms) / 1000.0,
+            batch_size_fn=(lambda items: sum(c for _, c in items)) if self.token_priced else None,
+        )(self._run)
 
     async def _run(self, items: list) -> list:
         return await asyncio.to_thread(self.adapter.predict, [v for v, _ in items])
@@ -72,12 +74,19 @@ def build_plain(model_ref: str, options: dict[str, Any], batch: int, wait_ms: fl
     """The baseline app: ingress + one ``@serve.batch`` replica (logical CPUs as deployments.app)."""
     from deployments.app import INGRESS_NUM_CPUS, MODEL_NUM_CPUS
 
-    model = serve.deployment(PlainModel).options(
-        name=name, num_replicas=1, max_ongoing_requests=max(4096, int(batch) * 2),
-        ray_actor_options={"num_cpus": MODEL_NUM_CPUS},
-    ).bind(model_ref, options, batch, wait_ms)
-    return PlainIngress.options(name="ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
-                                max_ongoing_requests=4096).bind(model, name)
+    model = (
+        serve.deployment(PlainModel)
+        .options(
+            name=name,
+            num_replicas=1,
+            max_ongoing_requests=max(4096, int(batch) * 2),
+            ray_actor_options={"num_cpus": MODEL_NUM_CPUS},
+        )
+        .bind(model_ref, options, batch, wait_ms)
+    )
+    return PlainIngress.options(
+        name="ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096
+    ).bind(model, name)
 
 
 class PlainHttpModel(PlainModel):
@@ -102,7 +111,13 @@ def build_plain_one_hop(model_ref: str, options: dict[str, Any], batch: int, wai
     """The one-hop baseline app (deploy it at route prefix ``/v1/models/<name>``)."""
     from deployments.app import MODEL_NUM_CPUS
 
-    return serve.deployment(PlainHttpModel).options(
-        name=name, num_replicas=1, max_ongoing_requests=max(4096, int(batch) * 2),
-        ray_actor_options={"num_cpus": MODEL_NUM_CPUS},
-    ).bind(model_ref, options, batch, wait_ms, name)
+    return (
+        serve.deployment(PlainHttpModel)
+        .options(
+            name=name,
+            num_replicas=1,
+            max_ongoing_requests=max(4096, int(batch) * 2),
+            ray_actor_options={"num_cpus": MODEL_NUM_CPUS},
+        )
+        .bind(model_ref, options, batch, wait_ms, name)
+    )

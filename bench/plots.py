@@ -22,7 +22,11 @@ def knee_curves(res: dict[str, Any], out_dir: Path) -> list[Path]:
     for i, r in enumerate(res.get("results", [])):
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
         for arm in ("static8", "static8 saturation (loose cap)", "broker", "bentoml"):
-            rows = (r.get("saturation_rows") or []) if arm.startswith("static8 sat") else ((r.get(arm) or {}).get("rows") or [])
+            rows = (
+                (r.get("saturation_rows") or [])
+                if arm.startswith("static8 sat")
+                else ((r.get(arm) or {}).get("rows") or [])
+            )
             pts = sorted((row["rate"], next(iter(row["models"].values()))) for row in rows)
             if not pts:
                 continue
@@ -31,16 +35,25 @@ def knee_curves(res: dict[str, Any], out_dir: Path) -> list[Path]:
         if r.get("static8_saturation_rps"):
             for ax in (ax1, ax2):
                 ax.axvline(r["static8_saturation_rps"], color="tab:blue", ls=":", lw=1)
-            ax1.text(r["static8_saturation_rps"], 0.05, " static 8:10 measured saturation", color="tab:blue", fontsize=7,
-                     transform=ax1.get_xaxis_transform())
+            ax1.text(
+                r["static8_saturation_rps"],
+                0.05,
+                " static 8:10 measured saturation",
+                color="tab:blue",
+                fontsize=7,
+                transform=ax1.get_xaxis_transform(),
+            )
         if r.get("bound_rps"):
             ax1.axvline(r["bound_rps"], color="k", ls="-.", lw=1)
-            ax1.text(r["bound_rps"], 0.15, " bound (1−2a/C)/c", fontsize=7, ha="right", transform=ax1.get_xaxis_transform())
+            ax1.text(
+                r["bound_rps"], 0.15, " bound (1−2a/C)/c", fontsize=7, ha="right", transform=ax1.get_xaxis_transform()
+            )
         ax2.axhline(r["S_ms"], color="grey", ls=":", label="S (static 8 cap)")
         ax2.axhline(r["cap_ms"], color="k", ls="--", label="1.2·S (broker cap)")
         ax1.set(xlabel="offered rate (req/s)", ylabel="SLO attainment", title=r["workload"][:60])
         ax2.set(xlabel="offered rate (req/s)", ylabel="P95 (ms)", yscale="log")
-        ax1.legend(); ax2.legend(fontsize=7)
+        ax1.legend()
+        ax2.legend(fontsize=7)
         fig.tight_layout()
         p = out_dir / f"seed_{i}_{'profiled' if 'profiled' in r['workload'] else 'minilm'}.png"
         fig.savefig(p, dpi=90)
@@ -61,7 +74,8 @@ def oracle_curves(res: dict[str, Any], out_dir: Path) -> list[Path]:
     ax2.axhline(res["cap_ms"], color="k", ls="--", label="cap")
     ax1.set(xlabel="offered rate (req/s)", ylabel="goodput (req/s within cap)", title="oracle sweep")
     ax2.set(xlabel="offered rate (req/s)", ylabel="P95 (ms)", yscale="log")
-    ax1.legend(fontsize=7); ax2.legend(fontsize=7)
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     p = out_dir / "oracle.png"
     fig.savefig(p, dpi=90)
@@ -98,14 +112,19 @@ def trace_curves(res: dict[str, Any], out_dir: Path) -> list[Path]:
     for arm in ("broker", "static8"):
         rows = [r for r in res["rows"] if r["arm"] == arm]
         rates = sorted({r["rate_rps"] for r in rows})
-        att = [sum(r["attainment"] for r in rows if r["rate_rps"] == x) / max(1, sum(1 for r in rows if r["rate_rps"] == x)) for x in rates]
+        att = [
+            sum(r["attainment"] for r in rows if r["rate_rps"] == x)
+            / max(1, sum(1 for r in rows if r["rate_rps"] == x))
+            for x in rates
+        ]
         p95 = [max((r["p95_ms"] or float("nan")) for r in rows if r["rate_rps"] == x) for x in rates]
         ax1.plot(rates, att, "o-", label=arm)
         ax2.plot(rates, p95, "o-", label=arm)
     ax2.axhline(res["cap_ms"], color="k", ls="--", label="cap")
     ax1.set(xlabel="offered rate (req/s)", ylabel="SLO attainment", title="Azure code trace 2023")
     ax2.set(xlabel="offered rate (req/s)", ylabel="P95 (ms)", yscale="log")
-    ax1.legend(); ax2.legend()
+    ax1.legend()
+    ax2.legend()
     fig.tight_layout()
     p = out_dir / "trace.png"
     fig.savefig(p, dpi=90)

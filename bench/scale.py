@@ -44,8 +44,13 @@ TARGETS = {"median_tick_ms": 10.0, "p99_tick_ms": 50.0, "sim_wall_s": 60.0}  # i
 def _model(i: int, base: int) -> dict[str, Any]:
     return {
         "model": "profiled",
-        "options": {"a_ms": 4 + i % 5, "c_ms": 0.2 + 0.05 * (i % 4), "weights_bytes": base // 4,
-                    "bytes_per_item": max(1, base // 256), "unit": "requests"},
+        "options": {
+            "a_ms": 4 + i % 5,
+            "c_ms": 0.2 + 0.05 * (i % 4),
+            "weights_bytes": base // 4,
+            "bytes_per_item": max(1, base // 256),
+            "unit": "requests",
+        },
         "quota": {"min": base // 2, "base": base, "max": base * 2},
         "batch": {"floor": 2, "ceiling": 128},
         "wait": {"min_ms": 0, "max_ms": 30},
@@ -62,15 +67,21 @@ def synthetic_doc(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int = 
     base = int(capacity_bytes * 0.88 * 0.9) // per_card
     models = {f"m{i:04d}": _model(i, base) for i in range(n_models)}
     doc: dict[str, Any] = {
-        "broker": {"control_interval_s": CONTROL_INTERVAL_S, "report_interval_s": REPORT_INTERVAL_S,
-                   "metrics_port": 0, "decision_log_size": 2000},
+        "broker": {
+            "control_interval_s": CONTROL_INTERVAL_S,
+            "report_interval_s": REPORT_INTERVAL_S,
+            "metrics_port": 0,
+            "decision_log_size": 2000,
+        },
         "models": models,
     }
     if cards == 1:
         doc["gpu"] = {"device": "cpu", "capacity": capacity_bytes}
     else:
-        doc["gpus"] = [{"id": f"c{k:02d}", "node": f"n{k // 8}", "index": k % 8, "capacity": capacity_bytes, "device": "cpu"}
-                       for k in range(cards)]
+        doc["gpus"] = [
+            {"id": f"c{k:02d}", "node": f"n{k // 8}", "index": k % 8, "capacity": capacity_bytes, "device": "cpu"}
+            for k in range(cards)
+        ]
         for i, spec in enumerate(models.values()):
             spec["placement"] = {"cards": [f"c{i % cards:02d}"]}
     return doc
@@ -78,7 +89,9 @@ def synthetic_doc(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int = 
 
 def synthetic_config(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int = 1) -> FleetConfig:
     """``synthetic_doc`` validated."""
-    return parse_config(synthetic_doc(n_models, capacity_bytes, cards), f"synthetic {n_models} models x {cards} card(s)")
+    return parse_config(
+        synthetic_doc(n_models, capacity_bytes, cards), f"synthetic {n_models} models x {cards} card(s)"
+    )
 
 
 class _Replica:
@@ -94,17 +107,31 @@ def _report(rep: _Replica, now_s: float, step: int, rng: random.Random) -> Stats
     rate = 40.0 if busy else (0.5 if rep.phase % 2 else 0.0)
     arrivals = int(rng.expovariate(1.0) * rate * REPORT_INTERVAL_S) if rate else 0
     cap = int(rep.settings["max_batch_size"])
-    batches = tuple((float(min(cap, max(1, arrivals // 2))), 5.0 + 0.3 * min(cap, arrivals)) for _ in range(min(arrivals, 2)))
+    batches = tuple(
+        (float(min(cap, max(1, arrivals // 2))), 5.0 + 0.3 * min(cap, arrivals)) for _ in range(min(arrivals, 2))
+    )
     grant = int(rep.settings["grant_bytes"])
     used = int(grant * (0.85 if busy else 0.3))
     lat = tuple(round(rng.uniform(8, 60 if busy else 20), 2) for _ in range(min(arrivals, 16)))
     rep.seq += 1
     return StatsReport(
-        model=rep.name, replica_id=rep.rid, seq=rep.seq, now_s=now_s, interval_s=REPORT_INTERVAL_S,
-        arrivals=arrivals, completions=arrivals, latency_ms=lat, batches=batches,
-        batch_requests=tuple(int(b[0]) for b in batches), busy_s=sum(b[1] for b in batches) / 1000.0,
-        queue_depth=int(rate // 4) if busy else 0, mem_used_bytes=used, mem_peak_bytes=used,
-        device_free_frac=0.3, settings_version=int(rep.settings["version"]), card_id=rep.card_id,
+        model=rep.name,
+        replica_id=rep.rid,
+        seq=rep.seq,
+        now_s=now_s,
+        interval_s=REPORT_INTERVAL_S,
+        arrivals=arrivals,
+        completions=arrivals,
+        latency_ms=lat,
+        batches=batches,
+        batch_requests=tuple(int(b[0]) for b in batches),
+        busy_s=sum(b[1] for b in batches) / 1000.0,
+        queue_depth=int(rate // 4) if busy else 0,
+        mem_used_bytes=used,
+        mem_peak_bytes=used,
+        device_free_frac=0.3,
+        settings_version=int(rep.settings["version"]),
+        card_id=rep.card_id,
     )
 
 
@@ -138,8 +165,11 @@ class _Cores:
         self.replicas: list[_Replica] = []
         for i, (name, spec) in enumerate(cfg.models.items()):
             rid, card = f"{name}-r0", card_of[name]
-            cal = {"weights_bytes": int(spec.options["weights_bytes"]), "bytes_per_unit": float(spec.options["bytes_per_item"]),
-                   "cost_unit": "requests"}
+            cal = {
+                "weights_bytes": int(spec.options["weights_bytes"]),
+                "bytes_per_unit": float(spec.options["bytes_per_item"]),
+                "cost_unit": "requests",
+            }
             settings = self.broker.register(name, rid, cal, card) if card else self.broker.register(name, rid, cal)
             self.replicas.append(_Replica(name, rid, i % 4, settings, card))
 
@@ -163,9 +193,15 @@ class _Cores:
 
 def _summary(label: str, runs: dict[str, list[float]], **extra: Any) -> dict[str, Any]:
     ticks = runs["tick_ms"]
-    return {"case": label, **extra, "ticks": len(ticks), "median_tick_ms": round(statistics.median(ticks), 3),
-            "p99_tick_ms": round(_percentile(ticks, 0.99), 3), "max_tick_ms": round(max(ticks), 3),
-            "report_us": round(statistics.median(runs["report_us"]), 1)}
+    return {
+        "case": label,
+        **extra,
+        "ticks": len(ticks),
+        "median_tick_ms": round(statistics.median(ticks), 3),
+        "p99_tick_ms": round(_percentile(ticks, 0.99), 3),
+        "max_tick_ms": round(max(ticks), 3),
+        "report_us": round(statistics.median(runs["report_us"]), 1),
+    }
 
 
 def _timed(doc: dict[str, Any], seconds: float, seed: int) -> tuple[dict[str, list[float]], int]:
@@ -200,10 +236,17 @@ def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0
     result = run_sim(cfg, "broker", {name: rate_rps for name in cfg.models}, duration_s, arrivals="trace", seed=seed)
     wall = time.perf_counter() - started
     per_model = list(result.models.values())
-    return {"case": f"simulator: {models} models x {duration_s / 3600:g} h trace", "models": models,
-            "duration_s": duration_s, "rate_rps_per_model": rate_rps, "wall_s": round(wall, 2),
-            "offered": sum(m.offered for m in per_model), "completed": sum(m.completed for m in per_model),
-            "events": result.events, "attainment": round(statistics.mean(m.attainment for m in per_model), 4)}
+    return {
+        "case": f"simulator: {models} models x {duration_s / 3600:g} h trace",
+        "models": models,
+        "duration_s": duration_s,
+        "rate_rps_per_model": rate_rps,
+        "wall_s": round(wall, 2),
+        "offered": sum(m.offered for m in per_model),
+        "completed": sum(m.completed for m in per_model),
+        "events": result.events,
+        "attainment": round(statistics.mean(m.attainment for m in per_model), 4),
+    }
 
 
 def run(quick: bool = False, out: Path = Path("bench/out")) -> dict[str, Any]:
@@ -220,14 +263,20 @@ def run(quick: bool = False, out: Path = Path("bench/out")) -> dict[str, Any]:
 
 
 def table(res: dict[str, Any]) -> str:
-    lines = ["| case | cores | ticks | median tick ms | p99 tick ms | max tick ms | report µs |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| case | cores | ticks | median tick ms | p99 tick ms | max tick ms | report µs |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in res["models"] + res["cards"]:
-        lines.append(f"| {row['case']} | {row.get('cores', 1)} | {row['ticks']} | {row['median_tick_ms']:.2f} | "
-                     f"{row['p99_tick_ms']:.2f} | {row['max_tick_ms']:.2f} | {row['report_us']:.0f} |")
+        lines.append(
+            f"| {row['case']} | {row.get('cores', 1)} | {row['ticks']} | {row['median_tick_ms']:.2f} | "
+            f"{row['p99_tick_ms']:.2f} | {row['max_tick_ms']:.2f} | {row['report_us']:.0f} |"
+        )
     sim = res["sim"]
     lines.append("")
     lines.append(f"{sim['case']}: {sim['wall_s']:.1f} s wall (target under {TARGETS['sim_wall_s']:.0f} s)")
-    lines.append("Tick: one control step of the whole broker (a gpus: fleet: FleetBroker.tick, every card's core); "
-                 "report: one replica report, median.")
+    lines.append(
+        "Tick: one control step of the whole broker (a gpus: fleet: FleetBroker.tick, every card's core); "
+        "report: one replica report, median."
+    )
     return "\n".join(lines)

@@ -19,66 +19,51 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-import numpy as np
 import yaml
 
 from bench import loadgen as lg
+from bench.live_util import (  # noqa: F401 - re-exported  # noqa: F401 - re-exported
+    eager_batch,
+    eager_saturation,
+    free_port,
+    http_json,
+    machine_info,
+    poisson_schedule,
+    spread,
+    wait_http,
+)
 from bench.tagged import TAGGED
 
 MiB = 1024**2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_json(url: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        try:
-            return exc.code, json.loads(exc.read() or b"null")
-        except ValueError:
-            return exc.code, None
-
-
-def wait_http(url: str, body: dict | None = None, timeout_s: float = 120.0, ok: Callable[[int, Any], bool] | None = None) -> Any:
-    """Poll ``url`` until it answers 200 (and ``ok``); returns the JSON answer."""
-    deadline = time.time() + timeout_s
-    last: Any = None
-    while time.time() < deadline:
-        try:
-            code, doc = http_json(url, body, timeout_s=10)
-            last = (code, doc)
-            if code == 200 and (ok is None or ok(code, doc)):
-                return doc
-        except Exception as exc:  # noqa: BLE001 - not up yet
-            last = repr(exc)
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s; last answer: {str(last)[:300]}")
-
-
-# ------------------------------------------------------------------------------ configs
-def profiled_spec(a_ms: float, c_ms: float, cap_ms: float, *, ceiling: int = 128, floor: int = 2,
-                  weights_bytes: int = 16 * MiB, bytes_per_item: int = 256 * 1024,
-                  quota: Mapping[str, str] | None = None, window_s: float = 10.0) -> dict[str, Any]:
+def profiled_spec(
+    a_ms: float,
+    c_ms: float,
+    cap_ms: float,
+    *,
+    ceiling: int = 128,
+    floor: int = 2,
+    weights_bytes: int = 16 * MiB,
+    bytes_per_item: int = 256 * 1024,
+    quota: Mapping[str, str] | None = None,
+    window_s: float = 10.0,
+) -> dict[str, Any]:
     """A fleet-config model entry for the tagged ``profiled`` emulation L(b) = a + c·b."""
     return {
         "model": TAGGED["profiled"],
-        "options": {"a_ms": a_ms, "c_ms": c_ms, "weights_bytes": int(weights_bytes),
-                    "bytes_per_item": int(bytes_per_item), "unit": "requests"},
+        "options": {
+            "a_ms": a_ms,
+            "c_ms": c_ms,
+            "weights_bytes": int(weights_bytes),
+            "bytes_per_item": int(bytes_per_item),
+            "unit": "requests",
+        },
         "quota": dict(quota or {"min": "256MiB", "base": "1GiB", "max": "2GiB"}),
         "batch": {"floor": floor, "ceiling": ceiling},
         "wait": {"min_ms": 0, "max_ms": 50},
@@ -89,8 +74,15 @@ def profiled_spec(a_ms: float, c_ms: float, cap_ms: float, *, ceiling: int = 128
     }
 
 
-def minilm_spec(cap_ms: float, *, ceiling: int = 2048, floor: int = 32, threads: int = 1,
-                quota: Mapping[str, str] | None = None, window_s: float = 10.0) -> dict[str, Any]:
+def minilm_spec(
+    cap_ms: float,
+    *,
+    ceiling: int = 2048,
+    floor: int = 32,
+    threads: int = 1,
+    quota: Mapping[str, str] | None = None,
+    window_s: float = 10.0,
+) -> dict[str, Any]:
     """A fleet-config model entry for the tagged MiniLM (token-priced)."""
     return {
         "model": TAGGED["minilm"],
@@ -121,12 +113,25 @@ def pin_static(spec: Mapping[str, Any], batch: int, wait_ms: float) -> dict[str,
     return s
 
 
-def fleet_yaml(models: Mapping[str, Mapping[str, Any]], *, broker_name: str, capacity: str = "8GiB",
-               control_interval_s: float = 0.5, report_interval_s: float = 0.25, http_port: int = 8000) -> str:
+def fleet_yaml(
+    models: Mapping[str, Mapping[str, Any]],
+    *,
+    broker_name: str,
+    capacity: str = "8GiB",
+    control_interval_s: float = 0.5,
+    report_interval_s: float = 0.25,
+    http_port: int = 8000,
+) -> str:
     doc = {
-        "broker": {"name": broker_name, "namespace": "gpubroker-bench", "control_interval_s": control_interval_s,
-                   "report_interval_s": report_interval_s, "metrics_port": 0, "http_host": "127.0.0.1",
-                   "http_port": http_port},
+        "broker": {
+            "name": broker_name,
+            "namespace": "gpubroker-bench",
+            "control_interval_s": control_interval_s,
+            "report_interval_s": report_interval_s,
+            "metrics_port": 0,
+            "http_host": "127.0.0.1",
+            "http_port": http_port,
+        },
         "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": 0.0, "emergency_free_frac": 0.05},
         "models": {k: dict(v) for k, v in models.items()},
     }
@@ -134,6 +139,8 @@ def fleet_yaml(models: Mapping[str, Mapping[str, Any]], *, broker_name: str, cap
 
 
 # ------------------------------------------------------------------------------ the stack
+
+
 class Stack:
     """Ray + Serve for one scenario; apps come and go per arm."""
 
@@ -144,7 +151,7 @@ class Stack:
         self._apps: dict[str, str | None] = {}  # app name -> broker name
         self._models: dict[str, list[str]] = {}  # fleet app name -> its model apps
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         import ray
         from ray import serve
 
@@ -153,8 +160,14 @@ class Stack:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         for key, value in PROXY_ENV.items():  # the proxy's own refusals as JSON (lost replica, Serve queue)
             os.environ.setdefault(key, value)
-        ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, namespace="gpubroker-bench")
+        ray.init(
+            address="local",
+            num_cpus=self.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            namespace="gpubroker-bench",
+        )
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         return self
 
@@ -172,8 +185,16 @@ class Stack:
         finally:
             ray.shutdown()
 
-    def deploy_fleet(self, config_text: str, app: str = "fleet", *, warm_models: Mapping[str, bytes] | None = None,
-                     timeout_s: float = 180.0, route_prefix: str = "/", model_cls: type | None = None) -> "FleetTarget":
+    def deploy_fleet(
+        self,
+        config_text: str,
+        app: str = "fleet",
+        *,
+        warm_models: Mapping[str, bytes] | None = None,
+        timeout_s: float = 180.0,
+        route_prefix: str = "/",
+        model_cls: type | None = None,
+    ) -> FleetTarget:
         from broker.actor import start_broker
         from deployments.app import fleet_apps, run_fleet
         from quotas.config import parse_config_text
@@ -198,15 +219,29 @@ class Stack:
                 wait_http(f"{base}/v1/models/{n}/infer", body, timeout_s=timeout_s)
         return FleetTarget(self, app, config_text, cfg.broker.name, cfg.broker.namespace, base_url=base)
 
-    def deploy_plain(self, model_ref: str, options: Mapping[str, Any], batch: int, wait_ms: float, name: str,
-                     app: str = "plain", *, warm_body: bytes = b'{"inputs": [{}]}', timeout_s: float = 180.0,
-                     route_prefix: str = "/") -> "PlainTarget":
+    def deploy_plain(
+        self,
+        model_ref: str,
+        options: Mapping[str, Any],
+        batch: int,
+        wait_ms: float,
+        name: str,
+        app: str = "plain",
+        *,
+        warm_body: bytes = b'{"inputs": [{}]}',
+        timeout_s: float = 180.0,
+        route_prefix: str = "/",
+    ) -> PlainTarget:
         from ray import serve
 
         from bench.plain_serve import build_plain
 
-        serve.run(build_plain(model_ref, dict(options), batch, wait_ms, name), name=app, route_prefix=route_prefix,
-                  blocking=False)
+        serve.run(
+            build_plain(model_ref, dict(options), batch, wait_ms, name),
+            name=app,
+            route_prefix=route_prefix,
+            blocking=False,
+        )
         self._apps[app] = None
         base = self.base_url + route_prefix.rstrip("/")
         for _ in range(3):
@@ -274,8 +309,14 @@ class FleetTarget:
 
     def settings(self) -> dict[str, Any]:
         code, doc = http_json(self.status_url)
-        return {n: {"max_batch_size": m["max_batch_size"], "batch_wait_timeout_s": m["batch_wait_timeout_s"]}
-                for n, m in (doc or {}).get("models", {}).items()} if code == 200 else {}
+        return (
+            {
+                n: {"max_batch_size": m["max_batch_size"], "batch_wait_timeout_s": m["batch_wait_timeout_s"]}
+                for n, m in (doc or {}).get("models", {}).items()
+            }
+            if code == 200
+            else {}
+        )
 
     def delete(self) -> None:
         self.stack.delete(self.app)
@@ -319,18 +360,39 @@ class Measurement:
         return lg.total_goodput(self.summary)
 
     def row(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"rate": round(self.rate, 2), "seed": self.seed, "pass": self.passes,
-                               "goodput_rps": round(self.goodput_rps, 2), "wall_s": round(self.wall_s, 1)}
+        out: dict[str, Any] = {
+            "rate": round(self.rate, 2),
+            "seed": self.seed,
+            "pass": self.passes,
+            "goodput_rps": round(self.goodput_rps, 2),
+            "wall_s": round(self.wall_s, 1),
+        }
         out["models"] = {m: {**s.to_dict(), **self.batch.get(m, {})} for m, s in self.summary.items()}
         out.update(self.extra)
         return out
 
 
-def measure(target: Any, schedule: Sequence[lg.Planned], duration_s: float, caps_ms: Mapping[str, float] | float,
-            *, warmup_s: float, cooldown_s: float, rate: float = 0.0, seed: int = 0, poll: bool = True,
-            status_every_s: float = 1.0, timeout_s: float = 20.0) -> Measurement:
-    res = lg.run(target.base_url, schedule, timeout_s=timeout_s,
-                 status_url=getattr(target, "status_url", None) if poll else None, status_every_s=status_every_s)
+def measure(
+    target: Any,
+    schedule: Sequence[lg.Planned],
+    duration_s: float,
+    caps_ms: Mapping[str, float] | float,
+    *,
+    warmup_s: float,
+    cooldown_s: float,
+    rate: float = 0.0,
+    seed: int = 0,
+    poll: bool = True,
+    status_every_s: float = 1.0,
+    timeout_s: float = 20.0,
+) -> Measurement:
+    res = lg.run(
+        target.base_url,
+        schedule,
+        timeout_s=timeout_s,
+        status_url=getattr(target, "status_url", None) if poll else None,
+        status_every_s=status_every_s,
+    )
     missing = [r.idx for r in res.records if r.status == -1]
     if missing:
         raise RuntimeError(f"load generator lost {len(missing)} records (first {missing[:5]})")
@@ -340,9 +402,16 @@ def measure(target: Any, schedule: Sequence[lg.Planned], duration_s: float, caps
 
 
 # ------------------------------------------------------------------------------ knee search
-def live_knee(run_rate: Callable[[float], Measurement], start_rate: float, *, step: float = 1.15,
-              bisect_iters: int = 2, max_rate: float | None = None, max_runs: int = 12,
-              on_row: Callable[[dict[str, Any]], None] | None = None) -> tuple[float, list[dict[str, Any]]]:
+def live_knee(
+    run_rate: Callable[[float], Measurement],
+    start_rate: float,
+    *,
+    step: float = 1.15,
+    bisect_iters: int = 2,
+    max_rate: float | None = None,
+    max_runs: int = 12,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[float, list[dict[str, Any]]]:
     """λ_max of one target: largest rate whose run passes (P95 ≤ cap, completed/offered ≥ 0.99)."""
     rows: list[dict[str, Any]] = []
 
@@ -359,52 +428,9 @@ def live_knee(run_rate: Callable[[float], Measurement], start_rate: float, *, st
     return search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate, max_runs=max_runs), rows
 
 
-def poisson_schedule(model: str, rate: float, duration_s: float, seed: int, body: bytes = b'{"inputs": [{}]}') -> list[lg.Planned]:
-    from bench import arrivals as arr
-
-    return lg.plan(model, arr.poisson(rate, duration_s, seed), body)
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"nproc": os.cpu_count(), "cpu_model": cpu, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3, 1)}
-
-
-def eager_batch(rate_rps: float, batch: int, wait_ms: float) -> float:
-    """Mean batch Ray 2.60's eager ``@serve.batch`` forms at a Poisson rate: the first request
-    plus the arrivals of the wait timeout, at most ``batch`` (batches never grow while the
-    replica is busy)."""
-    return min(float(batch), 1.0 + rate_rps * wait_ms / 1000.0)
-
-
-def eager_saturation(batch: int, wait_ms: float, a_ms: float, c_ms: float) -> float:
-    """Model estimate of the highest rate a static (batch, wait) arm sustains under eager
-    batching: the rate where utilisation rate * L(b) / b reaches 1 with b = eager_batch(rate).
-    Only a starting point for the live measurement (``seed`` measures it)."""
-    def util(r: float) -> float:
-        b = eager_batch(r, batch, wait_ms)
-        return r * (a_ms + c_ms * b) / 1000.0 / b
-
-    lo, hi = 0.0, 1000.0 * batch / (a_ms + c_ms * batch)  # never beyond the lazy bound b/(a + c b)
-    if util(hi) < 1.0:
-        return hi
-    for _ in range(60):
-        mid = (lo + hi) / 2.0
-        lo, hi = (mid, hi) if util(mid) < 1.0 else (lo, mid)
-    return lo
-
-
-def decisions_since(target: Any, since_seq: int, model: str | None = None,
-                    kinds: tuple[str, ...] = ("settings",)) -> tuple[list[dict[str, Any]], int]:
+def decisions_since(
+    target: Any, since_seq: int, model: str | None = None, kinds: tuple[str, ...] = ("settings",)
+) -> tuple[list[dict[str, Any]], int]:
     """The broker's settings decisions after ``since_seq`` (GET /v1/decisions), compacted:
     time, trigger, reason, old and new batch cap / wait, and the load it acted on."""
     url = target.base_url + f"/v1/decisions?since_seq={int(since_seq)}" + (f"&model={model}" if model else "")
@@ -422,19 +448,31 @@ def decisions_since(target: Any, since_seq: int, model: str | None = None,
             continue
         old, new, inp = e.get("old") or {}, e.get("new") or {}, e.get("inputs") or {}
         if e.get("kind") != "settings":
-            out.append({"seq": e.get("seq"), "t_s": e.get("time_s"), "kind": e.get("kind"), "model": e.get("model"),
-                        "reason": str(e.get("reason", ""))[:200]})
-            continue
-        out.append({"seq": e.get("seq"), "t_s": e.get("time_s"), "kind": "settings", "model": e.get("model"),
-                    "trigger": e.get("trigger"), "admit": (e.get("new") or {}).get("admit"),
+            out.append(
+                {
+                    "seq": e.get("seq"),
+                    "t_s": e.get("time_s"),
+                    "kind": e.get("kind"),
+                    "model": e.get("model"),
                     "reason": str(e.get("reason", ""))[:200],
-                    "old": {k: old.get(k) for k in ("max_batch_size", "batch_wait_timeout_s", "grant_bytes", "admit")},
-                    "new": {k: new.get(k) for k in ("max_batch_size", "batch_wait_timeout_s", "grant_bytes", "admit")},
-                    "rate_rps": inp.get("arrival_rate_rps"), "p95_ms": inp.get("p95_ms"),
-                    "queue_depth": inp.get("queue_depth"), "busy_frac": inp.get("busy_frac")})
+                }
+            )
+            continue
+        out.append(
+            {
+                "seq": e.get("seq"),
+                "t_s": e.get("time_s"),
+                "kind": "settings",
+                "model": e.get("model"),
+                "trigger": e.get("trigger"),
+                "admit": (e.get("new") or {}).get("admit"),
+                "reason": str(e.get("reason", ""))[:200],
+                "old": {k: old.get(k) for k in ("max_batch_size", "batch_wait_timeout_s", "grant_bytes", "admit")},
+                "new": {k: new.get(k) for k in ("max_batch_size", "batch_wait_timeout_s", "grant_bytes", "admit")},
+                "rate_rps": inp.get("arrival_rate_rps"),
+                "p95_ms": inp.get("p95_ms"),
+                "queue_depth": inp.get("queue_depth"),
+                "busy_frac": inp.get("busy_frac"),
+            }
+        )
     return out, seq
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    v = [float(x) for x in values]
-    return {"mean": float(np.mean(v)), "min": min(v), "max": max(v)} if v else {}

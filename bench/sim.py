@@ -49,23 +49,41 @@ from __future__ import annotations
 import heapq
 import math
 import time as _time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from bench.sim_batching import BatchingMixin
 from bench.sim_broker import SimBroker
-from bench.sim_result import build_result
-from broker.types import ModelSettings
-from deployments.fast_loop import FastLoopParams, params_for
-from deployments.gate import LazyGate
 from bench.sim_profile import profile_for
+from bench.sim_result import build_result
 from bench.sim_types import (  # noqa: F401 - re-exported: bench.sim is the simulator's public face
-    BATCHING_MODES, DONE, EV_CONTROL, EV_GPU, EV_REPORT, EV_SAMPLE, EV_TIMER, FAILED, LATENCY_SAMPLES_PER_REPORT,
-    PENDING, POLICY_FORMS, REJECTED, START_EPOCH_S, TIMED_OUT, Arm, ModelResult, SimBatch, SimReplica, SimResult,
+    BATCHING_MODES,
+    DONE,
+    EV_CONTROL,
+    EV_GPU,
+    EV_REPORT,
+    EV_SAMPLE,
+    EV_TIMER,
+    FAILED,
+    LATENCY_SAMPLES_PER_REPORT,
+    PENDING,
+    POLICY_FORMS,
+    REJECTED,
+    START_EPOCH_S,
+    TIMED_OUT,
+    Arm,
+    ModelResult,
+    SimBatch,
+    SimReplica,
+    SimResult,
     parse_arm,
 )
 from bench.sim_workload import ModelArrivals
+from broker.types import ModelSettings
+from deployments.fast_loop import FastLoopParams, params_for
+from deployments.gate import LazyGate
 from quotas.config import FleetConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +184,11 @@ class Simulator(BatchingMixin):
         self.oom_total = [0] * len(self.names)
         self.peak = [float(self.profiles[n].weights_bytes) for n in self.names]
         self.mean_cost = {
-            name: (float(workload[name].costs.mean()) if name in workload and len(workload[name].costs) else
-                   (self.profiles[name].mean_tokens if self.profiles[name].unit == "tokens" else 1.0))
+            name: (
+                float(workload[name].costs.mean())
+                if name in workload and len(workload[name].costs)
+                else (self.profiles[name].mean_tokens if self.profiles[name].unit == "tokens" else 1.0)
+            )
             for name in self.names
         }
 
@@ -226,8 +247,12 @@ class Simulator(BatchingMixin):
         if self.profiles[name].unit == "tokens":
             b = max(1, int(round(b * self.mean_cost[name])))
         return ModelSettings(
-            model=name, version=0, max_batch_size=b, batch_wait_timeout_s=self.arm.wait_ms / 1000.0,
-            grant_bytes=int(spec.quota.base), admit=True,
+            model=name,
+            version=0,
+            max_batch_size=b,
+            batch_wait_timeout_s=self.arm.wait_ms / 1000.0,
+            grant_bytes=int(spec.quota.base),
+            admit=True,
         )
 
     # -- arrivals and batching -----------------------------------------------------------------

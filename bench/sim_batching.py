@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from bench.sim_types import EV_TIMER, FAILED, PENDING, DONE, TIMED_OUT, SimBatch, SimReplica
+from bench.sim_types import DONE, EV_TIMER, FAILED, PENDING, TIMED_OUT, SimBatch, SimReplica
 from deployments.fast_loop import fast_loop_step
 
 
@@ -35,7 +35,11 @@ class BatchingMixin:
             if not q:
                 return
         cap = self._cap(rep)
-        visible = len(q) if rep.max_ongoing <= 0 else min(len(q), max(1, rep.max_ongoing - sum(len(b.ids) for b in rep.running)))
+        visible = (
+            len(q)
+            if rep.max_ongoing <= 0
+            else min(len(q), max(1, rep.max_ongoing - sum(len(b.ids) for b in rep.running)))
+        )
         if rep.prof.unit == "tokens":
             cost = self.cost
             full = False

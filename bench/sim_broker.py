@@ -25,7 +25,6 @@ from broker.core import BrokerCore, NullMetrics
 from broker.types import ModelSettings, StatsReport
 
 
-
 class SimBroker:
     """The simulator's side of the report/reply path."""
 
@@ -111,11 +110,27 @@ class SimBroker:
                 return
             if e["kind"] == "settings":
                 n = e["new"]
-                sim.decisions.append({
-                    "t": t, "model": e["model"], "max_batch": n["max_batch_size"],
-                    "wait_ms": round(n["batch_wait_timeout_s"] * 1000, 3), "grant_bytes": n["grant_bytes"],
-                    "admit": n["admit"], "trigger": e["trigger"], "value": e["trigger_value"], "reason": e["reason"],
-                })
+                sim.decisions.append(
+                    {
+                        "t": t,
+                        "model": e["model"],
+                        "max_batch": n["max_batch_size"],
+                        "wait_ms": round(n["batch_wait_timeout_s"] * 1000, 3),
+                        "grant_bytes": n["grant_bytes"],
+                        "admit": n["admit"],
+                        "trigger": e["trigger"],
+                        "value": e["trigger_value"],
+                        "reason": e["reason"],
+                    }
+                )
             elif e["kind"] == "move":
-                sim.decisions.append({"t": t, "move": e["move"], "donor": e["donor"], "recipient": e["recipient"],
-                                      "amount_bytes": e["amount_bytes"], "reason": e["reason"]})
+                sim.decisions.append(
+                    {
+                        "t": t,
+                        "move": e["move"],
+                        "donor": e["donor"],
+                        "recipient": e["recipient"],
+                        "amount_bytes": e["amount_bytes"],
+                        "reason": e["reason"],
+                    }
+                )

@@ -73,7 +73,9 @@ def _num(options: dict[str, Any], key: str, default: float, name: str) -> float:
     try:
         out = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"models.{name}.options.{key} ({value!r}) is not a number; write e.g. {key}: {default:g}") from None
+        raise ValueError(
+            f"models.{name}.options.{key} ({value!r}) is not a number; write e.g. {key}: {default:g}"
+        ) from None
     if out < 0:
         raise ValueError(f"models.{name}.options.{key} ({value!r}) is negative; it must be >= 0")
     return out

@@ -9,7 +9,6 @@ import numpy as np
 from bench.sim_types import DONE, FAILED, PENDING, REJECTED, TIMED_OUT, ModelResult, SimResult
 
 
-
 def build_result(self: Any) -> SimResult:
     """``self``: the ``bench.sim.Simulator`` that ran (typed loosely: this module must not import it)."""
     t, mids, st = self.t_np, self.m_np, self.status
@@ -58,6 +57,12 @@ def build_result(self: Any) -> SimResult:
             mem_peak_bytes=int(self.peak[m]),
         )
     return SimResult(
-        arm=self.arm.label, duration_s=self.duration_s, warmup_s=self.warmup_s, seed=self.seed,
-        models=out, series=self.series, decisions=self.decisions, events=self.events,
+        arm=self.arm.label,
+        duration_s=self.duration_s,
+        warmup_s=self.warmup_s,
+        seed=self.seed,
+        models=out,
+        series=self.series,
+        decisions=self.decisions,
+        events=self.events,
     )

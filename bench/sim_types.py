@@ -44,8 +44,10 @@ class Arm:
         return f"static:{self.batch}:{self.wait_ms:g}" + (":gate" if self.gated else "")
 
 
-POLICY_FORMS = ("'broker', 'static:B', 'static:B:WAIT_MS' or 'static:B:WAIT_MS:gate' "
-                "(e.g. static:8 or static:32:5; ':gate' puts the lazy gate in front)")
+POLICY_FORMS = (
+    "'broker', 'static:B', 'static:B:WAIT_MS' or 'static:B:WAIT_MS:gate' "
+    "(e.g. static:8 or static:32:5; ':gate' puts the lazy gate in front)"
+)
 
 
 def parse_arm(text: str) -> Arm:
@@ -73,7 +75,7 @@ def parse_arm(text: str) -> Arm:
 class SimBatch:
     __slots__ = ("rep", "ids", "chunks", "chunk", "chunk_cost", "chunk_t0", "mem", "start_t")
 
-    def __init__(self, rep: "SimReplica", ids: list[int], start_t: float):
+    def __init__(self, rep: SimReplica, ids: list[int], start_t: float):
         self.rep = rep
         self.ids = ids
         self.chunks: deque[list[int]] = deque([ids])
@@ -86,11 +88,48 @@ class SimBatch:
 
 class SimReplica:
     __slots__ = (
-        "m", "name", "rid", "prof", "queue", "running", "timer_at", "timer_ver", "max_batch", "wait_s",
-        "grant", "admit", "max_ongoing", "version", "local_cap", "floor", "mcb", "max_queued", "timeout_s",
-        "mem_now", "seq", "last_report_t", "card_busy_mark", "busy_acc",
-        "st_arr", "st_done", "st_rej", "st_to", "st_err", "st_lat", "st_batches", "st_breq", "st_peak",
-        "st_oom", "st_oom_costs", "st_emerg", "forming", "form_cost", "formed", "gate", "paused", "held",
+        "m",
+        "name",
+        "rid",
+        "prof",
+        "queue",
+        "running",
+        "timer_at",
+        "timer_ver",
+        "max_batch",
+        "wait_s",
+        "grant",
+        "admit",
+        "max_ongoing",
+        "version",
+        "local_cap",
+        "floor",
+        "mcb",
+        "max_queued",
+        "timeout_s",
+        "mem_now",
+        "seq",
+        "last_report_t",
+        "card_busy_mark",
+        "busy_acc",
+        "st_arr",
+        "st_done",
+        "st_rej",
+        "st_to",
+        "st_err",
+        "st_lat",
+        "st_batches",
+        "st_breq",
+        "st_peak",
+        "st_oom",
+        "st_oom_costs",
+        "st_emerg",
+        "forming",
+        "form_cost",
+        "formed",
+        "gate",
+        "paused",
+        "held",
     )
 
     def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):

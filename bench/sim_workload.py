@@ -7,8 +7,8 @@ comparison given the same seed sees the same requests).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 

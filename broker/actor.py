@@ -55,8 +55,13 @@ class BrokerActor:
     """Async Ray actor around ``FleetBroker`` (one ``BrokerCore`` per card) with the slow loop as a
     background task."""
 
-    def __init__(self, config_text: str, capacity_bytes: int | None = None, checkpoint_path: str | None = None,
-                 cards: tuple[Card, ...] | None = None):
+    def __init__(
+        self,
+        config_text: str,
+        capacity_bytes: int | None = None,
+        checkpoint_path: str | None = None,
+        cards: tuple[Card, ...] | None = None,
+    ):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         cfg = parse_config_text(config_text, "broker config")
         path = checkpoint_path or str(default_checkpoint_path(cfg))
@@ -89,7 +94,12 @@ class BrokerActor:
 
     async def ping(self) -> dict[str, Any]:
         self._ensure_loop()
-        return {"ok": True, "pid": os.getpid(), "started_s": self._started_s, "config_hash": self._core.status()["config_hash"]}
+        return {
+            "ok": True,
+            "pid": os.getpid(),
+            "started_s": self._started_s,
+            "config_hash": self._core.status()["config_hash"],
+        }
 
     async def register(self, model: str, replica_id: str, calibration: dict | None = None, card_id: str = "") -> dict:
         self._ensure_loop()
@@ -137,8 +147,14 @@ RemoteBroker = ray.remote(BrokerActor)
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's own resource on the head node (ray._common.constants)
 
 
-def start_broker(config_text: str, *, capacity_bytes: int | None = None, checkpoint_path: str | None = None,
-                 cards: tuple[Card, ...] | None = None, timeout_s: float = 60.0) -> "ray.actor.ActorHandle":
+def start_broker(
+    config_text: str,
+    *,
+    capacity_bytes: int | None = None,
+    checkpoint_path: str | None = None,
+    cards: tuple[Card, ...] | None = None,
+    timeout_s: float = 60.0,
+) -> ray.actor.ActorHandle:
     """Create the named detached broker (or return the running one). Needs ray.init first.
 
     The broker is pinned to the head node (a worker node's loss must not take it down; a
@@ -162,6 +178,6 @@ def start_broker(config_text: str, *, capacity_bytes: int | None = None, checkpo
     return handle
 
 
-def get_broker(name: str = "gpubroker", namespace: str = "gpubroker") -> "ray.actor.ActorHandle":
+def get_broker(name: str = "gpubroker", namespace: str = "gpubroker") -> ray.actor.ActorHandle:
     """The running broker. Raises ValueError when there is none."""
     return ray.get_actor(name, namespace=namespace)

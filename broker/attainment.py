@@ -8,11 +8,12 @@ an exact completion count, so the met share of the samples is scaled to the comp
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
-def met_and_total(latency_ms: Sequence[float], completions: int, rejections: int, timeouts: int, errors: int,
-                  slo_ms: float) -> tuple[float, int]:
+def met_and_total(
+    latency_ms: Sequence[float], completions: int, rejections: int, timeouts: int, errors: int, slo_ms: float
+) -> tuple[float, int]:
     """(requests answered within ``slo_ms``, requests that count) for one report."""
     met = 0.0
     if latency_ms and completions:

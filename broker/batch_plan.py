@@ -25,7 +25,11 @@ from broker.latency_model import LatencyFit
 from broker.profiles import BATCH_HEADROOM, RHO_MAX
 from quotas.config import ModelSpec
 
-LAZY_WAIT_BUDGET_FRAC = {"latency": 0.1, "balanced": 0.25, "throughput": 0.5}  # share of the SLO budget a lazy wait may take, per objective
+LAZY_WAIT_BUDGET_FRAC = {
+    "latency": 0.1,
+    "balanced": 0.25,
+    "throughput": 0.5,
+}  # share of the SLO budget a lazy wait may take, per objective
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,17 @@ def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
     return 2.0 * rho / (1.0 - rho) * ca2 / 2.0 * service_ms
 
 
-def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo_ms: float, objective: str, ceiling: int,
-               rho_cap: float | None = None, formation: str = "eager", run_cap: int | None = None) -> BatchPlan:
+def plan_batch(
+    fit: LatencyFit,
+    units_per_s: float,
+    unit_per_request: float,
+    slo_ms: float,
+    objective: str,
+    ceiling: int,
+    rho_cap: float | None = None,
+    formation: str = "eager",
+    run_cap: int | None = None,
+) -> BatchPlan:
     """Batch and wait timeout for Ray 2.60's @serve.batch.
 
     Ray forms the next batch as soon as a request arrives (first request + wait timeout, or
@@ -88,8 +101,17 @@ def plan_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, slo
     return BatchPlan(min(b, float(ceiling)), max(0.0, (b - u) / lam) / 1000.0, rho, b_lat, est, cap)
 
 
-def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, headroom: float, slo_ms: float, objective: str,
-               ceiling: int, run_cap: int | None = None) -> BatchPlan:
+def _plan_lazy(
+    fit: LatencyFit,
+    lam: float,
+    u: float,
+    b_lat: float,
+    headroom: float,
+    slo_ms: float,
+    objective: str,
+    ceiling: int,
+    run_cap: int | None = None,
+) -> BatchPlan:
     """Lazy formation (the next batch forms when the replica is free): batches size themselves
     to the load at the fixed point b = lambda a / (1 - lambda c), so no wait is needed under
     load; the cap leaves headroom for bursts, and a short wait (a share of the SLO budget left
@@ -108,7 +130,16 @@ def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, headroom: fl
     return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap)
 
 
-def wait_for(plan: BatchPlan | None, cap: int, units_per_s: float, unit_per_request: float, slo_ms: float, spec: ModelSpec, current_s: float, backlog: bool = False) -> float:
+def wait_for(
+    plan: BatchPlan | None,
+    cap: int,
+    units_per_s: float,
+    unit_per_request: float,
+    slo_ms: float,
+    spec: ModelSpec,
+    current_s: float,
+    backlog: bool = False,
+) -> float:
     """The wait timeout: the plan's fill time; without a latency model, unchanged unless a
     backlog builds (then the time to fill the cap at the arrival rate, within half the SLO,
     since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""

@@ -37,83 +37,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from broker.batch_plan import BatchPlan, plan_batch, wait_for
+from broker.batch_inputs import Inputs, RuleContext  # noqa: F401 - RuleContext is part of this module's API
+from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
 from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
 from broker.vocab import Rule, Trigger
 from quotas.config import ModelSpec
-
-
-@dataclass(frozen=True)
-class RuleContext:
-    now_s: float
-    slo_ms: float  # effective P95 cap (SLO x profile slack)
-    objective: str  # throughput | latency | balanced
-    emergency_free_frac: float
-    band_scale: float  # >= 1, widened by anti-oscillation
-    idle_for_s: float  # how long the model has had no arrivals (0 when busy)
-    recovering: bool  # an emergency happened recently: grow only by steps
-    formation: str = "eager"  # how the runtime forms batches (broker.batch_formation)
-    paused_for_s: float = 0.0  # how long this model's admission has been paused
-    max_pause_s: float = 3.0  # a pause re-opens after this long (memory that never frees must not starve it)
-    mem_ceiling: int | None = None  # the batch the grant holds now (None: memory does not limit): the wait plans for it
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What every rule sees: the load, the config, the context, and the numbers derived once."""
-
-    load: ModelLoad
-    spec: ModelSpec
-    ctx: RuleContext
-    gpu: GpuLoad
-    cap: int  # the cap the replicas run now
-    wait_s: float  # the wait timeout they run now
-    fit: LatencyFit | None  # the latency model (None: no fit yet, or a strategy without the model)
-    plan: BatchPlan | None  # the model's plan at this arrival rate (None without fit or arrivals)
-    rate_rps: float  # arrival rate the rules use (burst-aware)
-    units_per_s: float  # per replica, in batch units
-    queued_units: float  # per replica, in batch units
-    qdepth: float  # queue depth per replica (requests waiting or running)
-    p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
-    window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
-
-    @property
-    def u(self) -> float:
-        return max(self.load.cost_per_request, 1.0)
-
-    @property
-    def proposal(self) -> int:
-        """The cap the plan asks for (the current cap without a plan): what a guard compares with."""
-        return self.cap if self.plan is None else max(1, round(self.plan.cap))
-
-    @property
-    def backlog(self) -> bool:
-        """More than a batch queued, a queue over the band's top, or arrivals beyond what this cap serves."""
-        ctl = self.spec.control
-        overloaded = self.fit is not None and self.units_per_s > 0.95 * self.fit.saturated_rate(self.cap)
-        return self.queued_units > self.cap or self.qdepth > ctl.band_high or overloaded
-
-    def waiting(self, min_depth: float) -> bool:
-        """Work waits: more queued than the plan's cap takes at once, or (no plan) a queue of min_depth."""
-        if self.plan is not None:
-            return self.queued_units > self.proposal
-        return self.qdepth >= min_depth if min_depth > 0 else self.qdepth > 0
-
-    def want(self, new_cap: float, trigger: Trigger, value: float, rule: Rule, reason: str, *,
-             safety: bool = False, admit: bool = True) -> BatchWant:
-        """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
-        new = max(1, round(new_cap))
-        backlog = self.qdepth > self.spec.control.band_high
-        wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
-        return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
-
-    def hold(self, trigger: Trigger, value: float, rule: Rule, reason: str) -> BatchWant:
-        """Keep the cap and the wait as they are."""
-        return BatchWant(self.cap, self.wait_s, True, trigger, float(value), rule, reason)
 
 
 def _p95_text(s: Inputs) -> str:
@@ -122,7 +53,9 @@ def _p95_text(s: Inputs) -> str:
 
 # ------------------------------------------------------------------------------ the rules
 def static(s: Inputs) -> BatchWant:
-    return BatchWant(s.cap, s.wait_s, True, Trigger.STATIC, float(s.cap), Rule.STATIC, f"static strategy holds batch {s.cap}")
+    return BatchWant(
+        s.cap, s.wait_s, True, Trigger.STATIC, float(s.cap), Rule.STATIC, f"static strategy holds batch {s.cap}"
+    )
 
 
 def emergency(s: Inputs) -> BatchWant | None:
@@ -154,7 +87,14 @@ def p95_queueing(s: Inputs) -> BatchWant | None:
     why = f"{_p95_text(s)} with a backlog ({s.queued_units:.0f} queued, arrivals {s.units_per_s:.1f}/s)"
     if s.plan is not None:
         if s.plan.cap > s.cap:
-            return s.want(s.plan.cap, Trigger.P95_MS, s.p95_ms, Rule.P95_QUEUEING, f"{why}: grow {s.cap}->{round(s.plan.cap)}", safety=True)
+            return s.want(
+                s.plan.cap,
+                Trigger.P95_MS,
+                s.p95_ms,
+                Rule.P95_QUEUEING,
+                f"{why}: grow {s.cap}->{round(s.plan.cap)}",
+                safety=True,
+            )
         return None
     if s.cap < ceiling:
         new = min(ceiling, s.cap * 2)
@@ -180,7 +120,14 @@ def p95_high(s: Inputs) -> BatchWant | None:
     new = max(floor, math.floor(new))
     if new >= s.cap:
         return None
-    return s.want(new, Trigger.P95_MS, s.p95_ms, Rule.P95_HIGH, f"{_p95_text(s)} without a backlog: shrink {s.cap}->{new}", safety=True)
+    return s.want(
+        new,
+        Trigger.P95_MS,
+        s.p95_ms,
+        Rule.P95_HIGH,
+        f"{_p95_text(s)} without a backlog: shrink {s.cap}->{new}",
+        safety=True,
+    )
 
 
 def idle(s: Inputs) -> BatchWant | None:
@@ -194,10 +141,21 @@ def idle(s: Inputs) -> BatchWant | None:
         return None
     floor, rate = s.spec.batch.floor, s.load.arrival_rate_rps
     if s.ctx.formation == "lazy":
-        return s.want(s.cap, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE,
-                      f"no arrivals for {s.ctx.idle_for_s:.0f}s: lazy batches size themselves, hold batch {s.cap}")
+        return s.want(
+            s.cap,
+            Trigger.ARRIVAL_RATE_RPS,
+            rate,
+            Rule.IDLE,
+            f"no arrivals for {s.ctx.idle_for_s:.0f}s: lazy batches size themselves, hold batch {s.cap}",
+        )
     if s.cap > floor:
-        return s.want(floor, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, f"no arrivals for {s.ctx.idle_for_s:.0f}s: batch {s.cap}->{floor}")
+        return s.want(
+            floor,
+            Trigger.ARRIVAL_RATE_RPS,
+            rate,
+            Rule.IDLE,
+            f"no arrivals for {s.ctx.idle_for_s:.0f}s: batch {s.cap}->{floor}",
+        )
     return s.want(s.cap, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, "idle at the floor")
 
 
@@ -211,13 +169,23 @@ def sm_busy(s: Inputs) -> BatchWant | None:
     """SM utilisation near 100% with P95 rising (recent over window) while the plan would grow
     the cap: hold cap and wait. Without a plan, p95_low checks this itself."""
     sm, ctl = s.gpu.sm_util_frac, s.spec.control
-    if sm is None or sm < ctl.sm_high_frac or s.p95_ms is None or s.window_p95_ms is None or s.p95_ms <= s.window_p95_ms:
+    if (
+        sm is None
+        or sm < ctl.sm_high_frac
+        or s.p95_ms is None
+        or s.window_p95_ms is None
+        or s.p95_ms <= s.window_p95_ms
+    ):
         return None
     if not _plan_grows(s):
         return None
-    return s.hold(Trigger.SM_UTIL_FRAC, sm, Rule.SM_BUSY,
-                  f"sm_util_frac {sm:.2f} >= {ctl.sm_high_frac} with p95_ms rising {s.window_p95_ms:.1f}->{s.p95_ms:.1f}: "
-                  f"hold {s.cap} (plan {s.proposal})")
+    return s.hold(
+        Trigger.SM_UTIL_FRAC,
+        sm,
+        Rule.SM_BUSY,
+        f"sm_util_frac {sm:.2f} >= {ctl.sm_high_frac} with p95_ms rising {s.window_p95_ms:.1f}->{s.p95_ms:.1f}: "
+        f"hold {s.cap} (plan {s.proposal})",
+    )
 
 
 def sm_low(s: Inputs) -> BatchWant | None:
@@ -228,8 +196,13 @@ def sm_low(s: Inputs) -> BatchWant | None:
     new = min(ceiling, s.cap + ctl.aimd_step)
     if new <= s.proposal:
         return None  # the plan grows at least as far
-    return s.want(new, Trigger.SM_UTIL_FRAC, sm, Rule.SM_LOW,
-                  f"sm_util_frac {sm:.2f} < {ctl.sm_low_frac} with queue {s.qdepth:.0f}: grow {s.cap}->{new}")
+    return s.want(
+        new,
+        Trigger.SM_UTIL_FRAC,
+        sm,
+        Rule.SM_LOW,
+        f"sm_util_frac {sm:.2f} < {ctl.sm_low_frac} with queue {s.qdepth:.0f}: grow {s.cap}->{new}",
+    )
 
 
 def _band(s: Inputs) -> tuple[float, float]:
@@ -248,7 +221,13 @@ def queue_high(s: Inputs) -> BatchWant | None:
         new = min(new, s.cap + ctl.aimd_step)
     if int(new) <= max(s.cap, s.proposal):
         return None
-    return s.want(int(new), Trigger.QUEUE_DEPTH, s.qdepth, Rule.QUEUE_HIGH, f"queue_depth {s.qdepth:.0f} > band top {high:.0f}: grow {s.cap}->{int(new)}")
+    return s.want(
+        int(new),
+        Trigger.QUEUE_DEPTH,
+        s.qdepth,
+        Rule.QUEUE_HIGH,
+        f"queue_depth {s.qdepth:.0f} > band top {high:.0f}: grow {s.cap}->{int(new)}",
+    )
 
 
 def queue_low(s: Inputs) -> BatchWant | None:
@@ -257,7 +236,12 @@ def queue_low(s: Inputs) -> BatchWant | None:
     (its dead band): the plan's burst headroom is what a short queue leaves room for."""
     ctl, floor = s.spec.control, s.spec.batch.floor
     _, low = _band(s)
-    if not (s.qdepth < low and s.load.arrival_rate_rps > 0 and s.p95_ms is not None and s.p95_ms < ctl.p95_low_frac * s.ctx.slo_ms):
+    if not (
+        s.qdepth < low
+        and s.load.arrival_rate_rps > 0
+        and s.p95_ms is not None
+        and s.p95_ms < ctl.p95_low_frac * s.ctx.slo_ms
+    ):
         return None
     if s.cap <= floor or (s.plan is not None and (s.cap <= s.proposal or model(s) is not None)):
         return None
@@ -266,20 +250,37 @@ def queue_low(s: Inputs) -> BatchWant | None:
         new = max(new, s.proposal)
     if new >= s.cap:
         return None
-    return s.want(new, Trigger.QUEUE_DEPTH, s.qdepth, Rule.QUEUE_LOW, f"queue_depth {s.qdepth:.0f} < band bottom {low:.0f}: shrink {s.cap}->{new}")
+    return s.want(
+        new,
+        Trigger.QUEUE_DEPTH,
+        s.qdepth,
+        Rule.QUEUE_LOW,
+        f"queue_depth {s.qdepth:.0f} < band bottom {low:.0f}: shrink {s.cap}->{new}",
+    )
 
 
 def p95_low(s: Inputs) -> BatchWant | None:
     """P95 well under the cap with work waiting (and the card not saturated): grow by aimd_step."""
     ctl, ceiling = s.spec.control, s.spec.batch.ceiling
     sm_busy_now = s.gpu.sm_util_frac is not None and s.gpu.sm_util_frac >= ctl.sm_high_frac
-    if s.p95_ms is None or s.p95_ms >= ctl.p95_low_frac * s.ctx.slo_ms or not s.waiting(1) or s.cap >= ceiling or sm_busy_now:
+    if (
+        s.p95_ms is None
+        or s.p95_ms >= ctl.p95_low_frac * s.ctx.slo_ms
+        or not s.waiting(1)
+        or s.cap >= ceiling
+        or sm_busy_now
+    ):
         return None
     new = min(ceiling, s.cap + ctl.aimd_step)
     if new <= s.proposal:
         return None  # the plan grows at least as far
-    return s.want(new, Trigger.P95_MS, s.p95_ms, Rule.P95_LOW,
-                  f"p95_ms {s.p95_ms:.1f} < {ctl.p95_low_frac:g}x cap with queue {s.qdepth:.0f}: grow {s.cap}->{new}")
+    return s.want(
+        new,
+        Trigger.P95_MS,
+        s.p95_ms,
+        Rule.P95_LOW,
+        f"p95_ms {s.p95_ms:.1f} < {ctl.p95_low_frac:g}x cap with queue {s.qdepth:.0f}: grow {s.cap}->{new}",
+    )
 
 
 def model(s: Inputs) -> BatchWant | None:
@@ -296,19 +297,34 @@ def model(s: Inputs) -> BatchWant | None:
     if not ((rel > 0.1 * s.ctx.band_scale and round(new) != cap) or wait_rel > 0.2 * s.ctx.band_scale):
         return None
     rho = "overload" if not math.isfinite(plan.rho) else f"{plan.rho:.2f}"
-    return s.want(new, Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.MODEL,
-                  f"arrival_rate_rps {s.rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
-                  f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
-                  f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
+    return s.want(
+        new,
+        Trigger.ARRIVAL_RATE_RPS,
+        s.rate_rps,
+        Rule.MODEL,
+        f"arrival_rate_rps {s.rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
+        f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
+        f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms",
+    )
 
 
 def hold(s: Inputs) -> BatchWant:
     """Nothing to do: keep the cap (inside the queue band, or the model plan within its dead band)."""
     if s.plan is not None:
-        return s.hold(Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.HOLD,
-                      f"arrival_rate_rps {s.rate_rps:.1f}: model plan within the dead band, hold batch {s.cap}")
+        return s.hold(
+            Trigger.ARRIVAL_RATE_RPS,
+            s.rate_rps,
+            Rule.HOLD,
+            f"arrival_rate_rps {s.rate_rps:.1f}: model plan within the dead band, hold batch {s.cap}",
+        )
     high, low = _band(s)
-    return s.want(s.cap, Trigger.QUEUE_DEPTH, s.qdepth, Rule.HOLD, f"queue_depth {s.qdepth:.0f} inside band [{low:.0f}, {high:.0f}]: hold {s.cap}")
+    return s.want(
+        s.cap,
+        Trigger.QUEUE_DEPTH,
+        s.qdepth,
+        Rule.HOLD,
+        f"queue_depth {s.qdepth:.0f} inside band [{low:.0f}, {high:.0f}]: hold {s.cap}",
+    )
 
 
 RuleFn = Callable[[Inputs], "BatchWant | None"]
@@ -322,8 +338,20 @@ RULE_SETS: dict[str, tuple[RuleFn, ...]] = {
     "hybrid": (emergency, p95_queueing, p95_high, idle, sm_busy, queue_high, queue_low, sm_low, p95_low, model, hold),
 }
 # every rule in one precedence order (each set keeps this order): the rows of docs/RULES.md
-RULES: tuple[RuleFn, ...] = (static, emergency, p95_queueing, p95_high, idle, sm_busy, queue_high, queue_low, sm_low,
-                             p95_low, model, hold)
+RULES: tuple[RuleFn, ...] = (
+    static,
+    emergency,
+    p95_queueing,
+    p95_high,
+    idle,
+    sm_busy,
+    queue_high,
+    queue_low,
+    sm_low,
+    p95_low,
+    model,
+    hold,
+)
 
 
 def rule_name(fn: RuleFn) -> Rule:
@@ -334,8 +362,9 @@ def uses_model(strategy: str) -> bool:
     return model in RULE_SETS[strategy]
 
 
-def inputs_for(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad,
-               ctx: RuleContext) -> Inputs:
+def inputs_for(
+    load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad, ctx: RuleContext
+) -> Inputs:
     """Derive the rules' numbers once: burst-aware rate, per-replica units, P95s, the plan."""
     ctl = spec.control
     replicas = max(1, load.replicas)
@@ -352,23 +381,48 @@ def inputs_for(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: L
         # A backlog (more than a batch queued) drains only with spare capacity: plan bigger
         # batches (utilisation at most drain_rho) until it is gone.
         draining = load.queue_depth / replicas > ctl.band_high and queued_units > cap
-        plan = plan_batch(fit, units_per_s, max(load.cost_per_request, 1.0), ctx.slo_ms, ctx.objective,
-                          spec.batch.ceiling, ctl.drain_rho if draining else None, ctx.formation,
-                          run_cap=ctx.mem_ceiling)
+        plan = plan_batch(
+            fit,
+            units_per_s,
+            max(load.cost_per_request, 1.0),
+            ctx.slo_ms,
+            ctx.objective,
+            spec.batch.ceiling,
+            ctl.drain_rho if draining else None,
+            ctx.formation,
+            run_cap=ctx.mem_ceiling,
+        )
     # The AIMD reacts to the recent P95 (rate window, a few seconds, never one sample); the
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
     window_p95 = load.p95_ms if load.latency_samples >= ctl.min_samples else None
-    return Inputs(load, spec, ctx, gpu, cap, wait_s, fit, plan, rate_rps, units_per_s, queued_units,
-                  load.queue_depth / replicas, p95, window_p95)
+    return Inputs(
+        load,
+        spec,
+        ctx,
+        gpu,
+        cap,
+        wait_s,
+        fit,
+        plan,
+        rate_rps,
+        units_per_s,
+        queued_units,
+        load.queue_depth / replicas,
+        p95,
+        window_p95,
+    )
 
 
-def decide_batch(load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad,
-                 ctx: RuleContext) -> BatchWant:
+def decide_batch(
+    load: ModelLoad, spec: ModelSpec, cap: int, wait_s: float, fit: LatencyFit | None, gpu: GpuLoad, ctx: RuleContext
+) -> BatchWant:
     """The first rule of the strategy's set that answers."""
     s = inputs_for(load, spec, cap, wait_s, fit, gpu, ctx)
     for rule in RULE_SETS[spec.control.strategy]:
         want = rule(s)
         if want is not None:
             return want
-    raise AssertionError(f"rule set '{spec.control.strategy}' ended without an answer; its last rule must always answer")
+    raise AssertionError(
+        f"rule set '{spec.control.strategy}' ended without an answer; its last rule must always answer"
+    )

@@ -40,7 +40,7 @@ class Checkpoint:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Checkpoint":
+    def from_dict(cls, data: dict[str, Any]) -> Checkpoint:
         if data.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION}")
         known = set(cls.__dataclass_fields__)

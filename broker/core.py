@@ -30,16 +30,17 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from broker import policy
+from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.cost import cost_per_1k_requests
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
-from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics, NullMetrics
 from broker.profiles import active_profile
@@ -166,7 +167,9 @@ class BrokerCore:
             cfg = parse_config_text(ckpt.config_text, "checkpoint")
             self._install(cfg, ckpt.config_text)
             self._state = policy.PolicyState.from_dict(ckpt.policy_state)
-            self._settings = {name: ModelSettings.from_dict(d) for name, d in ckpt.settings.items() if name in cfg.models}
+            self._settings = {
+                name: ModelSettings.from_dict(d) for name, d in ckpt.settings.items() if name in cfg.models
+            }
             for name in cfg.models:
                 self._settings.setdefault(name, self._initial_settings(name))
         except Exception as exc:  # noqa: BLE001 - a bad checkpoint must not keep the broker down
@@ -178,7 +181,9 @@ class BrokerCore:
         self._llm.load(ckpt.llm_state)
         self._log.restore(list(ckpt.decisions), ckpt.decision_seq)
         self.restored = True
-        self._log_event(EntryKind.RESTORE, f"resumed from checkpoint saved at {ckpt.saved_at_s:.3f} (config {ckpt.config_hash})")
+        self._log_event(
+            EntryKind.RESTORE, f"resumed from checkpoint saved at {ckpt.saved_at_s:.3f} (config {ckpt.config_hash})"
+        )
         return True
 
     # ---------------------------------------------------------------- replica RPCs
@@ -195,7 +200,11 @@ class BrokerCore:
         self._log_event(
             EntryKind.REGISTER,
             f"{model} replica {replica_id} registered"
-            + (f": weights {format_size(weights)}, {per_unit:.0f} B/unit" if weights is not None and per_unit is not None else ""),
+            + (
+                f": weights {format_size(weights)}, {per_unit:.0f} B/unit"
+                if weights is not None and per_unit is not None
+                else ""
+            ),
             model=model,
         )
         return self._settings[model].to_dict()
@@ -292,9 +301,17 @@ class BrokerCore:
                 changed.append(name)
         for move in decision.moves:
             self._append(
-                {"kind": EntryKind.MOVE, "time_s": now, "model": move.recipient or move.donor, "move": move.kind,
-                 "donor": move.donor, "recipient": move.recipient, "amount_bytes": move.amount_bytes,
-                 "reason": move.reason, "dry_run": dry},
+                {
+                    "kind": EntryKind.MOVE,
+                    "time_s": now,
+                    "model": move.recipient or move.donor,
+                    "move": move.kind,
+                    "donor": move.donor,
+                    "recipient": move.recipient,
+                    "amount_bytes": move.amount_bytes,
+                    "reason": move.reason,
+                    "dry_run": dry,
+                },
                 f"quota {move.kind}: {move.donor or '-'} -> {move.recipient or '-'} {format_size(move.amount_bytes)} ({move.reason})",
             )
         for note in decision.notes:
@@ -310,7 +327,11 @@ class BrokerCore:
         """Settings' grants within usable, and sum of max(grant + in flight, measured use) <= usable."""
         used = {n: m.mem_used_bytes for n, m in getattr(self._last_snapshot, "models", {}).items()}
         total = sum(s.grant_bytes for s in self._settings.values())
-        over = [f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}"] if total > self._usable else []
+        over = (
+            [f"sum of grants {format_size(total)} exceeds usable {format_size(self._usable)}"]
+            if total > self._usable
+            else []
+        )
         for problem in over + holding_problems(self._state.ledger, used):
             self._log_event(EntryKind.INVARIANT, problem)
 
@@ -351,7 +372,8 @@ class BrokerCore:
             total_base = sum(m.quota.base for m in cfg.models.values())
             if total_base > usable:
                 raise ValueError(f"sum of quota.base {format_size(total_base)} exceeds usable {format_size(usable)}")
-            state = _reconfigure_state(self._state, cfg, usable, self._clock())
+            state = policy.reconfigure_state(self._state, cfg, usable, self._clock())  # lowers first; may raise
+            state.ledger.check()
         except Exception as exc:  # noqa: BLE001 - any failure leaves the old config in place
             self._log_event(EntryKind.APPLY, f"refused config {cfg.config_hash()}: {exc}")
             return {"ok": False, "config_hash": old_hash, "issues": [str(exc)]}
@@ -365,7 +387,9 @@ class BrokerCore:
         self._state = state
         for name in cfg.models:
             self._settings[name] = self._policy_settings(state, name)
-        self._log_event(EntryKind.APPLY, f"config {old_hash} -> {self._config_hash}" + (f" ({'; '.join(notes)})" if notes else ""))
+        self._log_event(
+            EntryKind.APPLY, f"config {old_hash} -> {self._config_hash}" + (f" ({'; '.join(notes)})" if notes else "")
+        )
         self.checkpoint_now()
         return {"ok": True, "config_hash": self._config_hash, "issues": [], "notes": notes}
 
@@ -390,29 +414,20 @@ class BrokerCore:
         return {"ok": True, "path": str(self._checkpoint_path), "saved_at_s": ckpt.saved_at_s}
 
     # ---------------------------------------------------------------- status
-    def _slack(self) -> float:
-        name = self._profile_name()
-        for p in self._cfg.profiles.schedule:
-            if p.name == name:
-                return p.latency_slack
-        return 1.0
-
     def _profile_name(self) -> str:
-        if self._last_decision is not None:
-            return self._last_decision.profile
-        return self._cfg.profiles.default_profile.name
+        return (
+            self._last_decision.profile if self._last_decision is not None else self._cfg.profiles.default_profile.name
+        )
 
-    def _price(self) -> float:
-        name = self._profile_name()
-        for p in self._cfg.profiles.schedule:
-            if p.name == name:
-                return p.price_per_gpu_hour
-        return self._cfg.profiles.default_profile.price_per_gpu_hour
+    def _profile(self) -> Any:
+        """The profile in force (the last tick's; the default before the first)."""
+        by_name = {p.name: p for p in self._cfg.profiles.schedule}
+        return by_name.get(self._profile_name(), self._cfg.profiles.default_profile)
 
     def status(self) -> dict[str, Any]:
         now = self._clock()
         snap = self._last_snapshot
-        price = self._price()
+        price = self._profile().price_per_gpu_hour
         models = {}
         for name, spec in self._cfg.models.items():
             s = self._settings[name]
@@ -435,7 +450,7 @@ class BrokerCore:
                 "p50_ms": finite(load.p50_ms) if load else None,
                 "p95_ms": finite(load.p95_ms) if load else None,
                 "p99_ms": finite(load.p99_ms) if load else None,
-                "slo_p95_ms": spec.slo_p95_ms * self._slack(),
+                "slo_p95_ms": spec.slo_p95_ms * self._profile().latency_slack,
                 "attainment": load.attainment if load else None,  # broker.attainment, as the policy sees it
                 "completions": completions,
                 "misses": misses,
@@ -445,8 +460,9 @@ class BrokerCore:
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
                 "admit": s.admit,
                 # the card-hours its grant holds (broker.cost), over the window it has been up for
-                "cost_per_1k_requests": cost_per_1k_requests(price, s.grant_bytes, self._usable,
-                                                             min(window_s, now - self._started_s), completions),
+                "cost_per_1k_requests": cost_per_1k_requests(
+                    price, s.grant_bytes, self._usable, min(window_s, now - self._started_s), completions
+                ),
                 "cost_unit": self._cost_units.get(name, spec.batch.unit),
                 "calibrated": name in self._memory_models,
                 "emergency_shrinks": self._events[name]["emergency_shrinks"],
@@ -482,11 +498,3 @@ class BrokerCore:
     def settings(self, model: str) -> dict[str, Any]:
         self._require_model(model)
         return self._settings[model].to_dict()
-
-
-# -------------------------------------------------------------------- helpers
-def _reconfigure_state(state: Any, cfg: FleetConfig, usable: int, now_s: float) -> Any:
-    """Carry the policy state over to a new config, lowering first (``QuotaLedger.reconfigure``; may raise)."""
-    new_state = policy.reconfigure_state(state, cfg, usable, now_s)
-    new_state.ledger.check()
-    return new_state

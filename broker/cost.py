@@ -18,8 +18,9 @@ def card_hours(grant_bytes: int, usable_bytes: int, window_s: float) -> float:
     return max(0, grant_bytes) / usable_bytes * window_s / 3600.0
 
 
-def cost_per_1k_requests(price_per_gpu_hour: float, grant_bytes: int, usable_bytes: int, window_s: float,
-                         completions: int) -> float | None:
+def cost_per_1k_requests(
+    price_per_gpu_hour: float, grant_bytes: int, usable_bytes: int, window_s: float, completions: int
+) -> float | None:
     """Cost of 1000 requests at the price in force (None: no completions in the window)."""
     if completions <= 0:
         return None

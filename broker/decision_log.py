@@ -8,6 +8,7 @@ from collections import deque
 from typing import Any
 
 from broker.types import ModelDecision, ModelLoad, ModelSettings
+from broker.vocab import EntryKind
 
 logger = logging.getLogger("gpubroker.broker")
 
@@ -41,7 +42,6 @@ class DecisionLog:
 
     def since(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
         return [e for e in self.entries if e["seq"] > since_seq and (model is None or e.get("model") == model)]
-from broker.vocab import EntryKind
 
 
 def finite(value: float | None) -> float | None:
@@ -60,8 +60,9 @@ def settings_view(s: ModelSettings) -> dict[str, Any]:
     }
 
 
-def settings_entry(now: float, name: str, old: ModelSettings, new: ModelSettings, md: ModelDecision,
-                   load: ModelLoad | None, dry: bool) -> tuple[dict[str, Any], str]:
+def settings_entry(
+    now: float, name: str, old: ModelSettings, new: ModelSettings, md: ModelDecision, load: ModelLoad | None, dry: bool
+) -> tuple[dict[str, Any], str]:
     """One settings change for the decision log: the entry (inputs, old, new, trigger) and its log line."""
     inputs = {}
     if load is not None:
@@ -89,5 +90,7 @@ def settings_entry(now: float, name: str, old: ModelSettings, new: ModelSettings
     diff = ", ".join(
         f"{k} {entry['old'][k]}->{entry['new'][k]}" for k in entry["new"] if entry["old"][k] != entry["new"][k]
     )
-    return entry, (f"{name}: {diff or 'no change'} [{md.trigger}={entry['trigger_value']}] {md.reason}"
-                 + (" (dry run)" if dry else ""))
+    return entry, (
+        f"{name}: {diff or 'no change'} [{md.trigger}={entry['trigger_value']}] {md.reason}"
+        + (" (dry run)" if dry else "")
+    )

@@ -24,8 +24,9 @@ lost node on other cards is the deploying layer's job (a new ``gpubroker up``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -69,8 +70,11 @@ class FleetBroker:
         self._capacity = capacity_bytes
         self._checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         cfg0 = self._cfg
-        self.metrics = metrics if metrics is not None else BrokerMetrics(
-            CollectorRegistry(), gpu=cfg0.gpu.device if cfg0.gpus is None else "fleet")
+        self.metrics = (
+            metrics
+            if metrics is not None
+            else BrokerMetrics(CollectorRegistry(), gpu=cfg0.gpu.device if cfg0.gpus is None else "fleet")
+        )
         self.log = DecisionLog(self._cfg.broker.decision_log_size)
         self._placement = place_fleet(self._cfg, cards, capacity_bytes)
         self.cores: dict[str, BrokerCore] = {}
@@ -94,14 +98,23 @@ class FleetBroker:
         metrics = self.metrics
         if not self.single and isinstance(metrics, BrokerMetrics):
             metrics = metrics.for_gpu(card_id)  # metrics carry gpu=<card id>
-        return BrokerCore(config, capacity_bytes=int(card.capacity_bytes), checkpoint_path=path, clock=self._clock,
-                          metrics=metrics, log=self.log, card_id="" if self.single else card_id)
+        return BrokerCore(
+            config,
+            capacity_bytes=int(card.capacity_bytes),
+            checkpoint_path=path,
+            clock=self._clock,
+            metrics=metrics,
+            log=self.log,
+            card_id="" if self.single else card_id,
+        )
 
     def _core(self, model: str, card_id: str) -> BrokerCore:
         if not card_id:
             cards = self._placement.cards_of(model) if model in self._placement.replicas else ()
             if len(cards) != 1:
-                raise KeyError(f"model '{model}' runs on cards {', '.join(cards) or 'none'}; the replica must say its card_id")
+                raise KeyError(
+                    f"model '{model}' runs on cards {', '.join(cards) or 'none'}; the replica must say its card_id"
+                )
             card_id = cards[0]
         core = self.cores.get(card_id)
         if core is None:
@@ -145,8 +158,11 @@ class FleetBroker:
             seen = self._seen.get(cid)
             if seen is not None and now - seen > DEAD_AFTER_S and cid not in self.lost:
                 self.lost.add(cid)
-                core._log_event("card", f"card {cid}: no report from its replicas for {now - seen:.0f}s; lost "  # noqa: SLF001
-                                "(its grants stay frozen until they return)")
+                core._log_event(
+                    "card",
+                    f"card {cid}: no report from its replicas for {now - seen:.0f}s; lost "  # noqa: SLF001
+                    "(its grants stay frozen until they return)",
+                )
             if cid in self.lost:
                 continue
             res = core.tick()
@@ -185,9 +201,14 @@ class FleetBroker:
         except ValueError as exc:
             return {"ok": False, "config_hash": self.config_hash, "issues": [str(exc)]}
         if placement.replicas != self._placement.replicas or set(placement.replicas) != set(self._placement.replicas):
-            return {"ok": False, "config_hash": self.config_hash,
-                    "issues": ["the new config places replicas on other cards; placement is decided at deploy time, "
-                               "so this needs `gpubroker down` then `gpubroker up NEW_CONFIG`"]}
+            return {
+                "ok": False,
+                "config_hash": self.config_hash,
+                "issues": [
+                    "the new config places replicas on other cards; placement is decided at deploy time, "
+                    "so this needs `gpubroker down` then `gpubroker up NEW_CONFIG`"
+                ],
+            }
         if self.single:
             out = next(iter(self.cores.values())).apply(config_text)
             out["_counted"] = True
@@ -201,8 +222,11 @@ class FleetBroker:
                     for done in applied:
                         self.cores[done]._apply(card_config(old_cfg, self._placement, done).model_dump_json())  # noqa: SLF001
                     self._cfg, self._text = old_cfg, old_text
-                    return {"ok": False, "config_hash": self.config_hash,
-                            "issues": [f"card {cid}: {i}" for i in res["issues"]]}
+                    return {
+                        "ok": False,
+                        "config_hash": self.config_hash,
+                        "issues": [f"card {cid}: {i}" for i in res["issues"]],
+                    }
                 applied.append(cid)
                 out["notes"].extend(f"card {cid}: {n}" for n in res.get("notes", []))
         if out["ok"]:
@@ -246,7 +270,9 @@ class FleetBroker:
             cid = plan.card.id
             st = per.get(cid)
             entry = {
-                "id": cid, "node": plan.card.node, "device": str(plan.card.device),
+                "id": cid,
+                "node": plan.card.node,
+                "device": str(plan.card.device),
                 "capacity_bytes": int(plan.card.capacity_bytes),
                 "usable_bytes": st["usable_bytes"] if st else plan.usable_bytes,
                 "granted_bytes": st["granted_bytes"] if st else 0,
@@ -256,8 +282,11 @@ class FleetBroker:
                 "models": {},
             }
             for name, m in (st["models"] if st else {}).items():
-                entry["models"][name] = {"grant_bytes": m["grant_bytes"], "used_bytes": m["used_bytes"],
-                                         "replicas": m["replicas"]}
+                entry["models"][name] = {
+                    "grant_bytes": m["grant_bytes"],
+                    "used_bytes": m["used_bytes"],
+                    "replicas": m["replicas"],
+                }
                 models.setdefault(name, _merge_start(m)) if name not in models else _merge(models[name], m)
                 models[name].setdefault("cards", []).append(cid)
             cards.append(entry)
@@ -279,8 +308,19 @@ class FleetBroker:
         return out
 
 
-_SUMMED = ("grant_bytes", "base_bytes", "used_bytes", "queue_depth", "arrival_rate_rps", "completion_rate_rps",
-           "replicas", "completions", "misses", "emergency_shrinks", "oom_splits")
+_SUMMED = (
+    "grant_bytes",
+    "base_bytes",
+    "used_bytes",
+    "queue_depth",
+    "arrival_rate_rps",
+    "completion_rate_rps",
+    "replicas",
+    "completions",
+    "misses",
+    "emergency_shrinks",
+    "oom_splits",
+)
 
 
 def _spent(m: dict[str, Any]) -> float:

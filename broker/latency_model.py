@@ -10,8 +10,8 @@ next distinct batch size corrects).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or token)
 

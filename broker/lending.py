@@ -150,9 +150,13 @@ def plan_quota(
     for t in ledger.pending:
         if t.kind == "lend" and now_s - t.started_s > timeout_s:
             ledger.abort(t.id)
-            gate = confirm_gate(loads[t.donor], config.models[t.donor].replicas, confirm_after.get(t.donor, 0), t.started_s)
-            reason = (f"transfer {t.id} {t.kind} {t.donor}->{t.recipient or 'pool'} {format_size(t.amount_bytes)} not "
-                      f"confirmed in {timeout_s:g}s (donor used {format_size(gate.used_bytes)}; {gate.why}): aborted")
+            gate = confirm_gate(
+                loads[t.donor], config.models[t.donor].replicas, confirm_after.get(t.donor, 0), t.started_s
+            )
+            reason = (
+                f"transfer {t.id} {t.kind} {t.donor}->{t.recipient or 'pool'} {format_size(t.amount_bytes)} not "
+                f"confirmed in {timeout_s:g}s (donor used {format_size(gate.used_bytes)}; {gate.why}): aborted"
+            )
             moves.append(QuotaMove(MoveKind.ABORT, t.donor, t.recipient or None, t.amount_bytes, reason))
 
     # 2. confirm donors measured under their grant on every live replica
@@ -162,10 +166,21 @@ def plan_quota(
         if not gate.ok:
             continue
         for t in ledger.confirm(donor, gate.used_bytes, gate.measured_s):
-            to = f"{t.recipient} +{format_size(t.amount_bytes)}" if t.recipient else f"pool +{format_size(t.amount_bytes)}"
-            moves.append(QuotaMove(MoveKind.CONFIRM, t.donor, t.recipient or None, t.amount_bytes,
-                                   f"{donor} used {format_size(gate.used_bytes)} <= grant {format_size(ledger.grant(donor))} "
-                                   f"({gate.why}): {to}"))
+            to = (
+                f"{t.recipient} +{format_size(t.amount_bytes)}"
+                if t.recipient
+                else f"pool +{format_size(t.amount_bytes)}"
+            )
+            moves.append(
+                QuotaMove(
+                    MoveKind.CONFIRM,
+                    t.donor,
+                    t.recipient or None,
+                    t.amount_bytes,
+                    f"{donor} used {format_size(gate.used_bytes)} <= grant {format_size(ledger.grant(donor))} "
+                    f"({gate.why}): {to}",
+                )
+            )
     pending_donors = {t.donor for t in ledger.pending}
     after = {d: v for d, v in confirm_after.items() if d in pending_donors}
 
@@ -181,7 +196,9 @@ def plan_quota(
         for step in range(before + 1, reached + 1):
             if step >= 3:
                 tokens[borrower] = tokens.get(borrower, 0) + 1
-            moves.append(_escalation(step, borrower, mine, ledger.grant(borrower), gate, now_s, tokens.get(borrower, 0)))
+            moves.append(
+                _escalation(step, borrower, mine, ledger.grant(borrower), gate, now_s, tokens.get(borrower, 0))
+            )
 
     def mm(name: str) -> MemoryModel:
         return MemoryModel.from_load(loads[name])
@@ -249,16 +266,20 @@ def plan_quota(
         if short < dust or idle(owner) or busy_for(owner) < spec.control.reclaim_hold_s:
             continue
         load = loads[owner]
-        why = (f"{owner} load back for {busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
-               f"queue {load.queue_depth:.0f}): reclaim toward base {format_size(spec.quota.base)}")
+        why = (
+            f"{owner} load back for {busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
+            f"queue {load.queue_depth:.0f}): reclaim toward base {format_size(spec.quota.base)}"
+        )
         if owner in lent:  # lend regret: a loan that had to come back soon doubles the owner's idle hold
             ctl, since = spec.control, now_s - lent.pop(owner)
             old = scale.get(owner, 1.0)
             new = min(ctl.lend_backoff_max, old * 2.0) if since < ctl.lend_regret_s else max(1.0, old / 2.0)
             if new != old:
                 scale[owner] = new
-                why += (f"; its loan came back {since:.0f}s after it lent: lends again only after "
-                        f"{ctl.idle_hold_s * new:.0f}s idle")
+                why += (
+                    f"; its loan came back {since:.0f}s after it lent: lends again only after "
+                    f"{ctl.idle_hold_s * new:.0f}s idle"
+                )
         for borrower, amount in ledger.reclaim_plan(owner):
             take = min(amount, short)
             if take <= 0:
@@ -284,9 +305,16 @@ def plan_quota(
                 notes.append(f"release {name} refused: {exc}")
                 continue
             new_donors.add(name)
-            moves.append(QuotaMove(MoveKind.RELEASE, name, None, excess,
-                                   f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of "
-                                   f"{format_size(excess)} back to the pool once {name} is measured under {format_size(keep)}"))
+            moves.append(
+                QuotaMove(
+                    MoveKind.RELEASE,
+                    name,
+                    None,
+                    excess,
+                    f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of "
+                    f"{format_size(excess)} back to the pool once {name} is measured under {format_size(keep)}",
+                )
+            )
 
     # 6. lend to memory-bound busy models
     order = sorted(config.models, key=lambda n: (-config.models[n].priority, n))
@@ -298,9 +326,14 @@ def plan_quota(
         if deficit < dust:
             continue
         want = wants[name]
-        why = (f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
-               f"grant {format_size(ledger.grant(name))}") if name not in (need_bytes or {}) else (
-               f"{name} engine wants {format_size(wanted)}, grant {format_size(ledger.grant(name))}")
+        why = (
+            (
+                f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
+                f"grant {format_size(ledger.grant(name))}"
+            )
+            if name not in (need_bytes or {})
+            else (f"{name} engine wants {format_size(wanted)}, grant {format_size(ledger.grant(name))}")
+        )
         deficit -= grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
         if deficit < dust:
             continue
@@ -313,9 +346,14 @@ def plan_quota(
             amount = min(deficit, surplus)
             if amount < dust:
                 continue
-            transfer(donor, name, amount, MoveKind.LEND,
-                     why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for "
-                     f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}")
+            transfer(
+                donor,
+                name,
+                amount,
+                MoveKind.LEND,
+                why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for "
+                f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}",
+            )
             deficit -= amount
             if deficit < dust:
                 break
@@ -323,7 +361,12 @@ def plan_quota(
     for owner, spec in sorted(config.models.items(), key=lambda kv: (-kv[1].priority, kv[0])):
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short >= dust and ledger.free_bytes >= dust:
-            grow(owner, short, MoveKind.RECLAIM, f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool")
+            grow(
+                owner,
+                short,
+                MoveKind.RECLAIM,
+                f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool",
+            )
     return QuotaPlan(
         ledger=ledger,
         moves=tuple(moves),
@@ -349,7 +392,9 @@ def _escalation(
         MoveKind.RECLAIM_RESTART: f"restart its replicas (restart_token {token})",
     }[step_kind(step)]
     what = "reclaim" if any(t.kind == "reclaim" for t in pending) else "release"
-    reason = (f"{what} of {format_size(amount)} for {owners} not confirmed {now_s - first:.0f}s after it began "
-              f"({borrower} used {format_size(gate.used_bytes)} against grant {format_size(grant)}; {gate.why}): "
-              f"step {step}, {borrower} must {action}")
+    reason = (
+        f"{what} of {format_size(amount)} for {owners} not confirmed {now_s - first:.0f}s after it began "
+        f"({borrower} used {format_size(gate.used_bytes)} against grant {format_size(grant)}; {gate.why}): "
+        f"step {step}, {borrower} must {action}"
+    )
     return QuotaMove(step_kind(step), borrower, owners, amount, reason)

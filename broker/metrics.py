@@ -24,12 +24,12 @@ is logged as an error and leaves the broker running without an exporter.
 from __future__ import annotations
 
 import copy
-
 import functools
 import logging
 import math
 import time
-from typing import Any, Callable, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -41,7 +41,17 @@ PREFIX = "gpubroker_"
 
 # Fixed label enumerations: anything else is counted as "other".
 OUTCOMES = ("ok", "rejected", "timeout", "error")
-MOVE_KINDS = ("lend", "reclaim", "confirm", "grow", "release", "abort", "reclaim_cache", "reclaim_drain", "reclaim_restart")
+MOVE_KINDS = (
+    "lend",
+    "reclaim",
+    "confirm",
+    "grow",
+    "release",
+    "abort",
+    "reclaim_cache",
+    "reclaim_drain",
+    "reclaim_restart",
+)
 TRIGGERS = ("queue_depth", "p95_ms", "free_frac", "arrival_rate_rps", "sm_util_frac", "hold")
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -87,21 +97,46 @@ class LlmGauges:
 
     def __init__(self, r: CollectorRegistry) -> None:
         mg = ("model", "gpu")
-        self.ttft = Gauge(f"{PREFIX}llm_ttft_seconds", "Time to first token over the engine's recent completions.",
-                          (*mg, "quantile"), registry=r)
-        self.tpot = Gauge(f"{PREFIX}llm_tpot_seconds", "Time per output token over the engine's recent completions.",
-                          (*mg, "quantile"), registry=r)
-        self.slo = Gauge(f"{PREFIX}llm_slo_seconds", "TTFT and TPOT P95 objectives (llm.ttft_slo_ms, llm.tpot_slo_ms).",
-                         (*mg, "metric"), registry=r)
-        self.tokens = Gauge(f"{PREFIX}llm_tokens_per_second", "Prompt (in) and generated (out) tokens per second.",
-                            (*mg, "direction"), registry=r)
-        self.seqs = Gauge(f"{PREFIX}llm_sequences", "Sequences running in the engine and waiting at its admission.",
-                          (*mg, "state"), registry=r)
+        self.ttft = Gauge(
+            f"{PREFIX}llm_ttft_seconds",
+            "Time to first token over the engine's recent completions.",
+            (*mg, "quantile"),
+            registry=r,
+        )
+        self.tpot = Gauge(
+            f"{PREFIX}llm_tpot_seconds",
+            "Time per output token over the engine's recent completions.",
+            (*mg, "quantile"),
+            registry=r,
+        )
+        self.slo = Gauge(
+            f"{PREFIX}llm_slo_seconds",
+            "TTFT and TPOT P95 objectives (llm.ttft_slo_ms, llm.tpot_slo_ms).",
+            (*mg, "metric"),
+            registry=r,
+        )
+        self.tokens = Gauge(
+            f"{PREFIX}llm_tokens_per_second",
+            "Prompt (in) and generated (out) tokens per second.",
+            (*mg, "direction"),
+            registry=r,
+        )
+        self.seqs = Gauge(
+            f"{PREFIX}llm_sequences",
+            "Sequences running in the engine and waiting at its admission.",
+            (*mg, "state"),
+            registry=r,
+        )
         self.blocks = Gauge(f"{PREFIX}llm_kv_blocks", "KV cache blocks used and free now.", (*mg, "state"), registry=r)
-        self.preemptions = Gauge(f"{PREFIX}llm_preemptions", "Sequences evicted and recomputed since the engine started.",
-                                 mg, registry=r)
-        self.bound = Gauge(f"{PREFIX}llm_bound", "Engine bounds the broker set: max_num_seqs, max_batched_tokens, "
-                           "kv_blocks, prefill_paused (1 paused).", (*mg, "bound"), registry=r)
+        self.preemptions = Gauge(
+            f"{PREFIX}llm_preemptions", "Sequences evicted and recomputed since the engine started.", mg, registry=r
+        )
+        self.bound = Gauge(
+            f"{PREFIX}llm_bound",
+            "Engine bounds the broker set: max_num_seqs, max_batched_tokens, kv_blocks, prefill_paused (1 paused).",
+            (*mg, "bound"),
+            registry=r,
+        )
 
     def observe(self, name: str, gpu: str, e: Mapping[str, Any]) -> None:
         for q in self.QUANTILES:
@@ -121,7 +156,16 @@ class LlmGauges:
             self.bound.labels(name, gpu, bound).set(_num(e.get(bound)))
 
     def forget(self, name: str, gpu: str) -> None:
-        for gauge in (self.ttft, self.tpot, self.slo, self.tokens, self.seqs, self.blocks, self.preemptions, self.bound):
+        for gauge in (
+            self.ttft,
+            self.tpot,
+            self.slo,
+            self.tokens,
+            self.seqs,
+            self.blocks,
+            self.preemptions,
+            self.bound,
+        ):
             for labels in [k for k in list(gauge._metrics) if k[:2] == (name, gpu)]:
                 gauge.remove(*labels)
 
@@ -134,8 +178,9 @@ class BrokerMetrics:
     ``gpu`` is the ``gpu`` label value (the config's device, e.g. ``cpu`` or ``cuda:0``).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, gpu: str = "gpu0",
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, *, gpu: str = "gpu0", clock: Callable[[], float] = time.time
+    ) -> None:
         self.registry = REGISTRY if registry is None else registry
         self.gpu = gpu
         self._clock = clock
@@ -145,74 +190,148 @@ class BrokerMetrics:
         mg = ("model", "gpu")
 
         # ---- from replica reports
-        self.requests = Counter(f"{PREFIX}requests_total", "Requests finished, by outcome (ok, rejected, timeout, error).",
-                                mg + ("outcome",), registry=r)
-        self.latency = Histogram(f"{PREFIX}request_latency_seconds",
-                                 "End-to-end latency of completed requests (the replicas' reported samples).",
-                                 mg, buckets=LATENCY_BUCKETS_S, registry=r)
-        self.batch_size = Histogram(f"{PREFIX}batch_size", "Requests per executed batch.", mg,
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.batch_exec = Histogram(f"{PREFIX}batch_execution_seconds", "Model execution time per batch.", mg,
-                                    buckets=LATENCY_BUCKETS_S, registry=r)
-        self.busy = Counter(f"{PREFIX}busy_seconds_total", "Seconds the replicas spent executing batches.", mg, registry=r)
-        self.oom_splits = Counter(f"{PREFIX}oom_splits_total", "Batches split in two after an out-of-memory error.",
-                                  mg, registry=r)
-        self.emergency_shrinks = Counter(f"{PREFIX}emergency_shrinks_total",
-                                         "Fast-loop halvings of the batch cap (memory emergency).", mg, registry=r)
+        self.requests = Counter(
+            f"{PREFIX}requests_total",
+            "Requests finished, by outcome (ok, rejected, timeout, error).",
+            mg + ("outcome",),
+            registry=r,
+        )
+        self.latency = Histogram(
+            f"{PREFIX}request_latency_seconds",
+            "End-to-end latency of completed requests (the replicas' reported samples).",
+            mg,
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            f"{PREFIX}batch_size", "Requests per executed batch.", mg, buckets=BATCH_BUCKETS, registry=r
+        )
+        self.batch_exec = Histogram(
+            f"{PREFIX}batch_execution_seconds",
+            "Model execution time per batch.",
+            mg,
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.busy = Counter(
+            f"{PREFIX}busy_seconds_total", "Seconds the replicas spent executing batches.", mg, registry=r
+        )
+        self.oom_splits = Counter(
+            f"{PREFIX}oom_splits_total", "Batches split in two after an out-of-memory error.", mg, registry=r
+        )
+        self.emergency_shrinks = Counter(
+            f"{PREFIX}emergency_shrinks_total",
+            "Fast-loop halvings of the batch cap (memory emergency).",
+            mg,
+            registry=r,
+        )
         self.reports = Counter(f"{PREFIX}reports_total", "Stats reports received from replicas.", mg, registry=r)
 
         # ---- from the status dict, each tick
         self.grant = Gauge(f"{PREFIX}quota_granted_bytes", "Memory quota granted to the model now.", mg, registry=r)
-        self.base = Gauge(f"{PREFIX}quota_base_bytes", "The model's guaranteed quota (config quota.base).", mg, registry=r)
+        self.base = Gauge(
+            f"{PREFIX}quota_base_bytes", "The model's guaranteed quota (config quota.base).", mg, registry=r
+        )
         self.used = Gauge(f"{PREFIX}quota_used_bytes", "Memory the model's replicas use now.", mg, registry=r)
-        self.max_batch = Gauge(f"{PREFIX}max_batch_size", "Batch cap in the model's batch unit (requests or tokens).",
-                               mg, registry=r)
+        self.max_batch = Gauge(
+            f"{PREFIX}max_batch_size", "Batch cap in the model's batch unit (requests or tokens).", mg, registry=r
+        )
         self.wait = Gauge(f"{PREFIX}batch_wait_timeout_seconds", "Serve batch wait timeout.", mg, registry=r)
         self.queue = Gauge(f"{PREFIX}queue_depth", "Requests waiting or running, summed over replicas.", mg, registry=r)
-        self.p95 = Gauge(f"{PREFIX}latency_p95_seconds", "P95 latency over the broker's sliding window (NaN: no samples).",
-                         mg, registry=r)
-        self.slo = Gauge(f"{PREFIX}slo_p95_seconds", "P95 latency cap in force (SLO x the profile's slack).", mg, registry=r)
-        self.arrival = Gauge(f"{PREFIX}arrival_rate_rps", "Admitted requests per second over the window.", mg, registry=r)
-        self.attainment = Gauge(f"{PREFIX}slo_attainment_ratio",
-                                "Share of requests in the window answered within the SLO (NaN: none).", mg, registry=r)
-        self.cost = Gauge(f"{PREFIX}cost_per_1k_requests",
-                          "GPU cost per 1000 completed requests at the active profile's price (NaN: no completions).",
-                          mg, registry=r)
-        self.admit = Gauge(f"{PREFIX}admit", "1 while the model admits requests, 0 while paused by an emergency.",
-                           mg, registry=r)
+        self.p95 = Gauge(
+            f"{PREFIX}latency_p95_seconds",
+            "P95 latency over the broker's sliding window (NaN: no samples).",
+            mg,
+            registry=r,
+        )
+        self.slo = Gauge(
+            f"{PREFIX}slo_p95_seconds", "P95 latency cap in force (SLO x the profile's slack).", mg, registry=r
+        )
+        self.arrival = Gauge(
+            f"{PREFIX}arrival_rate_rps", "Admitted requests per second over the window.", mg, registry=r
+        )
+        self.attainment = Gauge(
+            f"{PREFIX}slo_attainment_ratio",
+            "Share of requests in the window answered within the SLO (NaN: none).",
+            mg,
+            registry=r,
+        )
+        self.cost = Gauge(
+            f"{PREFIX}cost_per_1k_requests",
+            "GPU cost per 1000 completed requests at the active profile's price (NaN: no completions).",
+            mg,
+            registry=r,
+        )
+        self.admit = Gauge(
+            f"{PREFIX}admit", "1 while the model admits requests, 0 while paused by an emergency.", mg, registry=r
+        )
         self.replicas = Gauge(f"{PREFIX}replicas", "Replicas that reported recently.", mg, registry=r)
         self.version = Gauge(f"{PREFIX}settings_version", "Version of the model's settings.", mg, registry=r)
         self.llm = LlmGauges(r)  # kind: llm engines (status models.<name>.engine)
-        self.capacity = Gauge(f"{PREFIX}card_capacity_bytes", "Card memory (host memory pool on cpu).", ("gpu",), registry=r)
-        self.usable = Gauge(f"{PREFIX}card_usable_bytes", "What the ledger may grant: capacity less reserve and overhead.",
-                            ("gpu",), registry=r)
-        self.card_used = Gauge(f"{PREFIX}card_used_bytes", "Memory used on the card by the models now.", ("gpu",), registry=r)
+        self.capacity = Gauge(
+            f"{PREFIX}card_capacity_bytes", "Card memory (host memory pool on cpu).", ("gpu",), registry=r
+        )
+        self.usable = Gauge(
+            f"{PREFIX}card_usable_bytes",
+            "What the ledger may grant: capacity less reserve and overhead.",
+            ("gpu",),
+            registry=r,
+        )
+        self.card_used = Gauge(
+            f"{PREFIX}card_used_bytes", "Memory used on the card by the models now.", ("gpu",), registry=r
+        )
         self.granted = Gauge(f"{PREFIX}card_granted_bytes", "Sum of the models' grants.", ("gpu",), registry=r)
-        self.free = Gauge(f"{PREFIX}card_free_ratio", "Free share of the card now (NaN before the first tick).",
-                          ("gpu",), registry=r)
-        self.profile = Gauge(f"{PREFIX}active_profile", "1 for the active price profile, 0 for profiles active before.",
-                             ("gpu", "profile"), registry=r)
-        self.price = Gauge(f"{PREFIX}price_per_gpu_hour", "Price per GPU-hour of the active profile.", ("gpu",), registry=r)
+        self.free = Gauge(
+            f"{PREFIX}card_free_ratio", "Free share of the card now (NaN before the first tick).", ("gpu",), registry=r
+        )
+        self.profile = Gauge(
+            f"{PREFIX}active_profile",
+            "1 for the active price profile, 0 for profiles active before.",
+            ("gpu", "profile"),
+            registry=r,
+        )
+        self.price = Gauge(
+            f"{PREFIX}price_per_gpu_hour", "Price per GPU-hour of the active profile.", ("gpu",), registry=r
+        )
         self.dry_run = Gauge(f"{PREFIX}dry_run", "1 when the broker decides but applies nothing.", ("gpu",), registry=r)
 
         # ---- from the decision, each tick
-        self.decisions = Counter(f"{PREFIX}decisions_total",
-                                 "Settings changes, by the metric that triggered them (fixed set; else 'other').",
-                                 mg + ("trigger",), registry=r)
-        self.transfers = Counter(f"{PREFIX}quota_transfers_total", "Quota ledger steps, by kind.", ("gpu", "kind"), registry=r)
-        self.transfer_bytes = Counter(f"{PREFIX}quota_transferred_bytes_total", "Bytes moved by quota ledger steps, by kind.",
-                                      ("gpu", "kind"), registry=r)
+        self.decisions = Counter(
+            f"{PREFIX}decisions_total",
+            "Settings changes, by the metric that triggered them (fixed set; else 'other').",
+            mg + ("trigger",),
+            registry=r,
+        )
+        self.transfers = Counter(
+            f"{PREFIX}quota_transfers_total", "Quota ledger steps, by kind.", ("gpu", "kind"), registry=r
+        )
+        self.transfer_bytes = Counter(
+            f"{PREFIX}quota_transferred_bytes_total",
+            "Bytes moved by quota ledger steps, by kind.",
+            ("gpu", "kind"),
+            registry=r,
+        )
         self.ticks = Counter(f"{PREFIX}ticks_total", "Slow-loop ticks run.", ("gpu",), registry=r)
-        self.tick_duration = Histogram(f"{PREFIX}tick_duration_seconds", "Wall time of one slow-loop tick.",
-                                       ("gpu",), buckets=TICK_BUCKETS_S, registry=r)
+        self.tick_duration = Histogram(
+            f"{PREFIX}tick_duration_seconds",
+            "Wall time of one slow-loop tick.",
+            ("gpu",),
+            buckets=TICK_BUCKETS_S,
+            registry=r,
+        )
 
         # ---- config reloads (apply)
         self.config = Info(f"{PREFIX}config", "Hash of the config the broker runs.", registry=r)
-        self.reload_ok = Gauge(f"{PREFIX}config_last_reload_success",
-                               "1 if the last config load (start-up or apply) succeeded, 0 if the last apply was refused.",
-                               registry=r)
-        self.reload_time = Gauge(f"{PREFIX}config_last_reload_timestamp_seconds",
-                                 "Epoch time of the last config load (start-up or apply).", registry=r)
+        self.reload_ok = Gauge(
+            f"{PREFIX}config_last_reload_success",
+            "1 if the last config load (start-up or apply) succeeded, 0 if the last apply was refused.",
+            registry=r,
+        )
+        self.reload_time = Gauge(
+            f"{PREFIX}config_last_reload_timestamp_seconds",
+            "Epoch time of the last config load (start-up or apply).",
+            registry=r,
+        )
         self.reload_failures = Counter(f"{PREFIX}config_reload_failures_total", "Refused applies.", registry=r)
         self.reload_ok.set(1)  # the broker only starts on a valid config
         self.reload_time.set(self._clock())
@@ -246,7 +365,7 @@ class BrokerMetrics:
         self.oom_splits.labels(*lab).inc(max(0, report.oom_splits))
         self.emergency_shrinks.labels(*lab).inc(max(0, report.emergency_shrinks))
 
-    def for_gpu(self, gpu: str) -> "BrokerMetrics":
+    def for_gpu(self, gpu: str) -> BrokerMetrics:
         """The same series under another ``gpu`` label: one view per card of a many-card fleet,
         all in this registry (``broker.fleet_core``)."""
         view = copy.copy(self)
@@ -314,8 +433,22 @@ class BrokerMetrics:
 
     def _forget_model(self, name: str) -> None:
         """Drop a model's gauge series once it is no longer in the config (counters keep their history)."""
-        for gauge in (self.grant, self.base, self.used, self.max_batch, self.wait, self.queue, self.p95, self.slo,
-                      self.arrival, self.attainment, self.cost, self.admit, self.replicas, self.version):
+        for gauge in (
+            self.grant,
+            self.base,
+            self.used,
+            self.max_batch,
+            self.wait,
+            self.queue,
+            self.p95,
+            self.slo,
+            self.arrival,
+            self.attainment,
+            self.cost,
+            self.admit,
+            self.replicas,
+            self.version,
+        ):
             try:
                 gauge.remove(name, self.gpu)
             except KeyError:
@@ -339,60 +472,4 @@ class BrokerMetrics:
         return {s.name for fam in self.registry.collect() for s in fam.samples}
 
 
-class Exporter:
-    """A running ``/metrics`` endpoint; ``close()`` stops it."""
-
-    def __init__(self, server: Any, thread: Any, host: str, port: int) -> None:
-        self.server, self.thread, self.host, self.port = server, thread, host, port
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def start_exporter(metrics: BrokerMetrics, host: str = "127.0.0.1", port: int = 9464) -> Exporter | None:
-    """Serve ``metrics.registry`` at ``http://host:port/metrics``; None when disabled (port 0) or not possible.
-
-    A port already in use (another broker, or a second exporter in the same process) is logged
-    as an error naming the port and the config field to change; the broker keeps running.
-    """
-    if not port:
-        logger.info("metrics exporter disabled (broker.metrics_port is 0)")
-        return None
-    from prometheus_client import start_http_server
-
-    try:
-        server, thread = start_http_server(port, addr=host, registry=metrics.registry)
-    except OSError as exc:
-        logger.error(
-            "metrics exporter could not bind %s:%d (%s); the broker runs without /metrics. "
-            "Free the port or set broker.metrics_port to another port (0 disables the exporter).",
-            host, port, exc.strerror or exc,
-        )
-        return None
-    exporter = Exporter(server, thread, host, int(server.server_address[1]))
-    logger.info("metrics exporter serving %s", exporter.url)
-    return exporter
-
-
-class NullMetrics:
-    """Metrics that record nothing: for the simulator, whose thousands of virtual ticks a second
-    need no Prometheus series (and no ``status()`` per tick to feed them)."""
-
-    active = False
-
-    def observe_report(self, report: StatsReport) -> None:
-        pass
-
-    def observe_rejections(self, model: str, count: int) -> None:
-        pass
-
-    def observe_tick(self, decision: FleetDecision, status: dict[str, Any], tick_s: float) -> None:
-        pass
-
-    def observe_reload(self, ok: bool, config_hash: str) -> None:
-        pass
+from broker.metrics_export import Exporter, NullMetrics, start_exporter  # noqa: E402,F401 - re-exported

@@ -16,8 +16,9 @@ Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from broker.batch_rules import RuleContext, decide_batch
 from broker.latency_model import fit_latency
@@ -64,7 +65,7 @@ class PolicyState:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PolicyState":
+    def from_dict(cls, data: Mapping[str, Any]) -> PolicyState:
         models = {}
         for name, raw in data["models"].items():
             raw = dict(raw)
@@ -132,7 +133,9 @@ def reconfigure_state(
         wait = min(spec.wait.max_ms, max(spec.wait.min_ms, old.wait_s * 1000.0)) / 1000.0
         if spec.control.strategy == "static":
             cap, wait = spec.batch.initial_cap, spec.wait.initial_s
-        models[name] = replace(old, max_batch=cap, wait_s=wait, version=old.version + 1, hold_s=max(old.hold_s, interval))
+        models[name] = replace(
+            old, max_batch=cap, wait_s=wait, version=old.version + 1, hold_s=max(old.hold_s, interval)
+        )
     after = {t.donor: models[t.donor].version for t in ledger.pending}
     tokens = {n: v for n, v in state.restart_tokens.items() if n in config.models}
     return replace(state, models=models, ledger=ledger, confirm_after=after, reclaim_steps={}, restart_tokens=tokens)
@@ -161,15 +164,18 @@ def memory_model(load: ModelLoad) -> MemoryModel:
     return MemoryModel.from_load(load)
 
 
-def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
-           need_bytes: Mapping[str, int] | None = None) -> tuple[FleetDecision, PolicyState]:
+def decide(
+    snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState, need_bytes: Mapping[str, int] | None = None
+) -> tuple[FleetDecision, PolicyState]:
     """``need_bytes``: models whose need the lending planner takes as given (LLM engines, broker.llm_window)."""
     now = snapshot.now_s
     interval = config.broker.control_interval_s
     profile = active_profile(config.profiles, now)
     notes: list[str] = []
     if state.profile and state.profile != profile.name:
-        notes.append(f"profile {state.profile} -> {profile.name} (objective {profile.objective}, slack {profile.latency_slack:g})")
+        notes.append(
+            f"profile {state.profile} -> {profile.name} (objective {profile.objective}, slack {profile.latency_slack:g})"
+        )
 
     wants: dict[str, BatchWant] = {}
     new_states: dict[str, ModelState] = {}
@@ -196,11 +202,17 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
             formation=config.broker.batch_formation,
             paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
             max_pause_s=spec.control.max_pause_intervals * interval,
-            mem_ceiling=(memory_model(load).cap_for(state.ledger.grant(name) / max(1, spec.replicas))
-                         if name in state.ledger.quotas else None),
+            mem_ceiling=(
+                memory_model(load).cap_for(state.ledger.grant(name) / max(1, spec.replicas))
+                if name in state.ledger.quotas
+                else None
+            ),
         )
-        want = (decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx) if spec.kind != "llm"
-                else BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON))
+        want = (
+            decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
+            if spec.kind != "llm"
+            else BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON)
+        )
         ms = replace(
             old,
             last_arrival_s=last_arrival,
@@ -215,8 +227,20 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
         wants[name] = want
         new_states[name] = ms
 
-    plan = plan_quota(snapshot, config, state.ledger, new_states, wants, state.confirm_after, now,
-                      state.reclaim_steps, state.restart_tokens, need_bytes, state.lend_scale, state.lent_at)
+    plan = plan_quota(
+        snapshot,
+        config,
+        state.ledger,
+        new_states,
+        wants,
+        state.confirm_after,
+        now,
+        state.reclaim_steps,
+        state.restart_tokens,
+        need_bytes,
+        state.lend_scale,
+        state.lent_at,
+    )
     ledger, moves = plan.ledger, plan.moves
     notes.extend(plan.notes)
     flags_now = replace(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
@@ -228,8 +252,11 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
         cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), load)
         grant = ledger.grant(name)
         old = state.models.get(name)
-        prev = (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit,
-                _quota_flags(state, name)) if old and name in state.ledger.quotas else None
+        prev = (
+            (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, _quota_flags(state, name))
+            if old and name in state.ledger.quotas
+            else None
+        )
         now_settings = (cap, round(want.wait_s, 6), grant, want.admit, _quota_flags(flags_now, name))
         changed = prev != now_settings
         version = ms.version + (1 if changed and old is not None else 0)
@@ -242,8 +269,9 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
         if cap != ms.max_batch:
             ms = replace(ms, last_dir=direction, last_change_s=now)
         paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
-        new_states[name] = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version,
-                                   paused_since_s=paused_since)
+        new_states[name] = replace(
+            ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since
+        )
         decisions[name] = ModelDecision(
             max_batch_size=cap,
             batch_wait_timeout_s=want.wait_s,
@@ -260,10 +288,20 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState,
     confirm_after = dict(plan.confirm_after)
     for donor in plan.new_donors:
         confirm_after[donor] = new_states[donor].version
-    new_state = PolicyState(models=new_states, ledger=ledger, profile=profile.name, tick=state.tick + 1,
-                            confirm_after=confirm_after, reclaim_steps=plan.reclaim_steps,
-                            restart_tokens=plan.restart_tokens, lend_scale=plan.lend_scale, lent_at=plan.lent_at)
-    return FleetDecision(now_s=now, profile=profile.name, models=decisions, moves=tuple(moves), notes=tuple(notes)), new_state
+    new_state = PolicyState(
+        models=new_states,
+        ledger=ledger,
+        profile=profile.name,
+        tick=state.tick + 1,
+        confirm_after=confirm_after,
+        reclaim_steps=plan.reclaim_steps,
+        restart_tokens=plan.restart_tokens,
+        lend_scale=plan.lend_scale,
+        lent_at=plan.lent_at,
+    )
+    return FleetDecision(
+        now_s=now, profile=profile.name, models=decisions, moves=tuple(moves), notes=tuple(notes)
+    ), new_state
 
 
 def _guard(cap: int, spec: ModelSpec, grant_bytes: int, load: ModelLoad) -> tuple[int, str]:
@@ -284,23 +322,36 @@ def _guard(cap: int, spec: ModelSpec, grant_bytes: int, load: ModelLoad) -> tupl
     return new, note
 
 
-def _anti_oscillation(want: BatchWant, ms: ModelState, spec: ModelSpec, now: float, interval: float) -> tuple[BatchWant, ModelState, str]:
+def _anti_oscillation(
+    want: BatchWant, ms: ModelState, spec: ModelSpec, now: float, interval: float
+) -> tuple[BatchWant, ModelState, str]:
     ctl = spec.control
     note = ""
     direction = (want.cap > ms.max_batch) - (want.cap < ms.max_batch)
     reversals = tuple(t for t in ms.reversals if t > now - ctl.reversal_window_s)
     # relax after a quiet spell
     if ms.band_scale > 1.0 and now - ms.last_reversal_s > 2 * ctl.reversal_window_s:
-        ms = replace(ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now)
+        ms = replace(
+            ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now
+        )
         note = f"no oscillation for {2 * ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
     if direction != 0 and not want.safety and now - ms.last_change_s < ms.hold_s - 1e-9:
-        held = replace(want, cap=ms.max_batch, rule=Rule.HELD, reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)")
+        held = replace(
+            want,
+            cap=ms.max_batch,
+            rule=Rule.HELD,
+            reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)",
+        )
         return held, replace(ms, reversals=reversals), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
-            ms = replace(ms, band_scale=min(ctl.band_scale_max, ms.band_scale * 1.5),
-                         hold_s=min(ctl.hold_max_intervals * interval, ms.hold_s * 2), last_reversal_s=now)
+            ms = replace(
+                ms,
+                band_scale=min(ctl.band_scale_max, ms.band_scale * 1.5),
+                hold_s=min(ctl.hold_max_intervals * interval, ms.hold_s * 2),
+                last_reversal_s=now,
+            )
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
     return want, replace(ms, reversals=reversals), note

@@ -351,7 +351,9 @@ def detect_device(device_cfg: str = "auto") -> str:
 
     count = torch.cuda.device_count()
     if index >= count:
-        raise RuntimeError(f"gpu.device is '{device_cfg}' but only {count} CUDA device(s) exist; use cuda:0..cuda:{count - 1}")
+        raise RuntimeError(
+            f"gpu.device is '{device_cfg}' but only {count} CUDA device(s) exist; use cuda:0..cuda:{count - 1}"
+        )
     return f"cuda:{index}"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from quotas.config import FleetConfig
 from quotas.sizes import format_size
@@ -34,10 +34,13 @@ def redeploy_issues(old: FleetConfig, cfg: FleetConfig) -> list[str]:
     for field_name in ("name", "namespace"):
         a, b = getattr(old.broker, field_name), getattr(cfg.broker, field_name)
         if a != b:
-            issues.append(f"broker.{field_name}: {a!r} -> {b!r} would orphan the running broker; use `gpubroker down` then `up`")
+            issues.append(
+                f"broker.{field_name}: {a!r} -> {b!r} would orphan the running broker; use `gpubroker down` then `up`"
+            )
     if cfg.gpu.device != old.gpu.device:
         issues.append(f"gpu.device: {old.gpu.device!r} -> {cfg.gpu.device!r} needs a redeploy; use `gpubroker up`")
     return issues
+
 
 def weights_issues(cfg: FleetConfig, memory_models: Mapping[str, tuple[int, float]]) -> list[str]:
     """A quota.min under the calibrated weights of the model's replicas could never hold the model."""
@@ -53,6 +56,7 @@ def weights_issues(cfg: FleetConfig, memory_models: Mapping[str, tuple[int, floa
                 f"({format_size(need)} for {spec.replicas} replica(s)); raise quota.min to at least {format_size(need)}"
             )
     return issues
+
 
 def next_up_notes(old: FleetConfig, cfg: FleetConfig) -> list[str]:
     """Fields ``apply`` accepts that only take effect on the next ``gpubroker up``."""

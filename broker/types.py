@@ -7,8 +7,9 @@ returns a ``FleetDecision``. Nothing here imports ray, torch, pynvml or reads th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from broker.vocab import EntryKind, MoveKind, Rule, Trigger  # noqa: F401 - the closed vocabularies, re-exported
 
@@ -40,14 +41,16 @@ class StatsReport:
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
     settings_version: int = 0  # version of the settings the replica runs now
     card_id: str = ""  # the card the replica was placed on ("" in a one-card fleet)
-    oom_costs: tuple[float, ...] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.oom)
+    oom_costs: tuple[
+        float, ...
+    ] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.oom)
     engine: dict[str, Any] | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "StatsReport":
+    def from_dict(cls, data: Mapping[str, Any]) -> StatsReport:
         data = dict(data)
         data["oom_costs"] = tuple(float(c) for c in data.get("oom_costs", ()))
         data["latency_ms"] = tuple(data.get("latency_ms", ()))
@@ -71,13 +74,15 @@ class ModelSettings:
     release_cache: bool = False  # empty the allocator's caches (torch.cuda.empty_cache) and re-measure
     drain: bool = False  # pause admission and let the running batches finish
     restart_token: int = 0  # a replica restarts (fails check_health) when this passes the token it started with
-    engine: dict[str, Any] | None = None  # kind: llm only: the engine bounds the broker set (broker.llm_window.engine_settings)
+    engine: dict[str, Any] | None = (
+        None  # kind: llm only: the engine bounds the broker set (broker.llm_window.engine_settings)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelSettings":
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSettings:
         """Known fields only: a checkpoint or a reply from an older broker may carry retired ones."""
         names = cls.__dataclass_fields__
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -131,7 +136,9 @@ class ModelLoad:
     mem_peak_bytes: int = 0  # max over the window
     emergency: bool = False  # a replica shrank in its fast loop since the last tick
     oom_splits: int = 0  # OOM splits since the last tick
-    oom_costs: tuple[float, ...] = ()  # costs of batches that ran out of memory, over the window (memory ceiling below the smallest)
+    oom_costs: tuple[
+        float, ...
+    ] = ()  # costs of batches that ran out of memory, over the window (memory ceiling below the smallest)
     settings_version: int = 0  # lowest settings version the replicas report running
     weights_bytes: int = 0  # calibrated memory model: weights (0 = not calibrated yet)
     bytes_per_unit: float = 0.0  # calibrated memory model: bytes per batch unit (request or token)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Mapping
+from collections.abc import Mapping
 
 from broker.attainment import attainment, met_and_total
 from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
@@ -35,7 +35,9 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 class ReportWindow:
     def __init__(self, config: FleetConfig):
         self._events: dict[str, deque[tuple[float, StatsReport]]] = {}
-        self._edge: dict[str, deque[tuple[float, int]]] = {}  # rejections at the ingress (Serve queue full, replica gone)
+        self._edge: dict[
+            str, deque[tuple[float, int]]
+        ] = {}  # rejections at the ingress (Serve queue full, replica gone)
         self._last_snapshot_s = float("-inf")
         self._slo_ms: dict[str, float] = {}  # effective P95 caps of the last snapshot call
         self.reconfigure(config)
@@ -199,6 +201,7 @@ class ReportWindow:
             bytes_per_unit=float(memory[1]),
             cost_unit=spec.batch.unit,
             replica_reports=tuple(
-                ReplicaSeen(rid, received[rid], r.settings_version, r.mem_used_bytes) for rid, r in sorted(latest.items())
+                ReplicaSeen(rid, received[rid], r.settings_version, r.mem_used_bytes)
+                for rid, r in sorted(latest.items())
             ),
         )

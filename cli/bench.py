@@ -14,10 +14,11 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 def bench(
     scenario: str = typer.Argument(
-        ..., help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), lending "
+        ...,
+        help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), lending "
         "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), or scale "
         "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
-        "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)"
+        "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(
@@ -87,7 +88,10 @@ def bench(
         typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
         return
     if scenario not in SCENARIO_NAMES:
-        typer.echo(f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale, llm)", err=True)
+        typer.echo(
+            f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale, llm)",
+            err=True,
+        )
         raise typer.Exit(2)
     from bench.live_runs import parse_arrivals
 

@@ -107,13 +107,28 @@ def card_table(st: dict[str, Any]) -> Table | None:
         return None
     table = Table(title=f"cards ({sum(1 for c in cards if c.get('live', True))} of {len(cards)} live)")
     for col in ("card", "node", "device", "capacity", "usable", "granted", "used", "models: grant / used (replicas)"):
-        table.add_column(col, justify="left" if col in ("card", "node", "device") or col.startswith("models") else "right")
+        table.add_column(
+            col, justify="left" if col in ("card", "node", "device") or col.startswith("models") else "right"
+        )
     for c in cards:
-        models = "; ".join(f"{n} {format_size(m['grant_bytes'])} / {format_size(m['used_bytes'])} ({m['replicas']})"
-                           for n, m in c.get("models", {}).items()) or "-"
+        models = (
+            "; ".join(
+                f"{n} {format_size(m['grant_bytes'])} / {format_size(m['used_bytes'])} ({m['replicas']})"
+                for n, m in c.get("models", {}).items()
+            )
+            or "-"
+        )
         card = c["id"] if c.get("live", True) else f"[red]{c['id']} LOST[/]"
-        table.add_row(card, str(c.get("node", "")), str(c.get("device", "")), format_size(c["capacity_bytes"]),
-                      format_size(c["usable_bytes"]), format_size(c["granted_bytes"]), format_size(c["used_bytes"]), models)
+        table.add_row(
+            card,
+            str(c.get("node", "")),
+            str(c.get("device", "")),
+            format_size(c["capacity_bytes"]),
+            format_size(c["usable_bytes"]),
+            format_size(c["granted_bytes"]),
+            format_size(c["used_bytes"]),
+            models,
+        )
     return table
 
 
@@ -123,12 +138,26 @@ def engine_table(st: dict[str, Any]) -> Table | None:
     if not engines:
         return None
     table = Table(title="LLM engines (bounds set by the broker's llm rules)")
-    for col in ("model", "max seqs", "batch tok", "KV blocks", "KV used/free", "prefill", "run/wait",
-                "TTFT P95", "TPOT P95", "SLO ms", "tok/s in/out", "rule"):
+    for col in (
+        "model",
+        "max seqs",
+        "batch tok",
+        "KV blocks",
+        "KV used/free",
+        "prefill",
+        "run/wait",
+        "TTFT P95",
+        "TPOT P95",
+        "SLO ms",
+        "tok/s in/out",
+        "rule",
+    ):
         table.add_column(col, justify="left" if col in ("model", "rule") else "right")
     for name, e in engines.items():
-        ok = [e.get("ttft_p95_ms") is None or e["ttft_p95_ms"] <= e["ttft_slo_ms"],
-              e.get("tpot_p95_ms") is None or e["tpot_p95_ms"] <= e["tpot_slo_ms"]]
+        ok = [
+            e.get("ttft_p95_ms") is None or e["ttft_p95_ms"] <= e["ttft_slo_ms"],
+            e.get("tpot_p95_ms") is None or e["tpot_p95_ms"] <= e["tpot_slo_ms"],
+        ]
         ttft = _ms(e.get("ttft_p95_ms")) if ok[0] else f"[red]{_ms(e.get('ttft_p95_ms'))}[/]"
         tpot = _ms(e.get("tpot_p95_ms")) if ok[1] else f"[red]{_ms(e.get('tpot_p95_ms'))}[/]"
 
@@ -136,11 +165,18 @@ def engine_table(st: dict[str, Any]) -> Table | None:
             return "-" if e.get(key) is None else str(e[key])
 
         table.add_row(
-            name, g("max_num_seqs"), g("max_batched_tokens"), f"{g('kv_blocks')} ({g('kv_blocks_total')} now)",
+            name,
+            g("max_num_seqs"),
+            g("max_batched_tokens"),
+            f"{g('kv_blocks')} ({g('kv_blocks_total')} now)",
             f"{g('kv_blocks_used')}/{g('kv_blocks_free')}",
-            "[red]PAUSED[/]" if e.get("prefill_paused") else "on", f"{g('running')}/{g('waiting')}",
-            ttft, tpot, f"{e['ttft_slo_ms']:g}/{e['tpot_slo_ms']:g}",
-            f"{e.get('tokens_in_per_s', 0):.0f}/{e.get('tokens_out_per_s', 0):.0f}", str(e.get("rule", "-")),
+            "[red]PAUSED[/]" if e.get("prefill_paused") else "on",
+            f"{g('running')}/{g('waiting')}",
+            ttft,
+            tpot,
+            f"{e['ttft_slo_ms']:g}/{e['tpot_slo_ms']:g}",
+            f"{e.get('tokens_in_per_s', 0):.0f}/{e.get('tokens_out_per_s', 0):.0f}",
+            str(e.get("rule", "-")),
         )
     return table
 

@@ -84,9 +84,16 @@ def config_text_from_args(args: dict[str, Any]) -> str:
     raise ValueError("build_app args need 'config' (a path to a fleet YAML) or 'config_text' (the YAML itself)")
 
 
-def model_deployment(name: str, spec: ModelSpec, cfg: FleetConfig, config_text: str, *,
-                     model_num_cpus: float = MODEL_NUM_CPUS, model_cls: type = HttpModel,
-                     placement: Any = None) -> Application:
+def model_deployment(
+    name: str,
+    spec: ModelSpec,
+    cfg: FleetConfig,
+    config_text: str,
+    *,
+    model_num_cpus: float = MODEL_NUM_CPUS,
+    model_cls: type = HttpModel,
+    placement: Any = None,
+) -> Application:
     """One model's application graph: the ``HttpModel`` deployment (or a subclass), its own ingress.
 
     A fleet with ``gpus:`` places every replica on a card (``placement``, ``quotas.placement``): a
@@ -95,16 +102,20 @@ def model_deployment(name: str, spec: ModelSpec, cfg: FleetConfig, config_text: 
     from ray.serve.config import BackpressureConfig
 
     def one(dep_name: str, replicas: int, actor_options: dict[str, Any], *args: Any) -> Application:
-        return serve.deployment(model_cls).options(
-            name=dep_name,
-            num_replicas=replicas,
-            max_ongoing_requests=spec.max_ongoing_requests,
-            max_queued_requests=SERVE_QUEUE_FACTOR * spec.max_ongoing_requests * replicas,
-            backpressure_config=BackpressureConfig(retry_after_s=max(1, round(cfg.broker.control_interval_s))),
-            ray_actor_options=actor_options,
-            health_check_period_s=5,
-            graceful_shutdown_timeout_s=5,
-        ).bind(name, config_text, *args)
+        return (
+            serve.deployment(model_cls)
+            .options(
+                name=dep_name,
+                num_replicas=replicas,
+                max_ongoing_requests=spec.max_ongoing_requests,
+                max_queued_requests=SERVE_QUEUE_FACTOR * spec.max_ongoing_requests * replicas,
+                backpressure_config=BackpressureConfig(retry_after_s=max(1, round(cfg.broker.control_interval_s))),
+                ray_actor_options=actor_options,
+                health_check_period_s=5,
+                graceful_shutdown_timeout_s=5,
+            )
+            .bind(name, config_text, *args)
+        )
 
     if placement is None or cfg.gpus is None:
         return one(name, spec.replicas, {"num_cpus": model_num_cpus})
@@ -116,19 +127,33 @@ def model_deployment(name: str, spec: ModelSpec, cfg: FleetConfig, config_text: 
         p = plans[0]
         return one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas)
     groups = {p.card_id: one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas) for p in plans}
-    return serve.deployment(CardRouter).options(
-        name=name, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096,
-    ).bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
+    return (
+        serve.deployment(CardRouter)
+        .options(
+            name=name,
+            ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
+            max_ongoing_requests=4096,
+        )
+        .bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
+    )
 
 
 def fleet_api(config_text: str) -> Application:
-    return FleetApi.options(name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
-                            max_ongoing_requests=1024).bind(config_text)
+    return FleetApi.options(
+        name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=1024
+    ).bind(config_text)
 
 
-def fleet_apps(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MODEL_NUM_CPUS,
-               fleet_app: str = FLEET_APP, prefix: str = "/", model_cls: type = HttpModel,
-               cards: tuple[Any, ...] | None = None) -> list[ServeApp]:
+def fleet_apps(
+    cfg: FleetConfig,
+    config_text: str,
+    *,
+    model_num_cpus: float = MODEL_NUM_CPUS,
+    fleet_app: str = FLEET_APP,
+    prefix: str = "/",
+    model_cls: type = HttpModel,
+    cards: tuple[Any, ...] | None = None,
+) -> list[ServeApp]:
     """The fleet's Serve applications: the fleet API at ``prefix``, each model under it
     (``model_cls``: the batch models' deployment class, ``HttpModel`` or a subclass). With
     ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus: auto``)."""
@@ -141,9 +166,21 @@ def fleet_apps(cfg: FleetConfig, config_text: str, *, model_num_cpus: float = MO
     for name, spec in cfg.models.items():
         if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
             continue
-        apps.append(ServeApp(model_app_name(name, fleet_app), model_route(name, prefix),
-                             model_deployment(name, spec, cfg, config_text, model_num_cpus=model_num_cpus,
-                                              model_cls=model_cls, placement=placement)))
+        apps.append(
+            ServeApp(
+                model_app_name(name, fleet_app),
+                model_route(name, prefix),
+                model_deployment(
+                    name,
+                    spec,
+                    cfg,
+                    config_text,
+                    model_num_cpus=model_num_cpus,
+                    model_cls=model_cls,
+                    placement=placement,
+                ),
+            )
+        )
     if any(m.kind == "llm" for m in cfg.models.values()):
         apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llm_app(cfg, config_text)))
     return apps
@@ -158,8 +195,14 @@ def run_fleet(apps: list[ServeApp], *, wait: bool = False, logging_config: dict[
     """Deploy the applications in one controller call (``wait``: until all are RUNNING)."""
     from ray.serve import RunTarget, run_many
 
-    run_many([RunTarget(target=a.app, name=a.name, route_prefix=a.route_prefix, logging_config=logging_config)
-              for a in apps], wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
+    run_many(
+        [
+            RunTarget(target=a.app, name=a.name, route_prefix=a.route_prefix, logging_config=logging_config)
+            for a in apps
+        ],
+        wait_for_ingress_deployment_creation=wait,
+        wait_for_applications_running=wait,
+    )
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -182,24 +225,47 @@ def build_model_app(args: dict[str, Any]) -> Application:
     cfg = parse_config_text(text, str(args.get("config", "config_text")))
     name = str(args.get("model", ""))
     if name not in cfg.models:
-        raise ValueError(f"build_model_app args: model {name!r} is not in the config; use one of {', '.join(cfg.models)}")
-    return model_deployment(name, cfg.models[name], cfg, text,
-                            model_num_cpus=float(args.get("model_num_cpus", MODEL_NUM_CPUS)))
+        raise ValueError(
+            f"build_model_app args: model {name!r} is not in the config; use one of {', '.join(cfg.models)}"
+        )
+    return model_deployment(
+        name, cfg.models[name], cfg, text, model_num_cpus=float(args.get("model_num_cpus", MODEL_NUM_CPUS))
+    )
 
 
 def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP) -> dict[str, Any]:
     """A Ray Serve config document (``serve deploy``) with the fleet API and one app per model."""
-    apps = [{"name": fleet_app, "route_prefix": "/", "import_path": "deployments.app:build_app",
-             "args": {"config": config_path}}]
+    apps = [
+        {
+            "name": fleet_app,
+            "route_prefix": "/",
+            "import_path": "deployments.app:build_app",
+            "args": {"config": config_path},
+        }
+    ]
     for name in [n for n, m in cfg.models.items() if m.kind != "llm"]:
-        apps.append({"name": model_app_name(name, fleet_app), "route_prefix": model_route(name),
-                     "import_path": "deployments.app:build_model_app", "args": {"config": config_path, "model": name}})
+        apps.append(
+            {
+                "name": model_app_name(name, fleet_app),
+                "route_prefix": model_route(name),
+                "import_path": "deployments.app:build_model_app",
+                "args": {"config": config_path, "model": name},
+            }
+        )
     if any(m.kind == "llm" for m in cfg.models.values()):
-        apps.append({"name": f"{fleet_app}-{LLM_APP}", "route_prefix": llm_route(), "import_path":
-                     "deployments.llm.openai_api:build_llm_app", "args": {"config": config_path}})
-    return {"proxy_location": "EveryNode",
-            "http_options": {"host": cfg.broker.http_host, "port": cfg.broker.http_port},
-            "applications": apps}
+        apps.append(
+            {
+                "name": f"{fleet_app}-{LLM_APP}",
+                "route_prefix": llm_route(),
+                "import_path": "deployments.llm.openai_api:build_llm_app",
+                "args": {"config": config_path},
+            }
+        )
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": cfg.broker.http_host, "port": cfg.broker.http_port},
+        "applications": apps,
+    }
 
 
 if __name__ == "__main__":  # python -m deployments.app configs/demo.yaml > serve.yaml

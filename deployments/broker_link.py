@@ -15,8 +15,9 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from broker.types import StatsReport
 
@@ -80,8 +81,16 @@ class ReplicaGauges:
     settings_version: int
 
 
-def build_report(model: str, replica_id: str, seq: int, delta: StatsDelta, now_s: float, g: ReplicaGauges,
-                 engine: dict[str, Any] | None = None, card_id: str = "") -> StatsReport:
+def build_report(
+    model: str,
+    replica_id: str,
+    seq: int,
+    delta: StatsDelta,
+    now_s: float,
+    g: ReplicaGauges,
+    engine: dict[str, Any] | None = None,
+    card_id: str = "",
+) -> StatsReport:
     return StatsReport(
         model=model,
         replica_id=replica_id,
@@ -152,7 +161,11 @@ class BrokerLink:
         if self.failures in (1, 10) or self.failures % 100 == 0:
             logger.warning(
                 "gpubroker replica %s: broker %s failed (%d in a row, %r); serving on settings v%d",
-                self.model, what, self.failures, exc, version,
+                self.model,
+                what,
+                self.failures,
+                exc,
+                version,
             )
 
     async def register(self, calibration: dict[str, Any], version: int) -> dict[str, Any] | None:
@@ -160,8 +173,12 @@ class BrokerLink:
         try:
             handle = self._handle_or_lookup()
             reply = await asyncio.wait_for(
-                (handle.register.remote(self.model, self.replica_id, calibration, self.card_id) if self.card_id
-                 else handle.register.remote(self.model, self.replica_id, calibration)), timeout=self.rpc_timeout_s
+                (
+                    handle.register.remote(self.model, self.replica_id, calibration, self.card_id)
+                    if self.card_id
+                    else handle.register.remote(self.model, self.replica_id, calibration)
+                ),
+                timeout=self.rpc_timeout_s,
             )
         except Exception as exc:  # noqa: BLE001 - serve on config settings, retry from the report loop
             self._failed(exc, "register", version)
@@ -184,7 +201,7 @@ class BrokerLink:
         self.seq += 1
         try:
             reply = await asyncio.wait_for(handle.report.remote(report.to_dict()), timeout=self.rpc_timeout_s)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             # The call may still land (the actor retries tasks across restarts): do not resend.
             self._failed(exc, "report (timeout)", gauges.settings_version)
             return None

@@ -19,9 +19,11 @@ A least-squares line through the points gives the model, clamped to >= 0 (STYLE.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from deployments.models.base import ModelAdapter
 
@@ -152,7 +154,9 @@ def calibrate(
         return done(intercept, slope, points, "cuda")
 
     if module is not None:
-        points = [(x, weights + _hooked_bytes(module, lambda b=batch: adapter.predict(b))) for x, batch in zip(xs, batches)]
+        points = [
+            (x, weights + _hooked_bytes(module, lambda b=batch: adapter.predict(b))) for x, batch in zip(xs, batches)
+        ]
         intercept, slope = fit_line(points)
         return done(intercept, slope, points, "hooks")
 
@@ -173,3 +177,23 @@ def _example(adapter: ModelAdapter) -> Any:
         return adapter.example_input()
     except NotImplementedError:
         return None
+
+
+def replica_calibration(adapter: Any, probe: Any, device: str, token_priced: bool, name: str) -> dict[str, Any]:
+    """What a replica registers with: its measured memory model, else the adapter's declared
+    sizes (a failed calibration serves uncalibrated rather than not at all)."""
+    out: dict[str, Any] = {"cost_unit": "tokens" if token_priced else "requests"}
+    try:
+        result = calibrate(adapter, probe, device=device)
+        out.update(result.to_dict() if hasattr(result, "to_dict") else dict(result))
+        return out
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger("ray.serve").warning(
+            "gpubroker: calibration of %s failed (%r); using declared sizes", name, exc
+        )
+    declared = adapter.declared_memory()
+    if declared is not None:
+        out["weights_bytes"], out["bytes_per_unit"] = int(declared[0]), float(declared[1])
+    else:
+        out["weights_bytes"], out["bytes_per_unit"] = int(adapter.weights_bytes()), 0.0
+    return out

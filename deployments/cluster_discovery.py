@@ -54,8 +54,9 @@ def _nvml_totals(node_id: str, count: int) -> list[int]:
     return list(ray.get(read.remote(count), timeout=60))
 
 
-def discover_cards(nodes: Iterable[Mapping[str, Any]] | None = None,
-                   capacity_probe: Callable[[str, int], list[int]] | None = None) -> tuple[Card, ...]:
+def discover_cards(
+    nodes: Iterable[Mapping[str, Any]] | None = None, capacity_probe: Callable[[str, int], list[int]] | None = None
+) -> tuple[Card, ...]:
     """Every GPU of every alive node, ordered by node name then index."""
     if nodes is None:
         import ray
@@ -72,21 +73,33 @@ def discover_cards(nodes: Iterable[Mapping[str, Any]] | None = None,
             continue
         name, node_id = node_name(node), str(node["NodeID"])
         if name in names:
-            raise DiscoveryError(f"nodes {names[name][:12]} and {node_id[:12]} are both called '{name}'; "
-                                 f"start them with distinct --labels {NODE_LABEL}=<name>")
+            raise DiscoveryError(
+                f"nodes {names[name][:12]} and {node_id[:12]} are both called '{name}'; "
+                f"start them with distinct --labels {NODE_LABEL}=<name>"
+            )
         names[name] = node_id
         try:
             totals = probe(node_id, count)
         except Exception as exc:  # noqa: BLE001 - any failure there means: no capacity known
-            raise DiscoveryError(f"node {name} ({node_id[:12]}) has {count} GPU(s) but NVML could not read their memory "
-                                 f"({exc}); list its cards under gpus: with a capacity each") from None
+            raise DiscoveryError(
+                f"node {name} ({node_id[:12]}) has {count} GPU(s) but NVML could not read their memory "
+                f"({exc}); list its cards under gpus: with a capacity each"
+            ) from None
         if len(totals) != count:
-            raise DiscoveryError(f"node {name} has {count} GPU(s) in Ray but NVML read {len(totals)}; "
-                                 "list its cards under gpus:")
-        labels = tuple(sorted((str(k), str(v)) for k, v in (node.get("Labels") or {}).items()
-                              if not str(k).startswith(RAY_LABEL_PREFIX) and k != NODE_LABEL))
-        cards.extend(Card(_card_id(name, i), name, i, CardDevice.CUDA, int(total), labels, node_id)
-                     for i, total in enumerate(totals))
+            raise DiscoveryError(
+                f"node {name} has {count} GPU(s) in Ray but NVML read {len(totals)}; list its cards under gpus:"
+            )
+        labels = tuple(
+            sorted(
+                (str(k), str(v))
+                for k, v in (node.get("Labels") or {}).items()
+                if not str(k).startswith(RAY_LABEL_PREFIX) and k != NODE_LABEL
+            )
+        )
+        cards.extend(
+            Card(_card_id(name, i), name, i, CardDevice.CUDA, int(total), labels, node_id)
+            for i, total in enumerate(totals)
+        )
     return tuple(sorted(cards, key=lambda c: (c.node, c.index)))
 
 
@@ -102,5 +115,5 @@ def card_nodes(nodes: Iterable[Mapping[str, Any]] | None = None) -> dict[str, st
             continue
         for resource in node.get("Resources") or {}:
             if resource.startswith(CARD_RESOURCE_PREFIX):
-                out[resource[len(CARD_RESOURCE_PREFIX):]] = str(node["NodeID"])
+                out[resource[len(CARD_RESOURCE_PREFIX) :]] = str(node["NodeID"])
     return out

@@ -141,7 +141,9 @@ class CpuRlimitLimiter:
     def start(self) -> None:
         st = self._status()
         if "VmData" not in st:
-            raise RuntimeError("CpuRlimitLimiter needs /proc/self/status (VmData); on this platform use UnenforcedLimiter")
+            raise RuntimeError(
+                "CpuRlimitLimiter needs /proc/self/status (VmData); on this platform use UnenforcedLimiter"
+            )
         self.original = tuple(self._res.getrlimit(self._res.RLIMIT_DATA))  # type: ignore[assignment]
         self.baseline_data_bytes = st["VmData"]
         self.baseline_rss_bytes = st.get("VmRSS", 0)

@@ -58,7 +58,9 @@ def params_for(spec: ModelSpec, config: FleetConfig) -> FastLoopParams:
     )
 
 
-def fast_loop_step(free_frac: float | None, cap: int, broker_cap: int, paused: bool, p: FastLoopParams) -> FastLoopResult:
+def fast_loop_step(
+    free_frac: float | None, cap: int, broker_cap: int, paused: bool, p: FastLoopParams
+) -> FastLoopResult:
     """One step before a batch: ``cap`` is the local cap now, ``broker_cap`` the broker's."""
     if free_frac is None:
         return FastLoopResult(cap, paused, FastEvent.NONE, False)

@@ -92,12 +92,14 @@ class FirstRequests:
         """The message ``up`` stops with, when a model kept refusing; None otherwise."""
         for m in self.models.values():
             if m.state is FirstState.REFUSED:
-                return (f"model '{m.name}' refused its first request {m.refusals} times: HTTP {m.last_code} "
-                        f"{m.last_text}; the request was {json.dumps({'input': m.example}, default=repr)[:200]} "
-                        "from its example_input(). "
-                        "Fix: make example_input() return an input the model's validate accepts, or leave "
-                        "example_input() out (it is optional: `up` then skips the first request and the first "
-                        "real request calibrates)")
+                return (
+                    f"model '{m.name}' refused its first request {m.refusals} times: HTTP {m.last_code} "
+                    f"{m.last_text}; the request was {json.dumps({'input': m.example}, default=repr)[:200]} "
+                    "from its example_input(). "
+                    "Fix: make example_input() return an input the model's validate accepts, or leave "
+                    "example_input() out (it is optional: `up` then skips the first request and the first "
+                    "real request calibrates)"
+                )
         return None
 
     def label(self) -> str:

@@ -67,8 +67,9 @@ def deploy(
     port = http_port or cfg.broker.http_port
     serve.start(http_options={"host": host, "port": port})
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
-    apps = fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME,
-                      cards=cards)
+    apps = fleet_apps(
+        cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME, cards=cards
+    )
     run_fleet(apps, logging_config={"enable_access_log": False})  # not waiting: progress below
     deadline = time.time() + timeout_s
     while True:

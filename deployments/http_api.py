@@ -43,8 +43,13 @@ class ParsedBody:
 
 
 def too_big(name: str, limit_bytes: int) -> HttpAnswer:
-    return HttpAnswer(413, {"detail": f"body is over max_body_bytes ({limit_bytes} bytes) for model '{name}'; "
-                                      "send fewer or smaller inputs"})
+    return HttpAnswer(
+        413,
+        {
+            "detail": f"body is over max_body_bytes ({limit_bytes} bytes) for model '{name}'; "
+            "send fewer or smaller inputs"
+        },
+    )
 
 
 def length_check(name: str, content_length: str | None, limit_bytes: int) -> HttpAnswer | None:
@@ -67,7 +72,7 @@ def parse_body(body: bytes) -> ParsedBody | HttpAnswer:
     try:
         doc = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return _field_error("body", f"body: not valid JSON ({exc}); send {{\"inputs\": [...]}} or {{\"input\": ...}}")
+        return _field_error("body", f'body: not valid JSON ({exc}); send {{"inputs": [...]}} or {{"input": ...}}')
     if not isinstance(doc, dict):
         return _field_error("body", "body: expected a JSON object with 'inputs' (a list) or 'input'")
     extra = sorted(set(doc) - {"inputs", "input"})
@@ -82,7 +87,7 @@ def parse_body(body: bytes) -> ParsedBody | HttpAnswer:
         return ParsedBody(inputs, False)
     if "input" in doc:
         return ParsedBody([doc["input"]], True)
-    return _field_error("inputs", "inputs: required field is missing; send {\"inputs\": [...]} or {\"input\": ...}")
+    return _field_error("inputs", 'inputs: required field is missing; send {"inputs": [...]} or {"input": ...}')
 
 
 def answer_for(name: str, result: dict[str, Any], single: bool, retry_after_s: int) -> HttpAnswer:
@@ -90,7 +95,9 @@ def answer_for(name: str, result: dict[str, Any], single: bool, retry_after_s: i
     status = int(result.get("status", 500))
     if status == 200:
         if single:
-            return HttpAnswer(200, {"model": name, "output": result["outputs"][0], "latency_ms": result.get("latency_ms")})
+            return HttpAnswer(
+                200, {"model": name, "output": result["outputs"][0], "latency_ms": result.get("latency_ms")}
+            )
         return HttpAnswer(200, {"model": name, "outputs": result["outputs"], "latency_ms": result.get("latency_ms")})
     body = {k: v for k, v in result.items() if k not in ("status", "retry_after_s")}
     if single and "field" in body:

@@ -50,12 +50,13 @@ class CardRouter:
 
     async def __call__(self, request: Request) -> Response:
         answer = await self.answer(request)
-        return Response(answer.encoded(), status_code=answer.status, headers=answer.headers or None,
-                        media_type=JSON_TYPE)
+        return Response(
+            answer.encoded(), status_code=answer.status, headers=answer.headers or None, media_type=JSON_TYPE
+        )
 
     async def answer(self, request: Request) -> HttpAnswer:
         scope = request.scope
-        sub = scope.get("path", "")[len(scope.get("root_path", "")):]
+        sub = scope.get("path", "")[len(scope.get("root_path", "")) :]
         if sub.rstrip("/") != "/infer":
             return not_found(scope.get("path", ""))
         if request.method != "POST":
@@ -77,8 +78,11 @@ class CardRouter:
         try:
             result = await self.groups[cid].infer.remote(parsed.inputs, len(body))
         except Exception as exc:  # noqa: BLE001 - the group is gone (node lost): an explicit, retryable answer
-            return HttpAnswer(503, {"detail": f"model '{self.name}' on card {cid} is unavailable ({type(exc).__name__}); "
-                                              "retry later"}, {"Retry-After": str(self.retry_after_s)})
+            return HttpAnswer(
+                503,
+                {"detail": f"model '{self.name}' on card {cid} is unavailable ({type(exc).__name__}); retry later"},
+                {"Retry-After": str(self.retry_after_s)},
+            )
         finally:
             self.in_flight[cid] -= 1
         return answer_for(self.name, result, parsed.single, self.retry_after_s)

@@ -48,7 +48,7 @@ class HttpModel(ModelReplica):
 
     async def answer(self, request: Request) -> HttpAnswer:
         scope = request.scope
-        sub = scope.get("path", "")[len(scope.get("root_path", "")):]
+        sub = scope.get("path", "")[len(scope.get("root_path", "")) :]
         if sub.rstrip("/") != "/infer":
             return not_found(scope.get("path", ""))
         if request.method != "POST":

@@ -29,9 +29,14 @@ RETRY_AFTER_S = 1
 def _json_messages(status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> list[dict[str, Any]]:
     data = json.dumps(body, separators=(",", ":")).encode()
     kept = [(k, v) for k, v in headers if k.lower() not in (b"content-type", b"content-length")]
-    return [{"type": "http.response.start", "status": status,
-             "headers": [*kept, (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]},
-            {"type": "http.response.body", "body": data}]
+    return [
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*kept, (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+        },
+        {"type": "http.response.body", "body": data},
+    ]
 
 
 class ExplicitErrors:

@@ -17,7 +17,6 @@ The broker handle is looked up off the event loop (``asyncio.to_thread``) and ke
 broker call is awaited with a timeout. Nothing here blocks the loop.
 """
 
-
 import asyncio
 from typing import Any
 
@@ -81,11 +80,18 @@ class FleetApi:
     @api.post("/v1/models/{name}/infer")
     async def infer(self, name: str) -> JSONResponse:
         if name not in self.cfg.models:
-            return _json(404, {"detail": f"unknown model '{name}'; known models: {', '.join(self.names)}",
-                               "known": self.names})
+            return _json(
+                404, {"detail": f"unknown model '{name}'; known models: {', '.join(self.names)}", "known": self.names}
+            )
         self._count_rejection(name)
-        return _json(503, {"detail": f"model '{name}' is not serving yet (its application is starting or being "
-                                     "replaced); retry later"}, {"Retry-After": str(self.retry_after_s)})
+        return _json(
+            503,
+            {
+                "detail": f"model '{name}' is not serving yet (its application is starting or being "
+                "replaced); retry later"
+            },
+            {"Retry-After": str(self.retry_after_s)},
+        )
 
     @api.get("/v1/status")
     async def status(self) -> JSONResponse:
@@ -105,5 +111,8 @@ class FleetApi:
                 return _json(200, await asyncio.wait_for(ref, timeout=BROKER_RPC_TIMEOUT_S))
             except Exception as exc:  # noqa: BLE001
                 self._broker, error = None, exc
-        return _json(503, {"detail": f"broker '{broker.name}' (namespace {broker.namespace}) did not answer: {error!r}"},
-                     {"Retry-After": str(self.retry_after_s)})
+        return _json(
+            503,
+            {"detail": f"broker '{broker.name}' (namespace {broker.namespace}) did not answer: {error!r}"},
+            {"Retry-After": str(self.retry_after_s)},
+        )

@@ -63,12 +63,19 @@ class ItemOOM:
     error: str  # the out-of-memory error, as raised
 
     def detail(self) -> str:
-        need = (f"needs ~{self.need_bytes / MiB:.1f} MiB (estimated by the memory model)"
-                if self.need_bytes is not None else "its need is unknown")
+        need = (
+            f"needs ~{self.need_bytes / MiB:.1f} MiB (estimated by the memory model)"
+            if self.need_bytes is not None
+            else "its need is unknown"
+        )
         tried = f"; the failed allocation was {self.attempted_bytes / MiB:.1f} MiB" if self.attempted_bytes else ""
-        grant = f"the grant of {self.grant_bytes / MiB:.1f} MiB" if self.grant_bytes is not None else "the memory available"
-        return (f"out of memory running this item alone (cost {self.cost:g}): it {need}{tried}, over {grant}; "
-                f"send a smaller input or raise the model's quota.max ({self.error})")
+        grant = (
+            f"the grant of {self.grant_bytes / MiB:.1f} MiB" if self.grant_bytes is not None else "the memory available"
+        )
+        return (
+            f"out of memory running this item alone (cost {self.cost:g}): it {need}{tried}, over {grant}; "
+            f"send a smaller input or raise the model's quota.max ({self.error})"
+        )
 
 
 @dataclass(frozen=True)
@@ -139,8 +146,14 @@ def run_items(
 
 def oom_error(index: int, item: ItemOOM) -> dict[str, Any]:
     """The replica's answer to a request whose input ``index`` cannot run alone (``OOM_STATUS``)."""
-    return {"status": OOM_STATUS, "detail": f"inputs[{index}]: {item.detail()}", "field": f"inputs[{index}]",
-            "need_bytes": item.need_bytes, "attempted_bytes": item.attempted_bytes, "grant_bytes": item.grant_bytes}
+    return {
+        "status": OOM_STATUS,
+        "detail": f"inputs[{index}]: {item.detail()}",
+        "field": f"inputs[{index}]",
+        "need_bytes": item.need_bytes,
+        "attempted_bytes": item.attempted_bytes,
+        "grant_bytes": item.grant_bytes,
+    }
 
 
 def need_from_calibration(calibration: dict[str, Any]) -> Callable[[float], int | None]:

@@ -76,8 +76,10 @@ def replica_actor_options(card: Card, replicas_on_card: int, num_cpus: float) ->
         raise ValueError(f"replicas_on_card is {replicas_on_card}; a card a replica is placed on holds at least 1")
     share = CARD_RESOURCE_UNITS // replicas_on_card
     if share < 1:
-        raise ValueError(f"card {card.id} holds {replicas_on_card} replicas, more than its {CARD_RESOURCE_UNITS} resource "
-                         "units; place fewer replicas on it")
+        raise ValueError(
+            f"card {card.id} holds {replicas_on_card} replicas, more than its {CARD_RESOURCE_UNITS} resource "
+            "units; place fewer replicas on it"
+        )
     env = {CARD_ENV: card.id, CARD_INDEX_ENV: str(card.index)}
     options: dict[str, Any] = {"num_cpus": num_cpus}
     if card.node_id is None:  # a listed card: its node declares the card resource
@@ -107,7 +109,9 @@ class DeploymentPlan:
     ray_actor_options: dict[str, Any]  # from replica_actor_options
 
 
-def deployment_plans(placement: Placement, *, model_num_cpus: float, use_card_resources: bool | None = None) -> tuple[DeploymentPlan, ...]:
+def deployment_plans(
+    placement: Placement, *, model_num_cpus: float, use_card_resources: bool | None = None
+) -> tuple[DeploymentPlan, ...]:
     """The deployments of a placement, models by name, cards in fleet order.
 
     ``use_card_resources``: ask for the card resources (default: unless the fleet is the one
@@ -118,22 +122,33 @@ def deployment_plans(placement: Placement, *, model_num_cpus: float, use_card_re
     plans = []
     for group in placement.groups():
         plan = placement.card_plan(group.card_id)
-        options = (replica_actor_options(plan.card, plan.processes, model_num_cpus) if use
-                   else {"num_cpus": model_num_cpus})
-        plans.append(DeploymentPlan(deployment_name(group.model, group.card_id, len(placement.cards_of(group.model))),
-                                    group.model, group.card_id, group.replicas, options))
+        options = (
+            replica_actor_options(plan.card, plan.processes, model_num_cpus) if use else {"num_cpus": model_num_cpus}
+        )
+        plans.append(
+            DeploymentPlan(
+                deployment_name(group.model, group.card_id, len(placement.cards_of(group.model))),
+                group.model,
+                group.card_id,
+                group.replicas,
+                options,
+            )
+        )
     return tuple(plans)
 
 
-def fleet_plans(cfg: Any, placement: Placement | None = None, *, model_num_cpus: float,
-                use_card_resources: bool | None = None) -> tuple[DeploymentPlan, ...]:
+def fleet_plans(
+    cfg: Any, placement: Placement | None = None, *, model_num_cpus: float, use_card_resources: bool | None = None
+) -> tuple[DeploymentPlan, ...]:
     """The deployments of a ``FleetConfig``: of ``placement`` when given; else a fleet without
     ``gpus:`` is one deployment per model on its one card, named as the model, with today's
     options (no capacity needed), and a listed ``gpus:`` fleet is placed here
     (``gpus: auto`` needs ``place_fleet(cfg, discover_cards())`` passed in)."""
     if placement is None and cfg.gpus is None:
-        return tuple(DeploymentPlan(name, name, SINGLE_CARD_ID, int(spec.replicas), {"num_cpus": model_num_cpus})
-                     for name, spec in sorted(cfg.models.items()))
+        return tuple(
+            DeploymentPlan(name, name, SINGLE_CARD_ID, int(spec.replicas), {"num_cpus": model_num_cpus})
+            for name, spec in sorted(cfg.models.items())
+        )
     if placement is None:
         from quotas.placement import place_fleet
 
@@ -141,8 +156,15 @@ def fleet_plans(cfg: Any, placement: Placement | None = None, *, model_num_cpus:
     return deployment_plans(placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources)
 
 
-def bind_model_groups(cfg: Any, config_text: str, placement: Placement | None = None, *, model_num_cpus: float,
-                      deployment_cls: Any = None, use_card_resources: bool | None = None) -> dict[str, dict[str, Any]]:
+def bind_model_groups(
+    cfg: Any,
+    config_text: str,
+    placement: Placement | None = None,
+    *,
+    model_num_cpus: float,
+    deployment_cls: Any = None,
+    use_card_resources: bool | None = None,
+) -> dict[str, dict[str, Any]]:
     """Bound Serve deployments, ``{model: {card_id: Application}}``, one per (model, card) group
     (``fleet_plans``), with the options ``deployments.app.build_fleet`` gives a model today
     (the queue bound per group)."""
@@ -160,13 +182,17 @@ def bind_model_groups(cfg: Any, config_text: str, placement: Placement | None = 
     out: dict[str, dict[str, Any]] = {}
     for plan in fleet_plans(cfg, placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources):
         spec = cfg.models[plan.model]
-        out.setdefault(plan.model, {})[plan.card_id] = serve.deployment(deployment_cls).options(
-            name=plan.name,
-            num_replicas=plan.num_replicas,
-            max_ongoing_requests=spec.max_ongoing_requests,
-            max_queued_requests=spec.max_queued * plan.num_replicas,
-            ray_actor_options=plan.ray_actor_options,
-            health_check_period_s=5,
-            graceful_shutdown_timeout_s=5,
-        ).bind(plan.model, config_text, plan.card_id if many else "", plan.num_replicas)
+        out.setdefault(plan.model, {})[plan.card_id] = (
+            serve.deployment(deployment_cls)
+            .options(
+                name=plan.name,
+                num_replicas=plan.num_replicas,
+                max_ongoing_requests=spec.max_ongoing_requests,
+                max_queued_requests=spec.max_queued * plan.num_replicas,
+                ray_actor_options=plan.ray_actor_options,
+                health_check_period_s=5,
+                graceful_shutdown_timeout_s=5,
+            )
+            .bind(plan.model, config_text, plan.card_id if many else "", plan.num_replicas)
+        )
     return out

@@ -112,6 +112,9 @@ def join_hint(address: str, setup: AuthSetup) -> str:
     """How another node joins the cluster at ``address``."""
     if not setup.enabled:
         return f"other nodes join with: ray start --address {address} (token auth is OFF: {AUTH_MODE_ENV}={setup.mode})"
-    where = (f"the same {TOKEN_ENV}" if setup.source == TokenSource.ENV
-             else f"the token in {setup.token_path} (copy it, or RAY_AUTH_TOKEN=$(ray get-auth-token))")
+    where = (
+        f"the same {TOKEN_ENV}"
+        if setup.source == TokenSource.ENV
+        else f"the token in {setup.token_path} (copy it, or RAY_AUTH_TOKEN=$(ray get-auth-token))"
+    )
     return f"other nodes join with: {AUTH_MODE_ENV}=token ray start --address {address}  (using {where})"

@@ -60,7 +60,9 @@ def reclaim_step(settings: ModelSettings, state: ReclaimState) -> tuple[ReclaimA
     if settings.drain:
         parts.append("drain: pause admission until the running batches finish")
     if failing:
-        parts.append(f"restart_token {settings.restart_token} > {start} (started with): fail check_health so Serve restarts")
+        parts.append(
+            f"restart_token {settings.restart_token} > {start} (started with): fail check_health so Serve restarts"
+        )
     actions = ReclaimActions(empty_caches=empty, pause_admission=pause, fail_health=failing, reason="; ".join(parts))
     new_state = ReclaimState(
         start_token=start,

@@ -39,7 +39,8 @@ from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
 from deployments.fast_loop import FastEvent, fast_loop_step, params_for
 from deployments.gate import LazyGate
 from deployments.items import Item as _Item
-from deployments.items import batch_cost, error as _error  # noqa: F401 - batch_cost is part of this module's API
+from deployments.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
+from deployments.items import error as _error
 from deployments.oom import ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
@@ -92,8 +93,13 @@ class ModelReplica:
         self.paused = False  # fast-loop pause (memory critical)
         self.reclaim = ReplicaReclaim(model_name, lambda: self.limiter.release_caches(), logger.warning)
         self.waiting = 0  # requests admitted and not answered yet
-        self.link = BrokerLink(model_name, self.replica_id, lambda: self._broker_handle(),
-                               rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s), card_id=card_id)
+        self.link = BrokerLink(
+            model_name,
+            self.replica_id,
+            lambda: self._broker_handle(),
+            rpc_timeout_s=max(2.0, 4.0 * cfg.broker.report_interval_s),
+            card_id=card_id,
+        )
         self.fast = params_for(self.spec, cfg)
         self.mem_used_bytes = 0
         self.device_free_frac: float | None = None
@@ -143,7 +149,9 @@ class ModelReplica:
         self.limiter.start()
         self.limiter.set_grant(self._grant_per_replica(self.settings))
         self.adapter = load_adapter(self.spec.model, self.spec.options, self.device)
-        self.token_priced = getattr(self.adapter, "cost_unit", "requests") == "tokens" or self.spec.batch.unit == "tokens"
+        self.token_priced = (
+            getattr(self.adapter, "cost_unit", "requests") == "tokens" or self.spec.batch.unit == "tokens"
+        )
         self.calibration = self._calibrate()
         self._read_memory()
         if not self.on_cuda:
@@ -155,29 +163,17 @@ class ModelReplica:
             self.calibration["parameter_bytes"] = params
         logger.info(
             "gpubroker replica %s/%s loaded on %s in %.1fs: %s",
-            self.name, self.replica_id, self.device, time.time() - self._t0, self.calibration,
+            self.name,
+            self.replica_id,
+            self.device,
+            time.time() - self._t0,
+            self.calibration,
         )
 
     def _calibrate(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"cost_unit": "tokens" if self.token_priced else "requests"}
-        try:
-            from deployments.calibration import calibrate
-        except ImportError:
-            calibrate = None
-        if calibrate is not None:
-            try:
-                result = calibrate(self.adapter, self.probe, device=self.device)
-                data = result.to_dict() if hasattr(result, "to_dict") else dict(result)
-                out.update(data)
-                return out
-            except Exception as exc:  # noqa: BLE001 - serve uncalibrated rather than not at all
-                logger.warning("gpubroker: calibration of %s failed (%r); using declared sizes", self.name, exc)
-        declared = self.adapter.declared_memory()
-        if declared is not None:
-            out["weights_bytes"], out["bytes_per_unit"] = int(declared[0]), float(declared[1])
-        else:
-            out["weights_bytes"], out["bytes_per_unit"] = int(self.adapter.weights_bytes()), 0.0
-        return out
+        from deployments.calibration import replica_calibration
+
+        return replica_calibration(self.adapter, self.probe, self.device, self.token_priced, self.name)
 
     async def _register(self) -> None:
         reply = await self.link.register(self.calibration, self.settings.version)
@@ -222,8 +218,9 @@ class ModelReplica:
             if not self.link.registered:
                 return False
         self._read_memory()
-        gauges = ReplicaGauges(self.waiting, self.mem_used_bytes, self.device_free_frac, self.sm_util_frac,
-                               self.settings.version)
+        gauges = ReplicaGauges(
+            self.waiting, self.mem_used_bytes, self.device_free_frac, self.sm_util_frac, self.settings.version
+        )
         reply = await self.link.report(gauges)
         if reply is None:
             return False
@@ -294,8 +291,14 @@ class ModelReplica:
         if out.counted:
             self.delta.emergency_shrinks += 1
         if out.event in (FastEvent.SHRINK, FastEvent.PAUSE) and out.counted:
-            logger.warning("gpubroker replica %s: free %.1f%% < %.1f%%: %s, batch cap %d", self.name,
-                           100 * (free or 0.0), 100 * self.fast.emergency_free_frac, out.event, out.cap)
+            logger.warning(
+                "gpubroker replica %s: free %.1f%% < %.1f%%: %s, batch cap %d",
+                self.name,
+                100 * (free or 0.0),
+                100 * self.fast.emergency_free_frac,
+                out.event,
+                out.cap,
+            )
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
         from deployments.oom import run_items
@@ -314,9 +317,14 @@ class ModelReplica:
         costs = {id(v): float(item.cost) for v, item in zip(values, items)}
         try:
             result = await asyncio.to_thread(
-                run_items, self._predict, values, cost=lambda v: costs.get(id(v), 1.0),
-                need_bytes=need_from_calibration(self.calibration), grant_bytes=self._grant_per_replica(self.settings),
-                on_split=on_split, release=self.limiter.release_caches,
+                run_items,
+                self._predict,
+                values,
+                cost=lambda v: costs.get(id(v), 1.0),
+                need_bytes=need_from_calibration(self.calibration),
+                grant_bytes=self._grant_per_replica(self.settings),
+                on_split=on_split,
+                release=self.limiter.release_caches,
             )
             if result.oom_costs:  # too big for memory as a batch: report it, cap the local batch below it
                 self.delta.oom_costs.extend(result.oom_costs)
@@ -408,11 +416,17 @@ class ModelReplica:
         if body_bytes > spec.max_body_bytes:
             return self._reject(n, 413, f"body of {body_bytes} bytes is over max_body_bytes ({spec.max_body_bytes})")
         if self.paused or not self.settings.admit or self.reclaim.actions.pause_admission:
-            return self._reject(n, 503, f"model '{self.name}' paused admission (memory emergency); retry later",
-                                retry_after_s=retry_after)
+            return self._reject(
+                n,
+                503,
+                f"model '{self.name}' paused admission (memory emergency); retry later",
+                retry_after_s=retry_after,
+            )
         if self.waiting + n > spec.max_queued:
             return self._reject(
-                n, 503, f"model '{self.name}' queue is full ({self.waiting} waiting, max_queued {spec.max_queued}); retry later",
+                n,
+                503,
+                f"model '{self.name}' queue is full ({self.waiting} waiting, max_queued {spec.max_queued}); retry later",
                 retry_after_s=retry_after,
             )
         # Reserve the queue slots before the first await: requests arriving together must not
@@ -432,8 +446,11 @@ class ModelReplica:
                 for t in pending:
                     t.cancel()
                 self.delta.timeouts += n
-                return _error(504, f"request waited over request_timeout_s ({spec.request_timeout_s:g}s) in model "
-                                   f"'{self.name}'; retry later or raise the timeout")
+                return _error(
+                    504,
+                    f"request waited over request_timeout_s ({spec.request_timeout_s:g}s) in model "
+                    f"'{self.name}'; retry later or raise the timeout",
+                )
             failed = next((t.exception() for t in tasks if t.exception() is not None), None)
             if failed is not None:
                 self.delta.errors += n

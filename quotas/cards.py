@@ -58,18 +58,35 @@ class _Strict(BaseModel):
 
 
 class CardSpec(_Strict):
-    id: str = Field(description="Card id, unique in the fleet (lower-case letters, digits, '-', '_'); names the Ray resource gpubroker_card_<id>.")
-    node: str = Field(description="Node the card is on: the value of its node's gpubroker.io/node label, its Ray node name or IP, or its Ray node id.")
-    index: int = Field(0, ge=0, le=1023, description="GPU index on that node (CUDA ordinal); for emulated cards an ordinal of your choice.")
-    capacity: _Size = Field(description="Card memory, e.g. 24GiB (for device: cpu the host memory this emulated card stands for).")
-    device: CardDevice = Field(CardDevice.CUDA, description="cuda (a real GPU) or cpu (an emulated card on host memory).")
-    labels: dict[str, str] = Field(default_factory=dict, description="Labels of the card's node, matched by models' placement.node_label.")
+    id: str = Field(
+        description="Card id, unique in the fleet (lower-case letters, digits, '-', '_'); names the Ray resource gpubroker_card_<id>."
+    )
+    node: str = Field(
+        description="Node the card is on: the value of its node's gpubroker.io/node label, its Ray node name or IP, or its Ray node id."
+    )
+    index: int = Field(
+        0,
+        ge=0,
+        le=1023,
+        description="GPU index on that node (CUDA ordinal); for emulated cards an ordinal of your choice.",
+    )
+    capacity: _Size = Field(
+        description="Card memory, e.g. 24GiB (for device: cpu the host memory this emulated card stands for)."
+    )
+    device: CardDevice = Field(
+        CardDevice.CUDA, description="cuda (a real GPU) or cpu (an emulated card on host memory)."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels of the card's node, matched by models' placement.node_label."
+    )
 
     @field_validator("id")
     @classmethod
     def _id(cls, value: str) -> str:
         if not re.fullmatch(CARD_ID_PATTERN, value):
-            raise ValueError(f"card id '{value}' is not allowed; use lower-case letters, digits, '-' or '_' (max 63 chars)")
+            raise ValueError(
+                f"card id '{value}' is not allowed; use lower-case letters, digits, '-' or '_' (max 63 chars)"
+            )
         return value
 
     @field_validator("capacity")
@@ -82,7 +99,9 @@ class CardSpec(_Strict):
 
 def _check_cards(cards: list[CardSpec]) -> list[CardSpec]:
     if not cards:
-        raise ValueError("gpus is an empty list; list at least one card, write gpus: auto, or remove gpus to use the gpu section")
+        raise ValueError(
+            "gpus is an empty list; list at least one card, write gpus: auto, or remove gpus to use the gpu section"
+        )
     seen: dict[str, int] = {}
     slots: dict[tuple[str, int], str] = {}
     for i, card in enumerate(cards):
@@ -101,7 +120,9 @@ def _check_cards(cards: list[CardSpec]) -> list[CardSpec]:
 
 def _auto_only(value: str) -> str:
     if value != "auto":
-        raise ValueError(f"'{value}' is not a gpus form; write gpus: auto, or list the cards (- {{id, node, index, capacity, device}})")
+        raise ValueError(
+            f"'{value}' is not a gpus form; write gpus: auto, or list the cards (- {{id, node, index, capacity, device}})"
+        )
     return value
 
 
@@ -116,8 +137,12 @@ GpusSection = Annotated[
 
 
 class PlacementSpec(_Strict):
-    cards: Literal["any"] | list[str] = Field("any", description="Cards this model may run on: any, or a list of card ids from gpus.")
-    node_label: dict[str, str] = Field(default_factory=dict, description="Only cards whose node has all these labels (e.g. {zone: east}).")
+    cards: Literal["any"] | list[str] = Field(
+        "any", description="Cards this model may run on: any, or a list of card ids from gpus."
+    )
+    node_label: dict[str, str] = Field(
+        default_factory=dict, description="Only cards whose node has all these labels (e.g. {zone: east})."
+    )
     spread: bool = Field(
         True,
         description="Put replicas on different cards (different nodes first) while they fit; each card a model is on "
@@ -161,13 +186,26 @@ class Card:
         return all(mine.get(k) == v for k, v in node_label.items())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "node": self.node, "index": self.index, "device": str(self.device),
-                "capacity_bytes": self.capacity_bytes, "labels": self.label_map, "node_id": self.node_id}
+        return {
+            "id": self.id,
+            "node": self.node,
+            "index": self.index,
+            "device": str(self.device),
+            "capacity_bytes": self.capacity_bytes,
+            "labels": self.label_map,
+            "node_id": self.node_id,
+        }
 
 
 def card_from_spec(spec: CardSpec) -> Card:
-    return Card(id=spec.id, node=spec.node, index=spec.index, device=spec.device, capacity_bytes=int(spec.capacity),
-                labels=tuple(sorted(spec.labels.items())))
+    return Card(
+        id=spec.id,
+        node=spec.node,
+        index=spec.index,
+        device=spec.device,
+        capacity_bytes=int(spec.capacity),
+        labels=tuple(sorted(spec.labels.items())),
+    )
 
 
 @dataclass(frozen=True)
@@ -194,21 +232,29 @@ def single_card(gpu: Any, capacity_bytes: int | None = None) -> Card:
     """The one card a fleet without gpus: has (today's gpu section)."""
     capacity = capacity_bytes if capacity_bytes is not None else gpu.capacity_bytes
     if capacity is None:
-        raise ValueError("gpu.capacity is 'auto' and no measured capacity was given; pass capacity_bytes or set gpu.capacity")
+        raise ValueError(
+            "gpu.capacity is 'auto' and no measured capacity was given; pass capacity_bytes or set gpu.capacity"
+        )
     device = CardDevice.CUDA if str(gpu.device).startswith("cuda") else CardDevice.CPU
     index = int(str(gpu.device).split(":", 1)[1]) if str(gpu.device).startswith("cuda:") else 0
     return Card(id=SINGLE_CARD_ID, node=SINGLE_CARD_NODE, index=index, device=device, capacity_bytes=int(capacity))
 
 
-def fleet_cards(gpu: Any, gpus: Any, discovered: tuple[Card, ...] | None = None, capacity_bytes: int | None = None) -> tuple[Card, ...]:
+def fleet_cards(
+    gpu: Any, gpus: Any, discovered: tuple[Card, ...] | None = None, capacity_bytes: int | None = None
+) -> tuple[Card, ...]:
     """The fleet's cards: the gpus list, the discovered cards for gpus: auto, or the gpu section's one card."""
     if gpus is None:
         return (single_card(gpu, capacity_bytes),)
     if gpus == "auto":
         if discovered is None:
-            raise ValueError("gpus is 'auto' and no discovered cards were given; run deployments.cluster_discovery.discover_cards() "
-                             "on the cluster, or list the cards under gpus:")
+            raise ValueError(
+                "gpus is 'auto' and no discovered cards were given; run deployments.cluster_discovery.discover_cards() "
+                "on the cluster, or list the cards under gpus:"
+            )
         if not discovered:
-            raise ValueError("gpus is 'auto' but the Ray cluster has no GPU; list emulated cards (device: cpu) under gpus:")
+            raise ValueError(
+                "gpus is 'auto' but the Ray cluster has no GPU; list emulated cards (device: cpu) under gpus:"
+            )
         return tuple(discovered)
     return tuple(card_from_spec(spec) for spec in gpus)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,11 +26,12 @@ from pydantic import (
 )
 
 from quotas.cards import GpusSection, PlacementSpec
+from quotas.config_base import DAY_NAMES, Size, _size, _Strict  # noqa: F401 - re-exported
+from quotas.config_errors import _MISSING, ConfigError, ConfigIssue, _issue_from_pydantic  # noqa: F401 - re-exported
 from quotas.llm_spec import LLM_ENGINES, LlmSpec
 from quotas.placement import check_fleet_cards
-from quotas.sizes import format_size
-from quotas.config_base import DAY_NAMES, Size, _Strict, _size  # noqa: F401 - re-exported
 from quotas.schedule import ProfileSpec, ProfilesSection  # noqa: F401 - re-exported
+from quotas.sizes import format_size
 from quotas.vocab import BatchFormation, Strategy
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
@@ -41,9 +41,16 @@ DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2
 class BrokerSection(_Strict):
     name: str = Field("gpubroker", description="Name of the broker's detached Ray actor.")
     namespace: str = Field("gpubroker", description="Ray namespace the broker actor lives in.")
-    control_interval_s: float = Field(1.0, gt=0, le=600, description="Slow loop period: seconds between broker decisions.")
-    report_interval_s: float = Field(0.5, gt=0, le=60, description="Seconds between a replica's stats reports to the broker.")
-    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus exporter binds. Keep 127.0.0.1 unless a scraper runs elsewhere.")
+    control_interval_s: float = Field(
+        1.0, gt=0, le=600, description="Slow loop period: seconds between broker decisions."
+    )
+    report_interval_s: float = Field(
+        0.5, gt=0, le=60, description="Seconds between a replica's stats reports to the broker."
+    )
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the Prometheus exporter binds. Keep 127.0.0.1 unless a scraper runs elsewhere.",
+    )
     metrics_port: int = Field(9464, ge=0, le=65535, description="Prometheus exporter port; 0 disables the exporter.")
     http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
@@ -61,10 +68,12 @@ class BrokerSection(_Strict):
     transfer_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="Lends unconfirmed this long abort; reclaims and releases escalate a step."
     )
-    decision_log_size: int = Field(2000, ge=10, le=1_000_000, description="How many decisions the broker keeps in memory.")
+    decision_log_size: int = Field(
+        2000, ge=10, le=1_000_000, description="How many decisions the broker keeps in memory."
+    )
 
     @model_validator(mode="after")
-    def _intervals(self) -> "BrokerSection":
+    def _intervals(self) -> BrokerSection:
         if self.report_interval_s > self.control_interval_s:
             raise ValueError(
                 f"broker.report_interval_s ({self.report_interval_s}) is longer than broker.control_interval_s "
@@ -78,7 +87,9 @@ class GpuSection(_Strict):
     capacity: Literal["auto"] | Size = Field(
         "auto", description="Card memory: 'auto' (read from NVML/torch, or host memory on cpu) or a size such as 24GiB."
     )
-    reserve_frac: float = Field(0.12, ge=0.0, lt=1.0, description="Share of capacity never granted (fragmentation, allocator slack).")
+    reserve_frac: float = Field(
+        0.12, ge=0.0, lt=1.0, description="Share of capacity never granted (fragmentation, allocator slack)."
+    )
     emergency_free_frac: float = Field(
         0.10, gt=0.0, lt=1.0, description="Fast loop: below this free share, halve the batch cap at once."
     )
@@ -117,7 +128,7 @@ class QuotaSpec(_Strict):
     max: Size = Field(description="Most the model may borrow up to.")
 
     @model_validator(mode="after")
-    def _order(self) -> "QuotaSpec":
+    def _order(self) -> QuotaSpec:
         if self.min > self.base:
             raise ValueError(
                 f"min ({format_size(self.min)}) is above base ({format_size(self.base)}); lower min or raise base"
@@ -130,14 +141,22 @@ class QuotaSpec(_Strict):
 
 
 class BatchSpec(_Strict):
-    unit: Literal["requests", "tokens"] = Field("requests", description="What floor/ceiling count: requests, or tokens for token-priced models.")
-    floor: int = Field(2, ge=1, description="Smallest batch cap the broker sets (batch 1 wastes the card's fixed cost).")
+    unit: Literal["requests", "tokens"] = Field(
+        "requests", description="What floor/ceiling count: requests, or tokens for token-priced models."
+    )
+    floor: int = Field(
+        2, ge=1, description="Smallest batch cap the broker sets (batch 1 wastes the card's fixed cost)."
+    )
     ceiling: int = Field(64, ge=1, description="Largest batch cap the broker sets, before the memory ceiling.")
-    initial: int | None = Field(None, ge=1, description="Batch cap at start; default: the floor doubled, within [floor, ceiling].")
-    max_concurrent_batches: int = Field(1, ge=1, le=64, description="Batches a replica runs at once (Serve's max_concurrent_batches).")
+    initial: int | None = Field(
+        None, ge=1, description="Batch cap at start; default: the floor doubled, within [floor, ceiling]."
+    )
+    max_concurrent_batches: int = Field(
+        1, ge=1, le=64, description="Batches a replica runs at once (Serve's max_concurrent_batches)."
+    )
 
     @model_validator(mode="after")
-    def _order(self) -> "BatchSpec":
+    def _order(self) -> BatchSpec:
         if self.floor > self.ceiling:
             raise ValueError(f"floor ({self.floor}) is above ceiling ({self.ceiling}); lower floor or raise ceiling")
         if self.initial is not None and not (self.floor <= self.initial <= self.ceiling):
@@ -154,10 +173,12 @@ class BatchSpec(_Strict):
 class WaitSpec(_Strict):
     min_ms: float = Field(0.0, ge=0, le=10_000, description="Shortest batch wait timeout the broker sets.")
     max_ms: float = Field(50.0, ge=0, le=10_000, description="Longest batch wait timeout the broker sets.")
-    initial_ms: float | None = Field(None, ge=0, description="Wait timeout at start; default 10 ms clamped into [min_ms, max_ms].")
+    initial_ms: float | None = Field(
+        None, ge=0, description="Wait timeout at start; default 10 ms clamped into [min_ms, max_ms]."
+    )
 
     @model_validator(mode="after")
-    def _order(self) -> "WaitSpec":
+    def _order(self) -> WaitSpec:
         if self.min_ms > self.max_ms:
             raise ValueError(f"min_ms ({self.min_ms}) is above max_ms ({self.max_ms}); lower min_ms or raise max_ms")
         if self.initial_ms is not None and not (self.min_ms <= self.initial_ms <= self.max_ms):
@@ -174,13 +195,16 @@ class WaitSpec(_Strict):
 
 class ControlSpec(_Strict):
     strategy: Strategy = Field(
-        Strategy.HYBRID, description="hybrid (default) combines queue band, P95 AIMD and the model-based jump; static never moves."
+        Strategy.HYBRID,
+        description="hybrid (default) combines queue band, P95 AIMD and the model-based jump; static never moves.",
     )
     window_s: float = Field(30.0, gt=0, le=3600, description="Sliding window for P50/P95/P99 and rates.")
     target_queue: int = Field(10, ge=0, description="Queue depth the dead band is centred on.")
     band_low: int = Field(6, ge=0, description="Below this queue depth, scale the batch down.")
     band_high: int = Field(15, ge=0, description="Above this queue depth, scale the batch up in proportion.")
-    aimd_step: int = Field(2, ge=1, le=16, description="Additive growth step when P95 is well under the cap and work waits.")
+    aimd_step: int = Field(
+        2, ge=1, le=16, description="Additive growth step when P95 is well under the cap and work waits."
+    )
     aimd_backoff: float = Field(0.7, gt=0, lt=1, description="Multiplicative shrink when P95 nears the cap.")
     p95_near_frac: float = Field(0.9, gt=0, le=1, description="P95 above this share of the cap counts as near the cap.")
     p95_low_frac: float = Field(0.6, gt=0, le=1, description="P95 under this share of the cap counts as well below it.")
@@ -188,26 +212,56 @@ class ControlSpec(_Strict):
     sm_high_frac: float = Field(0.95, ge=0, le=1, description="SM utilisation over this with P95 rising: do not grow.")
     min_samples: int = Field(20, ge=1, description="Latency samples needed in the window before P95 drives decisions.")
     fit_window: int = Field(256, ge=8, le=100_000, description="Batch timings kept for the online L(b) = a + c*b fit.")
-    idle_util_frac: float = Field(0.2, ge=0, le=1, description="A model below this utilisation for idle_hold_s is idle and lends.")
+    idle_util_frac: float = Field(
+        0.2, ge=0, le=1, description="A model below this utilisation for idle_hold_s is idle and lends."
+    )
     idle_hold_s: float = Field(5.0, ge=0, description="How long a model must stay idle before it lends quota.")
-    reclaim_hold_s: float = Field(2.0, ge=0, description="How long an owner's load must stay back before it reclaims (hysteresis).")
-    reversal_limit: int = Field(4, ge=1, description="Direction reversals within reversal_window_s that count as oscillation.")
+    reclaim_hold_s: float = Field(
+        2.0, ge=0, description="How long an owner's load must stay back before it reclaims (hysteresis)."
+    )
+    reversal_limit: int = Field(
+        4, ge=1, description="Direction reversals within reversal_window_s that count as oscillation."
+    )
     reversal_window_s: float = Field(30.0, gt=0, description="Window over which reversals are counted.")
     # Tuning constants (defaults are the values the rules were tuned with; docs/RULES.md).
     drain_rho: float = Field(0.6, gt=0, lt=1, description="Utilisation the model plan aims for while a backlog drains.")
-    burst_factor: float = Field(1.3, ge=1, description="The last reports' arrival rate is used when it is this many times the window's.")
+    burst_factor: float = Field(
+        1.3, ge=1, description="The last reports' arrival rate is used when it is this many times the window's."
+    )
     band_scale_max: float = Field(4.0, ge=1, description="Most the anti-oscillation may widen the dead bands (factor).")
     hold_max_intervals: int = Field(8, ge=1, description="Longest anti-oscillation hold, in broker.control_interval_s.")
-    emergency_recovery_intervals: int = Field(5, ge=0, description="After an emergency, grow only by aimd_step for this many control intervals.")
-    max_pause_intervals: int = Field(3, ge=1, description="An emergency admission pause re-opens after this many control intervals.")
-    lend_regret_s: float = Field(30.0, gt=0, description="A loan its lender reclaims within this many seconds of lending doubles the lender's idle_hold_s (a later one halves it back).")
-    lend_backoff_max: float = Field(16.0, ge=1, le=1024, description="Most the lend-regret doubling may multiply idle_hold_s by.")
-    working_set_margin: float = Field(1.1, ge=1, le=4, description="A lender keeps its peak memory times this (lending never cuts into it).")
-    recover_step_frac: float = Field(0.125, gt=0, le=1, description="Replica fast loop: widen the cap back by this share of the broker's cap per batch.")
-    critical_free_factor: float = Field(0.5, gt=0, lt=1, description="Replica fast loop: pause admission below gpu.emergency_free_frac times this at the floor.")
+    emergency_recovery_intervals: int = Field(
+        5, ge=0, description="After an emergency, grow only by aimd_step for this many control intervals."
+    )
+    max_pause_intervals: int = Field(
+        3, ge=1, description="An emergency admission pause re-opens after this many control intervals."
+    )
+    lend_regret_s: float = Field(
+        30.0,
+        gt=0,
+        description="A loan its lender reclaims within this many seconds of lending doubles the lender's idle_hold_s (a later one halves it back).",
+    )
+    lend_backoff_max: float = Field(
+        16.0, ge=1, le=1024, description="Most the lend-regret doubling may multiply idle_hold_s by."
+    )
+    working_set_margin: float = Field(
+        1.1, ge=1, le=4, description="A lender keeps its peak memory times this (lending never cuts into it)."
+    )
+    recover_step_frac: float = Field(
+        0.125,
+        gt=0,
+        le=1,
+        description="Replica fast loop: widen the cap back by this share of the broker's cap per batch.",
+    )
+    critical_free_factor: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="Replica fast loop: pause admission below gpu.emergency_free_frac times this at the floor.",
+    )
 
     @model_validator(mode="after")
-    def _band(self) -> "ControlSpec":
+    def _band(self) -> ControlSpec:
         if not (self.band_low <= self.target_queue <= self.band_high):
             raise ValueError(
                 f"dead band [{self.band_low}, {self.band_high}] does not contain target_queue ({self.target_queue}); "
@@ -221,9 +275,17 @@ class ControlSpec(_Strict):
 
 
 class ModelSpec(_Strict):
-    kind: Literal["batch", "llm"] = Field("batch", description="batch: request batches under the batch rules; llm: a continuous-batching engine (model: tiny-llama) under the LLM rules, options are its engine options.")
-    llm: LlmSpec = Field(default_factory=LlmSpec, description="LLM objectives: expected peak concurrency, TTFT and TPOT SLOs (kind: llm).")
-    model: str = Field(description="Built-in model (minilm, mlp, cnn, profiled), an LLM engine (tiny-llama, kind: llm) or a user class as 'pkg.module:Class'.")
+    kind: Literal["batch", "llm"] = Field(
+        "batch",
+        description="batch: request batches under the batch rules; llm: a continuous-batching engine (model: tiny-llama) under the LLM rules, options are its engine options.",
+    )
+    llm: LlmSpec = Field(
+        default_factory=LlmSpec,
+        description="LLM objectives: expected peak concurrency, TTFT and TPOT SLOs (kind: llm).",
+    )
+    model: str = Field(
+        description="Built-in model (minilm, mlp, cnn, profiled), an LLM engine (tiny-llama, kind: llm) or a user class as 'pkg.module:Class'."
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the model class.")
     quota: QuotaSpec = Field(description="Memory quota: min <= base <= max.")
     batch: BatchSpec = Field(default_factory=BatchSpec, description="Batch cap floor/ceiling and their unit.")
@@ -231,11 +293,22 @@ class ModelSpec(_Strict):
     slo_p95_ms: float = Field(100.0, gt=0, le=600_000, description="P95 latency cap in milliseconds.")
     priority: int = Field(0, ge=0, le=100, description="Higher priority borrows first when quota is short.")
     replicas: int = Field(1, ge=1, le=64, description="Serve replicas of this model on the card.")
-    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Cards this model may run on (with gpus:): any, a list of card ids, a node label; spread replicas or not.")
-    max_queued: int = Field(256, ge=1, description="Requests waiting per replica before new ones get 503 (back-pressure).")
-    request_timeout_s: float = Field(30.0, gt=0, description="A request queued longer than this gets an explicit timeout.")
-    max_body_bytes: Size = Field(1024**2, description="Request bodies over this are refused with 413 before they reach the model.")
-    control: ControlSpec = Field(default_factory=ControlSpec, description="Control loop parameters (defaults from DESIGN.md).")
+    placement: PlacementSpec = Field(
+        default_factory=PlacementSpec,
+        description="Cards this model may run on (with gpus:): any, a list of card ids, a node label; spread replicas or not.",
+    )
+    max_queued: int = Field(
+        256, ge=1, description="Requests waiting per replica before new ones get 503 (back-pressure)."
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="A request queued longer than this gets an explicit timeout."
+    )
+    max_body_bytes: Size = Field(
+        1024**2, description="Request bodies over this are refused with 413 before they reach the model."
+    )
+    control: ControlSpec = Field(
+        default_factory=ControlSpec, description="Control loop parameters (defaults from DESIGN.md)."
+    )
 
     @property
     def max_ongoing_requests(self) -> int:
@@ -243,12 +316,17 @@ class ModelSpec(_Strict):
         (the ceiling) times ``max_concurrent_batches``, and room for the queue, so batches can
         fill at any cap the broker may set. The one owner of this number: the deployment and
         the simulator both read it here; the broker never sends it."""
-        return max(self.batch.ceiling * self.batch.max_concurrent_batches, self.max_queued) + self.batch.max_concurrent_batches
+        return (
+            max(self.batch.ceiling * self.batch.max_concurrent_batches, self.max_queued)
+            + self.batch.max_concurrent_batches
+        )
 
     @model_validator(mode="after")
-    def _kind(self) -> "ModelSpec":
+    def _kind(self) -> ModelSpec:
         if self.kind == "llm" and self.model not in LLM_ENGINES:
-            raise ValueError(f"model '{self.model}' is not an LLM engine; with kind: llm write model: {', '.join(LLM_ENGINES)}")
+            raise ValueError(
+                f"model '{self.model}' is not an LLM engine; with kind: llm write model: {', '.join(LLM_ENGINES)}"
+            )
         if self.kind == "batch" and self.model in LLM_ENGINES:
             raise ValueError(f"model '{self.model}' is an LLM engine; add kind: llm")
         return self
@@ -269,9 +347,14 @@ class ModelSpec(_Strict):
 class FleetConfig(_Strict):
     broker: BrokerSection = Field(default_factory=BrokerSection, description="Broker actor and its loops.")
     gpu: GpuSection = Field(default_factory=GpuSection, description="The card the models share.")
-    gpus: GpusSection | None = Field(None, description="Cards of a Ray cluster: auto (discover every GPU) or a list of {id, node, index, capacity, device}; gpu then holds what they share (quotas/cards.py).")
+    gpus: GpusSection | None = Field(
+        None,
+        description="Cards of a Ray cluster: auto (discover every GPU) or a list of {id, node, index, capacity, device}; gpu then holds what they share (quotas/cards.py).",
+    )
     models: dict[str, ModelSpec] = Field(description="Models on the card, by name.")
-    profiles: ProfilesSection = Field(default_factory=ProfilesSection, description="Price-aware peak/off-peak profiles.")
+    profiles: ProfilesSection = Field(
+        default_factory=ProfilesSection, description="Price-aware peak/off-peak profiles."
+    )
 
     @field_validator("models")
     @classmethod
@@ -286,7 +369,7 @@ class FleetConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _fits(self) -> "FleetConfig":
+    def _fits(self) -> FleetConfig:
         if self.gpus is not None:  # many cards: every model placed, Σ base per card <= usable
             return check_fleet_cards(self)
         capacity = self.gpu.capacity_bytes
@@ -328,62 +411,6 @@ class FleetConfig(_Strict):
 # Loading, with errors that name the field, the bad value and the fix.
 
 
-@dataclass(frozen=True)
-class ConfigIssue:
-    path: str  # dotted field path, e.g. models.minilm.quota.base
-    value: Any  # the bad value as written ("" when the whole section is at fault)
-    message: str  # what is wrong and how to fix it
-
-    def __str__(self) -> str:
-        shown = "" if self.value is _MISSING else f" (got {self.value!r})"
-        return f"{self.path or '<root>'}{shown}: {self.message}"
-
-
-_MISSING = object()
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; ``issues`` lists every problem found."""
-
-    def __init__(self, issues: list[ConfigIssue], source: str = "config", exit_code: int = 1):
-        self.issues = issues
-        self.source = source
-        self.exit_code = exit_code  # 1: invalid config, 2: unreadable or not YAML
-        lines = "\n".join(f"  - {issue}" for issue in issues)
-        super().__init__(f"{source}: {len(issues)} problem(s):\n{lines}")
-
-
-_FIXES = {
-    "extra_forbidden": "remove it or check its spelling",
-    "missing": "add it",
-}
-
-
-def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
-    loc = [str(part) for part in err.get("loc", ())]
-    # Pydantic adds the union branch / validator names to locs; drop the noise.
-    loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]
-    path = ".".join(loc)
-    kind = err.get("type", "")
-    msg = str(err.get("msg", "invalid"))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-    # cross-section checks name their field first ("models.*.quota.base: ...")
-    named = re.match(r"^([a-z_][\w.*]*): (.*)$", msg, re.S)
-    if named and "." in named.group(1):
-        path = ".".join(p for p in (path, named.group(1)) if p)
-        msg = named.group(2)
-    fix = _FIXES.get(kind)
-    if kind == "extra_forbidden":
-        msg = f"unknown key '{loc[-1] if loc else ''}'; {fix}"
-    elif kind == "missing":
-        msg = f"required field is missing; {fix}"
-    value = err.get("input", _MISSING) if kind != "missing" else _MISSING
-    if isinstance(value, dict) and kind not in ("extra_forbidden",):
-        value = _MISSING  # whole-section errors: the message names the fields
-    return ConfigIssue(path=path, value=value, message=msg)
-
-
 def parse_config(data: Any, source: str = "config") -> FleetConfig:
     """Validate an already-parsed YAML document."""
     if not isinstance(data, dict):
@@ -408,7 +435,11 @@ def parse_config_text(text: str, source: str = "config") -> FleetConfig:
             exit_code=2,
         ) from None
     if data is None:
-        raise ConfigError([ConfigIssue("", _MISSING, "the file is empty; write a fleet config (see configs/demo.yaml)")], source, exit_code=2)
+        raise ConfigError(
+            [ConfigIssue("", _MISSING, "the file is empty; write a fleet config (see configs/demo.yaml)")],
+            source,
+            exit_code=2,
+        )
     return parse_config(data, source)
 
 

@@ -40,9 +40,13 @@ def holding_problems(ledger: QuotaLedger, used_bytes: Mapping[str, int]) -> list
     total = sum(held.values())
     if total <= ledger.usable_bytes:
         return []
-    over = [f"{n} {fmt(h)} (grant {fmt(ledger.grant(n))}, used {fmt(int(used_bytes.get(n, 0)))})" for n, h in held.items()]
+    over = [
+        f"{n} {fmt(h)} (grant {fmt(ledger.grant(n))}, used {fmt(int(used_bytes.get(n, 0)))})" for n, h in held.items()
+    ]
     return [
-        (f"models may hold {fmt(total)} ({', '.join(over)}), over usable {fmt(ledger.usable_bytes)} by "
-        f"{fmt(total - ledger.usable_bytes)}; a grant was raised before the memory was measured free, or a model "
-        "uses more than its grant (check its enforcement)")
+        (
+            f"models may hold {fmt(total)} ({', '.join(over)}), over usable {fmt(ledger.usable_bytes)} by "
+            f"{fmt(total - ledger.usable_bytes)}; a grant was raised before the memory was measured free, or a model "
+            "uses more than its grant (check its enforcement)"
+        )
     ]

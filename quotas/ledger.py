@@ -281,7 +281,8 @@ class QuotaLedger(TransferOps):
         amount = _as_bytes(amount_bytes, "amount_bytes", name)
         if amount <= 0:
             raise LedgerError(
-                f"cannot grow '{name}' by {_fmt(amount)}: amount_bytes must be > 0; pass a positive number of bytes", name
+                f"cannot grow '{name}' by {_fmt(amount)}: amount_bytes must be > 0; pass a positive number of bytes",
+                name,
             )
         room = self.headroom_bytes(name)
         if amount > room:

@@ -91,7 +91,7 @@ def validate_quotas(quotas: Mapping[str, ModelQuota]) -> dict[str, ModelQuota]:
     out: dict[str, ModelQuota] = {}
     for name, quota in quotas.items():
         if not isinstance(name, str) or not name:
-            raise LedgerError(f"model name {name!r} is not allowed; use a non-empty string (\"\" means the free pool)")
+            raise LedgerError(f'model name {name!r} is not allowed; use a non-empty string ("" means the free pool)')
         if not isinstance(quota, ModelQuota):
             raise LedgerError(
                 f"quota for '{name}' is {type(quota).__name__}; pass ModelQuota(min_bytes, base_bytes, max_bytes)", name

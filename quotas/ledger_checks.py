@@ -22,7 +22,9 @@ def _transfer_problems(ledger: Any) -> list[str]:
             out.append(f"transfer {t.id} names unknown donor '{t.donor}'; abort it or add the model")
         if t.kind == "release":
             if t.recipient != FREE_POOL:
-                out.append(f"release transfer {t.id} from '{t.donor}' names recipient '{t.recipient}'; releases go to the pool ('')")
+                out.append(
+                    f"release transfer {t.id} from '{t.donor}' names recipient '{t.recipient}'; releases go to the pool ('')"
+                )
         elif t.recipient not in known:
             out.append(f"transfer {t.id} names unknown recipient '{t.recipient}'; abort it or add the model")
         if t.donor == t.recipient:
@@ -42,10 +44,7 @@ def ledger_problems(ledger: Any) -> list[str]:
     """Every broken invariant of ``ledger``."""
     quotas, grants = ledger._quotas, ledger._grants
     pending = ledger._pending.values()
-    out = [
-        f"transfer id {i} appears twice; checkpoints must list each pending transfer once"
-        for i in ledger._dupe_ids
-    ]
+    out = [f"transfer id {i} appears twice; checkpoints must list each pending transfer once" for i in ledger._dupe_ids]
     usable = ledger.usable_bytes
     for name in quotas:
         if name not in grants:

@@ -83,8 +83,13 @@ class CardPlan:
         return sum(self.models.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.card.to_dict(), "usable_bytes": self.usable_bytes, "base_bytes": self.base_bytes,
-                "free_bytes": self.free_bytes, "models": dict(self.models)}
+        return {
+            **self.card.to_dict(),
+            "usable_bytes": self.usable_bytes,
+            "base_bytes": self.base_bytes,
+            "free_bytes": self.free_bytes,
+            "models": dict(self.models),
+        }
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,9 @@ class Placement:
 
     replicas: Mapping[str, tuple[str, ...]]  # model -> card id per replica (read-only)
     cards: tuple[CardPlan, ...]
-    unplaced: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # model -> replicas that fit nowhere (partial re-placement)
+    unplaced: Mapping[str, int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )  # model -> replicas that fit nowhere (partial re-placement)
 
     def card_plan(self, card_id: str) -> CardPlan:
         for plan in self.cards:
@@ -131,8 +138,11 @@ class Placement:
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"replicas": {m: list(ids) for m, ids in sorted(self.replicas.items())},
-                "cards": [p.to_dict() for p in self.cards], "unplaced": dict(self.unplaced)}
+        return {
+            "replicas": {m: list(ids) for m, ids in sorted(self.replicas.items())},
+            "cards": [p.to_dict() for p in self.cards],
+            "unplaced": dict(self.unplaced),
+        }
 
 
 # ------------------------------------------------------------------------------ the algorithm
@@ -164,7 +174,9 @@ def _fail(demand: ModelDemand, allowed: list[_CardState], budget: CardBudget, wh
     need = demand.base_bytes + (0 if all(s.card.emulated for s in allowed) else budget.context_bytes_per_process)
     free = {s.card.id: max(0, s.free(budget)) for s in allowed}
     return PlacementError(
-        demand.name, need, free,
+        demand.name,
+        need,
+        free,
         f"models.{demand.name}: {what} needs {format_size(need)} (quota.base {format_size(demand.base_bytes)}"
         f"{'' if need == demand.base_bytes else ' + a CUDA context'}) of free usable memory on one card; "
         f"allowed cards: {_free_list(allowed, budget)}. Lower models.{demand.name}.quota.base or other models' bases, "
@@ -172,8 +184,14 @@ def _fail(demand: ModelDemand, allowed: list[_CardState], budget: CardBudget, wh
     )
 
 
-def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBudget, *,
-          keep: Mapping[str, Iterable[str]] | None = None, partial: bool = False) -> Placement:
+def place(
+    demands: Iterable[ModelDemand],
+    cards: Iterable[Card],
+    budget: CardBudget,
+    *,
+    keep: Mapping[str, Iterable[str]] | None = None,
+    partial: bool = False,
+) -> Placement:
     """Decide the card of every replica (see the module note). Raises PlacementError.
 
     ``keep``: replicas that already run (model -> card id per replica); those on a card of
@@ -189,19 +207,31 @@ def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBud
     for d in ordered:
         unknown = [c for c in d.cards or () if c not in by_id]
         if unknown and not partial:
-            raise PlacementError(d.name, d.base_bytes, {}, (
-                f"models.{d.name}.placement.cards: card '{unknown[0]}' is not a card of the fleet "
-                f"(cards: {', '.join(by_id)}); use one of those ids or write cards: any"))
+            raise PlacementError(
+                d.name,
+                d.base_bytes,
+                {},
+                (
+                    f"models.{d.name}.placement.cards: card '{unknown[0]}' is not a card of the fleet "
+                    f"(cards: {', '.join(by_id)}); use one of those ids or write cards: any"
+                ),
+            )
         allowed[d.name] = [s for s in states if d.allows(s.card)]
         if not allowed[d.name]:
             if partial:
                 unplaced[d.name] = d.replicas
                 continue
             wanted = f"cards {list(d.cards)}" if d.cards is not None else "any card"
-            raise PlacementError(d.name, d.base_bytes, {}, (
-                f"models.{d.name}.placement: no card matches ({wanted}, node_label {dict(d.node_label)}); the fleet's "
-                f"cards: {', '.join(f'{s.card.id} (node {s.card.node}, labels {s.card.label_map})' for s in states)}. "
-                "Widen placement.cards or placement.node_label"))
+            raise PlacementError(
+                d.name,
+                d.base_bytes,
+                {},
+                (
+                    f"models.{d.name}.placement: no card matches ({wanted}, node_label {dict(d.node_label)}); the fleet's "
+                    f"cards: {', '.join(f'{s.card.id} (node {s.card.node}, labels {s.card.label_map})' for s in states)}. "
+                    "Widen placement.cards or placement.node_label"
+                ),
+            )
 
     def put(d: ModelDemand, state: _CardState) -> None:
         if d.name not in state.models:
@@ -216,13 +246,24 @@ def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBud
 
     for d in ordered:  # 0. what already runs stays
         for cid in (keep or {}).get(d.name, ()):
-            if cid in by_id and d.name in allowed and by_id[cid] in allowed[d.name] and len(placed[d.name]) < d.replicas:
+            if (
+                cid in by_id
+                and d.name in allowed
+                and by_id[cid] in allowed[d.name]
+                and len(placed[d.name]) < d.replicas
+            ):
                 put(d, by_id[cid])
     over = [s for s in states if s.free(budget) < 0]
     if over:
-        raise PlacementError(next(iter(over[0].models)), 0, {s.card.id: s.free(budget) for s in over}, (
-            f"the replicas kept on card {over[0].card.id} ({', '.join(over[0].models)}) need more than its usable "
-            f"{_free_list(over, budget)}; redeploy the fleet instead of re-placing it"))
+        raise PlacementError(
+            next(iter(over[0].models)),
+            0,
+            {s.card.id: s.free(budget) for s in over},
+            (
+                f"the replicas kept on card {over[0].card.id} ({', '.join(over[0].models)}) need more than its usable "
+                f"{_free_list(over, budget)}; redeploy the fleet instead of re-placing it"
+            ),
+        )
     for d in ordered:  # 1. bin-pack the bases, first fit decreasing
         if placed[d.name] or d.name in unplaced:
             continue
@@ -251,15 +292,21 @@ def place(demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBud
                 continue
             put(d, target)
     plans = tuple(
-        CardPlan(s.card, budget.usable_bytes(s.card, s.processes), s.base, MappingProxyType(dict(sorted(s.models.items()))))
+        CardPlan(
+            s.card, budget.usable_bytes(s.card, s.processes), s.base, MappingProxyType(dict(sorted(s.models.items())))
+        )
         for s in states
     )
-    return Placement(MappingProxyType({m: tuple(ids) for m, ids in sorted(placed.items())}), plans,
-                     MappingProxyType(dict(sorted(unplaced.items()))))
+    return Placement(
+        MappingProxyType({m: tuple(ids) for m, ids in sorted(placed.items())}),
+        plans,
+        MappingProxyType(dict(sorted(unplaced.items()))),
+    )
 
 
-def replace_after_loss(previous: Placement, demands: Iterable[ModelDemand], alive: Iterable[Card],
-                       budget: CardBudget) -> Placement:
+def replace_after_loss(
+    previous: Placement, demands: Iterable[ModelDemand], alive: Iterable[Card], budget: CardBudget
+) -> Placement:
     """Re-place after cards are lost (or join): replicas on live cards stay, the lost ones go
     where a card has room by the same rules, and what fits nowhere is ``unplaced``."""
     return place(demands, alive, budget, keep=previous.replicas, partial=True)
@@ -278,11 +325,18 @@ def demands_from_models(models: Mapping[str, Any]) -> tuple[ModelDemand, ...]:
     out = []
     for name, spec in models.items():
         pl = spec.placement
-        out.append(ModelDemand(
-            name=name, base_bytes=int(spec.quota.base), min_bytes=int(spec.quota.min), max_bytes=int(spec.quota.max),
-            replicas=int(spec.replicas), cards=None if pl.cards == "any" else tuple(pl.cards),
-            node_label=tuple(sorted(pl.node_label.items())), spread=bool(pl.spread),
-        ))
+        out.append(
+            ModelDemand(
+                name=name,
+                base_bytes=int(spec.quota.base),
+                min_bytes=int(spec.quota.min),
+                max_bytes=int(spec.quota.max),
+                replicas=int(spec.replicas),
+                cards=None if pl.cards == "any" else tuple(pl.cards),
+                node_label=tuple(sorted(pl.node_label.items())),
+                spread=bool(pl.spread),
+            )
+        )
     return tuple(out)
 
 
@@ -299,8 +353,10 @@ def check_fleet_cards(cfg: Any) -> Any:
     raises ValueError (PlacementError) naming the model and the cards. gpus: auto is checked
     once discovery has found the cards (``place_fleet(cfg, discovered)``)."""
     if cfg.gpu.capacity != "auto" or cfg.gpu.device != "auto":
-        raise ValueError("gpu.capacity: with gpus: each card has its own capacity and device; "
-                         "leave gpu.capacity and gpu.device at auto")
+        raise ValueError(
+            "gpu.capacity: with gpus: each card has its own capacity and device; "
+            "leave gpu.capacity and gpu.device at auto"
+        )
     if cfg.gpus != "auto":
         place_fleet(cfg)
     return cfg

@@ -11,7 +11,6 @@ from pydantic import Field, field_validator, model_validator
 from quotas.config_base import DAY_NAMES, _Strict
 from quotas.vocab import Objective
 
-
 _HOURS_RE = re.compile(r"^(\d{1,2}):(\d{2})-(\d{1,2}):(\d{2})$")
 
 
@@ -31,7 +30,9 @@ def _parse_days(value: Any) -> tuple[int, ...]:
             days.update(range(i, j + 1) if i <= j else [*range(i, 7), *range(0, j + 1)])
         else:
             if item[:3] not in DAY_NAMES:
-                raise ValueError(f"'{item}' is not a day; use mon, tue, wed, thu, fri, sat, sun, a range such as mon-fri, or daily")
+                raise ValueError(
+                    f"'{item}' is not a day; use mon, tue, wed, thu, fri, sat, sun, a range such as mon-fri, or daily"
+                )
             days.add(DAY_NAMES.index(item[:3]))
     return tuple(sorted(days))
 
@@ -53,16 +54,25 @@ def _parse_hours(value: str) -> tuple[int, int]:
 class ProfileSpec(_Strict):
     name: str = Field(description="Profile name shown in status and metrics.")
     objective: Objective = Field(
-        Objective.BALANCED, description="throughput: larger batches within the slack; latency: smaller batches, tight caps."
+        Objective.BALANCED,
+        description="throughput: larger batches within the slack; latency: smaller batches, tight caps.",
     )
-    price_per_gpu_hour: float = Field(0.0, ge=0, description="Price of the card per hour in this window (for cost per 1k requests).")
-    latency_slack: float = Field(1.0, ge=0.5, le=5.0, description="Multiplier on every model's P95 cap in this window (e.g. 1.2 at peak).")
+    price_per_gpu_hour: float = Field(
+        0.0, ge=0, description="Price of the card per hour in this window (for cost per 1k requests)."
+    )
+    latency_slack: float = Field(
+        1.0, ge=0.5, le=5.0, description="Multiplier on every model's P95 cap in this window (e.g. 1.2 at peak)."
+    )
     default: bool = Field(False, description="The profile used outside every window; exactly one profile is default.")
-    days: str | list[str] | None = Field(None, description="Days of the window: mon-fri, [sat, sun], daily. Not set on the default.")
-    hours: str | None = Field(None, description="Hours of the window, HH:MM-HH:MM in the schedule's timezone. Not set on the default.")
+    days: str | list[str] | None = Field(
+        None, description="Days of the window: mon-fri, [sat, sun], daily. Not set on the default."
+    )
+    hours: str | None = Field(
+        None, description="Hours of the window, HH:MM-HH:MM in the schedule's timezone. Not set on the default."
+    )
 
     @model_validator(mode="after")
-    def _window(self) -> "ProfileSpec":
+    def _window(self) -> ProfileSpec:
         if self.default:
             if self.days is not None or self.hours is not None:
                 raise ValueError("the default profile applies outside every window; remove its days/hours")
@@ -109,7 +119,7 @@ class ProfilesSection(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _schedule(self) -> "ProfilesSection":
+    def _schedule(self) -> ProfilesSection:
         defaults = [p.name for p in self.schedule if p.default]
         if len(defaults) != 1:
             raise ValueError(
@@ -121,7 +131,7 @@ class ProfilesSection(_Strict):
             raise ValueError(f"profile names repeat: {', '.join(dupes)}; give each profile its own name")
         spans = [(s, e, p.name) for p in self.schedule for (s, e) in p.weekly_minutes()]
         spans.sort()
-        for (s1, e1, n1), (s2, e2, n2) in zip(spans, spans[1:]):
+        for (_s1, e1, n1), (s2, _e2, n2) in zip(spans, spans[1:]):
             if s2 < e1 and n1 != n2:
                 day, minute = divmod(s2, 1440)
                 raise ValueError(

@@ -47,9 +47,7 @@ def parse_size(value: int | float | str) -> int:
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise ValueError(
-            f"{value!r} has unknown unit {unit!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
-        )
+        raise ValueError(f"{value!r} has unknown unit {unit!r}; use one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB")
     return int(float(number) * factor)
 
 

@@ -109,7 +109,9 @@ class TransferOps:
                 donor,
             )
         if donor == recipient:
-            raise LedgerError(f"cannot transfer {fmt(amount)} from '{donor}' to itself; pick a different recipient", donor)
+            raise LedgerError(
+                f"cannot transfer {fmt(amount)} from '{donor}' to itself; pick a different recipient", donor
+            )
         if amount <= 0:
             raise LedgerError(
                 f"cannot transfer {fmt(amount)} from '{donor}' to '{recipient}': amount_bytes must be > 0; "

@@ -52,8 +52,28 @@ from quotas.sizes import format_size  # noqa: E402
 console = Console()
 if not console.is_terminal:
     console = Console(width=170)
-WORDS = ("broker", "quota", "batch", "latency", "memory", "gpu", "serve", "model", "token", "queue",
-         "lend", "borrow", "idle", "busy", "cap", "wait", "profile", "price", "peak", "trough")
+WORDS = (
+    "broker",
+    "quota",
+    "batch",
+    "latency",
+    "memory",
+    "gpu",
+    "serve",
+    "model",
+    "token",
+    "queue",
+    "lend",
+    "borrow",
+    "idle",
+    "busy",
+    "cap",
+    "wait",
+    "profile",
+    "price",
+    "peak",
+    "trough",
+)
 
 
 def poisson(rate: float, start_s: float, end_s: float, rng: random.Random) -> list[float]:
@@ -70,8 +90,14 @@ def text_of(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def build_schedule(models: list[str], burst: str, examples: dict, phases: list[tuple[str, float, float, float]],
-                   seed: int = 7, burst_items: int = 4) -> list[tuple[float, str, dict]]:
+def build_schedule(
+    models: list[str],
+    burst: str,
+    examples: dict,
+    phases: list[tuple[str, float, float, float]],
+    seed: int = 7,
+    burst_items: int = 4,
+) -> list[tuple[float, str, dict]]:
     """(time, model, body) for the whole run, sorted; drawn before anything is sent."""
     rng = random.Random(seed)
     sched: list[tuple[float, str, dict]] = []
@@ -90,8 +116,13 @@ def build_schedule(models: list[str], burst: str, examples: dict, phases: list[t
     return sched
 
 
-async def run_load(url: str, sched: list[tuple[float, str, dict]], total_s: float, models: list[str],
-                   seen: list[tuple[float, str, int, float]] | None = None) -> dict[str, Counter]:
+async def run_load(
+    url: str,
+    sched: list[tuple[float, str, dict]],
+    total_s: float,
+    models: list[str],
+    seen: list[tuple[float, str, int, float]] | None = None,
+) -> dict[str, Counter]:
     """Send the schedule; ``seen`` gets (sent at, model, status, latency ms) per request."""
     codes: dict[str, Counter] = {m: Counter() for m in models}
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
@@ -123,8 +154,10 @@ async def run_load(url: str, sched: list[tuple[float, str, dict]], total_s: floa
                 parts = []
                 for name, m in st["models"].items():
                     p95 = "-" if m["p95_ms"] is None else f"{m['p95_ms']:.0f}ms"
-                    parts.append(f"{name}: cap {m['max_batch_size']} grant {format_size(m['grant_bytes'])} "
-                                 f"q {m['queue_depth']:.0f} {m['arrival_rate_rps']:.0f}rps p95 {p95}")
+                    parts.append(
+                        f"{name}: cap {m['max_batch_size']} grant {format_size(m['grant_bytes'])} "
+                        f"q {m['queue_depth']:.0f} {m['arrival_rate_rps']:.0f}rps p95 {p95}"
+                    )
                 console.print(f"[dim]{el:5.1f}s[/] " + " | ".join(parts), highlight=False)
 
         tasks = [asyncio.create_task(one(at, m, b)) for at, m, b in sched]
@@ -169,28 +202,41 @@ def main() -> int:
     code = 0
     try:
         models = list(cfg.models)
-        phases = [("warm", args.warm_s, args.base_rps, args.base_rps),
-                  ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
-                  ("cool-down", args.cool_s, args.base_rps / 2, 0.0)]
+        phases = [
+            ("warm", args.warm_s, args.base_rps, args.base_rps),
+            ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
+            ("cool-down", args.cool_s, args.base_rps / 2, 0.0),
+        ]
         sched = build_schedule(models, args.burst, example_inputs(cfg), phases, burst_items=args.burst_items)
         total = sum(p[1] for p in phases)
         since = httpx.get(f"{url}/v1/status", timeout=30).json()["decision_seq"]
-        console.rule(f"[bold]2. open-loop load: {len(sched)} requests over {total:.0f}s "
-                     f"(warm {args.warm_s:.0f}s, burst on {args.burst} {args.burst_s:.0f}s, cool-down {args.cool_s:.0f}s)")
+        console.rule(
+            f"[bold]2. open-loop load: {len(sched)} requests over {total:.0f}s "
+            f"(warm {args.warm_s:.0f}s, burst on {args.burst} {args.burst_s:.0f}s, cool-down {args.cool_s:.0f}s)"
+        )
         seen: list[tuple[float, str, int, float]] = []
         codes = asyncio.run(run_load(url, sched, total, models, seen))
         arms = {"broker (lending)": burst_line(seen, args, cfg, httpx.get(f"{url}/v1/status", timeout=30).json())}
         for name, c in codes.items():
-            console.print(f"  {name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=str)), highlight=False)
+            console.print(
+                f"  {name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=str)), highlight=False
+            )
         time.sleep(2.0)
         console.rule("[bold]3. gpubroker status")
         st = httpx.get(f"{url}/v1/status", timeout=30).json()
         console.print(status_table(st))
         decisions = httpx.get(f"{url}/v1/decisions", params={"since_seq": since}, timeout=30).json()
         moves = [d for d in decisions if d["kind"] == "move"]
-        grants = [d for d in decisions if d["kind"] == "settings" and d["old"]["grant_bytes"] != d["new"]["grant_bytes"]]
-        caps = [d for d in decisions if d["kind"] == "settings" and d["model"] == args.burst
-                and d["old"]["max_batch_size"] != d["new"]["max_batch_size"]]
+        grants = [
+            d for d in decisions if d["kind"] == "settings" and d["old"]["grant_bytes"] != d["new"]["grant_bytes"]
+        ]
+        caps = [
+            d
+            for d in decisions
+            if d["kind"] == "settings"
+            and d["model"] == args.burst
+            and d["old"]["max_batch_size"] != d["new"]["max_batch_size"]
+        ]
         console.rule(f"[bold]gpubroker decisions: batch cap of {args.burst} ({len(caps)} changes)")
         for d in caps[:12] + (caps[-6:] if len(caps) > 18 else caps[12:]):
             console.print(describe_decision(d), highlight=False, markup=False)
@@ -198,10 +244,14 @@ def main() -> int:
         for d in sorted(moves + grants, key=lambda d: d["seq"]):
             console.print(describe_decision(d), highlight=False, markup=False)
         if not moves:
-            calib = ", ".join(f"{n}: used {format_size(m['used_bytes'])} of {format_size(m['grant_bytes'])}"
-                              for n, m in st["models"].items())
-            console.print(f"[yellow]no quota moved:[/] every model's calibrated need at its batch cap fit its base "
-                          f"({calib}); quota moves when a busy model's wanted batch needs more than its grant.")
+            calib = ", ".join(
+                f"{n}: used {format_size(m['used_bytes'])} of {format_size(m['grant_bytes'])}"
+                for n, m in st["models"].items()
+            )
+            console.print(
+                f"[yellow]no quota moved:[/] every model's calibrated need at its batch cap fit its base "
+                f"({calib}); quota moves when a busy model's wanted batch needs more than its grant."
+            )
         bad = sum(v for c in codes.values() for k, v in c.items() if k not in (200, 503))
         if bad:
             console.print(f"[red]{bad} requests failed[/]")
@@ -217,8 +267,9 @@ def main() -> int:
             state = up_with_progress(fixed_cfg, fixed_text, args.config, num_cpus=2)
             seen = []
             asyncio.run(run_load(state["http_url"], sched, total, models, seen))
-            arms["fixed split"] = burst_line(seen, args, fixed_cfg,
-                                             httpx.get(f"{state['http_url']}/v1/status", timeout=30).json())
+            arms["fixed split"] = burst_line(
+                seen, args, fixed_cfg, httpx.get(f"{state['http_url']}/v1/status", timeout=30).json()
+            )
         except Exception as exc:  # noqa: BLE001
             console.print(f"[red]fixed-split run failed: {exc}[/]")
         finally:
@@ -251,9 +302,11 @@ def burst_line(seen: list[tuple[float, str, int, float]], args: argparse.Namespa
     p95 = ok[min(len(ok) - 1, int(0.95 * len(ok)))] if ok else float("nan")
     oom = sum(1 for st, _ in rows if st == 507)
     grant = status["models"][args.burst]["grant_bytes"]
-    return (f"attainment {met / max(1, len(rows)):6.1%} (SLO {slo:.0f} ms)  P95 {p95:6.0f} ms  OOM answers {oom}  "
-            f"requests {len(rows)}  oom splits {status['models'][args.burst].get('oom_splits', 0)}  "
-            f"grant now {format_size(grant)}")
+    return (
+        f"attainment {met / max(1, len(rows)):6.1%} (SLO {slo:.0f} ms)  P95 {p95:6.0f} ms  OOM answers {oom}  "
+        f"requests {len(rows)}  oom splits {status['models'][args.burst].get('oom_splits', 0)}  "
+        f"grant now {format_size(grant)}"
+    )
 
 
 def _down() -> None:

@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 PEER_VENV = REPO / "bench" / "peer" / ".venv-bentoml"
@@ -31,24 +32,43 @@ class PeerServer:
     kind = "bentoml"
     status_url = None
 
-    def __init__(self, model_ref: str, options: Mapping[str, Any], name: str, max_batch: int, max_latency_ms: float,
-                 port: int, log_path: str | None = None):
+    def __init__(
+        self,
+        model_ref: str,
+        options: Mapping[str, Any],
+        name: str,
+        max_batch: int,
+        max_latency_ms: float,
+        port: int,
+        log_path: str | None = None,
+    ):
         self.name = name
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         env = dict(os.environ)
-        env.update({
-            "PEER_MODEL_REF": model_ref, "PEER_OPTIONS": json.dumps(dict(options)), "PEER_NAME": name,
-            "PEER_MAX_BATCH": str(int(max_batch)), "PEER_MAX_LATENCY_MS": str(int(max_latency_ms)),
-            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-            "BENTOML_DO_NOT_TRACK": "true", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "BENTOML_HOME": str(Path(os.environ.get("TMPDIR", "/tmp")) / "gpubroker-bentoml-home"),
-        })
+        env.update(
+            {
+                "PEER_MODEL_REF": model_ref,
+                "PEER_OPTIONS": json.dumps(dict(options)),
+                "PEER_NAME": name,
+                "PEER_MAX_BATCH": str(int(max_batch)),
+                "PEER_MAX_LATENCY_MS": str(int(max_latency_ms)),
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+                "BENTOML_DO_NOT_TRACK": "true",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "BENTOML_HOME": str(Path(os.environ.get("TMPDIR", "/tmp")) / "gpubroker-bentoml-home"),
+            }
+        )
         self._log = open(log_path or os.devnull, "w")  # noqa: SIM115
         bentoml_bin = str(PEER_VENV / "bin" / "bentoml")
         self.proc = subprocess.Popen(
             [bentoml_bin, "serve", "bench.peer.service:Peer", "--port", str(port), "--host", "127.0.0.1"],
-            cwd=str(REPO), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=str(REPO),
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def wait_ready(self, body: dict, timeout_s: float = 120.0) -> None:

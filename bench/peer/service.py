@@ -36,8 +36,9 @@ class Peer:
     def __init__(self) -> None:
         self.adapter = load_adapter(MODEL_REF, OPTIONS, "cpu")
 
-    @bentoml.api(route=f"/v1/models/{NAME}/infer", batchable=True, max_batch_size=MAX_BATCH,
-                 max_latency_ms=MAX_LATENCY_MS)
+    @bentoml.api(
+        route=f"/v1/models/{NAME}/infer", batchable=True, max_batch_size=MAX_BATCH, max_latency_ms=MAX_LATENCY_MS
+    )
     def infer(self, inputs: list[dict]) -> list[dict]:
         items = [self.adapter.validate(x) for x in inputs]
         return self.adapter.predict(items)

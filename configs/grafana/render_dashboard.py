@@ -75,7 +75,7 @@ def _drive(base_url: str, inputs: dict, phases) -> None:
         deadline = time.time() + seconds
         jobs = [(name, inputs[name]) for name, n in clients.items() for _ in range(n)]
 
-        def worker(job):
+        def worker(job, deadline: float = deadline):
             name, item = job
             with httpx.Client(timeout=30.0) as c:
                 while time.time() < deadline:
@@ -96,7 +96,9 @@ def _subst(expr: str, model: str | None, step_s: int) -> str:
 
 
 def _query(prom: str, expr: str, start: float, end: float, step_s: int) -> list[dict]:
-    r = httpx.get(f"{prom}/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=30)
+    r = httpx.get(
+        f"{prom}/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=30
+    )
     body = r.json()
     if body.get("status") != "success":
         raise RuntimeError(f"{expr}: {body}")
@@ -127,8 +129,12 @@ def render(prom: str, start: float, end: float, out: Path, models: list[str], st
     colors = {m: c for m, c in zip(models, ("tab:blue", "tab:orange", "tab:green", "tab:red"))}
 
     cards = [("$model: batch cap, P95 and queue", m) for m in models] + [
-        ("Quota granted by model vs card", None), ("Cost per 1k requests", None),
-        ("Requests by outcome", None), ("Decisions by trigger", None), ("Memory used vs grant", None)]
+        ("Quota granted by model vs card", None),
+        ("Cost per 1k requests", None),
+        ("Requests by outcome", None),
+        ("Decisions by trigger", None),
+        ("Memory used vs grant", None),
+    ]
     fig, axes = plt.subplots(4, 2, figsize=(16, 17))
     for ax, (title, model) in zip(axes.flat, cards):
         panel = by_title[title]
@@ -151,8 +157,13 @@ def render(prom: str, start: float, end: float, out: Path, models: list[str], st
                 if title.startswith("Quota") and t["refId"] == "A":
                     stacked.append((xs, ys, label))
                     continue
-                ax.plot(xs, ys, "--" if label in ("usable", "capacity") or label.startswith("base") else "-",
-                        label=label, lw=1.4)
+                ax.plot(
+                    xs,
+                    ys,
+                    "--" if label in ("usable", "capacity") or label.startswith("base") else "-",
+                    label=label,
+                    lw=1.4,
+                )
         if stacked:
             n = min(len(s[0]) for s in stacked)
             ax.stackplot(stacked[0][0][:n], *[s[1][:n] for s in stacked], labels=[s[2] for s in stacked], alpha=0.6)
@@ -170,10 +181,13 @@ def render(prom: str, start: float, end: float, out: Path, models: list[str], st
         else:
             ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(cards):]:
+    for ax in list(axes.flat)[len(cards) :]:
         ax.axis("off")
-    fig.suptitle("gpubroker dashboard: the Grafana panels' PromQL from a real CPU run, drawn with matplotlib "
-                 "(vertical lines: decision annotations)", fontsize=12)
+    fig.suptitle(
+        "gpubroker dashboard: the Grafana panels' PromQL from a real CPU run, drawn with matplotlib "
+        "(vertical lines: decision annotations)",
+        fontsize=12,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
@@ -198,10 +212,18 @@ def main() -> None:
     prom_port = free_port()
     (work / "prom.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"scrape_configs:\n  - job_name: gpubroker\n    static_configs:\n      - targets: ['127.0.0.1:{ports['metrics_port']}']\n")
-    prom = subprocess.Popen(["prometheus", f"--config.file={work / 'prom.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
-                            stderr=open(work / "prom.log", "w"))
+        f"scrape_configs:\n  - job_name: gpubroker\n    static_configs:\n      - targets: ['127.0.0.1:{ports['metrics_port']}']\n"
+    )
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={work / 'prom.yml'}",
+            f"--storage.tsdb.path={work / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(work / "prom.log", "w"),
+    )
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         deploy(cfg, text, http_port=ports["http_port"], timeout_s=300)

@@ -10,7 +10,8 @@ Built-ins are imported lazily, so importing this package does not import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from deployments.models.base import (
     EmulatedOOM,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 
 class InputError(ValueError):

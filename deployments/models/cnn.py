@@ -44,4 +44,6 @@ class CnnAdapter(TorchAdapter):
 
     def example_input(self, cost: int | None = None) -> dict:
         c, h, w = IMAGE_SHAPE
-        return {"image": [[[((k * 131 + y * 17 + x) % 29) / 29.0 for x in range(w)] for y in range(h)] for k in range(c)]}
+        return {
+            "image": [[[((k * 131 + y * 17 + x) % 29) / 29.0 for x in range(w)] for y in range(h)] for k in range(c)]
+        }

@@ -32,8 +32,10 @@ class MiniLmAdapter(ModelAdapter):
 
     def __init__(self, **options: Any):
         super().__init__(**options)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (
-            2 < self.max_tokens <= MODEL_MAX_TOKENS
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or not (2 < self.max_tokens <= MODEL_MAX_TOKENS)
         ):
             raise ValueError(
                 f"model 'minilm': option max_tokens must be an integer in 3..{MODEL_MAX_TOKENS}, got {self.max_tokens!r}"

@@ -38,8 +38,9 @@ class LiveFleet:
         return self.state["http_url"]
 
     def cli(self, *args: str, timeout_s: float = 120, check: bool = False) -> subprocess.CompletedProcess:
-        proc = subprocess.run([GPUBROKER, *args], capture_output=True, text=True, env=self.env, cwd=ROOT,
-                              timeout=timeout_s)
+        proc = subprocess.run(
+            [GPUBROKER, *args], capture_output=True, text=True, env=self.env, cwd=ROOT, timeout=timeout_s
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"gpubroker {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -57,8 +58,12 @@ class LiveFleet:
 
 def fleet_text(tmp: Path, http_port: int, metrics_port: int) -> str:
     text = FLEET_YAML.read_text()
-    return (text.replace("METRICS_PORT", str(metrics_port)).replace("HTTP_PORT", str(http_port))
-            .replace("CHECKPOINT", str(tmp / "broker.checkpoint.json")).replace("COUNT_DIR", str(tmp / "counts")))
+    return (
+        text.replace("METRICS_PORT", str(metrics_port))
+        .replace("HTTP_PORT", str(http_port))
+        .replace("CHECKPOINT", str(tmp / "broker.checkpoint.json"))
+        .replace("COUNT_DIR", str(tmp / "counts"))
+    )
 
 
 def up(tmp: Path, timeout_s: float = 420) -> LiveFleet:
@@ -67,12 +72,17 @@ def up(tmp: Path, timeout_s: float = 420) -> LiveFleet:
     text = fleet_text(tmp, free_port(), free_port())
     cfg_path = tmp / "fleet.yaml"
     cfg_path.write_text(text)
-    env = dict(os.environ, GPUBROKER_STATE_DIR=str(tmp / "state"), RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        GPUBROKER_STATE_DIR=str(tmp / "state"),
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     env.pop("RAY_ADDRESS", None)
     fleet = LiveFleet(text, cfg_path, tmp / "state", tmp / "counts", tmp / "broker.checkpoint.json", env)
-    proc = fleet.cli("up", str(cfg_path), "--num-cpus", "2", "--ray-port", str(free_port()), "--timeout", "300",
-                     timeout_s=timeout_s)
+    proc = fleet.cli(
+        "up", str(cfg_path), "--num-cpus", "2", "--ray-port", str(free_port()), "--timeout", "300", timeout_s=timeout_s
+    )
     fleet.up_output = proc.stdout + proc.stderr
     state_file = fleet.state_dir / "fleet.json"
     if state_file.exists():
@@ -90,8 +100,9 @@ def connect(fleet: LiveFleet) -> None:
     from deployments.ray_auth import adopt_auth_mode
 
     adopt_auth_mode(fleet.state.get("auth_mode") or "token")  # as `gpubroker up` started the head
-    ray.init(address=fleet.state["address"], namespace="gpubroker-rel-tests", logging_level="ERROR",
-             log_to_driver=False)
+    ray.init(
+        address=fleet.state["address"], namespace="gpubroker-rel-tests", logging_level="ERROR", log_to_driver=False
+    )
 
 
 def down(fleet: LiveFleet) -> None:

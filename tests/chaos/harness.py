@@ -20,8 +20,9 @@ import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPLICIT_ERRORS = (413, 422, 429, 503, 504)  # answered with a body that says what to do
@@ -36,13 +37,35 @@ def recording() -> bool:
     return bool(os.environ.get("GPUBROKER_CHAOS_RESULTS"))
 
 
-def record(test: str, fault: str, *, faults_injected: int = 0, faults_survived: int = 0, sent: int = 0,
-           answered: int = 0, rejected: int = 0, lost: int = 0, figure: str = "", ok: bool = True,
-           **extra: Any) -> dict[str, Any]:
+def record(
+    test: str,
+    fault: str,
+    *,
+    faults_injected: int = 0,
+    faults_survived: int = 0,
+    sent: int = 0,
+    answered: int = 0,
+    rejected: int = 0,
+    lost: int = 0,
+    figure: str = "",
+    ok: bool = True,
+    **extra: Any,
+) -> dict[str, Any]:
     """Append one result line (never fails the test because of the file)."""
-    row = {"time_s": round(time.time(), 3), "test": test, "fault": fault, "faults_injected": faults_injected,
-           "faults_survived": faults_survived, "sent": sent, "answered": answered, "rejected": rejected,
-           "lost": lost, "figure": figure, "ok": bool(ok), **extra}
+    row = {
+        "time_s": round(time.time(), 3),
+        "test": test,
+        "fault": fault,
+        "faults_injected": faults_injected,
+        "faults_survived": faults_survived,
+        "sent": sent,
+        "answered": answered,
+        "rejected": rejected,
+        "lost": lost,
+        "figure": figure,
+        "ok": bool(ok),
+        **extra,
+    }
     if not recording():
         return row
     try:
@@ -68,7 +91,7 @@ def classify(statuses: Iterable[int], bodies_ok: Iterable[bool] | None = None) -
 class _Remote:
     """``handle.method.remote(...)`` for an in-process callable: returns a coroutine."""
 
-    def __init__(self, owner: "CoreLink", name: str):
+    def __init__(self, owner: CoreLink, name: str):
         self.owner, self.name = owner, name
 
     def remote(self, *args: Any, **kwargs: Any):
@@ -196,7 +219,7 @@ def pids_in_group(pgid: int) -> list[int]:
         pid = int(entry)
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
+            fields = stat[stat.rindex(")") + 2 :].split()
             parent[pid], group = int(fields[1]), int(fields[2])
         except (OSError, ValueError, IndexError):
             continue

@@ -41,16 +41,30 @@ def table(rows: list[dict]) -> Table:
             tot[k] += int(r.get(k, 0) or 0)
         lost = int(r.get("lost", 0) or 0)
         t.add_row(
-            str(r.get("test", "")), str(r.get("fault", "")), str(r.get("faults_injected", 0)),
-            str(r.get("faults_survived", 0)), str(r.get("sent", 0)), str(r.get("answered", 0)),
-            str(r.get("rejected", 0)), f"[red]{lost}[/]" if lost else "0", str(r.get("figure", "")),
+            str(r.get("test", "")),
+            str(r.get("fault", "")),
+            str(r.get("faults_injected", 0)),
+            str(r.get("faults_survived", 0)),
+            str(r.get("sent", 0)),
+            str(r.get("answered", 0)),
+            str(r.get("rejected", 0)),
+            f"[red]{lost}[/]" if lost else "0",
+            str(r.get("figure", "")),
             "[green]yes[/]" if r.get("ok") else "[red]NO[/]",
         )
     t.add_section()
-    t.add_row("TOTAL", f"{len(rows)} scenario(s)", str(tot["faults_injected"]), str(tot["faults_survived"]),
-              str(tot["sent"]), str(tot["answered"]), str(tot["rejected"]),
-              f"[red]{tot['lost']}[/]" if tot["lost"] else "[green]0[/]", "",
-              "[green]yes[/]" if all(r.get("ok") for r in rows) else "[red]NO[/]")
+    t.add_row(
+        "TOTAL",
+        f"{len(rows)} scenario(s)",
+        str(tot["faults_injected"]),
+        str(tot["faults_survived"]),
+        str(tot["sent"]),
+        str(tot["answered"]),
+        str(tot["rejected"]),
+        f"[red]{tot['lost']}[/]" if tot["lost"] else "[green]0[/]",
+        "",
+        "[green]yes[/]" if all(r.get("ok") for r in rows) else "[red]NO[/]",
+    )
     return t
 
 

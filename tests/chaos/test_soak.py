@@ -102,14 +102,20 @@ def test_soak_mixed_load_applies_and_restarts(fleet):
     warm = [(t, mb) for t, mb in series if t - series[0][0] >= 20.0]
     slope = slope_per_min(warm)
     span_min = (warm[-1][0] - warm[0][0]) / 60 if len(warm) > 1 else 0.0
-    lost_detail = Counter((r.status, (r.error or "")[:80]) for r in res.records
-                          if r.status not in (200, *EXPLICIT_ERRORS))
-    record("test_soak", f"soak {dur:.0f}s: mixed load, applies every {APPLY_EVERY_S:.0f}s, broker restarts",
-           faults_injected=applies + restarts, faults_survived=apply_ok + restarts_ok, **c,
-           ok=c["lost"] == 0 and (slope < MAX_SLOPE_MB_PER_MIN or span_min < MIN_SLOPE_SPAN_MIN),
-           figure=f"{dict(codes)}; {apply_ok}/{applies} applies, {restarts_ok}/{restarts} restarts; broker RSS "
-                  f"{warm[0][1] if warm else 0:.0f}->{warm[-1][1] if warm else 0:.0f} MB, slope {slope:+.2f} MB/min "
-                  f"over {span_min:.1f} min" + (" (too short to judge)" if span_min < MIN_SLOPE_SPAN_MIN else ""))
+    lost_detail = Counter(
+        (r.status, (r.error or "")[:80]) for r in res.records if r.status not in (200, *EXPLICIT_ERRORS)
+    )
+    record(
+        "test_soak",
+        f"soak {dur:.0f}s: mixed load, applies every {APPLY_EVERY_S:.0f}s, broker restarts",
+        faults_injected=applies + restarts,
+        faults_survived=apply_ok + restarts_ok,
+        **c,
+        ok=c["lost"] == 0 and (slope < MAX_SLOPE_MB_PER_MIN or span_min < MIN_SLOPE_SPAN_MIN),
+        figure=f"{dict(codes)}; {apply_ok}/{applies} applies, {restarts_ok}/{restarts} restarts; broker RSS "
+        f"{warm[0][1] if warm else 0:.0f}->{warm[-1][1] if warm else 0:.0f} MB, slope {slope:+.2f} MB/min "
+        f"over {span_min:.1f} min" + (" (too short to judge)" if span_min < MIN_SLOPE_SPAN_MIN else ""),
+    )
     assert c["lost"] == 0, lost_detail.most_common(5)
     assert restarts_ok == restarts
     assert apply_ok >= applies - restarts  # an apply may land on a broker mid-restart

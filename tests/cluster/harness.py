@@ -50,8 +50,11 @@ class CardCluster:
         self.nodes: dict[str, Any] = {}
         for name in self.node_names:
             mine = [c for c in self.cards if c.node == name]
-            args: dict[str, Any] = {"num_cpus": num_cpus_per_node, "resources": node_resources(mine),
-                                    "labels": node_labels(name, mine)}
+            args: dict[str, Any] = {
+                "num_cpus": num_cpus_per_node,
+                "resources": node_resources(mine),
+                "labels": node_labels(name, mine),
+            }
             if not self.nodes:
                 args["include_dashboard"] = False
             self.nodes[name] = self.cluster.add_node(**args)
@@ -83,7 +86,9 @@ class CardCluster:
     def add_node(self, name: str) -> None:
         """Bring a node (back) with its cards."""
         mine = [c for c in self.cards if c.node == name]
-        self.nodes[name] = self.cluster.add_node(num_cpus=1, resources=node_resources(mine), labels=node_labels(name, mine))
+        self.nodes[name] = self.cluster.add_node(
+            num_cpus=1, resources=node_resources(mine), labels=node_labels(name, mine)
+        )
         self.cluster.wait_for_nodes()
 
     def shutdown(self) -> None:

@@ -21,8 +21,12 @@ class WhereAmI:
     def __call__(self) -> dict:
         import ray
 
-        return {"model": self.model, "node_id": ray.get_runtime_context().get_node_id(),
-                "card": os.environ.get("GPUBROKER_CARD_ID"), "card_arg": self.card_id}
+        return {
+            "model": self.model,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "card": os.environ.get("GPUBROKER_CARD_ID"),
+            "card_arg": self.card_id,
+        }
 
 
 class Root:
@@ -47,8 +51,11 @@ def placed():
         placement = place_fleet(cfg)
         groups = bind_model_groups(cfg, "", placement, model_num_cpus=0.05, deployment_cls=WhereAmI)
         serve.start(proxy_location="Disabled")
-        serve.run(serve.deployment(Root).options(ray_actor_options={"num_cpus": 0}).bind(groups),
-                  name="placed", route_prefix=None)
+        serve.run(
+            serve.deployment(Root).options(ray_actor_options={"num_cpus": 0}).bind(groups),
+            name="placed",
+            route_prefix=None,
+        )
         yield cc, placement, deployment_plans(placement, model_num_cpus=0.05)
     finally:
         cc.shutdown()
@@ -63,7 +70,10 @@ def test_every_replica_runs_on_the_node_of_its_card(placed):
         handle = serve.get_deployment_handle(plan.name, app_name="placed")
         seen = [handle.remote().result(timeout_s=60) for _ in range(2 * plan.num_replicas)]
         for answer in seen:
-            assert answer["model"] == plan.model and answer["card"] == answer["card_arg"] == plan.card_id, (plan, answer)
+            assert answer["model"] == plan.model and answer["card"] == answer["card_arg"] == plan.card_id, (
+                plan,
+                answer,
+            )
             assert answer["node_id"] == cc.node_of_card(plan.card_id), (plan, answer)
     assert cc.node_of_card("a0") == cc.node_id("node-a") and cc.node_of_card("b1") == cc.node_id("node-b")
 

@@ -81,7 +81,9 @@ def check_shrink_empties_cache_and_remeasures() -> str:
         assert cached >= base + 256 * MiB, f"reserved {cached} after freeing 256 MiB: nothing cached?"
         new_grant = base + 64 * MiB
         after = lim.set_grant(new_grant)
-        assert after.used_bytes <= new_grant, f"reserved {after.used_bytes / MiB:.0f} MiB > new grant {new_grant / MiB:.0f} MiB"
+        assert after.used_bytes <= new_grant, (
+            f"reserved {after.used_bytes / MiB:.0f} MiB > new grant {new_grant / MiB:.0f} MiB"
+        )
     finally:
         _lift(lim)
     return f"cached {cached / MiB:.0f} MiB -> shrink to {new_grant / MiB:.0f} MiB -> re-measured {after.used_bytes / MiB:.0f} MiB reserved"
@@ -108,7 +110,9 @@ def check_nvml_process_memory_vs_torch() -> str:
         return f"this pid ({os.getpid()}) is not in NVML's process list (another pid namespace?): torch reserved {reading.used_bytes / MiB:.0f} MiB"
     context = reading.resident_bytes - reading.used_bytes
     assert reading.resident_bytes >= reading.used_bytes, reading
-    assert context < 4096 * MiB, f"NVML {reading.resident_bytes} vs torch reserved {reading.used_bytes}: {context / MiB:.0f} MiB apart"
+    assert context < 4096 * MiB, (
+        f"NVML {reading.resident_bytes} vs torch reserved {reading.used_bytes}: {context / MiB:.0f} MiB apart"
+    )
     sm = "n/a (driver has no per-process samples)" if reading.sm_util_frac is None else f"{reading.sm_util_frac:.0%}"
     return f"NVML {reading.resident_bytes / MiB:.0f} MiB vs torch reserved {reading.used_bytes / MiB:.0f} MiB (context {context / MiB:.0f} MiB); SM {sm}"
 

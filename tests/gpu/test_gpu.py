@@ -96,7 +96,9 @@ def _check_calibration(ref: str, options: dict) -> str:
         cal = calibrate(adapter, device=DEVICE)
         err = abs(cal.weights_bytes - params) / params
         assert cal.method == "cuda", cal.method
-        assert err < 0.10, f"fitted weights {cal.weights_bytes} vs parameters {params} ({err:.1%} off); points {cal.points}"
+        assert err < 0.10, (
+            f"fitted weights {cal.weights_bytes} vs parameters {params} ({err:.1%} off); points {cal.points}"
+        )
         assert cal.bytes_per_unit > 0, f"bytes_per_unit {cal.bytes_per_unit}; points {cal.points}"
         return (
             f"weights {cal.weights_bytes / MiB:.1f} MiB vs params {params / MiB:.1f} MiB ({err:.2%}), "
@@ -132,7 +134,7 @@ def check_oom_split_retry() -> str:
         calls.append(len(items))
         buf = torch.empty(len(items) * item_bytes, dtype=torch.uint8, device=DEVICE)
         buf.fill_(1)
-        total = int(buf[:: item_bytes].sum().item())  # touches one byte per item
+        total = int(buf[::item_bytes].sum().item())  # touches one byte per item
         assert total == len(items)
         return [x * 2 for x in items]
 

@@ -37,8 +37,9 @@ async def _run(url: str, model: str, times: list[float], body: dict, codes: Coun
         await asyncio.gather(*(one(at) for at in times))
 
 
-def open_loop(url: str, model: str, rate: float, duration_s: float, body: dict, seed: int = 0,
-              timeout_s: float = 30.0) -> Counter:
+def open_loop(
+    url: str, model: str, rate: float, duration_s: float, body: dict, seed: int = 0, timeout_s: float = 30.0
+) -> Counter:
     codes: Counter = Counter()
     asyncio.run(_run(url, model, poisson_times(rate, duration_s, seed), body, codes, timeout_s))
     return codes

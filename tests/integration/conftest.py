@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tests.chaos.harness import wait_for  # noqa: F401 - shared polling helper, re-exported for the tests here
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -53,5 +54,3 @@ def fleet(tmp_path_factory):
         teardown(cfg)
     finally:
         ray.shutdown()
-
-

@@ -19,8 +19,9 @@ ROOT = HERE.parent.parent
 
 
 def gpubroker(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,18 @@ def test_commands_without_a_fleet(cli_env):
 def test_up_status_apply_decisions_down(cli_env):
     env, cfg = cli_env["env"], cli_env["config"]
     r = gpubroker("up", str(cfg), "--num-cpus", "2", env=env)
-    gcs_port = json.loads((Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").read_text())["address"].rsplit(":", 1)[-1] \
-        if (Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").exists() else None
+    gcs_port = (
+        json.loads((Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").read_text())["address"].rsplit(":", 1)[-1]
+        if (Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").exists()
+        else None
+    )
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert "fleet up" in r.stdout
         url = f"http://127.0.0.1:{cli_env['port']}"
-        assert httpx.post(f"{url}/v1/models/mlp/infer", json={"input": {"x": [0.0] * 64}}, timeout=30).status_code == 200
+        assert (
+            httpx.post(f"{url}/v1/models/mlp/infer", json={"input": {"x": [0.0] * 64}}, timeout=30).status_code == 200
+        )
 
         r = gpubroker("status", env=env, timeout=60)
         assert r.returncode == 0 and "mlp" in r.stdout and "emu" in r.stdout, r.stdout + r.stderr

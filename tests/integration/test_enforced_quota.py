@@ -80,7 +80,11 @@ def replica_status(app: str, model: str) -> dict:
 
     from deployments.app import model_app_name
 
-    return serve.get_deployment_handle(model, app_name=model_app_name(model, app)).local_status.remote().result(timeout_s=60)
+    return (
+        serve.get_deployment_handle(model, app_name=model_app_name(model, app))
+        .local_status.remote()
+        .result(timeout_s=60)
+    )
 
 
 def peak_rss_bytes(pid: int) -> int:
@@ -92,6 +96,7 @@ def peak_rss_bytes(pid: int) -> int:
 async def burst(url: str, bodies: list[tuple[str, dict]]) -> list[tuple[str, int, dict]]:
     """Every request at once; (kind, status, body) each."""
     async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=128)) as client:
+
         async def one(kind: str, body: dict):
             r = await client.post(f"{url}/v1/models/hog/infer", json=body)
             return kind, r.status_code, r.json()
@@ -132,8 +137,11 @@ def test_oversize_items_fail_alone_resident_memory_holds_neighbour_keeps_its_slo
     assert peak_over <= MAX_GRANT_BYTES + TOLERANCE_BYTES, summary
     # the OOMs reached the broker: splits counted, the cap below the batch that ran out of memory
     assert st["models"]["hog"]["oom_splits"] > 0, summary
-    wait_for(lambda: ray.get(broker.status.remote(), timeout=30)["models"]["hog"]["max_batch_size"] < 8, 20,
-             what="hog cap below the batch that OOMed")
+    wait_for(
+        lambda: ray.get(broker.status.remote(), timeout=30)["models"]["hog"]["max_batch_size"] < 8,
+        20,
+        what="hog cap below the batch that OOMed",
+    )
     # the neighbour: every request answered, within its SLO by the broker's own measure
     assert set(mlp_codes) == {200}, summary
     mlp = ray.get(broker.status.remote(), timeout=30)["models"]["mlp"]

@@ -87,7 +87,8 @@ def test_bad_config_changes_nothing(fleet):
     after = fleet.status()
     assert after["config_hash"] == before["config_hash"]
     assert {n: m["grant_bytes"] for n, m in after["models"].items()} == {
-        n: m["grant_bytes"] for n, m in before["models"].items()}
+        n: m["grant_bytes"] for n, m in before["models"].items()
+    }
 
 
 # ------------------------------------------------------------------------------- control
@@ -157,5 +158,8 @@ def test_broker_restart_resumes_while_serving(fleet):
         assert after["models"][name]["settings_version"] >= m["settings_version"]
     assert_grants_fit(after)
     # the replicas report to the restarted broker again
-    wait_for(lambda: fleet.status()["models"]["mlp"]["replicas"] == 1 and fleet.status()["ticks"] > 2, 20,
-             what="reports after restart")
+    wait_for(
+        lambda: fleet.status()["models"]["mlp"]["replicas"] == 1 and fleet.status()["ticks"] > 2,
+        20,
+        what="reports after restart",
+    )

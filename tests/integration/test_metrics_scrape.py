@@ -72,13 +72,20 @@ def fleet(tmp_path_factory):
 
     cfg = parse_config_text(text(), "test")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="gpubroker-metrics-test")
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="gpubroker-metrics-test"
+    )
     try:
         broker = deploy(cfg, text(), http_port=ports["http_port"], timeout_s=300)
         base_url = f"http://127.0.0.1:{ports['http_port']}"
         wait_serving(cfg, base_url, timeout_s=300)
-        yield {"cfg": cfg, "text": text, "broker": broker, "base_url": base_url,
-               "metrics_url": f"http://127.0.0.1:{ports['metrics_port']}/metrics"}
+        yield {
+            "cfg": cfg,
+            "text": text,
+            "broker": broker,
+            "base_url": base_url,
+            "metrics_url": f"http://127.0.0.1:{ports['metrics_port']}/metrics",
+        }
     finally:
         try:
             teardown(cfg)
@@ -119,8 +126,10 @@ def sample(m, name: str, **labels) -> float | None:
 
 def _fields(m, models) -> dict:
     return {
-        n: (sample(m, "gpubroker_quota_granted_bytes", model=n, gpu="cpu"),
-            sample(m, "gpubroker_max_batch_size", model=n, gpu="cpu"))
+        n: (
+            sample(m, "gpubroker_quota_granted_bytes", model=n, gpu="cpu"),
+            sample(m, "gpubroker_max_batch_size", model=n, gpu="cpu"),
+        )
         for n in models
     }
 
@@ -133,8 +142,9 @@ def consistent_view(fleet, tries: int = 20):
         before = scrape(fleet["metrics_url"])
         st = ray.get(broker.status.remote(), timeout=30)
         after = scrape(fleet["metrics_url"])
-        if _fields(before, models) == _fields(after, models) and sample(before, "gpubroker_ticks_total", gpu="cpu") == \
-                sample(after, "gpubroker_ticks_total", gpu="cpu"):
+        if _fields(before, models) == _fields(after, models) and sample(
+            before, "gpubroker_ticks_total", gpu="cpu"
+        ) == sample(after, "gpubroker_ticks_total", gpu="cpu"):
             return after, st
         time.sleep(0.1)
     raise AssertionError("the broker ticked between every scrape pair")
@@ -152,7 +162,9 @@ def test_scrape_matches_broker_status(fleet):
         assert sample(m, "gpubroker_max_batch_size", model=name, gpu="cpu") == ms["max_batch_size"], name
         assert sample(m, "gpubroker_quota_base_bytes", model=name, gpu="cpu") == ms["base_bytes"], name
         assert sample(m, "gpubroker_settings_version", model=name, gpu="cpu") == ms["settings_version"], name
-        assert sample(m, "gpubroker_batch_wait_timeout_seconds", model=name, gpu="cpu") == pytest.approx(ms["batch_wait_timeout_s"])
+        assert sample(m, "gpubroker_batch_wait_timeout_seconds", model=name, gpu="cpu") == pytest.approx(
+            ms["batch_wait_timeout_s"]
+        )
         assert sample(m, "gpubroker_requests_total", model=name, gpu="cpu", outcome="ok") > 0, name
         assert sample(m, "gpubroker_request_latency_seconds_count", model=name, gpu="cpu") > 0, name
         assert sample(m, "gpubroker_reports_total", model=name, gpu="cpu") > 0, name
@@ -198,11 +210,18 @@ def test_live_views_against_the_running_broker(fleet):
 
     broker = fleet["broker"]
     console = Console(record=True, width=220, file=io.StringIO(), color_system=None)
-    assert watch_status(lambda: ray.get(broker.status.remote(), timeout=30), interval_s=0.1, console=console,
-                        iterations=2) == 2
+    assert (
+        watch_status(lambda: ray.get(broker.status.remote(), timeout=30), interval_s=0.1, console=console, iterations=2)
+        == 2
+    )
     text = console.export_text()
     assert "mlp" in text and "hot" in text and ray.get(broker.status.remote())["config_hash"] in text
     seen = []
-    last = follow_decisions(lambda s: ray.get(broker.decisions.remote(None, s), timeout=30), seen.append,
-                            since_seq=0, interval_s=0.2, iterations=3)
+    last = follow_decisions(
+        lambda s: ray.get(broker.decisions.remote(None, s), timeout=30),
+        seen.append,
+        since_seq=0,
+        interval_s=0.2,
+        iterations=3,
+    )
     assert seen and [d["seq"] for d in seen] == sorted({d["seq"] for d in seen}) and last == seen[-1]["seq"]

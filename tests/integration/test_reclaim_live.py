@@ -86,21 +86,40 @@ def test_reclaim_under_a_holding_borrower_returns_the_base(fleet):
     def borrowed_and_full():
         hog = status()["hog"]
         return (hog["grant_bytes"] > 128 * MiB and hog["used_bytes"] > 160 * MiB) or (
-            False, hog["grant_bytes"] // MiB, hog["used_bytes"] // MiB, hog["max_batch_size"], hog["queue_depth"])
+            False,
+            hog["grant_bytes"] // MiB,
+            hog["used_bytes"] // MiB,
+            hog["max_batch_size"],
+            hog["queue_depth"],
+        )
 
     wait_for(lambda: borrowed_and_full() is True, 45, what="hog borrowed from owner and holds more than its base")
     # owner's load returns (hog stays busy and keeps what it holds)
     open_loop_bg(url, "owner", 30.0, 40.0, {"input": {"x": 1}}, seed=2, timeout_s=60)
-    wait_for(lambda: any(m["move"] == "reclaim" and m["donor"] == "hog" for m in moves()), 30,
-             what="owner reclaims its base from hog's loan")
-    wait_for(lambda: status()["owner"]["grant_bytes"] >= 512 * MiB, 120, interval_s=0.5,
-             what="owner back at its base after the escalation")
+    wait_for(
+        lambda: any(m["move"] == "reclaim" and m["donor"] == "hog" for m in moves()),
+        30,
+        what="owner reclaims its base from hog's loan",
+    )
+    wait_for(
+        lambda: status()["owner"]["grant_bytes"] >= 512 * MiB,
+        120,
+        interval_s=0.5,
+        what="owner back at its base after the escalation",
+    )
     log = moves()
     begun = next(m["time_s"] for m in log if m["move"] == "reclaim" and m["donor"] == "hog")
-    steps = [(m["move"], m["time_s"] - begun) for m in log if m["donor"] == "hog" and m["time_s"] >= begun
-             and m["move"] in ("reclaim_cache", "reclaim_drain", "reclaim_restart", "confirm")]
+    steps = [
+        (m["move"], m["time_s"] - begun)
+        for m in log
+        if m["donor"] == "hog"
+        and m["time_s"] >= begun
+        and m["move"] in ("reclaim_cache", "reclaim_drain", "reclaim_restart", "confirm")
+    ]
     shown = ", ".join(f"{kind} at {after_s:.1f} s" for kind, after_s in steps)
-    print(f"reclaim from hog, after it began: {shown}; bound 3T + restart + stale_after_s + control_interval_s, T = {T_S:g} s")
+    print(
+        f"reclaim from hog, after it began: {shown}; bound 3T + restart + stale_after_s + control_interval_s, T = {T_S:g} s"
+    )
     kinds = [k for k, _ in steps]
     assert kinds[:3] == ["reclaim_cache", "reclaim_drain", "reclaim_restart"], steps
     assert "confirm" in kinds, steps
@@ -110,4 +129,5 @@ def test_reclaim_under_a_holding_borrower_returns_the_base(fleet):
     restart_s = begun + steps[2][1]
     entries = ray.get(broker.decisions.remote(), timeout=30)
     assert [d for d in entries if d["kind"] == "register" and d.get("model") == "hog" and d["time_s"] >= restart_s], (
-        "no hog replica registered after the restart")
+        "no hog replica registered after the restart"
+    )

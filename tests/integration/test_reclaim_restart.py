@@ -30,8 +30,9 @@ class Holder:
         from deployments.reclaim import ReplicaReclaim
 
         self.reclaim = ReplicaReclaim("holder", lambda: None, print)
-        self.base = ModelSettings(model="holder", version=1, max_batch_size=1, batch_wait_timeout_s=0.0,
-                                  grant_bytes=1, restart_token=token)
+        self.base = ModelSettings(
+            model="holder", version=1, max_batch_size=1, batch_wait_timeout_s=0.0, grant_bytes=1, restart_token=token
+        )
         self.reclaim.on_settings(self.base)  # the broker's settings at register: its own token
 
     def settings(self, version: int, token: int) -> dict:
@@ -53,10 +54,17 @@ def test_restart_token_makes_serve_replace_the_replica():
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
-        app = serve.deployment(Holder).options(
-            name="holder", num_replicas=1, health_check_period_s=HEALTH_CHECK_PERIOD_S, graceful_shutdown_timeout_s=5,
-            ray_actor_options={"num_cpus": 0.1},
-        ).bind(0)
+        app = (
+            serve.deployment(Holder)
+            .options(
+                name="holder",
+                num_replicas=1,
+                health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                graceful_shutdown_timeout_s=5,
+                ray_actor_options={"num_cpus": 0.1},
+            )
+            .bind(0)
+        )
         handle = serve.run(app, name="reclaim-restart", route_prefix=None)
         old = handle.pid.remote().result(timeout_s=60)
         asked = time.monotonic()
@@ -71,8 +79,10 @@ def test_restart_token_makes_serve_replace_the_replica():
 
         wait_for(replaced, 120, what="Serve replaced the replica that failed its health check")
         restart_s = time.monotonic() - asked
-        print(f"restart term of the reclaim bound: {restart_s:.1f} s from the token to a new process answering "
-              f"(health_check_period_s {HEALTH_CHECK_PERIOD_S})")
+        print(
+            f"restart term of the reclaim bound: {restart_s:.1f} s from the token to a new process answering "
+            f"(health_check_period_s {HEALTH_CHECK_PERIOD_S})"
+        )
         # the replacement (started with token 0 from Holder's init, as a new replica registers with
         # the broker's current token) runs on; a token it has seen does not restart it again
         new = handle.pid.remote().result(timeout_s=30)

@@ -121,9 +121,13 @@ def test_every_listener_binds_loopback(fleet):
             assert is_loopback(s["host"]), f"{what} binds {s['host']}:{port} (pid {s['pid']} {s['comm']})"
         found[what] = hits[0]["host"]
     others = sorted({(s["comm"], s["host"]) for s in socks if not is_loopback(s["host"])})
-    record(T, "listeners (HTTP proxy, metrics, dashboard)", figure=f"{found}; not loopback (Ray internals): "
-           f"{len([s for s in socks if not is_loopback(s['host'])])} sockets of {sorted({c for c, _ in others})}",
-           non_loopback=[f"{s['comm']}@{s['host']}:{s['port']}" for s in socks if not is_loopback(s["host"])])
+    record(
+        T,
+        "listeners (HTTP proxy, metrics, dashboard)",
+        figure=f"{found}; not loopback (Ray internals): "
+        f"{len([s for s in socks if not is_loopback(s['host'])])} sockets of {sorted({c for c, _ in others})}",
+        non_loopback=[f"{s['comm']}@{s['host']}:{s['port']}" for s in socks if not is_loopback(s["host"])],
+    )
 
 
 # ------------------------------------------------------------------------------- 3 driver exits
@@ -143,8 +147,13 @@ def test_status_after_driver_exit_finds_same_broker(fleet):
     assert st2["pid"] == mine["pid"]
     back = json.loads(fleet.cli("apply", str(fleet.config_path), "--json", check=True).stdout)
     assert back["ok"] and back["config_hash"] == st["config_hash"]
-    record(T, "driver exits (up, apply), new `gpubroker status` attaches", faults_injected=3, faults_survived=3,
-           figure=f"broker pid {mine['pid']} and hash {st['config_hash']} seen by 3 later drivers")
+    record(
+        T,
+        "driver exits (up, apply), new `gpubroker status` attaches",
+        faults_injected=3,
+        faults_survived=3,
+        figure=f"broker pid {mine['pid']} and hash {st['config_hash']} seen by 3 later drivers",
+    )
 
 
 # ------------------------------------------------------------------------------- 7 bad requests
@@ -156,7 +165,7 @@ def test_bad_requests_refused_before_the_model(fleet):
     pids = counting.pids(fleet.count_dir)
     rss0 = {pid: rss_bytes(pid) for pid in pids}
     bad = [
-        (b'{"input": {"x": [' + b"0.1," * 3000 + b'0.1]}}', 413, None),  # over max_body_bytes 8KiB
+        (b'{"input": {"x": [' + b"0.1," * 3000 + b"0.1]}}", 413, None),  # over max_body_bytes 8KiB
         (json.dumps({"input": {"x": [0.1] * 63}}).encode(), 422, "input.x"),  # length
         (json.dumps({"input": {"x": ["a"] * 64}}).encode(), 422, "input.x"),  # dtype
         (json.dumps({"input": {"x": [[0.1] * 64]}}).encode(), 422, "input.x"),  # shape
@@ -172,8 +181,9 @@ def test_bad_requests_refused_before_the_model(fleet):
     with httpx.Client(timeout=30) as client:
         for _ in range(rounds):
             for content, want, fld in bad:
-                r = client.post(f"{fleet.url}/v1/models/mlp/infer", content=content,
-                                headers={"Content-Type": "application/json"})
+                r = client.post(
+                    f"{fleet.url}/v1/models/mlp/infer", content=content, headers={"Content-Type": "application/json"}
+                )
                 codes.append(r.status_code)
                 assert r.status_code == want, (content[:60], r.status_code, r.text[:300])
                 body = r.json()
@@ -187,9 +197,15 @@ def test_bad_requests_refused_before_the_model(fleet):
     assert max(grew.values()) < 16, f"replica RSS grew {grew} MiB"
     c = classify(codes)
     assert c["lost"] == 0
-    record(T, "bad requests over HTTP (413/422)", faults_injected=len(codes), faults_survived=len(codes), **c,
-           figure=f"{len(codes)} refused naming the field; predict calls +0; replica RSS "
-                  f"{', '.join(f'{v:+.1f}' for v in grew.values())} MiB")
+    record(
+        T,
+        "bad requests over HTTP (413/422)",
+        faults_injected=len(codes),
+        faults_survived=len(codes),
+        **c,
+        figure=f"{len(codes)} refused naming the field; predict calls +0; replica RSS "
+        f"{', '.join(f'{v:+.1f}' for v in grew.values())} MiB",
+    )
 
 
 # ------------------------------------------------------------------------------- 9 metric labels
@@ -199,8 +215,11 @@ def test_metric_labels_only_from_config(fleet):
         for name in weird:
             r = client.post(f"{fleet.url}/v1/models/{name}/infer", json={"input": {"label": name}})
             assert r.status_code in (404, 422), (name, r.status_code)
-        for body in ({"input": {"model": "evil", "x": [0.1] * 64}}, {"input": {"tokens": "model=\"x\""}},
-                     {"inputs": [{"tokens": 2}, {"tokens": "}"}]}):
+        for body in (
+            {"input": {"model": "evil", "x": [0.1] * 64}},
+            {"input": {"tokens": 'model="x"'}},
+            {"inputs": [{"tokens": 2}, {"tokens": "}"}]},
+        ):
             for model in ("mlp", "hot"):
                 assert client.post(f"{fleet.url}/v1/models/{model}/infer", json=body).status_code in (200, 422)
     time.sleep(1.5)
@@ -228,8 +247,13 @@ def test_metric_labels_only_from_config(fleet):
         if extra:
             bad[key] = extra
     assert not bad, f"label values not from the config or a fixed enumeration: {bad}"
-    record(T, "metric labels vs weird model names/payloads", faults_injected=len(weird) + 6,
-           faults_survived=len(weird) + 6, figure=f"labels {sorted(labels)}; model values {sorted(labels.get('model', []))}")
+    record(
+        T,
+        "metric labels vs weird model names/payloads",
+        faults_injected=len(weird) + 6,
+        faults_survived=len(weird) + 6,
+        figure=f"labels {sorted(labels)}; model values {sorted(labels.get('model', []))}",
+    )
 
 
 # ------------------------------------------------------------------------------- 4 overload
@@ -259,20 +283,33 @@ def test_overload_backpressure_counted_others_unaffected(fleet):
     except AssertionError:
         st = fleet.status()["models"]["slow"]
     counted_n = st["misses"] - miss0
-    record(T, "overload: rejections counted by the broker", figure=f"client {dict(codes)}; broker misses +{counted_n}",
-           ok=counted_n == c["rejected"], sample_errors=sorted({(r.status, (r.error or '')[:120]) for r in res.records
-                                                                if r.status != 200})[:6])
-    assert counted_n == c["rejected"], (f"client saw {c['rejected']} explicit rejections {dict(codes)}, broker counted "
-                                        f"{counted_n}; bodies: {sorted({(r.status, (r.error or '')[:100]) for r in rej})[:4]}")
+    record(
+        T,
+        "overload: rejections counted by the broker",
+        figure=f"client {dict(codes)}; broker misses +{counted_n}",
+        ok=counted_n == c["rejected"],
+        sample_errors=sorted({(r.status, (r.error or "")[:120]) for r in res.records if r.status != 200})[:6],
+    )
+    assert counted_n == c["rejected"], (
+        f"client saw {c['rejected']} explicit rejections {dict(codes)}, broker counted "
+        f"{counted_n}; bodies: {sorted({(r.status, (r.error or '')[:100]) for r in rej})[:4]}"
+    )
     o = outcome(out["r"].records)
     summ = loadgen.summarize(out["r"].records, 8.0, {"mlp": 2000.0})["mlp"]
     assert o["lost"] == 0 and o["rejected"] == 0, Counter(r.status for r in out["r"].records)
     assert summ.p95_ms is not None and summ.p95_ms <= 2000.0
-    record(T, "overload: 40 at once into slow (max_queued 6)", faults_injected=1, faults_survived=1,
-           sent=c["sent"] + o["sent"], answered=c["answered"] + o["answered"], rejected=c["rejected"],
-           lost=c["lost"] + o["lost"],
-           figure=f"slow {dict(codes)}; broker counted {counted_n}/{c['rejected']}; mlp P95 {summ.p95_ms:.0f} ms, "
-                  f"{o['answered']}/{o['sent']} ok")
+    record(
+        T,
+        "overload: 40 at once into slow (max_queued 6)",
+        faults_injected=1,
+        faults_survived=1,
+        sent=c["sent"] + o["sent"],
+        answered=c["answered"] + o["answered"],
+        rejected=c["rejected"],
+        lost=c["lost"] + o["lost"],
+        figure=f"slow {dict(codes)}; broker counted {counted_n}/{c['rejected']}; mlp P95 {summ.p95_ms:.0f} ms, "
+        f"{o['answered']}/{o['sent']} ok",
+    )
 
 
 # ------------------------------------------------------------------------------- 5 deadline
@@ -290,10 +327,16 @@ def test_deadline_gets_prompt_504(fleet):
     path_ms = max(0.0, min(ok) - 400.0) if ok else 0.0
     over = max(r.latency_ms for r in late) - deadline_ms
     c = outcome(res.records)
-    record(T, "queued past request_timeout_s (1 s)", faults_injected=len(late), faults_survived=len(late), **c,
-           ok=over - path_ms < 250,
-           figure=f"{dict(codes)}; 504 at most {over:.0f} ms after the 1 s deadline, of which HTTP path "
-                  f"{path_ms:.0f} ms (fastest 200 - 400 ms)")
+    record(
+        T,
+        "queued past request_timeout_s (1 s)",
+        faults_injected=len(late),
+        faults_survived=len(late),
+        **c,
+        ok=over - path_ms < 250,
+        figure=f"{dict(codes)}; 504 at most {over:.0f} ms after the 1 s deadline, of which HTTP path "
+        f"{path_ms:.0f} ms (fastest 200 - 400 ms)",
+    )
     assert min(r.latency_ms for r in late) >= deadline_ms - 20
     assert over - path_ms < 250, f"504 came {over:.0f} ms after the deadline (HTTP path {path_ms:.0f} ms)"
     assert c["lost"] == 0
@@ -315,13 +358,23 @@ def test_bad_configs_refused_by_cli_and_actor(fleet):
         "negative size": t.replace("quota: {min: 64MiB, base: 128MiB", "quota: {min: -8MiB, base: 128MiB"),
         "over capacity": t.replace("base: 512MiB, max: 512MiB", "base: 1900MiB, max: 1900MiB"),
         "under calibrated weights": t.replace("quota: {min: 64MiB, base: 256MiB", "quota: {min: 512KiB, base: 256MiB"),
-        "overlapping windows": t + ("profiles:\n  schedule:\n    - {name: a, days: mon-fri, hours: '08:00-20:00'}\n"
-                                    "    - {name: b, days: fri, hours: '19:00-22:00'}\n    - {name: off, default: true}\n"),
+        "overlapping windows": t
+        + (
+            "profiles:\n  schedule:\n    - {name: a, days: mon-fri, hours: '08:00-20:00'}\n"
+            "    - {name: b, days: fri, hours: '19:00-22:00'}\n    - {name: off, default: true}\n"
+        ),
     }
-    fields = {"broken YAML": "YAML", "truncated": "slow", "wrong type": "models.slow.max_queued",
-              "unknown key": "colour", "unknown model": "ghost", "negative size": "models.slow.quota.min",
-              "over capacity": "quota.base", "under calibrated weights": "models.hot.quota.min",
-              "overlapping windows": "profiles"}
+    fields = {
+        "broken YAML": "YAML",
+        "truncated": "slow",
+        "wrong type": "models.slow.max_queued",
+        "unknown key": "colour",
+        "unknown model": "ghost",
+        "negative size": "models.slow.quota.min",
+        "over capacity": "quota.base",
+        "under calibrated weights": "models.hot.quota.min",
+        "overlapping windows": "profiles",
+    }
     actor_refusals = 0
     for what, text in bad.items():
         path = fleet.config_path.with_name(f"bad-{what.replace(' ', '-')}.yaml")
@@ -346,8 +399,17 @@ def test_bad_configs_refused_by_cli_and_actor(fleet):
     from tests.chaos.fleet import GPUBROKER
     from tests.chaos.harness import ROOT
 
-    procs = [subprocess.Popen([GPUBROKER, "apply", str(p), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=fleet.env, cwd=ROOT) for p in (a, b)]
+    procs = [
+        subprocess.Popen(
+            [GPUBROKER, "apply", str(p), "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=fleet.env,
+            cwd=ROOT,
+        )
+        for p in (a, b)
+    ]
     outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     final = fleet.status()["config_hash"]
     assert {o["config_hash"] for o in outs if o["ok"]} >= {final} and final in {o["config_hash"] for o in outs}
@@ -356,18 +418,25 @@ def test_bad_configs_refused_by_cli_and_actor(fleet):
     assert back["config_hash"] == h0
     assert post(fleet, "slow", {"input": {}}).status_code == 200
     n = len(bad)
-    record(T, "bad configs via `gpubroker apply` and the actor; 2 racing applies", faults_injected=2 * n + 2,
-           faults_survived=2 * n + 2,
-           figure=f"{n} refused by CLI and actor naming the field; hash {h0} kept; reload failures "
-                  f"+{fails1 - fails0:.0f}; race -> {final} (one of the two)")
+    record(
+        T,
+        "bad configs via `gpubroker apply` and the actor; 2 racing applies",
+        faults_injected=2 * n + 2,
+        faults_survived=2 * n + 2,
+        figure=f"{n} refused by CLI and actor naming the field; hash {h0} kept; reload failures "
+        f"+{fails1 - fails0:.0f}; race -> {final} (one of the two)",
+    )
 
 
 # ------------------------------------------------------------------------------- 1 replica kill
 def _mlp_replica_actors() -> list[str]:
     import ray
 
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::gpubroker-mlp#mlp#"))
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and a["name"].startswith("SERVE_REPLICA::gpubroker-mlp#mlp#")
+    )
 
 
 def test_kill_replica_mid_batch_under_load(fleet):
@@ -377,8 +446,10 @@ def test_kill_replica_mid_batch_under_load(fleet):
     assert len(actors) == 2, actors
     pids0 = set(counting.pids(fleet.count_dir))
     dur = 20.0
-    plan = loadgen.merge(poisson_plan("mlp", 50.0, dur, json.dumps({"input": X}).encode(), seed=11),
-                         poisson_plan("hot", 5.0, dur, b'{"input": {}}', seed=12))
+    plan = loadgen.merge(
+        poisson_plan("mlp", 50.0, dur, json.dumps({"input": X}).encode(), seed=11),
+        poisson_plan("hot", 5.0, dur, b'{"input": {}}', seed=12),
+    )
     th, out = load_bg(fleet, plan, timeout_s=60)
     time.sleep(6.0)
     victim = actors[0]
@@ -409,11 +480,20 @@ def test_kill_replica_mid_batch_under_load(fleet):
         time.sleep(1.0)
     replace_s = time.time() - t_kill
     hot_sum = loadgen.summarize(hot_recs, dur, {"hot": 2000.0})["hot"]
-    record(T, "kill an mlp replica mid-batch at 50 req/s", faults_injected=1, faults_survived=int(bool(new_pids)),
-           sent=c["sent"] + ch["sent"], answered=c["answered"] + ch["answered"], rejected=c["rejected"] + ch["rejected"],
-           lost=c["lost"] + ch["lost"], ok=c["lost"] == 0 and bool(new_pids),
-           figure=f"mlp {dict(codes)}; replacement serving after {replace_s:.0f}s; hot P95 {hot_sum.p95_ms:.0f} ms "
-                  f"(SLO 2000) {ch['answered']}/{ch['sent']} ok", non_explicit=bad[:5])
+    record(
+        T,
+        "kill an mlp replica mid-batch at 50 req/s",
+        faults_injected=1,
+        faults_survived=int(bool(new_pids)),
+        sent=c["sent"] + ch["sent"],
+        answered=c["answered"] + ch["answered"],
+        rejected=c["rejected"] + ch["rejected"],
+        lost=c["lost"] + ch["lost"],
+        ok=c["lost"] == 0 and bool(new_pids),
+        figure=f"mlp {dict(codes)}; replacement serving after {replace_s:.0f}s; hot P95 {hot_sum.p95_ms:.0f} ms "
+        f"(SLO 2000) {ch['answered']}/{ch['sent']} ok",
+        non_explicit=bad[:5],
+    )
     assert not bad, f"{len(bad)} request(s) ended without an explicit retriable error: {bad[:5]}"
     assert c["lost"] == 0
     assert new_pids, "no replacement replica served"
@@ -428,8 +508,10 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
     before = fleet.status()
     hot = serve.get_deployment_handle("hot", app_name="gpubroker-hot")
     settings0 = hot.local_status.remote().result(timeout_s=30)["settings"]
-    plan = loadgen.merge(poisson_plan("mlp", 20.0, 10.0, json.dumps({"input": X}).encode(), seed=21),
-                         poisson_plan("hot", 10.0, 10.0, b'{"input": {}}', seed=22))
+    plan = loadgen.merge(
+        poisson_plan("mlp", 20.0, 10.0, json.dumps({"input": X}).encode(), seed=21),
+        poisson_plan("hot", 10.0, 10.0, b'{"input": {}}', seed=22),
+    )
     th, out = load_bg(fleet, plan)
     time.sleep(2.0)
     saved = json.loads(Path(before["checkpoint_path"]).read_text())
@@ -447,17 +529,24 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
     after = wait_for(restarted, 60, interval_s=0.5, what="broker restart")
     th.join(timeout=60)
     c = outcome(out["r"].records)
-    assert c["lost"] == 0 and c["rejected"] == 0, (Counter((r.model, r.status) for r in out["r"].records),
-                                                   sorted({(r.model, (r.error or "")[:120]) for r in out["r"].records
-                                                           if r.status != 200})[:4])
+    assert c["lost"] == 0 and c["rejected"] == 0, (
+        Counter((r.model, r.status) for r in out["r"].records),
+        sorted({(r.model, (r.error or "")[:120]) for r in out["r"].records if r.status != 200})[:4],
+    )
     assert after["restored"] is True and after["config_hash"] == before["config_hash"]
     ledger = saved["policy_state"]["ledger"]
     grants = {n: m["grant_bytes"] for n, m in after["models"].items()}
     assert grants == ledger["grants"] or not ledger["pending"] and sum(grants.values()) <= ledger["usable_bytes"]
     assert sum(grants.values()) <= after["usable_bytes"]
-    record(T, "broker killed (ray.kill, restart) under load", faults_injected=1, faults_survived=1, **c,
-           figure=f"restored={after['restored']} grants {dict((k, v // MIB) for k, v in grants.items())} MiB "
-                  f"== checkpoint; replicas served on settings v{settings0['version']}")
+    record(
+        T,
+        "broker killed (ray.kill, restart) under load",
+        faults_injected=1,
+        faults_survived=1,
+        **c,
+        figure=f"restored={after['restored']} grants {dict((k, v // MIB) for k, v in grants.items())} MiB "
+        f"== checkpoint; replicas served on settings v{settings0['version']}",
+    )
 
 
 # ------------------------------------------------------------------------------- 8 squeeze
@@ -473,14 +562,19 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     # calibrated weights (apply refuses that; on cpu the weights are the load-time footprint)
     from ray import serve
 
-    cal = serve.get_deployment_handle("hot", app_name="gpubroker-hot").local_status.remote().result(timeout_s=30)["calibration"]
+    cal = (
+        serve.get_deployment_handle("hot", app_name="gpubroker-hot")
+        .local_status.remote()
+        .result(timeout_s=30)["calibration"]
+    )
     weights = int(cal.get("weights_bytes") or 0)
     squeeze = max(weights, min(int(used * 0.8), 2 * MIB))
     if squeeze * (1 - 0.10) >= used:
         pytest.skip(f"cannot squeeze hot: calibrated weights {weights} leave no grant under its use {used}")
     size = str(squeeze)
-    text = fleet.text.replace("quota: {min: 64MiB, base: 256MiB, max: 512MiB}",
-                              f"quota: {{min: {size}, base: {size}, max: {size}}}")
+    text = fleet.text.replace(
+        "quota: {min: 64MiB, base: 256MiB, max: 512MiB}", f"quota: {{min: {size}, base: {size}, max: {size}}}"
+    )
     out = ray.get(fleet.broker().apply.remote(text), timeout=30)
     if not out["ok"]:
         pytest.skip(f"cannot squeeze hot (used {used} bytes): {out['issues']}")
@@ -510,7 +604,12 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
         codes[r.status_code] += 1
         m = fleet.status()["models"]["hot"]
         local = hot.local_status.remote().result(timeout_s=30)
-        ok = r.status_code == 200 and m["admit"] and not local["paused"] and local["cap"] >= local["settings"]["max_batch_size"]
+        ok = (
+            r.status_code == 200
+            and m["admit"]
+            and not local["paused"]
+            and local["cap"] >= local["settings"]["max_batch_size"]
+        )
         return {"status": m, "local": local} if ok else None
 
     t1 = time.time()
@@ -519,15 +618,29 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     except AssertionError:
         m = fleet.status()["models"]["hot"]
         local = hot.local_status.remote().result(timeout_s=30)
-        record(T, "memory squeeze: hot grant under its use", faults_injected=1, faults_survived=0, ok=False,
-               figure=f"shrink after {shrunk_after} request(s); NOT recovered 30 s after reverting: grant "
-                      f"{m['grant_bytes'] / MIB:.0f}MiB (base 256MiB), used {m['used_bytes'] / MIB:.1f}MiB, admit "
-                      f"{m['admit']}, replica paused {local['paused']} cap {local['cap']}/{local['settings']['max_batch_size']} "
-                      f"free {local['device_free_frac']}; {dict(codes)}")
-        raise AssertionError(f"hot did not recover after the squeeze was reverted: status {m}, replica {local}") from None
+        record(
+            T,
+            "memory squeeze: hot grant under its use",
+            faults_injected=1,
+            faults_survived=0,
+            ok=False,
+            figure=f"shrink after {shrunk_after} request(s); NOT recovered 30 s after reverting: grant "
+            f"{m['grant_bytes'] / MIB:.0f}MiB (base 256MiB), used {m['used_bytes'] / MIB:.1f}MiB, admit "
+            f"{m['admit']}, replica paused {local['paused']} cap {local['cap']}/{local['settings']['max_batch_size']} "
+            f"free {local['device_free_frac']}; {dict(codes)}",
+        )
+        raise AssertionError(
+            f"hot did not recover after the squeeze was reverted: status {m}, replica {local}"
+        ) from None
     rec_s = time.time() - t1
     c = classify(list(codes.elements()))
     assert c["lost"] == 0 and 500 not in codes
-    record(T, "memory squeeze: hot grant under its use", faults_injected=1, faults_survived=1, **c,
-           figure=f"grant {squeeze / MIB:.1f}MiB vs used {used / MIB:.1f}MiB: shrink after {shrunk_after} request(s); recovered in "
-                  f"{rec_s:.1f}s (cap {m['max_batch_size']}, was {normal_cap}); no 5xx")
+    record(
+        T,
+        "memory squeeze: hot grant under its use",
+        faults_injected=1,
+        faults_survived=1,
+        **c,
+        figure=f"grant {squeeze / MIB:.1f}MiB vs used {used / MIB:.1f}MiB: shrink after {shrunk_after} request(s); recovered in "
+        f"{rec_s:.1f}s (cap {m['max_batch_size']}, was {normal_cap}); no 5xx",
+    )

@@ -12,9 +12,20 @@ GiB = 1024**3
 MiB = 1024**2
 
 
-def profiled(a_ms: float, c_ms: float, *, weights: int = 1 * GiB, per_item: int = 16 * MiB, base: str = "8GiB",
-             mx: str = "16GiB", mn: str = "2GiB", ceiling: int = 128, slo_ms: float = 100.0, unit: str = "requests",
-             **extra: Any) -> dict[str, Any]:
+def profiled(
+    a_ms: float,
+    c_ms: float,
+    *,
+    weights: int = 1 * GiB,
+    per_item: int = 16 * MiB,
+    base: str = "8GiB",
+    mx: str = "16GiB",
+    mn: str = "2GiB",
+    ceiling: int = 128,
+    slo_ms: float = 100.0,
+    unit: str = "requests",
+    **extra: Any,
+) -> dict[str, Any]:
     spec = {
         "model": "profiled",
         "options": {"a_ms": a_ms, "c_ms": c_ms, "weights_bytes": weights, "bytes_per_item": per_item, "unit": unit},
@@ -29,11 +40,13 @@ def profiled(a_ms: float, c_ms: float, *, weights: int = 1 * GiB, per_item: int 
 
 
 def fleet(models: dict[str, dict[str, Any]], capacity: str = "80GiB", **broker: Any) -> FleetConfig:
-    return parse_config({
-        "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, **broker},
-        "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": 0.12},
-        "models": models,
-    })
+    return parse_config(
+        {
+            "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, **broker},
+            "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": 0.12},
+            "models": models,
+        }
+    )
 
 
 @pytest.fixture

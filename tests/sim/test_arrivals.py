@@ -61,8 +61,10 @@ def test_trace_scales_to_target_rate_and_returns_context_tokens(monkeypatch):
 
 def test_trace_path_from_env(monkeypatch, tmp_path):
     p = tmp_path / "t.csv"
-    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.0,10,1\n"
-                 "2023-11-16 18:17:04.0,20,1\n2023-11-16 18:17:06.0,30,1\n")
+    p.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.0,10,1\n"
+        "2023-11-16 18:17:04.0,20,1\n2023-11-16 18:17:06.0,30,1\n"
+    )
     monkeypatch.setenv(arr.TRACE_ENV, str(p))
     t, tok = arr.trace(None, 1.0, 30.0, seed=0)
     assert len(t) == pytest.approx(30, abs=2)

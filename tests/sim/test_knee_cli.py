@@ -58,20 +58,48 @@ runner = CliRunner()
 
 
 def test_cli_simulate_json():
-    r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "static:8",
-                            "--rate", "100", "--duration-s", "10", "--json"])
+    r = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--config",
+            "configs/sim-a20-c0.5.yaml",
+            "--policy",
+            "static:8",
+            "--rate",
+            "100",
+            "--duration-s",
+            "10",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["arm"] == "static:8:10" and out["models"]["prof"]["offered"] > 800
 
 
 def test_cli_table_and_sweep():
-    r = runner.invoke(app, ["simulate", "--config", "configs/sim-three.yaml", "--policy", "static:8",
-                            "--duration-s", "5"])
+    r = runner.invoke(
+        app, ["simulate", "--config", "configs/sim-three.yaml", "--policy", "static:8", "--duration-s", "5"]
+    )
     assert r.exit_code == 0, r.output
     assert "alpha" in r.output and "p95" in r.output
-    r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "static:8",
-                            "--sweep", "--duration-s", "20", "--json", "--batching", "lazy"])
+    r = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--config",
+            "configs/sim-a20-c0.5.yaml",
+            "--policy",
+            "static:8",
+            "--sweep",
+            "--duration-s",
+            "20",
+            "--json",
+            "--batching",
+            "lazy",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["knee_rps"] > 100
 

@@ -20,11 +20,20 @@ from tests.sim.conftest import GiB, MiB, fleet, profiled
 
 
 def _fleet_and_workload():
-    cfg = fleet({
-        "busy": profiled(20, 0.5, weights=1 * GiB, per_item=256 * MiB, mn="1.5GiB", base="3GiB", mx="8GiB", slo_ms=60),
-        "idle1": profiled(10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80),
-        "idle2": profiled(10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80),
-    }, capacity="12.5GiB")
+    cfg = fleet(
+        {
+            "busy": profiled(
+                20, 0.5, weights=1 * GiB, per_item=256 * MiB, mn="1.5GiB", base="3GiB", mx="8GiB", slo_ms=60
+            ),
+            "idle1": profiled(
+                10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80
+            ),
+            "idle2": profiled(
+                10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80
+            ),
+        },
+        capacity="12.5GiB",
+    )
     times = arr.burst([60.0, 40.0, 40.0], busy=0, duration_s=70, start_s=20, length_s=30, seed=2)
     w = {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in zip(cfg.models, times)}
     return cfg, w

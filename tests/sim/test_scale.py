@@ -35,11 +35,30 @@ def test_sixteen_cards_run_in_one_fleet_broker_with_a_core_per_card():
 
 
 def test_table_names_every_case_and_the_one_card_fallback():
-    res = {"models": [{"case": "1 card x 10 models", "ticks": 3, "median_tick_ms": 1.0, "p99_tick_ms": 2.0,
-                       "max_tick_ms": 2.0, "report_us": 30.0}],
-           "cards": [{"case": "16 cards x 100 models", "cores": 16, "ticks": 3, "median_tick_ms": 5.0,
-                      "p99_tick_ms": 9.0, "max_tick_ms": 9.0, "report_us": 40.0}],
-           "sim": {"case": "simulator: 100 models x 1 h trace", "wall_s": 12.0}}
+    res = {
+        "models": [
+            {
+                "case": "1 card x 10 models",
+                "ticks": 3,
+                "median_tick_ms": 1.0,
+                "p99_tick_ms": 2.0,
+                "max_tick_ms": 2.0,
+                "report_us": 30.0,
+            }
+        ],
+        "cards": [
+            {
+                "case": "16 cards x 100 models",
+                "cores": 16,
+                "ticks": 3,
+                "median_tick_ms": 5.0,
+                "p99_tick_ms": 9.0,
+                "max_tick_ms": 9.0,
+                "report_us": 40.0,
+            }
+        ],
+        "sim": {"case": "simulator: 100 models x 1 h trace", "wall_s": 12.0},
+    }
     text = scale.table(res)
     assert "| 16 cards x 100 models | 16 | 3 | 5.00 | 9.00 |" in text
     assert "FleetBroker.tick" in text and "12.0 s wall" in text

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bench import arrivals as arr
-from bench.knee import reference_for, RunSettings, bound, cap_s, knee, reference_rate, with_cap
+from bench.knee import RunSettings, bound, cap_s, knee, reference_for, reference_rate, with_cap
 from bench.sim import Simulator, parse_arm, run_sim
 from bench.sim_profile import profile_for
 from bench.sim_workload import finish
@@ -40,8 +40,10 @@ def test_broker_knee_beats_static8_on_a20_c05():
     gain = kb.knee_rps / k8.knee_rps
     assert gain >= 2.5, f"broker knee {kb.knee_rps:.1f}/s vs static 8 {k8.knee_rps:.1f}/s: gain {gain:.2f}"
     # and at least 0.9 of the best static arm tried at the same cap
-    best = max(knee(with_cap(cfg, {"prof": 1.2 * s_ms}), arm, k8.knee_rps * 4.0, rs, step=1.15, bisect_iters=3).knee_rps
-               for arm in ("static:24:30", "static:32:20"))
+    best = max(
+        knee(with_cap(cfg, {"prof": 1.2 * s_ms}), arm, k8.knee_rps * 4.0, rs, step=1.15, bisect_iters=3).knee_rps
+        for arm in ("static:24:30", "static:32:20")
+    )
     assert kb.knee_rps >= 0.9 * best, f"broker {kb.knee_rps:.1f}/s vs best static {best:.1f}/s"
 
 
@@ -61,11 +63,20 @@ def test_broker_beats_static8_with_lazy_batching_too():
 
 def _burst_fleet():
     # busy: at 5x its rate it needs a batch beyond what its base quota holds (8 items of 256MiB)
-    return fleet({
-        "busy": profiled(20, 0.5, weights=1 * GiB, per_item=256 * MiB, mn="1.5GiB", base="3GiB", mx="8GiB", slo_ms=60),
-        "idle1": profiled(10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80),
-        "idle2": profiled(10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80),
-    }, capacity="12.5GiB")  # usable 11GiB: the bases fill it
+    return fleet(
+        {
+            "busy": profiled(
+                20, 0.5, weights=1 * GiB, per_item=256 * MiB, mn="1.5GiB", base="3GiB", mx="8GiB", slo_ms=60
+            ),
+            "idle1": profiled(
+                10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80
+            ),
+            "idle2": profiled(
+                10, 1, weights=1 * GiB, per_item=128 * MiB, mn="1.5GiB", base="4GiB", mx="6GiB", slo_ms=80
+            ),
+        },
+        capacity="12.5GiB",
+    )  # usable 11GiB: the bases fill it
 
 
 def test_burst_moves_quota_to_the_busy_model_and_back():

@@ -68,7 +68,13 @@ def timings(a_ms: float, c_ms: float, sizes=(2, 4, 8, 16, 32)) -> tuple[tuple[fl
 
 
 def gpu(free_frac: float = 0.5, capacity: int = 10 * GiB, usable: int = 9 * GiB, sm: float | None = None) -> GpuLoad:
-    return GpuLoad(capacity_bytes=capacity, usable_bytes=usable, used_bytes=int(capacity * (1 - free_frac)), free_frac=free_frac, sm_util_frac=sm)
+    return GpuLoad(
+        capacity_bytes=capacity,
+        usable_bytes=usable,
+        used_bytes=int(capacity * (1 - free_frac)),
+        free_frac=free_frac,
+        sm_util_frac=sm,
+    )
 
 
 @dataclass
@@ -101,10 +107,15 @@ class Driver:
         now = self.clock.advance(advance)
         full = {n: loads.get(n, load(n)) for n in self.config.models}
         # replicas report running the current settings unless the test says otherwise
-        full = {n: (l if l.settings_version else replace(l, settings_version=self.state.models[n].version)) for n, l in full.items()}
+        full = {
+            n: (l if l.settings_version else replace(l, settings_version=self.state.models[n].version))
+            for n, l in full.items()
+        }
         # ... and each replica's report arrived just now (two-phase confirms need one per replica)
-        full = {n: (l if l.replica_reports or not l.replicas else replace(l, replica_reports=replicas_seen(l, now)))
-                for n, l in full.items()}
+        full = {
+            n: (l if l.replica_reports or not l.replicas else replace(l, replica_reports=replicas_seen(l, now)))
+            for n, l in full.items()
+        }
         snap = FleetSnapshot(now_s=now, gpu=gpu_load or gpu(), models=full)
         decision, self.state = decide(snap, self.config, self.state)
         self.history.append(decision)

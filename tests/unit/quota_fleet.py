@@ -107,13 +107,28 @@ class Fleet:
         s = rep.settings
         if busy:
             b = s["max_batch_size"]
-            body = {"arrivals": 20, "completions": 20, "latency_ms": tuple([200.0] * 20),
-                    "batches": tuple((float(b), 22.0) for _ in range(5)), "batch_requests": tuple(b for _ in range(5)),
-                    "busy_s": 0.11, "queue_depth": 60}
+            body = {
+                "arrivals": 20,
+                "completions": 20,
+                "latency_ms": tuple([200.0] * 20),
+                "batches": tuple((float(b), 22.0) for _ in range(5)),
+                "batch_requests": tuple(b for _ in range(5)),
+                "busy_s": 0.11,
+                "queue_depth": 60,
+            }
         else:
             body = {}
-        msg = {"model": rep.model, "replica_id": rep.rid, "seq": rep.seq, "now_s": self.clock(), "interval_s": 0.5,
-               "mem_used_bytes": rep.used, "mem_peak_bytes": rep.used, "settings_version": s["version"], **body}
+        msg = {
+            "model": rep.model,
+            "replica_id": rep.rid,
+            "seq": rep.seq,
+            "now_s": self.clock(),
+            "interval_s": 0.5,
+            "mem_used_bytes": rep.used,
+            "mem_peak_bytes": rep.used,
+            "settings_version": s["version"],
+            **body,
+        }
         rep.seq += 1
         got = self.core.report(msg)
         rep.settings = {**got, "_replicas": self.replicas}
@@ -121,7 +136,9 @@ class Fleet:
             rep.alive = False  # Serve replaces it: the old process and its memory are gone
             self.add(rep.model, used=10 * MIB)
 
-    def report_all(self, busy: dict[str, bool], used: dict[str, int | None], silent: frozenset[str] = frozenset()) -> None:
+    def report_all(
+        self, busy: dict[str, bool], used: dict[str, int | None], silent: frozenset[str] = frozenset()
+    ) -> None:
         for name in CAL:
             if name in silent:
                 continue

@@ -45,19 +45,39 @@ def test_static_and_adaptive_arms_measure_the_same_arrivals(rate):
 
 
 def _docs(gain_ok: bool) -> dict[str, dict]:
-    prof = {"workload": "profiled a=20 c=0.5", "gain": 11.0 if gain_ok else 2.0, "S_ms": 600.0, "bound_rps": 70.0,
-            "broker_vs_bound": 0.7, "static8": {"knee_rps": 4.5}, "broker": {"knee_rps": 49.5},
-            "bentoml": {"knee_rps": 55.0}, "broker_vs_bentoml": 0.9}
+    prof = {
+        "workload": "profiled a=20 c=0.5",
+        "gain": 11.0 if gain_ok else 2.0,
+        "S_ms": 600.0,
+        "bound_rps": 70.0,
+        "broker_vs_bound": 0.7,
+        "static8": {"knee_rps": 4.5},
+        "broker": {"knee_rps": 49.5},
+        "bentoml": {"knee_rps": 55.0},
+        "broker_vs_bentoml": 0.9,
+    }
     return {
         "seed": {"results": [prof], "runtime_s": 700.0, "command": "gpubroker bench seed --out bench/out"},
-        "oracle": {"rates": [{"rate_rps": 5.0, "oracle_ratio": 1.0, "oracle_ratio_floor": 1.0},
-                             {"rate_rps": 50.0, "oracle_ratio": 0.93, "oracle_ratio_floor": 0.97}],
-                   "runtime_s": 950.0, "command": "gpubroker bench oracle --out bench/out"},
-        "burst": {"models": ["alpha", "beta", "gamma"], "burst": {"factor": 5.0},
-                  "arms": {"broker": {"in_burst": {"alpha": {"attainment": 0.995}},
-                                      "summary": {"beta": {"attainment": 1.0}, "gamma": {"attainment": 0.999}},
-                                      "ooms": {"alpha": 0, "beta": 0, "gamma": 0}},
-                           "static-split": {"in_burst": {"alpha": {"attainment": 0.2}}}}},
+        "oracle": {
+            "rates": [
+                {"rate_rps": 5.0, "oracle_ratio": 1.0, "oracle_ratio_floor": 1.0},
+                {"rate_rps": 50.0, "oracle_ratio": 0.93, "oracle_ratio_floor": 0.97},
+            ],
+            "runtime_s": 950.0,
+            "command": "gpubroker bench oracle --out bench/out",
+        },
+        "burst": {
+            "models": ["alpha", "beta", "gamma"],
+            "burst": {"factor": 5.0},
+            "arms": {
+                "broker": {
+                    "in_burst": {"alpha": {"attainment": 0.995}},
+                    "summary": {"beta": {"attainment": 1.0}, "gamma": {"attainment": 0.999}},
+                    "ooms": {"alpha": 0, "beta": 0, "gamma": 0},
+                },
+                "static-split": {"in_burst": {"alpha": {"attainment": 0.2}}},
+            },
+        },
     }
 
 
@@ -88,9 +108,20 @@ def test_runtimes_flag_runs_over_the_limits():
 def test_report_keeps_the_hand_written_part(tmp_path):
     out = tmp_path / "out"
     (out / "quick").mkdir(parents=True)
-    doc = {"scenario": "overhead", "workload": "w", "batch": 16, "wait_ms": 300.0, "machine": {}, "runs": [],
-           "saturated_throughput_ratio": 0.98, "half_throughput_ratio": 1.0, "half_p50_ratio": 1.0,
-           "overhead_ratio": 0.98, "runtime_s": 300.0, "command": "gpubroker bench overhead"}
+    doc = {
+        "scenario": "overhead",
+        "workload": "w",
+        "batch": 16,
+        "wait_ms": 300.0,
+        "machine": {},
+        "runs": [],
+        "saturated_throughput_ratio": 0.98,
+        "half_throughput_ratio": 1.0,
+        "half_p50_ratio": 1.0,
+        "overhead_ratio": 0.98,
+        "runtime_s": 300.0,
+        "command": "gpubroker bench overhead",
+    }
     (out / "overhead.json").write_text(json.dumps(doc))
     md = tmp_path / "RESULTS.md"
     md.write_text("# Results\n\nWhy the numbers are what they are.\n\n" + results.MARKER + "\nstale tables\n")

@@ -12,9 +12,18 @@ from quotas.sizes import parse_size
 
 
 def _cards(n_nodes: int = 2, per_node: int = 2, capacity: str = "1GiB") -> list[dict]:
-    return [{"id": f"n{n}c{i}", "node": f"node-{n}", "index": i, "capacity": capacity, "device": "cpu",
-             "labels": {"zone": "east" if n == 0 else "west"}}
-            for n in range(n_nodes) for i in range(per_node)]
+    return [
+        {
+            "id": f"n{n}c{i}",
+            "node": f"node-{n}",
+            "index": i,
+            "capacity": capacity,
+            "device": "cpu",
+            "labels": {"zone": "east" if n == 0 else "west"},
+        }
+        for n in range(n_nodes)
+        for i in range(per_node)
+    ]
 
 
 def _doc(**models: dict) -> dict:
@@ -40,8 +49,12 @@ def test_gpus_list_parses_and_resolves_to_cards():
 
 
 def test_without_gpus_the_gpu_section_is_one_card():
-    cfg = parse_config({"gpu": {"device": "cpu", "capacity": "2GiB"}, "models": {
-        "a": {"model": "mlp", "quota": {"min": "1MiB", "base": "2MiB", "max": "3MiB"}}}})
+    cfg = parse_config(
+        {
+            "gpu": {"device": "cpu", "capacity": "2GiB"},
+            "models": {"a": {"model": "mlp", "quota": {"min": "1MiB", "base": "2MiB", "max": "3MiB"}}},
+        }
+    )
     (card,) = fleet_cards(cfg.gpu, cfg.gpus)
     assert card.id == SINGLE_CARD_ID and card.capacity_bytes == 2 * 1024**3 and card.emulated
     assert cfg.models["a"].placement.cards == "any"

@@ -80,7 +80,9 @@ def test_bad_value_and_fix_are_in_the_message():
 
 
 def test_every_error_is_listed_not_just_the_first():
-    issues = refuse({"gpu": {"device": "tpu"}, "models": {"a": {"batch": {"floor": 64, "ceiling": 8}}, "b": {"bogus": 1}}})
+    issues = refuse(
+        {"gpu": {"device": "tpu"}, "models": {"a": {"batch": {"floor": 64, "ceiling": 8}}, "b": {"bogus": 1}}}
+    )
     assert len(issues) >= 3
 
 
@@ -89,31 +91,38 @@ def _profiles(*windows):
 
 
 def test_profile_windows_must_not_overlap():
-    issues = refuse(_profiles(
-        {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00"},
-        {"name": "evening", "days": "fri", "hours": "19:00-23:00"},
-        {"name": "off", "default": True},
-    ))
+    issues = refuse(
+        _profiles(
+            {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00"},
+            {"name": "evening", "days": "fri", "hours": "19:00-23:00"},
+            {"name": "off", "default": True},
+        )
+    )
     assert any("overlap on fri at 19:00" in t for t in issues), issues
 
 
 def test_window_wrapping_midnight_overlaps_next_morning():
-    issues = refuse(_profiles(
-        {"name": "night", "days": "mon", "hours": "22:00-06:00"},
-        {"name": "early", "days": "tue", "hours": "05:00-07:00"},
-        {"name": "off", "default": True},
-    ))
+    issues = refuse(
+        _profiles(
+            {"name": "night", "days": "mon", "hours": "22:00-06:00"},
+            {"name": "early", "days": "tue", "hours": "05:00-07:00"},
+            {"name": "off", "default": True},
+        )
+    )
     assert any("overlap on tue at 05:00" in t for t in issues), issues
 
 
-@pytest.mark.parametrize("schedule, needle", [
-    ([{"name": "a", "days": "mon", "hours": "08:00-09:00"}], "0 default profiles"),
-    ([{"name": "a", "default": True}, {"name": "b", "default": True}], "2 default profiles"),
-    ([{"name": "a", "days": "funday", "hours": "08:00-09:00"}, {"name": "d", "default": True}], "funday"),
-    ([{"name": "a", "days": "mon", "hours": "8-9"}, {"name": "d", "default": True}], "HH:MM-HH:MM"),
-    ([{"name": "a", "days": "mon", "hours": "25:00-26:00"}, {"name": "d", "default": True}], "impossible time"),
-    ([{"name": "a", "days": "mon"}, {"name": "d", "default": True}], "needs both days and hours"),
-])
+@pytest.mark.parametrize(
+    "schedule, needle",
+    [
+        ([{"name": "a", "days": "mon", "hours": "08:00-09:00"}], "0 default profiles"),
+        ([{"name": "a", "default": True}, {"name": "b", "default": True}], "2 default profiles"),
+        ([{"name": "a", "days": "funday", "hours": "08:00-09:00"}, {"name": "d", "default": True}], "funday"),
+        ([{"name": "a", "days": "mon", "hours": "8-9"}, {"name": "d", "default": True}], "HH:MM-HH:MM"),
+        ([{"name": "a", "days": "mon", "hours": "25:00-26:00"}, {"name": "d", "default": True}], "impossible time"),
+        ([{"name": "a", "days": "mon"}, {"name": "d", "default": True}], "needs both days and hours"),
+    ],
+)
 def test_bad_profiles(schedule, needle):
     issues = refuse({"profiles": {"schedule": schedule}})
     assert any(needle in t for t in issues), issues

@@ -37,4 +37,6 @@ def test_a_model_on_two_cards_pays_for_both():
     spent = sum(m["cost_per_1k_requests"] * m["completions"] / 1000 for m in per_card)
     done = sum(m["completions"] for m in per_card)
     assert st["models"]["hot"]["cost_per_1k_requests"] == pytest.approx(spent / done * 1000)
-    assert [c["price_per_gpu_hour"] for c in st["cards"]] == [fb.cores[c].status()["price_per_gpu_hour"] for c in ("a0", "b0")]
+    assert [c["price_per_gpu_hour"] for c in st["cards"]] == [
+        fb.cores[c].status()["price_per_gpu_hour"] for c in ("a0", "b0")
+    ]

@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_child(code: str) -> dict:
     """Run ``code`` in a fresh interpreter at the repo root; it prints one JSON line last."""
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, f"child failed ({out.returncode}): {out.stderr[-2000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -131,8 +132,9 @@ def test_cpu_limiter_soft_over_baseline_hard_kept_threads_credited():
     status = {"VmData": 300 * MiB, "VmRSS": 200 * MiB}
     threads = [5]
     trims = []
-    lim = CpuRlimitLimiter(8 * MiB, resource_mod=res, status=lambda: dict(status), threads=lambda: threads[0],
-                           trim=lambda: trims.append(1))
+    lim = CpuRlimitLimiter(
+        8 * MiB, resource_mod=res, status=lambda: dict(status), threads=lambda: threads[0], trim=lambda: trims.append(1)
+    )
     reading = lim.set_grant(256 * MiB)  # starts itself: the baseline is measured first
     assert lim.baseline_data_bytes == 300 * MiB
     assert res.calls[-1] == (300 * MiB + 256 * MiB + 8 * MiB, 10_000 * MiB)
@@ -199,10 +201,14 @@ def fake_pynvml(pid: int, used: int, sm: int):
     mod.NVMLError = NVMLError
     mod.nvmlInit = lambda: None
     mod.nvmlDeviceGetHandleByIndex = lambda i: f"card{i}"
-    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [proc(pid=pid, usedGpuMemory=used),
-                                                          proc(pid=pid + 1, usedGpuMemory=10 * MiB)]
-    mod.nvmlDeviceGetProcessUtilization = lambda h, since: [proc(pid=pid, smUtil=sm, timeStamp=since + 7),
-                                                            proc(pid=pid + 1, smUtil=99, timeStamp=since + 9)]
+    mod.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        proc(pid=pid, usedGpuMemory=used),
+        proc(pid=pid + 1, usedGpuMemory=10 * MiB),
+    ]
+    mod.nvmlDeviceGetProcessUtilization = lambda h, since: [
+        proc(pid=pid, smUtil=sm, timeStamp=since + 7),
+        proc(pid=pid + 1, smUtil=99, timeStamp=since + 9),
+    ]
     return mod
 
 
@@ -231,8 +237,10 @@ def test_cuda_fraction_set_before_load_shrink_empties_cache_and_remeasures(monke
 def test_nvml_process_sm_util_reads_only_new_samples_and_none_when_unsupported(monkeypatch):
     mod = fake_pynvml(pid=7, used=0, sm=50)
     seen = []
-    mod.nvmlDeviceGetProcessUtilization = lambda h, since: (seen.append(since),
-                                                            [types.SimpleNamespace(pid=7, smUtil=50, timeStamp=since + 5)])[1]
+    mod.nvmlDeviceGetProcessUtilization = lambda h, since: (
+        seen.append(since),
+        [types.SimpleNamespace(pid=7, smUtil=50, timeStamp=since + 5)],
+    )[1]
     monkeypatch.setitem(sys.modules, "pynvml", mod)
     monkeypatch.setattr(probes, "_nvml_ready", False)
     probe = probes.NvmlProbe(0, pid=7)

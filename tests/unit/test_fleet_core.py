@@ -55,8 +55,9 @@ def _fleet():
     for model, cards in fb.placement.replicas.items():
         for cid in set(cards):
             w, per = CAL[model]
-            running[(model, cid)] = fb.register(model, f"{model}@{cid}", {"weights_bytes": w, "bytes_per_unit": per,
-                                                                       "cost_unit": "requests"}, cid)
+            running[(model, cid)] = fb.register(
+                model, f"{model}@{cid}", {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"}, cid
+            )
             seq[(model, cid)] = 0
     return clock, fb, running, seq
 
@@ -66,15 +67,29 @@ def _report(fb, running, seq, clock, busy: set[tuple[str, str]], silent: frozens
         if cid in silent:
             continue
         if (model, cid) in busy:
-            body = dict(arrivals=20, completions=20, latency_ms=tuple([200.0] * 20),
-                        batches=tuple((float(s["max_batch_size"]), 22.0) for _ in range(5)),
-                        batch_requests=tuple(s["max_batch_size"] for _ in range(5)), busy_s=0.11,
-                        queue_depth=60, mem_used_bytes=min(s["grant_bytes"], 100 * MIB))
+            body = dict(
+                arrivals=20,
+                completions=20,
+                latency_ms=tuple([200.0] * 20),
+                batches=tuple((float(s["max_batch_size"]), 22.0) for _ in range(5)),
+                batch_requests=tuple(s["max_batch_size"] for _ in range(5)),
+                busy_s=0.11,
+                queue_depth=60,
+                mem_used_bytes=min(s["grant_bytes"], 100 * MIB),
+            )
         else:
             body = dict(mem_used_bytes=20 * MIB)
-        rep = {"model": model, "replica_id": f"{model}@{cid}", "seq": seq[(model, cid)], "now_s": clock.t,
-               "interval_s": 0.5, "mem_peak_bytes": body["mem_used_bytes"], "settings_version": s["version"],
-               "card_id": cid, **body}
+        rep = {
+            "model": model,
+            "replica_id": f"{model}@{cid}",
+            "seq": seq[(model, cid)],
+            "now_s": clock.t,
+            "interval_s": 0.5,
+            "mem_peak_bytes": body["mem_used_bytes"],
+            "settings_version": s["version"],
+            "card_id": cid,
+            **body,
+        }
         seq[(model, cid)] += 1
         running[(model, cid)] = fb.report(rep)
 
@@ -134,7 +149,9 @@ def test_a_silent_card_is_lost_and_returns():
 
 
 def test_single_card_fleet_is_the_core_as_before():
-    text = CONFIG.split("gpus:")[0].replace("gpu: {reserve_frac: 0.0", "gpu: {device: cpu, capacity: 768MiB, reserve_frac: 0.0")
+    text = CONFIG.split("gpus:")[0].replace(
+        "gpu: {reserve_frac: 0.0", "gpu: {device: cpu, capacity: 768MiB, reserve_frac: 0.0"
+    )
     text += "models:" + CONFIG.split("models:")[1]
     fb = FleetBroker(text, clock=Clock())
     assert list(fb.cores) == ["card0"] and fb.single
@@ -146,8 +163,12 @@ def test_single_card_fleet_is_the_core_as_before():
 def test_apply_that_moves_replicas_to_other_cards_is_refused_and_changes_nothing():
     _, fb, _, _ = _fleet()
     before = fb.config_hash
-    out = fb.apply(CONFIG.replace("replicas: 2\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold",
-                                  "replicas: 1\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold"))
+    out = fb.apply(
+        CONFIG.replace(
+            "replicas: 2\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold",
+            "replicas: 1\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold",
+        )
+    )
     assert not out["ok"] and "gpubroker up" in out["issues"][0]
     assert fb.config_hash == before
     ok = fb.apply(CONFIG.replace("slo_p95_ms: 1500", "slo_p95_ms: 1200"))

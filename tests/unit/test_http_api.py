@@ -16,9 +16,15 @@ def test_content_length_over_the_limit_is_413_before_reading():
 
 
 def test_body_shapes_name_the_field():
-    cases = {b"{oops": "body", b"[1, 2]": "body", b'{"inputs": [], "x": 1}': "x",
-             b'{"inputs": [1], "input": 1}': "inputs", b'{"inputs": []}': "inputs", b'{"inputs": {}}': "inputs",
-             b"{}": "inputs"}
+    cases = {
+        b"{oops": "body",
+        b"[1, 2]": "body",
+        b'{"inputs": [], "x": 1}': "x",
+        b'{"inputs": [1], "input": 1}': "inputs",
+        b'{"inputs": []}': "inputs",
+        b'{"inputs": {}}': "inputs",
+        b"{}": "inputs",
+    }
     for body, fld in cases.items():
         out = parse_body(body)
         assert isinstance(out, HttpAnswer) and out.status == 422 and out.body["field"] == fld, (body, out)

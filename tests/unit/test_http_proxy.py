@@ -33,8 +33,13 @@ def test_a_lost_replica_is_a_json_503_with_retry_after():
 
 def test_serve_queue_full_becomes_json_and_keeps_headers():
     async def backpressure(scope, receive, send):
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"retry-after", b"2")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"retry-after", b"2")],
+            }
+        )
         await send({"type": "http.response.body", "body": b"Request dropped due to backpressure"})
 
     start, body = run(backpressure)
@@ -45,8 +50,10 @@ def test_serve_queue_full_becomes_json_and_keeps_headers():
 
 
 def test_other_answers_pass_through():
-    msgs = [{"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]},
-            {"type": "http.response.body", "body": b"{}"}]
+    msgs = [
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]},
+        {"type": "http.response.body", "body": b"{}"},
+    ]
 
     async def ok(scope, receive, send):
         for m in msgs:

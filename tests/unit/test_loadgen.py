@@ -69,7 +69,9 @@ def test_throughput_counts_by_finish_time():
 
 
 def test_per_model_and_seeds_table():
-    recs = [rec(i, 0.1 * i, model="a") for i in range(10)] + [rec(10 + i, 0.1 * i, model="b", status=503) for i in range(10)]
+    recs = [rec(i, 0.1 * i, model="a") for i in range(10)] + [
+        rec(10 + i, 0.1 * i, model="b", status=503) for i in range(10)
+    ]
     s = lg.summarize(recs, 1.0, {"a": 100.0, "b": 100.0})
     assert set(s) == {"a", "b"} and s["b"].attainment == 0.0 and s["b"].p95_ms is None
     t = lg.seeds_table([s, s])
@@ -117,8 +119,10 @@ def test_plan_and_merge_keep_order_and_bodies():
 
 
 def test_settings_seen_medians_in_window():
-    samples = [{"t_s": t, "status": {"models": {"m": {"max_batch_size": b, "batch_wait_timeout_s": w}}}}
-               for t, b, w in [(0.5, 99, 9.0), (1.0, 8, 0.01), (2.0, 16, 0.03), (3.0, 24, 0.05)]]
+    samples = [
+        {"t_s": t, "status": {"models": {"m": {"max_batch_size": b, "batch_wait_timeout_s": w}}}}
+        for t, b, w in [(0.5, 99, 9.0), (1.0, 8, 0.01), (2.0, 16, 0.03), (3.0, 24, 0.05)]
+    ]
     seen = lg.settings_seen(samples, "m", lo_s=1.0, hi_s=3.5)
     assert seen["max_batch_size"] == {"median": 16.0, "min": 8.0, "max": 24.0}
     assert seen["batch_wait_timeout_s"]["median"] == pytest.approx(0.03)

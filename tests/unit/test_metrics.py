@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
 from broker.metrics import BrokerMetrics, start_exporter
 from broker.types import FleetDecision, ModelDecision, QuotaMove, StatsReport
+from cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana" / "gpubroker.json"
@@ -27,9 +27,23 @@ DASHBOARD = ROOT / "configs" / "grafana" / "gpubroker.json"
 # ------------------------------------------------------------------ builders
 def report(model: str = "mlp", **over) -> StatsReport:
     base = dict(
-        model=model, replica_id="r1", seq=0, now_s=100.0, interval_s=0.5, arrivals=12, completions=9,
-        rejections=2, timeouts=1, errors=0, latency_ms=(5.0, 20.0, 300.0), batches=((4.0, 3.0), (5.0, 4.0)),
-        batch_requests=(4, 5), busy_s=0.007, queue_depth=3, mem_used_bytes=100 << 20, oom_splits=1,
+        model=model,
+        replica_id="r1",
+        seq=0,
+        now_s=100.0,
+        interval_s=0.5,
+        arrivals=12,
+        completions=9,
+        rejections=2,
+        timeouts=1,
+        errors=0,
+        latency_ms=(5.0, 20.0, 300.0),
+        batches=((4.0, 3.0), (5.0, 4.0)),
+        batch_requests=(4, 5),
+        busy_s=0.007,
+        queue_depth=3,
+        mem_used_bytes=100 << 20,
+        oom_splits=1,
         emergency_shrinks=2,
     )
     base.update(over)
@@ -37,24 +51,56 @@ def report(model: str = "mlp", **over) -> StatsReport:
 
 
 def model_decision(changed: bool = True, trigger: str = "queue_depth", **over) -> ModelDecision:
-    base = dict(max_batch_size=8, batch_wait_timeout_s=0.01, grant_bytes=1 << 30, admit=True,
-                reason="queue_depth 20 > band top 15: grow 4->8", trigger=trigger, trigger_value=20.0, changed=changed)
+    base = dict(
+        max_batch_size=8,
+        batch_wait_timeout_s=0.01,
+        grant_bytes=1 << 30,
+        admit=True,
+        reason="queue_depth 20 > band top 15: grow 4->8",
+        trigger=trigger,
+        trigger_value=20.0,
+        changed=changed,
+    )
     base.update(over)
     return ModelDecision(**base)
 
 
 def decision(profile: str = "offpeak", models=None, moves=()) -> FleetDecision:
-    return FleetDecision(now_s=100.0, profile=profile, models=models if models is not None else {
-        "mlp": model_decision(), "hot": model_decision(changed=False, trigger="hold")}, moves=tuple(moves))
+    return FleetDecision(
+        now_s=100.0,
+        profile=profile,
+        models=models
+        if models is not None
+        else {"mlp": model_decision(), "hot": model_decision(changed=False, trigger="hold")},
+        moves=tuple(moves),
+    )
 
 
 def model_status(**over) -> dict:
     base = {
-        "grant_bytes": 1 << 30, "base_bytes": 1 << 30, "used_bytes": 200 << 20, "max_batch_size": 8,
-        "batch_wait_timeout_s": 0.01, "batch_unit": "requests", "queue_depth": 3, "p50_ms": 10.0, "p95_ms": 250.0,
-        "p99_ms": 300.0, "slo_p95_ms": 400.0, "attainment": 0.9, "completions": 9, "misses": 1,
-        "arrival_rate_rps": 12.5, "completion_rate_rps": 12.0, "settings_version": 3, "replicas": 1, "admit": True,
-        "cost_per_1k_requests": 0.0123, "cost_unit": "requests", "calibrated": True, "emergency_shrinks": 0,
+        "grant_bytes": 1 << 30,
+        "base_bytes": 1 << 30,
+        "used_bytes": 200 << 20,
+        "max_batch_size": 8,
+        "batch_wait_timeout_s": 0.01,
+        "batch_unit": "requests",
+        "queue_depth": 3,
+        "p50_ms": 10.0,
+        "p95_ms": 250.0,
+        "p99_ms": 300.0,
+        "slo_p95_ms": 400.0,
+        "attainment": 0.9,
+        "completions": 9,
+        "misses": 1,
+        "arrival_rate_rps": 12.5,
+        "completion_rate_rps": 12.0,
+        "settings_version": 3,
+        "replicas": 1,
+        "admit": True,
+        "cost_per_1k_requests": 0.0123,
+        "cost_unit": "requests",
+        "calibrated": True,
+        "emergency_shrinks": 0,
         "oom_splits": 0,
     }
     base.update(over)
@@ -63,12 +109,29 @@ def model_status(**over) -> dict:
 
 def status(**over) -> dict:
     base = {
-        "config_hash": "abc123def456", "launch_hash": "abc123def456", "profile": "offpeak", "price_per_gpu_hour": 1.2,
-        "dry_run": False, "device": "cpu", "now_s": 100.0, "capacity_bytes": 6 << 30, "usable_bytes": 5 << 30,
-        "granted_bytes": 2 << 30, "used_bytes": 400 << 20, "free_frac": 0.8, "ticks": 5, "last_tick_s": 99.0,
-        "restored": False, "checkpoint_path": None, "decision_seq": 7,
-        "models": {"mlp": model_status(), "hot": model_status(grant_bytes=512 << 20, base_bytes=128 << 20,
-                                                              p95_ms=None, cost_per_1k_requests=None, admit=False)},
+        "config_hash": "abc123def456",
+        "launch_hash": "abc123def456",
+        "profile": "offpeak",
+        "price_per_gpu_hour": 1.2,
+        "dry_run": False,
+        "device": "cpu",
+        "now_s": 100.0,
+        "capacity_bytes": 6 << 30,
+        "usable_bytes": 5 << 30,
+        "granted_bytes": 2 << 30,
+        "used_bytes": 400 << 20,
+        "free_frac": 0.8,
+        "ticks": 5,
+        "last_tick_s": 99.0,
+        "restored": False,
+        "checkpoint_path": None,
+        "decision_seq": 7,
+        "models": {
+            "mlp": model_status(),
+            "hot": model_status(
+                grant_bytes=512 << 20, base_bytes=128 << 20, p95_ms=None, cost_per_1k_requests=None, admit=False
+            ),
+        },
     }
     base.update(over)
     return base
@@ -86,8 +149,19 @@ def metrics() -> BrokerMetrics:
 # ------------------------------------------------------------------ BrokerMetrics
 def test_observe_report_counts_outcomes_histograms_and_events(metrics):
     metrics.observe_report(report())
-    metrics.observe_report(report(seq=1, completions=1, rejections=0, timeouts=0, latency_ms=(1.0,), batch_requests=(1,),
-                                  batches=((1.0, 1.0),), oom_splits=0, emergency_shrinks=0))
+    metrics.observe_report(
+        report(
+            seq=1,
+            completions=1,
+            rejections=0,
+            timeouts=0,
+            latency_ms=(1.0,),
+            batch_requests=(1,),
+            batches=((1.0, 1.0),),
+            oom_splits=0,
+            emergency_shrinks=0,
+        )
+    )
     lab = {"model": "mlp", "gpu": "cpu"}
     assert value(metrics, "gpubroker_requests_total", outcome="ok", **lab) == 10
     assert value(metrics, "gpubroker_requests_total", outcome="rejected", **lab) == 2
@@ -146,14 +220,24 @@ def test_observe_tick_sets_gauges_from_status(metrics):
 
 
 def test_decisions_count_changes_by_trigger_and_moves_by_kind(metrics):
-    d = decision(models={"mlp": model_decision(trigger="p95_ms"), "hot": model_decision(changed=False, trigger="hold"),
-                         "cnn": model_decision(trigger="a free text trigger from somewhere")},
-                 moves=[QuotaMove("lend", "cold", "hot", 64 << 20, "idle"), QuotaMove("confirm", "cold", "hot", 64 << 20, "ok"),
-                        QuotaMove("teleport", None, "hot", 1, "?")])
+    d = decision(
+        models={
+            "mlp": model_decision(trigger="p95_ms"),
+            "hot": model_decision(changed=False, trigger="hold"),
+            "cnn": model_decision(trigger="a free text trigger from somewhere"),
+        },
+        moves=[
+            QuotaMove("lend", "cold", "hot", 64 << 20, "idle"),
+            QuotaMove("confirm", "cold", "hot", 64 << 20, "ok"),
+            QuotaMove("teleport", None, "hot", 1, "?"),
+        ],
+    )
     metrics.observe_tick(d, status(), 0.001)
     metrics.observe_tick(d, status(), 0.001)
     assert value(metrics, "gpubroker_decisions_total", model="mlp", gpu="cpu", trigger="p95_ms") == 2
-    assert value(metrics, "gpubroker_decisions_total", model="hot", gpu="cpu", trigger="hold") == 0  # unchanged: no count
+    assert (
+        value(metrics, "gpubroker_decisions_total", model="hot", gpu="cpu", trigger="hold") == 0
+    )  # unchanged: no count
     assert value(metrics, "gpubroker_decisions_total", model="cnn", gpu="cpu", trigger="other") == 2
     assert value(metrics, "gpubroker_quota_transfers_total", gpu="cpu", kind="lend") == 2
     assert value(metrics, "gpubroker_quota_transfers_total", gpu="cpu", kind="confirm") == 2
@@ -233,13 +317,66 @@ def test_exporter_port_in_use_is_logged_not_raised(metrics, caplog):
 
 # ------------------------------------------------------------------ dashboard queries
 PROMQL_FUNCTIONS = {
-    "sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile", "count_values", "group",
-    "rate", "irate", "increase", "delta", "idelta", "changes", "resets", "deriv", "histogram_quantile",
-    "label_values", "label_replace", "label_join", "abs", "clamp_min", "clamp_max", "clamp", "time", "timestamp",
-    "vector", "scalar", "sort", "sort_desc", "absent", "round", "ceil", "floor", "last_over_time", "max_over_time",
-    "min_over_time", "avg_over_time", "sum_over_time", "count_over_time", "quantile_over_time", "query_result",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+    "rate",
+    "irate",
+    "increase",
+    "delta",
+    "idelta",
+    "changes",
+    "resets",
+    "deriv",
+    "histogram_quantile",
+    "label_values",
+    "label_replace",
+    "label_join",
+    "abs",
+    "clamp_min",
+    "clamp_max",
+    "clamp",
+    "time",
+    "timestamp",
+    "vector",
+    "scalar",
+    "sort",
+    "sort_desc",
+    "absent",
+    "round",
+    "ceil",
+    "floor",
+    "last_over_time",
+    "max_over_time",
+    "min_over_time",
+    "avg_over_time",
+    "sum_over_time",
+    "count_over_time",
+    "quantile_over_time",
+    "query_result",
 }
-PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset"}
+PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -282,8 +419,12 @@ def dashboard_exprs(dash: dict) -> list[tuple[str, str]]:
 
 
 def missing_metrics(exprs: list[tuple[str, str]], exported: set[str]) -> list[str]:
-    return [f"{where}: {name} (in {expr})" for where, expr in exprs for name in sorted(promql_metric_names(expr))
-            if name not in exported]
+    return [
+        f"{where}: {name} (in {expr})"
+        for where, expr in exprs
+        for name in sorted(promql_metric_names(expr))
+        if name not in exported
+    ]
 
 
 @pytest.fixture
@@ -300,15 +441,23 @@ def test_every_dashboard_query_reads_an_exported_metric(exported):
     exprs = dashboard_exprs(dash)
     assert len(exprs) >= 15
     names = set().union(*(promql_metric_names(e) for _, e in exprs))
-    assert {"gpubroker_max_batch_size", "gpubroker_quota_granted_bytes", "gpubroker_card_capacity_bytes",
-            "gpubroker_cost_per_1k_requests", "gpubroker_decisions_total", "gpubroker_queue_depth"} <= names
+    assert {
+        "gpubroker_max_batch_size",
+        "gpubroker_quota_granted_bytes",
+        "gpubroker_card_capacity_bytes",
+        "gpubroker_cost_per_1k_requests",
+        "gpubroker_decisions_total",
+        "gpubroker_queue_depth",
+    } <= names
     assert missing_metrics(exprs, exported) == []
 
 
 def test_dashboard_check_catches_a_missing_metric(exported):
-    bad = [("panel 'x'", 'sum by (model) (rate(gpubroker_no_such_metric_total{model=~"$model"}[$__rate_interval]))'),
-           ("panel 'y'", "histogram_quantile(0.95, sum by (le) (rate(gpubroker_request_latency_seconds_bucket[5m])))"),
-           ("panel 'z'", "histogram_quantil(0.95, gpubroker_batch_size_bucket)")]
+    bad = [
+        ("panel 'x'", 'sum by (model) (rate(gpubroker_no_such_metric_total{model=~"$model"}[$__rate_interval]))'),
+        ("panel 'y'", "histogram_quantile(0.95, sum by (le) (rate(gpubroker_request_latency_seconds_bucket[5m])))"),
+        ("panel 'z'", "histogram_quantil(0.95, gpubroker_batch_size_bucket)"),
+    ]
     assert missing_metrics(bad, exported) == [
         "panel 'x': gpubroker_no_such_metric_total (in " + bad[0][1] + ")",
         "panel 'z': histogram_quantil (in " + bad[2][1] + ")",
@@ -316,7 +465,9 @@ def test_dashboard_check_catches_a_missing_metric(exported):
 
 
 def test_promql_parser_pieces():
-    assert promql_metric_names('label_values(gpubroker_max_batch_size{gpu=~"$gpu"}, model)') == {"gpubroker_max_batch_size"}
+    assert promql_metric_names('label_values(gpubroker_max_batch_size{gpu=~"$gpu"}, model)') == {
+        "gpubroker_max_batch_size"
+    }
     assert promql_metric_names("gpubroker_a / on (model) group_left gpubroker_b > 0") == {"gpubroker_a", "gpubroker_b"}
     assert promql_metric_names('max(gpubroker_card_usable_bytes{gpu=~"$gpu"}) * 1e3') == {"gpubroker_card_usable_bytes"}
 
@@ -375,12 +526,36 @@ def test_watch_status_refreshes_and_survives_errors():
 
 
 def test_decision_line_settings_and_move():
-    line = decision_line({"seq": 5, "kind": "settings", "time_s": 0, "model": "mlp", "trigger": "queue_depth",
-                          "trigger_value": 20.0, "reason": "grow", "old": {"max_batch_size": 4, "admit": True},
-                          "new": {"max_batch_size": 8, "admit": True}})
-    assert line.startswith("#5") and "max_batch_size 4->8" in line and "[queue_depth=20.0]" in line and "admit" not in line
-    move = decision_line({"seq": 6, "kind": "move", "time_s": 0, "model": "hot", "move": "lend", "donor": "cold",
-                          "recipient": "hot", "amount_bytes": 64 << 20, "reason": "idle", "dry_run": True})
+    line = decision_line(
+        {
+            "seq": 5,
+            "kind": "settings",
+            "time_s": 0,
+            "model": "mlp",
+            "trigger": "queue_depth",
+            "trigger_value": 20.0,
+            "reason": "grow",
+            "old": {"max_batch_size": 4, "admit": True},
+            "new": {"max_batch_size": 8, "admit": True},
+        }
+    )
+    assert (
+        line.startswith("#5") and "max_batch_size 4->8" in line and "[queue_depth=20.0]" in line and "admit" not in line
+    )
+    move = decision_line(
+        {
+            "seq": 6,
+            "kind": "move",
+            "time_s": 0,
+            "model": "hot",
+            "move": "lend",
+            "donor": "cold",
+            "recipient": "hot",
+            "amount_bytes": 64 << 20,
+            "reason": "idle",
+            "dry_run": True,
+        }
+    )
     assert "lend cold -> hot" in move and "(dry run)" in move
 
 
@@ -411,7 +586,10 @@ def test_follow_decisions_keeps_polling_after_errors():
         return a
 
     emitted = []
-    assert follow_decisions(fetch, emitted.append, since_seq=2, iterations=2, sleep=lambda s: None, on_error=errors.append) == 3
+    assert (
+        follow_decisions(fetch, emitted.append, since_seq=2, iterations=2, sleep=lambda s: None, on_error=errors.append)
+        == 3
+    )
     assert len(errors) == 1 and [e["seq"] for e in emitted] == [3]
     assert new_decisions([{"seq": 1}], 3) == ([], 3)
 
@@ -498,5 +676,9 @@ def test_cli_decisions_follow(monkeypatch):
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in result.output.splitlines() if x.startswith("{")]
     assert [d["seq"] for d in lines] == [1, 2]
-    assert calls == ["/v1/decisions?since_seq=0", "/v1/decisions?since_seq=1", "/v1/decisions?since_seq=1",
-                     "/v1/decisions?since_seq=2"]
+    assert calls == [
+        "/v1/decisions?since_seq=0",
+        "/v1/decisions?since_seq=1",
+        "/v1/decisions?since_seq=1",
+        "/v1/decisions?since_seq=2",
+    ]

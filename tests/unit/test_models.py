@@ -65,7 +65,13 @@ def test_minilm_embedding_is_384_and_unit_norm(minilm):
 def test_minilm_is_semantic(minilm):
     a, b, c = (
         torch.tensor(o["embedding"])
-        for o in minilm.predict([{"text": "a dog runs in the park"}, {"text": "a puppy is running in a park"}, {"text": "quarterly tax filing deadline"}])
+        for o in minilm.predict(
+            [
+                {"text": "a dog runs in the park"},
+                {"text": "a puppy is running in a park"},
+                {"text": "quarterly tax filing deadline"},
+            ]
+        )
     )
     assert float(a @ b) > float(a @ c) + 0.2
 

@@ -47,9 +47,14 @@ def test_split_halves_recursively():
 def test_one_oversize_item_fails_alone_and_the_rest_succeed():
     calls: list[int] = []
     released = []
-    result = run_items(fake_predict(3, calls, oversize=frozenset({5})), list(range(8)),
-                       cost=lambda item: 1.0, need_bytes=lambda c: int(c * 300 * MiB), grant_bytes=256 * MiB,
-                       release=lambda: released.append(1))
+    result = run_items(
+        fake_predict(3, calls, oversize=frozenset({5})),
+        list(range(8)),
+        cost=lambda item: 1.0,
+        need_bytes=lambda c: int(c * 300 * MiB),
+        grant_bytes=256 * MiB,
+        release=lambda: released.append(1),
+    )
     assert isinstance(result, BatchResult)
     assert [o for i, o in enumerate(result.outputs) if i != 5] == [i * 10 for i in range(8) if i != 5]
     (failed,) = result.failed
@@ -100,8 +105,10 @@ def test_wrong_output_count_is_an_error():
 
 
 def test_torch_cpu_allocation_failure_is_split_and_its_size_read():
-    msg = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
-           "you tried to allocate 314572800 bytes. Error code 12 (Cannot allocate memory)")
+    msg = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 314572800 bytes. Error code 12 (Cannot allocate memory)"
+    )
 
     def run(items):
         if len(items) > 1 or items[0] == "big":
@@ -151,14 +158,27 @@ class Clock:
 
 def _report(core: BrokerCore, clock: Clock, seq: int, cap: int, oom_costs: tuple[float, ...] = ()) -> None:
     """A busy replica running full batches at ``cap``, a deep queue, latency far under the SLO."""
-    core.report({
-        "model": "m", "replica_id": "m-r0", "seq": seq, "now_s": clock(), "interval_s": 1.0,
-        "arrivals": 2 * cap, "completions": 2 * cap, "latency_ms": [50.0] * (2 * cap),
-        "batches": [[float(cap), 20.0], [float(cap), 20.0]], "batch_requests": [cap, cap], "busy_s": 0.9,
-        "queue_depth": 4 * cap, "mem_used_bytes": 100 * MiB, "mem_peak_bytes": 100 * MiB,
-        "oom_splits": len(oom_costs), "oom_costs": list(oom_costs),
-        "settings_version": core.settings("m")["version"],
-    })
+    core.report(
+        {
+            "model": "m",
+            "replica_id": "m-r0",
+            "seq": seq,
+            "now_s": clock(),
+            "interval_s": 1.0,
+            "arrivals": 2 * cap,
+            "completions": 2 * cap,
+            "latency_ms": [50.0] * (2 * cap),
+            "batches": [[float(cap), 20.0], [float(cap), 20.0]],
+            "batch_requests": [cap, cap],
+            "busy_s": 0.9,
+            "queue_depth": 4 * cap,
+            "mem_used_bytes": 100 * MiB,
+            "mem_peak_bytes": 100 * MiB,
+            "oom_splits": len(oom_costs),
+            "oom_costs": list(oom_costs),
+            "settings_version": core.settings("m")["version"],
+        }
+    )
 
 
 def test_an_oom_lowers_the_cap_at_the_next_tick_and_it_stays_below():

@@ -15,7 +15,9 @@ NO_RESERVE = CardBudget(reserve_frac=0.0, context_bytes_per_process=0)
 
 
 def card(cid: str, node: str, cap_mib: int = 1000, device: CardDevice = CardDevice.CPU, **labels: str) -> Card:
-    return Card(cid, node, int(cid[-1]) if cid[-1].isdigit() else 0, device, cap_mib * MIB, tuple(sorted(labels.items())))
+    return Card(
+        cid, node, int(cid[-1]) if cid[-1].isdigit() else 0, device, cap_mib * MIB, tuple(sorted(labels.items()))
+    )
 
 
 def demand(name: str, base_mib: int, replicas: int = 1, **kw) -> ModelDemand:
@@ -62,8 +64,11 @@ def test_every_model_gets_its_first_replica_before_any_spreads():
 
 def test_allowed_cards_and_node_labels_restrict_placement():
     cards = (card("a0", "a", zone="east"), card("b0", "b", zone="west"), card("b1", "b", zone="west"))
-    p = place([demand("w", 100, replicas=2, node_label=(("zone", "west"),)), demand("p", 100, cards=("b1",))],
-              cards, NO_RESERVE)
+    p = place(
+        [demand("w", 100, replicas=2, node_label=(("zone", "west"),)), demand("p", 100, cards=("b1",))],
+        cards,
+        NO_RESERVE,
+    )
     assert set(p.replicas["w"]) == {"b0", "b1"} and p.replicas["p"] == ("b1",)
 
 
@@ -115,11 +120,22 @@ def fleets(draw):
     cards = []
     for n in range(n_nodes):
         for i in range(draw(st.integers(1, 3))):
-            cards.append(Card(f"n{n}c{i}", f"node{n}", i, draw(st.sampled_from([CardDevice.CPU, CardDevice.CUDA])),
-                              draw(st.integers(200, 2000)) * MIB))
-    demands = [ModelDemand(f"m{k}", b * MIB, b * MIB, b * MIB, draw(st.integers(1, 4)), spread=draw(st.booleans()))
-               for k, b in enumerate(draw(st.lists(st.integers(1, 600), min_size=1, max_size=8)))]
-    budget = CardBudget(reserve_frac=draw(st.sampled_from([0.0, 0.12])), context_bytes_per_process=draw(st.sampled_from([0, 50 * MIB])))
+            cards.append(
+                Card(
+                    f"n{n}c{i}",
+                    f"node{n}",
+                    i,
+                    draw(st.sampled_from([CardDevice.CPU, CardDevice.CUDA])),
+                    draw(st.integers(200, 2000)) * MIB,
+                )
+            )
+    demands = [
+        ModelDemand(f"m{k}", b * MIB, b * MIB, b * MIB, draw(st.integers(1, 4)), spread=draw(st.booleans()))
+        for k, b in enumerate(draw(st.lists(st.integers(1, 600), min_size=1, max_size=8)))
+    ]
+    budget = CardBudget(
+        reserve_frac=draw(st.sampled_from([0.0, 0.12])), context_bytes_per_process=draw(st.sampled_from([0, 50 * MIB]))
+    )
     return tuple(cards), demands, budget
 
 
@@ -198,24 +214,41 @@ def test_node_start_args_declare_the_nodes_cards_and_labels():
 
     cfg = load_config("configs/cluster-demo.yaml")
     args = node_start_args("node-b", fleet_cards(cfg.gpu, cfg.gpus))
-    assert args == ["--resources", '{"gpubroker_card_b0": 1000, "gpubroker_card_b1": 1000}',
-                    "--labels", "gpubroker.io/node=node-b,zone=west"]
+    assert args == [
+        "--resources",
+        '{"gpubroker_card_b0": 1000, "gpubroker_card_b1": 1000}',
+        "--labels",
+        "gpubroker.io/node=node-b,zone=west",
+    ]
 
 
 def test_discover_cards_from_ray_nodes_and_nvml_totals():
     from deployments.cluster_discovery import DiscoveryError, card_nodes, discover_cards
 
     nodes = [
-        {"NodeID": "n2" * 20, "Alive": True, "NodeName": "10.0.0.2", "Resources": {"CPU": 8, "GPU": 2},
-         "Labels": {"ray.io/node-id": "x", "zone": "west"}},
+        {
+            "NodeID": "n2" * 20,
+            "Alive": True,
+            "NodeName": "10.0.0.2",
+            "Resources": {"CPU": 8, "GPU": 2},
+            "Labels": {"ray.io/node-id": "x", "zone": "west"},
+        },
         {"NodeID": "n1" * 20, "Alive": True, "NodeName": "10.0.0.1", "Resources": {"CPU": 8}, "Labels": {}},
         {"NodeID": "n3" * 20, "Alive": False, "NodeName": "10.0.0.3", "Resources": {"GPU": 8}, "Labels": {}},
-        {"NodeID": "n4" * 20, "Alive": True, "NodeName": "10.0.0.4", "Resources": {"GPU": 1, "gpubroker_card_e0": 1000},
-         "Labels": {"gpubroker.io/node": "edge"}},
+        {
+            "NodeID": "n4" * 20,
+            "Alive": True,
+            "NodeName": "10.0.0.4",
+            "Resources": {"GPU": 1, "gpubroker_card_e0": 1000},
+            "Labels": {"gpubroker.io/node": "edge"},
+        },
     ]
     cards = discover_cards(nodes, capacity_probe=lambda node_id, n: [80 * 1024**3] * n)
     assert [(c.id, c.node, c.index, c.node_id[:2]) for c in cards] == [
-        ("10-0-0-2-gpu0", "10.0.0.2", 0, "n2"), ("10-0-0-2-gpu1", "10.0.0.2", 1, "n2"), ("edge-gpu0", "edge", 0, "n4")]
+        ("10-0-0-2-gpu0", "10.0.0.2", 0, "n2"),
+        ("10-0-0-2-gpu1", "10.0.0.2", 1, "n2"),
+        ("edge-gpu0", "edge", 0, "n4"),
+    ]
     assert cards[0].label_map == {"zone": "west"} and cards[0].capacity_bytes == 80 * 1024**3
     assert card_nodes(nodes) == {"e0": "n4" * 20}
 
@@ -272,9 +305,18 @@ def test_fleet_plans_of_a_one_card_fleet_need_no_capacity():
     from deployments.placement_resources import fleet_plans
     from quotas.config import parse_config
 
-    cfg = parse_config({"models": {"a": {"model": "mlp", "replicas": 2, "quota": {"min": "1MiB", "base": "2MiB", "max": "3MiB"}}}})
+    cfg = parse_config(
+        {"models": {"a": {"model": "mlp", "replicas": 2, "quota": {"min": "1MiB", "base": "2MiB", "max": "3MiB"}}}}
+    )
     assert cfg.gpu.capacity == "auto"
     (plan,) = fleet_plans(cfg, model_num_cpus=0.1)
     assert (plan.name, plan.card_id, plan.num_replicas, plan.ray_actor_options) == ("a", "card0", 2, {"num_cpus": 0.1})
     demo = load_config("configs/cluster-demo.yaml")
-    assert {p.name for p in fleet_plans(demo, model_num_cpus=0.1)} == {"cnn@a1", "cnn@b1", "minilm@a0", "minilm@b0", "mlp", "profiled"}
+    assert {p.name for p in fleet_plans(demo, model_num_cpus=0.1)} == {
+        "cnn@a1",
+        "cnn@b1",
+        "minilm@a0",
+        "minilm@b0",
+        "mlp",
+        "profiled",
+    }

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
-
 from broker.policy import PolicyState, decide, initial_state, settings_for
 from broker.types import FleetSnapshot
-from tests.unit.policy_builders import GiB, MiB, MONDAY_UTC, Driver, FakeClock, gpu, load, make_config, timings
+from tests.unit.policy_builders import MONDAY_UTC, Driver, FakeClock, GiB, MiB, gpu, load, make_config, timings
 
 NO_FIT: dict = {}  # loads without batch timings exercise the queue band / AIMD rules
 
@@ -33,7 +31,19 @@ def test_model_based_jump_grows_to_fit_the_load_and_respects_the_cap():
 def test_holds_inside_dead_band():
     d = Driver(make_config())
     for _ in range(3):
-        dec = d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20, p95_ms=75, latency_samples=100, recent_p95_ms=75, recent_samples=100)})
+        dec = d.step(
+            {
+                "a": load(
+                    "a",
+                    queue_depth=10,
+                    arrival_rate_rps=20,
+                    p95_ms=75,
+                    latency_samples=100,
+                    recent_p95_ms=75,
+                    recent_samples=100,
+                )
+            }
+        )
         assert d.cap("a") == 8
         assert dec.models["a"].changed is False or dec.models["a"].max_batch_size == 8
     assert "inside band" in dec.models["a"].reason
@@ -41,7 +51,19 @@ def test_holds_inside_dead_band():
 
 def test_shrinks_on_p95_breach():
     d = Driver(make_config())
-    dec = d.step({"a": load("a", queue_depth=2, arrival_rate_rps=20, p95_ms=120, latency_samples=200, recent_p95_ms=120, recent_samples=200)})
+    dec = d.step(
+        {
+            "a": load(
+                "a",
+                queue_depth=2,
+                arrival_rate_rps=20,
+                p95_ms=120,
+                latency_samples=200,
+                recent_p95_ms=120,
+                recent_samples=200,
+            )
+        }
+    )
     assert d.cap("a") < 8
     assert dec.models["a"].trigger == "p95_ms"
     assert "120.0" in dec.models["a"].reason
@@ -49,7 +71,19 @@ def test_shrinks_on_p95_breach():
 
 def test_p95_breach_needs_enough_samples():
     d = Driver(make_config())
-    d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20, p95_ms=500, latency_samples=3, recent_p95_ms=500, recent_samples=3)})
+    d.step(
+        {
+            "a": load(
+                "a",
+                queue_depth=10,
+                arrival_rate_rps=20,
+                p95_ms=500,
+                latency_samples=3,
+                recent_p95_ms=500,
+                recent_samples=3,
+            )
+        }
+    )
     assert d.cap("a") == 8  # one sample never drives a decision
 
 
@@ -147,10 +181,22 @@ def test_unconfirmed_transfer_is_aborted_after_timeout():
 
 
 def test_switches_profile_at_window_edge():
-    cfg = make_config(profiles={"timezone": "UTC", "schedule": [
-        {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00", "objective": "throughput", "latency_slack": 1.2, "price_per_gpu_hour": 4},
-        {"name": "offpeak", "default": True, "objective": "latency", "price_per_gpu_hour": 1},
-    ]})
+    cfg = make_config(
+        profiles={
+            "timezone": "UTC",
+            "schedule": [
+                {
+                    "name": "peak",
+                    "days": "mon-fri",
+                    "hours": "08:00-20:00",
+                    "objective": "throughput",
+                    "latency_slack": 1.2,
+                    "price_per_gpu_hour": 4,
+                },
+                {"name": "offpeak", "default": True, "objective": "latency", "price_per_gpu_hour": 1},
+            ],
+        }
+    )
     clock = FakeClock(start_s=MONDAY_UTC + 8 * 3600 - 3)  # Monday 07:59:57
     d = Driver(cfg, clock=clock)
     seen = [d.step({}).profile for _ in range(5)]
@@ -160,7 +206,10 @@ def test_switches_profile_at_window_edge():
 
 
 def test_peak_profile_slack_allows_larger_batches():
-    sched = lambda default: {"timezone": "UTC", "schedule": [{"name": "p", "default": True, "objective": default[0], "latency_slack": default[1]}]}
+    sched = lambda default: {
+        "timezone": "UTC",
+        "schedule": [{"name": "p", "default": True, "objective": default[0], "latency_slack": default[1]}],
+    }
     lo = Driver(make_config(profiles=sched(("latency", 1.0))))
     hi = Driver(make_config(profiles=sched(("throughput", 1.5))))
     busy = {"a": load("a", queue_depth=5, arrival_rate_rps=100, batch_timings=timings(20, 0.5))}
@@ -172,7 +221,9 @@ def test_peak_profile_slack_allows_larger_batches():
 def test_damps_oscillation():
     d = Driver(make_config(models={"a": {"control": {"reversal_limit": 3, "reversal_window_s": 60}}}))
     up = load("a", queue_depth=60, arrival_rate_rps=50)
-    down = load("a", queue_depth=1, arrival_rate_rps=50, p95_ms=150, latency_samples=100, recent_p95_ms=150, recent_samples=100)
+    down = load(
+        "a", queue_depth=1, arrival_rate_rps=50, p95_ms=150, latency_samples=100, recent_p95_ms=150, recent_samples=100
+    )
     for i in range(8):
         d.step({"a": up if i % 2 == 0 else down})
     notes = [n for h in d.history for n in h.notes]
@@ -187,14 +238,29 @@ def test_damps_oscillation():
 def test_static_strategy_never_moves():
     d = Driver(make_config(models={"a": {"control": {"strategy": "static"}}}))
     for q in (0, 100, 2):
-        d.step({"a": load("a", queue_depth=q, arrival_rate_rps=100, p95_ms=500, latency_samples=100, recent_p95_ms=500, recent_samples=100, batch_timings=timings(20, 0.5))})
+        d.step(
+            {
+                "a": load(
+                    "a",
+                    queue_depth=q,
+                    arrival_rate_rps=100,
+                    p95_ms=500,
+                    latency_samples=100,
+                    recent_p95_ms=500,
+                    recent_samples=100,
+                    batch_timings=timings(20, 0.5),
+                )
+            }
+        )
         assert d.cap("a") == 8
 
 
 def test_decide_is_pure_and_deterministic():
     cfg = make_config()
     st = initial_state(cfg, 9 * GiB)
-    snap = FleetSnapshot(now_s=MONDAY_UTC, gpu=gpu(), models={"a": load("a", queue_depth=40, arrival_rate_rps=100), "b": load("b")})
+    snap = FleetSnapshot(
+        now_s=MONDAY_UTC, gpu=gpu(), models={"a": load("a", queue_depth=40, arrival_rate_rps=100), "b": load("b")}
+    )
     d1, s1 = decide(snap, cfg, st)
     d2, s2 = decide(snap, cfg, st)
     assert d1 == d2
@@ -226,7 +292,20 @@ def test_settings_version_bumps_only_on_change():
 
 def test_every_decision_names_trigger_and_value():
     d = Driver(make_config())
-    d.step({"a": load("a", queue_depth=40, arrival_rate_rps=100), "b": load("b", p95_ms=300, latency_samples=50, recent_p95_ms=300, recent_samples=50, queue_depth=1, arrival_rate_rps=5)})
+    d.step(
+        {
+            "a": load("a", queue_depth=40, arrival_rate_rps=100),
+            "b": load(
+                "b",
+                p95_ms=300,
+                latency_samples=50,
+                recent_p95_ms=300,
+                recent_samples=50,
+                queue_depth=1,
+                arrival_rate_rps=5,
+            ),
+        }
+    )
     for dec in d.history[-1].models.values():
         assert dec.trigger and dec.reason
         assert isinstance(dec.trigger_value, float)

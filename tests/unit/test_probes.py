@@ -93,7 +93,9 @@ def fake_pynvml(processes):
     mod.nvmlInit = lambda: None
     mod.nvmlDeviceGetHandleByIndex = lambda index: ("handle", index)
     mod.nvmlDeviceGetHandleByUUID = lambda uuid: ("handle", uuid)
-    mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=80 * 1024**3, used=20 * 1024**3, free=60 * 1024**3)
+    mod.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=80 * 1024**3, used=20 * 1024**3, free=60 * 1024**3
+    )
     mod.nvmlDeviceGetComputeRunningProcesses = lambda h: processes
     mod.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=37, memory=10)
     return mod

@@ -99,8 +99,10 @@ def test_models_never_hold_more_than_usable(timeout_s, replicas, phases, data):
                 run.restart_replica(data.draw(st.integers(0, 3), label="replica"))
             for _ in range(length):
                 n = sum(len(run.fleet.live(name)) for name in CAL)
-                per = data.draw(st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 100)),
-                                         min_size=n, max_size=n), label="reports")
+                per = data.draw(
+                    st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 100)), min_size=n, max_size=n),
+                    label="reports",
+                )
                 run.step(busy, per)
         ledger_of(run.core).check()
 

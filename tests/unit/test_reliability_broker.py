@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from broker import checkpoint as ckpt_mod
-from broker.core import BrokerCore
 from broker.checkpoint import load_checkpoint
+from broker.core import BrokerCore
 from quotas.holding import holding_problems
 from quotas.ledger import QuotaLedger
 from tests.chaos.harness import record
@@ -71,22 +71,37 @@ class FakeFleet:
 
     def register(self, core: BrokerCore) -> None:
         for name, (w, per) in CAL.items():
-            self.running[name] = core.register(name, f"{name}-r0",
-                                               {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"})
+            self.running[name] = core.register(
+                name, f"{name}-r0", {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"}
+            )
 
     def report(self, core: BrokerCore) -> None:
         now = self.clock()
         for name in ("hot", "cold"):
             running = self.running[name]
             if name == "hot":  # busy: a deep queue, full batches, 40 req/s
-                body = dict(arrivals=20, completions=20, latency_ms=tuple([200.0] * 20),
-                            batches=tuple((float(running["max_batch_size"]), 22.0) for _ in range(5)),
-                            batch_requests=tuple(running["max_batch_size"] for _ in range(5)), busy_s=0.11,
-                            queue_depth=60, mem_used_bytes=min(running["grant_bytes"], 100 * MIB))
+                body = dict(
+                    arrivals=20,
+                    completions=20,
+                    latency_ms=tuple([200.0] * 20),
+                    batches=tuple((float(running["max_batch_size"]), 22.0) for _ in range(5)),
+                    batch_requests=tuple(running["max_batch_size"] for _ in range(5)),
+                    busy_s=0.11,
+                    queue_depth=60,
+                    mem_used_bytes=min(running["grant_bytes"], 100 * MIB),
+                )
             else:  # idle and well under any grant it may be given
                 body = dict(mem_used_bytes=20 * MIB)
-            rep = {"model": name, "replica_id": f"{name}-r0", "seq": self.seq[name], "now_s": now, "interval_s": 0.5,
-                   "mem_peak_bytes": body.get("mem_used_bytes", 0), "settings_version": running["version"], **body}
+            rep = {
+                "model": name,
+                "replica_id": f"{name}-r0",
+                "seq": self.seq[name],
+                "now_s": now,
+                "interval_s": 0.5,
+                "mem_peak_bytes": body.get("mem_used_bytes", 0),
+                "settings_version": running["version"],
+                **body,
+            }
             self.seq[name] += 1
             self.used[name] = rep["mem_used_bytes"]
             self.running[name] = core.report(rep)
@@ -177,8 +192,13 @@ def _finish_and_check_once(core, fleet, clock, path, phase: str, restarts: int) 
     for _ in range(4):  # more ticks never grant it again
         step(core, fleet, clock)
     assert ledger_of(core).grant("hot") + ledger_of(core).grant("cold") <= USABLE
-    record("test_reliability_broker", f"broker killed {phase}", faults_injected=restarts, faults_survived=restarts,
-           figure=f"hot {hot // MIB}MiB + cold {cold // MIB}MiB <= usable {USABLE // MIB}MiB; lent once")
+    record(
+        "test_reliability_broker",
+        f"broker killed {phase}",
+        faults_injected=restarts,
+        faults_survived=restarts,
+        figure=f"hot {hot // MIB}MiB + cold {cold // MIB}MiB <= usable {USABLE // MIB}MiB; lent once",
+    )
 
 
 def test_kill_before_begin(setup):
@@ -271,22 +291,36 @@ def _bad_configs(calibrated_weights: int) -> dict[str, tuple[str, str]]:
     return {
         "broken YAML": (c.replace("models:\n", "models:\n  - [\n", 1), "YAML"),
         "truncated file": (c[: c.index("  cold:") + 20], "cold"),
-        "wrong type": (c.replace("slo_p95_ms: 1500\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold",
-                                 "slo_p95_ms: fast\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold"),
-                       "models.hot.slo_p95_ms"),
+        "wrong type": (
+            c.replace(
+                "slo_p95_ms: 1500\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold",
+                "slo_p95_ms: fast\n    control: {window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}\n  cold",
+            ),
+            "models.hot.slo_p95_ms",
+        ),
         "unknown key": (c.replace("    slo_p95_ms: 1500\n", "    slo_p95_ms: 1500\n    colour: red\n", 1), "colour"),
         "unknown model": (c + "  extra:\n    model: mlp\n    quota: {min: 0MiB, base: 0MiB, max: 1MiB}\n", "extra"),
-        "negative size": (c.replace("quota: {min: 64MiB, base: 128MiB", "quota: {min: -64MiB, base: 128MiB"),
-                          "models.hot.quota.min"),
-        "sum of quotas over capacity": (c.replace("base: 128MiB, max: 512MiB", "base: 256MiB, max: 512MiB"),
-                                        "quota.base"),
+        "negative size": (
+            c.replace("quota: {min: 64MiB, base: 128MiB", "quota: {min: -64MiB, base: 128MiB"),
+            "models.hot.quota.min",
+        ),
+        "sum of quotas over capacity": (
+            c.replace("base: 128MiB, max: 512MiB", "base: 256MiB, max: 512MiB"),
+            "quota.base",
+        ),
         "quota under calibrated weights": (
-            c.replace("quota: {min: 64MiB, base: 256MiB, max: 256MiB}", "quota: {min: 8MiB, base: 256MiB, max: 256MiB}"),
-            "models.cold.quota.min"),
-        "overlapping windows": (c + "profiles:\n  schedule:\n"
-                                "    - {name: a, days: mon-fri, hours: '08:00-20:00'}\n"
-                                "    - {name: b, days: fri, hours: '19:00-22:00'}\n"
-                                "    - {name: off, default: true}\n", "profiles"),
+            c.replace(
+                "quota: {min: 64MiB, base: 256MiB, max: 256MiB}", "quota: {min: 8MiB, base: 256MiB, max: 256MiB}"
+            ),
+            "models.cold.quota.min",
+        ),
+        "overlapping windows": (
+            c + "profiles:\n  schedule:\n"
+            "    - {name: a, days: mon-fri, hours: '08:00-20:00'}\n"
+            "    - {name: b, days: fri, hours: '19:00-22:00'}\n"
+            "    - {name: off, default: true}\n",
+            "profiles",
+        ),
     }
 
 
@@ -306,9 +340,14 @@ def test_bad_configs_refused_with_field_hash_unchanged(setup):
     assert json.loads(path.read_text())["config_hash"] == h0
     if fails0 is not None:
         assert _reload_failures(core) - fails0 == len(bad)
-    record("test_reliability_broker", "bad configs via BrokerCore.apply", faults_injected=len(bad),
-           faults_survived=len(bad), figure=f"{len(bad)} refused, field named, hash {h0} kept, "
-           f"reload failures +{len(bad) if fails0 is not None else '?'}")
+    record(
+        "test_reliability_broker",
+        "bad configs via BrokerCore.apply",
+        faults_injected=len(bad),
+        faults_survived=len(bad),
+        figure=f"{len(bad)} refused, field named, hash {h0} kept, "
+        f"reload failures +{len(bad) if fails0 is not None else '?'}",
+    )
 
 
 def _reload_failures(core) -> float | None:

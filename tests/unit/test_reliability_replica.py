@@ -12,7 +12,6 @@ import asyncio
 import gc
 import time
 
-
 from broker.core import BrokerCore
 from deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink, FakeProbe, classify, record, rss_bytes
@@ -101,8 +100,14 @@ def test_overload_backpressure_counted_queued_complete(monkeypatch, tmp_path):
             assert await rig.r.report_once()
             assert rig.core.status()["models"]["slow"]["misses"] == 22  # every rejection counted by the broker
             c = classify(codes)
-            record("test_reliability_replica", "overload: 30 at once into max_queued 8", faults_injected=1,
-                   faults_survived=1, **c, figure=f"8 x 200, 22 x 503 + Retry-After; broker counted {22} rejections")
+            record(
+                "test_reliability_replica",
+                "overload: 30 at once into max_queued 8",
+                faults_injected=1,
+                faults_survived=1,
+                **c,
+                figure=f"8 x 200, 22 x 503 + Retry-After; broker counted {22} rejections",
+            )
             assert c["lost"] == 0
         finally:
             await close(rig)
@@ -134,9 +139,16 @@ def test_request_past_deadline_gets_prompt_504(monkeypatch, tmp_path):
             assert rig.r.delta.timeouts == len(late)
             await asyncio.sleep(1.0)  # the batcher drains; timed-out items must not run after their 504
             assert rig.r.waiting == 0
-            record("test_reliability_replica", "request queued past request_timeout_s 0.5 s", faults_injected=len(late),
-                   faults_survived=len(late), sent=6, answered=len(ok), rejected=len(late),
-                   figure=f"504 at most {over * 1000:.0f} ms after the deadline; model ran {sum(calls)} of 6 items")
+            record(
+                "test_reliability_replica",
+                "request queued past request_timeout_s 0.5 s",
+                faults_injected=len(late),
+                faults_survived=len(late),
+                sent=6,
+                answered=len(ok),
+                rejected=len(late),
+                figure=f"504 at most {over * 1000:.0f} ms after the deadline; model ran {sum(calls)} of 6 items",
+            )
         finally:
             await close(rig)
 
@@ -189,9 +201,15 @@ def test_bad_requests_never_reach_model_and_memory_stays(monkeypatch, tmp_path):
             assert rig.r.delta.arrivals == 3  # only the good ones were admitted
             grew = (rss1 - rss0) / MIB
             assert grew < 16, f"RSS grew {grew:.1f} MiB over {sent} bad requests"
-            record("test_reliability_replica", "bad requests (413/422) in-process", faults_injected=sent,
-                   faults_survived=sent, sent=sent, rejected=sent,
-                   figure=f"{sent} refused, 0 predict calls, RSS {grew:+.1f} MiB")
+            record(
+                "test_reliability_replica",
+                "bad requests (413/422) in-process",
+                faults_injected=sent,
+                faults_survived=sent,
+                sent=sent,
+                rejected=sent,
+                figure=f"{sent} refused, 0 predict calls, RSS {grew:+.1f} MiB",
+            )
         finally:
             await close(rig)
 
@@ -247,12 +265,17 @@ def test_memory_squeeze_emergency_shrink_then_recovery(monkeypatch, tmp_path):
                     break
                 await asyncio.sleep(0.1)
             assert recovered is not None, (r.cap, r.paused, r.settings, statuses[-5:])
-            record("test_reliability_replica", "memory squeeze (free 5% < 10%) in-process", faults_injected=1,
-                   faults_survived=1, sent=len(statuses) + len(codes) + len(shrinks) + 1,
-                   answered=statuses.count(200) + codes.count(200) + len(shrinks) + 1 - 1,
-                   rejected=statuses.count(503) + codes.count(503) + 1,
-                   figure=f"cap 16 -> {' -> '.join(map(str, shrinks))} within one batch each, paused; "
-                          f"back to {r.cap} in {recovered:.1f}s")
+            record(
+                "test_reliability_replica",
+                "memory squeeze (free 5% < 10%) in-process",
+                faults_injected=1,
+                faults_survived=1,
+                sent=len(statuses) + len(codes) + len(shrinks) + 1,
+                answered=statuses.count(200) + codes.count(200) + len(shrinks) + 1 - 1,
+                rejected=statuses.count(503) + codes.count(503) + 1,
+                figure=f"cap 16 -> {' -> '.join(map(str, shrinks))} within one batch each, paused; "
+                f"back to {r.cap} in {recovered:.1f}s",
+            )
         finally:
             await close(rig)
 

@@ -81,6 +81,7 @@ def test_a_backlog_leaves_in_one_batch_up_to_the_cap(monkeypatch, tmp_path):
     """40 requests arriving 2 ms apart while a 120 ms batch runs: lazy formation runs them as
     one batch right after it; eager formation (1 ms wait) queues ~40 batches of one, each
     paying the fixed cost, and they never merge."""
+
     async def burst(formation: str) -> list[int]:
         text = CONFIG.format(formation=formation)
         r, sizes = await _replica(text, monkeypatch, tmp_path / f"b-{formation}.json")
@@ -106,6 +107,7 @@ def test_a_backlog_cut_by_a_small_cap_merges_when_the_cap_grows(monkeypatch, tmp
     at a time; when the broker raises the cap to 64 during the next batch, the other 28 leave
     together. (Letting all 30 in at once would have cut them into 15 batches of 2 queued for the
     slot, and no later cap could merge them: the backlog a slow start leaves would persist.)"""
+
     async def run() -> list[int]:
         text = CONFIG.format(formation="lazy").replace("initial: 64", "initial: 2")
         r, sizes = await _replica(text, monkeypatch, tmp_path / "cap.json")
@@ -129,11 +131,16 @@ def test_a_request_that_times_out_inside_the_batcher_does_not_jam_the_gate(monke
     """Serve drops a cancelled request from its batch without calling the model, so the gate
     must count it out itself: a request let in (the broker's 400 ms wait is forming its batch)
     that times out at 150 ms must not keep the next request out."""
+
     async def run() -> tuple[dict, dict, list[int]]:
-        text = (CONFIG.format(formation="lazy")
-                .replace("wait: {{min_ms: 0, max_ms: 2, initial_ms: 1}}".replace("{{", "{").replace("}}", "}"),
-                         "wait: {min_ms: 0, max_ms: 400, initial_ms: 400}")
-                .replace("slo_p95_ms: 5000", "slo_p95_ms: 5000\n    request_timeout_s: 0.15"))
+        text = (
+            CONFIG.format(formation="lazy")
+            .replace(
+                "wait: {{min_ms: 0, max_ms: 2, initial_ms: 1}}".replace("{{", "{").replace("}}", "}"),
+                "wait: {min_ms: 0, max_ms: 400, initial_ms: 400}",
+            )
+            .replace("slo_p95_ms: 5000", "slo_p95_ms: 5000\n    request_timeout_s: 0.15")
+        )
         assert "initial_ms: 400" in text and "request_timeout_s: 0.15" in text
         r, sizes = await _replica(text, monkeypatch, tmp_path / "to.json")
         first = await r.infer([{}])  # let in; its batch waits 400 ms to form; it times out at 150 ms

@@ -77,7 +77,9 @@ def test_oversize_input_fails_alone_and_the_batch_too_big_lowers_the_cap(monkeyp
         assert oom["grant_bytes"] == 256 * MIB and "grant of 256.0 MiB" in oom["detail"]
         assert [o["outputs"] for o in out[:11]] == [[{"n": 1}]] * 11
         costs = list(r.delta.oom_costs)
-        assert costs and min(costs) > BUDGET_UNITS  # a batch of 6 ones ran out of memory (the halves holding 9 do not count)
+        assert (
+            costs and min(costs) > BUDGET_UNITS
+        )  # a batch of 6 ones ran out of memory (the halves holding 9 do not count)
         assert r.cap <= int(min(costs)) - 1 < cap0  # the local cap dropped at once
         assert r.delta.errors == 1 and r.delta.oom_splits >= 2
         assert await r.report_once()

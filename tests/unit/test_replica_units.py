@@ -105,8 +105,14 @@ class FakeBroker:
                         raise ConnectionError("actor gone")
                     if name == "report":
                         broker.reports.append(args[0])
-                    return {"model": "m", "version": 3, "max_batch_size": 8, "batch_wait_timeout_s": 0.01,
-                            "grant_bytes": 1, "admit": True}
+                    return {
+                        "model": "m",
+                        "version": 3,
+                        "max_batch_size": 8,
+                        "batch_wait_timeout_s": 0.01,
+                        "grant_bytes": 1,
+                        "admit": True,
+                    }
 
                 return call()
 

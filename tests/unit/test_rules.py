@@ -76,8 +76,9 @@ class Fleet:
 
     def __init__(self, strategy: str = "hybrid", initial: int = 8, slo: float = 100.0, formation: str = "lazy") -> None:
         self.clock = HalfSteps()
-        self.core = BrokerCore(CONFIG.format(strategy=strategy, initial=initial, slo=slo, formation=formation),
-                               clock=self.clock)
+        self.core = BrokerCore(
+            CONFIG.format(strategy=strategy, initial=initial, slo=slo, formation=formation), clock=self.clock
+        )
         self.seq = 0
         self.sample = 0
 
@@ -87,11 +88,22 @@ class Fleet:
         self.sample += n
         batches = tuple((float(b), 20.0 + 0.5 * b) for b in SIZES) if load.fit else ()
         rep = StatsReport(
-            model="m", replica_id="r0", seq=self.seq, now_s=self.clock(), interval_s=0.5,
-            arrivals=n, completions=n, latency_ms=lat, batches=batches,
-            batch_requests=tuple(int(b) for b, _ in batches), busy_s=min(0.5, sum(ms for _, ms in batches) / 1000.0),
-            queue_depth=load.queue, mem_used_bytes=load.mem_used_bytes, mem_peak_bytes=load.mem_used_bytes,
-            sm_util_frac=load.sm, emergency_shrinks=load.emergency_shrinks,
+            model="m",
+            replica_id="r0",
+            seq=self.seq,
+            now_s=self.clock(),
+            interval_s=0.5,
+            arrivals=n,
+            completions=n,
+            latency_ms=lat,
+            batches=batches,
+            batch_requests=tuple(int(b) for b, _ in batches),
+            busy_s=min(0.5, sum(ms for _, ms in batches) / 1000.0),
+            queue_depth=load.queue,
+            mem_used_bytes=load.mem_used_bytes,
+            mem_peak_bytes=load.mem_used_bytes,
+            sm_util_frac=load.sm,
+            emergency_shrinks=load.emergency_shrinks,
             settings_version=self.settings()["version"],
         )
         self.seq += 1

@@ -18,8 +18,7 @@ def test_every_model_is_its_own_app_under_the_fleet_prefix():
     text = (ROOT / "configs/demo.yaml").read_text()
     apps = fleet_apps(cfg, text, fleet_app="f", prefix="/arm")
     assert apps[0].name == "f" and apps[0].route_prefix == "/arm"
-    assert {(a.name, a.route_prefix) for a in apps[1:]} == {
-        (f"f-{n}", f"/arm/v1/models/{n}") for n in cfg.models}
+    assert {(a.name, a.route_prefix) for a in apps[1:]} == {(f"f-{n}", f"/arm/v1/models/{n}") for n in cfg.models}
     assert model_app_name("mlp") == "gpubroker-mlp" and model_route("mlp") == "/v1/models/mlp"
 
 

@@ -43,8 +43,9 @@ HOT_BUSY = {"hot": True, "cold": False}
 HOT_USES_ALL = {"hot": 1 << 40, "cold": 20 * MIB}  # hot fills whatever it runs under; cold idles at 20 MiB
 
 
-def run_until(core, fleet, clock, pred, busy=HOT_BUSY, used=HOT_USES_ALL, limit=60, silent=frozenset(),
-              core_log=True) -> None:
+def run_until(
+    core, fleet, clock, pred, busy=HOT_BUSY, used=HOT_USES_ALL, limit=60, silent=frozenset(), core_log=True
+) -> None:
     for _ in range(limit):
         if pred(core):
             return
@@ -123,8 +124,9 @@ def test_release_stays_pending_until_measured(tmp_path):
     core, fleet, clock = setup(tmp_path)
     run_until(core, fleet, clock, lent)
     idle_small = {"hot": 50 * MIB, "cold": 20 * MIB}
-    run_until(core, fleet, clock, lambda c: any(t.kind == "release" for t in ledger_of(c).pending),
-              busy={}, used=idle_small)
+    run_until(
+        core, fleet, clock, lambda c: any(t.kind == "release" for t in ledger_of(c).pending), busy={}, used=idle_small
+    )
     led = ledger_of(core)
     release = next(t for t in led.pending if t.kind == "release")
     free, cold = led.free_bytes, led.grant("cold")
@@ -179,12 +181,26 @@ def test_reclaim_escalates_and_returns_base_within_the_bound(tmp_path):
     borrowed = ledger_of(core).grant("hot")
     both_busy = {"hot": True, "cold": True}
     # cold's load returns; hot holds every byte it borrowed and ignores caches and drain
-    run_until(core, fleet, clock, lambda c: any(t.kind == "reclaim" for t in ledger_of(c).pending),
-              busy=both_busy, used={"hot": None, "cold": 20 * MIB})
+    run_until(
+        core,
+        fleet,
+        clock,
+        lambda c: any(t.kind == "reclaim" for t in ledger_of(c).pending),
+        busy=both_busy,
+        used={"hot": None, "cold": 20 * MIB},
+    )
     begun = clock.t
     assert fleet.true_used()["hot"] == borrowed > ledger_of(core).grant("hot")
-    run_until(core, fleet, clock, lambda c: ledger_of(c).grant("cold") >= 256 * MIB,
-              busy=both_busy, used={"hot": None, "cold": 20 * MIB}, limit=40, core_log=False)
+    run_until(
+        core,
+        fleet,
+        clock,
+        lambda c: ledger_of(c).grant("cold") >= 256 * MIB,
+        busy=both_busy,
+        used={"hot": None, "cold": 20 * MIB},
+        limit=40,
+        core_log=False,
+    )
     returned = clock.t
     # The core counts the restarted replica's last report until it is stale_after_s old, beside
     # its replacement's: it logs that overlap (real if Serve starts the new process before the
@@ -196,8 +212,11 @@ def test_reclaim_escalates_and_returns_base_within_the_bound(tmp_path):
     kinds = [m["move"] for m in moves(core) if m["donor"] == "hot" and m["move"].startswith("reclaim")]
     assert kinds == ["reclaim", MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART], kinds
     times = {m["move"]: m["time_s"] for m in moves(core) if m["donor"] == "hot"}
-    for before, after in (("reclaim", MoveKind.RECLAIM_CACHE), (MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN),
-                          (MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART)):
+    for before, after in (
+        ("reclaim", MoveKind.RECLAIM_CACHE),
+        (MoveKind.RECLAIM_CACHE, MoveKind.RECLAIM_DRAIN),
+        (MoveKind.RECLAIM_DRAIN, MoveKind.RECLAIM_RESTART),
+    ):
         assert times[after] - times[before] >= timeout_s, times
     # what the replicas ran: caches released, then admission paused, then a restart
     assert [r.alive for r in fleet.reps["hot"]] == [False, True]
@@ -218,8 +237,14 @@ def test_restart_is_asked_for_once_while_serve_replaces_the_replica(tmp_path):
     for _ in range(2):
         step(core, fleet, clock, HOT_BUSY, HOT_USES_ALL)
     both_busy = {"hot": True, "cold": True}
-    run_until(core, fleet, clock, lambda c: any(t.kind == "reclaim" for t in ledger_of(c).pending),
-              busy=both_busy, used={"hot": None, "cold": 20 * MIB})
+    run_until(
+        core,
+        fleet,
+        clock,
+        lambda c: any(t.kind == "reclaim" for t in ledger_of(c).pending),
+        busy=both_busy,
+        used={"hot": None, "cold": 20 * MIB},
+    )
     for _ in range(int(8 * timeout_s)):  # four times the restart step's delay
         step(core, fleet, clock, both_busy, {"hot": None, "cold": 20 * MIB})
     assert len(moves(core, MoveKind.RECLAIM_RESTART)) == 1

@@ -60,9 +60,35 @@ def test_window_folds_replicas():
     t0 = MONDAY_UTC
     for i in range(10):
         t = t0 + i * 0.5
-        w.add(_report("r1", t, arrivals=10, completions=10, latency_ms=tuple(float(x) for x in range(10)), queue_depth=3,
-                      batches=((5.0, 25.0), (5.0, 26.0)), batch_requests=(5, 5), busy_s=0.25, mem_used_bytes=100, mem_peak_bytes=150), t)
-        w.add(_report("r2", t, arrivals=20, completions=20, latency_ms=(200.0,) * 20, queue_depth=4, mem_used_bytes=200, emergency_shrinks=1 if i == 9 else 0), t)
+        w.add(
+            _report(
+                "r1",
+                t,
+                arrivals=10,
+                completions=10,
+                latency_ms=tuple(float(x) for x in range(10)),
+                queue_depth=3,
+                batches=((5.0, 25.0), (5.0, 26.0)),
+                batch_requests=(5, 5),
+                busy_s=0.25,
+                mem_used_bytes=100,
+                mem_peak_bytes=150,
+            ),
+            t,
+        )
+        w.add(
+            _report(
+                "r2",
+                t,
+                arrivals=20,
+                completions=20,
+                latency_ms=(200.0,) * 20,
+                queue_depth=4,
+                mem_used_bytes=200,
+                emergency_shrinks=1 if i == 9 else 0,
+            ),
+            t,
+        )
     snap = w.snapshot(t0 + 5.0, gpu())
     a = snap.models["a"]
     assert a.replicas == 2
@@ -99,10 +125,15 @@ def test_report_dict_round_trip():
 
 
 def test_profile_default_outside_windows():
-    cfg = make_config(profiles={"timezone": "Europe/Berlin", "schedule": [
-        {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00"},
-        {"name": "off", "default": True},
-    ]})
+    cfg = make_config(
+        profiles={
+            "timezone": "Europe/Berlin",
+            "schedule": [
+                {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00"},
+                {"name": "off", "default": True},
+            ],
+        }
+    )
     # Monday 07:30 UTC = 08:30 in Berlin (CET, UTC+1)
     assert active_profile(cfg.profiles, MONDAY_UTC + 7.5 * 3600).name == "peak"
     assert active_profile(cfg.profiles, MONDAY_UTC + 6.5 * 3600).name == "off"
@@ -112,11 +143,19 @@ def test_profile_default_outside_windows():
 def test_memory_model_refined_from_live_peak():
     from broker.types import ModelLoad
 
-    calibrated = ModelLoad(name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=2.0,
-                           mem_peak_bytes=20 * MiB)
+    calibrated = ModelLoad(
+        name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=2.0, mem_peak_bytes=20 * MiB
+    )
     assert MemoryModel.from_load(calibrated).weights_bytes == 16 * MiB  # peak explained by weights + batch
-    grown = ModelLoad(name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=1.5,
-                      batch_timings=((1.0, 300.0), (2.0, 305.0)), mem_peak_bytes=80 * MiB)
+    grown = ModelLoad(
+        name="a",
+        replicas=1,
+        weights_bytes=16 * MiB,
+        bytes_per_unit=4 * MiB,
+        mean_batch=1.5,
+        batch_timings=((1.0, 300.0), (2.0, 305.0)),
+        mem_peak_bytes=80 * MiB,
+    )
     mm = MemoryModel.from_load(grown)
     assert mm.weights_bytes == 72 * MiB  # 80 peak - the biggest batch's 2 x 4
     assert mm.cap_for(64 * MiB) == 0  # a 64 MiB grant holds no batch: the model must borrow

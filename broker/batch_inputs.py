@@ -1,0 +1,90 @@
+"""What every batch rule sees (``broker.batch_rules``): the tick's context and the inputs derived once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.batch_plan import BatchPlan, wait_for
+from broker.latency_model import LatencyFit
+from broker.state import BatchWant
+from broker.types import GpuLoad, ModelLoad
+from broker.vocab import Rule, Trigger
+from quotas.config import ModelSpec
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    now_s: float
+    slo_ms: float  # effective P95 cap (SLO x profile slack)
+    objective: str  # throughput | latency | balanced
+    emergency_free_frac: float
+    band_scale: float  # >= 1, widened by anti-oscillation
+    idle_for_s: float  # how long the model has had no arrivals (0 when busy)
+    recovering: bool  # an emergency happened recently: grow only by steps
+    formation: str = "eager"  # how the runtime forms batches (broker.batch_formation)
+    paused_for_s: float = 0.0  # how long this model's admission has been paused
+    max_pause_s: float = 3.0  # a pause re-opens after this long (memory that never frees must not starve it)
+    mem_ceiling: int | None = None  # the batch the grant holds now (None: memory does not limit): the wait plans for it
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What every rule sees: the load, the config, the context, and the numbers derived once."""
+
+    load: ModelLoad
+    spec: ModelSpec
+    ctx: RuleContext
+    gpu: GpuLoad
+    cap: int  # the cap the replicas run now
+    wait_s: float  # the wait timeout they run now
+    fit: LatencyFit | None  # the latency model (None: no fit yet, or a strategy without the model)
+    plan: BatchPlan | None  # the model's plan at this arrival rate (None without fit or arrivals)
+    rate_rps: float  # arrival rate the rules use (burst-aware)
+    units_per_s: float  # per replica, in batch units
+    queued_units: float  # per replica, in batch units
+    qdepth: float  # queue depth per replica (requests waiting or running)
+    p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
+    window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
+
+    @property
+    def u(self) -> float:
+        return max(self.load.cost_per_request, 1.0)
+
+    @property
+    def proposal(self) -> int:
+        """The cap the plan asks for (the current cap without a plan): what a guard compares with."""
+        return self.cap if self.plan is None else max(1, round(self.plan.cap))
+
+    @property
+    def backlog(self) -> bool:
+        """More than a batch queued, a queue over the band's top, or arrivals beyond what this cap serves."""
+        ctl = self.spec.control
+        overloaded = self.fit is not None and self.units_per_s > 0.95 * self.fit.saturated_rate(self.cap)
+        return self.queued_units > self.cap or self.qdepth > ctl.band_high or overloaded
+
+    def waiting(self, min_depth: float) -> bool:
+        """Work waits: more queued than the plan's cap takes at once, or (no plan) a queue of min_depth."""
+        if self.plan is not None:
+            return self.queued_units > self.proposal
+        return self.qdepth >= min_depth if min_depth > 0 else self.qdepth > 0
+
+    def want(
+        self,
+        new_cap: float,
+        trigger: Trigger,
+        value: float,
+        rule: Rule,
+        reason: str,
+        *,
+        safety: bool = False,
+        admit: bool = True,
+    ) -> BatchWant:
+        """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
+        new = max(1, round(new_cap))
+        backlog = self.qdepth > self.spec.control.band_high
+        wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
+        return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
+
+    def hold(self, trigger: Trigger, value: float, rule: Rule, reason: str) -> BatchWant:
+        """Keep the cap and the wait as they are."""
+        return BatchWant(self.cap, self.wait_s, True, trigger, float(value), rule, reason)
