@@ -25,10 +25,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 # Lint, then pure and simulator tests, then real Ray Serve in a process of its own (a Ray
-# session torn down in a process can leave Serve's batching metrics hanging in later tests).
+# session torn down in a process can leave Serve's batching metrics hanging in later tests),
+# then a 2-node Ray cluster of emulated cards (ray.cluster_utils.Cluster), in its own process too.
 test: lint
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 300 tests/unit tests/sim tests/gpu
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/integration
+	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/cluster
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/sim
