@@ -42,7 +42,9 @@ from broker import probes
 logger = logging.getLogger("ray.serve")
 
 MiB = 1024**2
-DEFAULT_SLACK_BYTES = 16 * MiB  # room above the grant for the runtime beside the model (Ray's core worker, Python)
+DEFAULT_SLACK_BYTES = (
+    32 * MiB
+)  # room above the grant for the runtime beside the model (Ray's core worker, Python; at 16 MiB a replica that filled its grant saw Ray's own output buffers fail)
 DEFAULT_THREAD_STACK_BYTES = 8 * MiB  # glibc's pthread stack when RLIMIT_STACK is unlimited or unknown
 
 
