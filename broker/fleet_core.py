@@ -156,7 +156,9 @@ class FleetBroker:
         out: dict[str, Any] = {"ok": True, "now_s": now, "changed": [], "cards": {}}
         for cid, core in self.cores.items():
             seen = self._seen.get(cid)
-            if seen is not None and now - seen > DEAD_AFTER_S and cid not in self.lost:
+            # a one-card fleet has no other card to fall back to: its core always ticks (the core's
+            # own staleness rules cover silent replicas); only a card of many can be lost
+            if not self.single and seen is not None and now - seen > DEAD_AFTER_S and cid not in self.lost:
                 self.lost.add(cid)
                 core._log_event(
                     "card",

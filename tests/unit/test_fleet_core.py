@@ -189,3 +189,19 @@ def test_status_table_groups_the_fleet_by_card():
     assert "a0" in text and "b0" in text and "hot 128.0MiB" in text
     one = dict(st, cards=st["cards"][:1])
     assert card_table(one) is None  # one card: the model table says it all
+
+
+def test_a_one_card_fleet_keeps_ticking_when_its_replicas_fall_silent():
+    text = CONFIG.split("gpus:")[0].replace(
+        "gpu: {reserve_frac: 0.0", "gpu: {device: cpu, capacity: 768MiB, reserve_frac: 0.0"
+    )
+    text += "models:" + CONFIG.split("models:")[1]
+    clock = Clock()
+    fb = FleetBroker(text, clock=clock)
+    fb.register("hot", "hot-r0", {"weights_bytes": 16 * MIB, "bytes_per_unit": 4 * MIB, "cost_unit": "requests"})
+    for _ in range(int(DEAD_AFTER_S) + 5):
+        clock.t += 1.0
+        fb.tick()
+    st = fb.status()
+    assert st["cards"][0]["live"] and not fb.lost
+    assert st["ticks"] == int(DEAD_AFTER_S) + 5
