@@ -4,7 +4,7 @@ Ray Serve gives every replica of a deployment the same resources, and a replica 
 its card's resource (``deployments.placement_resources``), so a model on two cards is two
 deployments (``<model>@<card>``). Its HTTP front (``CardRouter``, the model application's
 ingress) reads and checks the request exactly as a one-card model does
-(``deployments.http_api``: path, size, body), then sends it to the group with the fewest
+(``deployments.http_model.read_infer_request``: path, size, body), then sends it to the group with the fewest
 requests in flight from this router, weighted by the group's replicas, through Serve's
 handles (async: no blocking Ray call). That is one hop more than a one-card model; a model on
 one card keeps its one hop (``deployments.http_model.HttpModel``).
@@ -17,17 +17,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.http_api import (
-    JSON_TYPE,
-    HttpAnswer,
-    ParsedBody,
-    answer_for,
-    length_check,
-    method_not_allowed,
-    not_found,
-    parse_body,
-    too_big,
-)
+from deployments.http_api import JSON_TYPE, HttpAnswer, answer_for
+from deployments.http_model import read_infer_request
 from quotas.config import parse_config_text
 
 
@@ -55,24 +46,10 @@ class CardRouter:
         )
 
     async def answer(self, request: Request) -> HttpAnswer:
-        scope = request.scope
-        sub = scope.get("path", "")[len(scope.get("root_path", "")) :]
-        if sub.rstrip("/") != "/infer":
-            return not_found(scope.get("path", ""))
-        if request.method != "POST":
-            return method_not_allowed(request.method)
-        limit = int(self.spec.max_body_bytes)
-        early = length_check(self.name, request.headers.get("content-length"), limit)
-        if early is not None:
-            return early
-        body = bytearray()
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
-                return too_big(self.name, limit)
-        parsed = parse_body(bytes(body))
-        if not isinstance(parsed, ParsedBody):
-            return parsed
+        read = await read_infer_request(request, self.name, int(self.spec.max_body_bytes))
+        if isinstance(read, HttpAnswer):
+            return read
+        parsed, body = read
         cid = pick_group(self.in_flight, self.replicas)
         self.in_flight[cid] += 1
         try:

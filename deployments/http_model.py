@@ -32,6 +32,28 @@ from deployments.http_api import (
 from deployments.replica import ModelReplica
 
 
+async def read_infer_request(request: Request, name: str, limit: int) -> tuple[ParsedBody, bytes] | HttpAnswer:
+    """``POST .../infer`` read and checked in order: the path, the method, the body size
+    (Content-Length, then the bytes read, before any JSON parsing), the body's shape. The parsed
+    body and its bytes, or the answer that refuses it."""
+    scope = request.scope
+    sub = scope.get("path", "")[len(scope.get("root_path", "")) :]
+    if sub.rstrip("/") != "/infer":
+        return not_found(scope.get("path", ""))
+    if request.method != "POST":
+        return method_not_allowed(request.method)
+    early = length_check(name, request.headers.get("content-length"), limit)
+    if early is not None:
+        return early
+    body = bytearray()
+    async for chunk in request.stream():  # stop reading as soon as the limit is passed
+        body.extend(chunk)
+        if len(body) > limit:
+            return too_big(name, limit)
+    parsed = parse_body(bytes(body))
+    return (parsed, bytes(body)) if isinstance(parsed, ParsedBody) else parsed
+
+
 def _response(answer: HttpAnswer) -> Response:
     return Response(answer.encoded(), status_code=answer.status, headers=answer.headers or None, media_type=JSON_TYPE)
 
@@ -47,24 +69,10 @@ class HttpModel(ModelReplica):
         return max(1, int(round(self.cfg.broker.control_interval_s)))
 
     async def answer(self, request: Request) -> HttpAnswer:
-        scope = request.scope
-        sub = scope.get("path", "")[len(scope.get("root_path", "")) :]
-        if sub.rstrip("/") != "/infer":
-            return not_found(scope.get("path", ""))
-        if request.method != "POST":
-            return method_not_allowed(request.method)
-        limit = int(self.spec.max_body_bytes)
-        early = length_check(self.name, request.headers.get("content-length"), limit)
-        if early is not None:
-            return early
-        body = bytearray()
-        async for chunk in request.stream():  # stop reading as soon as the limit is passed
-            body.extend(chunk)
-            if len(body) > limit:
-                return too_big(self.name, limit)
-        parsed = parse_body(bytes(body))
-        if not isinstance(parsed, ParsedBody):
-            return parsed
+        read = await read_infer_request(request, self.name, int(self.spec.max_body_bytes))
+        if isinstance(read, HttpAnswer):
+            return read
+        parsed, body = read
         try:
             result = await self.infer(parsed.inputs, len(body))
         except Exception as exc:  # noqa: BLE001 - a 500 that says what failed, not Serve's bare one
