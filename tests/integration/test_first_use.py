@@ -10,6 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.integration._fleet import local_fleet
+
 pytestmark = pytest.mark.integration
 
 CONFIG = """
@@ -33,21 +35,8 @@ WAIT_TIMEOUT_S = 600.0  # far beyond what the refusal rule needs: the error must
 
 @pytest.fixture(scope="module")
 def fleet():
-    import ray
-
-    from deployments.fleet import deploy, teardown
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
-
-    cfg = parse_config_text(CONFIG)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        port = free_port()
-        deploy(cfg, CONFIG, http_port=port, timeout_s=300)
-        yield cfg, f"http://127.0.0.1:{port}"
-        teardown(cfg)
-    finally:
-        ray.shutdown()
+    with local_fleet(CONFIG, wait=False) as (url, broker, cfg):
+        yield cfg, url
 
 
 def test_first_requests_skip_the_model_without_example_and_stop_on_the_refused_one(fleet):

@@ -13,6 +13,7 @@ import json
 import httpx
 import pytest
 
+from tests.integration._fleet import local_fleet
 from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -45,23 +46,8 @@ models:
 
 @pytest.fixture(scope="module")
 def fleet():
-    import ray
-
-    from deployments.fleet import deploy, teardown, wait_serving
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
-
-    cfg = parse_config_text(CONFIG)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        port = free_port()
-        broker = deploy(cfg, CONFIG, http_port=port, timeout_s=300)
-        url = f"http://127.0.0.1:{port}"
-        wait_serving(cfg, url, timeout_s=180)  # the batch model's first request; the LLM has no example_input
+    with local_fleet(CONFIG) as (url, broker, cfg):
         yield url, broker
-        teardown(cfg, name=cfg.broker.name, namespace=cfg.broker.namespace)
-    finally:
-        ray.shutdown()
 
 
 def _status(broker) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration._fleet import local_fleet
 from tests.integration._load import open_loop_bg
 from tests.integration.conftest import wait_for
 
@@ -50,23 +51,8 @@ models:
 
 @pytest.fixture(scope="module")
 def fleet():
-    import ray
-
-    from deployments.fleet import deploy, teardown, wait_serving
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
-
-    cfg = parse_config_text(CONFIG)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        port = free_port()
-        broker = deploy(cfg, CONFIG, http_port=port, timeout_s=300)
-        url = f"http://127.0.0.1:{port}"
-        wait_serving(cfg, url, timeout_s=180)
+    with local_fleet(CONFIG) as (url, broker, cfg):
         yield url, broker
-        teardown(cfg)
-    finally:
-        ray.shutdown()
 
 
 def test_reclaim_under_a_holding_borrower_returns_the_base(fleet):
