@@ -18,7 +18,10 @@ from tests.integration._fleet import local_fleet
 from tests.integration._load import open_loop_bg
 from tests.integration.conftest import wait_for
 
-pytestmark = pytest.mark.integration
+# slow: a live escalation (cap, cache, drain, restart) whose timing depends on the machine; it failed
+# in 2 of 4 full integration runs on a loaded 2-core machine and passes alone; the same bound is
+# tested on a fake clock in tests/unit/test_two_phase.py. `make chaos` runs it.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MiB = 1024**2
 T_S = 3.0  # transfer_timeout_s
