@@ -19,6 +19,12 @@ its core stops ticking (its grants no longer count toward anything live) and sta
 ``live: false``. When its replicas come back (Serve restarts them once the node returns) they
 register again and the card is live. The broker never calls Serve: re-placing replicas of a
 lost node on other cards is the deploying layer's job (a new ``gpubroker up``).
+
+Replica targets: after the cores tick, ``broker.replica_targets`` runs the replica rule
+(``broker.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
+carry the load, the configured count otherwise) for every model on every live card; changes go
+to the decision log (``kind: replicas``) and status shows ``replica_target`` (and the card's
+``cost_per_1k_requests``) per model and per card. ``deployments.scaler`` applies them to Serve.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from prometheus_client import CollectorRegistry
 from broker.core import BrokerCore, NullMetrics
 from broker.decision_log import DecisionLog
 from broker.metrics import BrokerMetrics
+from broker.replica_targets import ReplicaTargets
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 from quotas.placement import Placement, place_fleet
@@ -80,6 +87,7 @@ class FleetBroker:
         self.cores: dict[str, BrokerCore] = {}
         self._seen: dict[str, float] = {}  # card -> last report time of any of its replicas
         self.lost: set[str] = set()
+        self.replica_targets = ReplicaTargets()  # per (card, model): broker.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
                 self.cores[plan.card.id] = self._make_core(plan.card.id)
@@ -172,6 +180,11 @@ class FleetBroker:
             out["changed"].extend(res.get("changed", []))
             out["profile"] = res.get("profile")
             out["dry_run"] = res.get("dry_run")
+        live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}
+        steps = self.replica_targets.step(now, live, dry_run=self._cfg.broker.dry_run, label_cards=not self.single)
+        for entry, line in steps:
+            self.log.append(entry, line)
+        out["replicas_changed"] = [e["model"] for e, _ in steps]
         return out
 
     def apply(self, config_text: str) -> dict[str, Any]:
@@ -240,6 +253,10 @@ class FleetBroker:
         return {cid: core.checkpoint_now() for cid, core in self.cores.items()}
 
     # ------------------------------------------------------------------ reading
+    def _target(self, card_id: str, model: str) -> int:
+        """The replica target of ``model`` on a card (broker.replica_rules; configured before a tick)."""
+        return self.replica_targets.target(card_id, model, self.cores[card_id].config.models[model].replicas)
+
     @property
     def config(self) -> FleetConfig:
         return self._cfg
@@ -288,13 +305,16 @@ class FleetBroker:
                     "grant_bytes": m["grant_bytes"],
                     "used_bytes": m["used_bytes"],
                     "replicas": m["replicas"],
+                    "replica_target": self._target(cid, name),
+                    "cost_per_1k_requests": m.get("cost_per_1k_requests"),  # this card's share, its requests here
                 }
                 models.setdefault(name, _merge_start(m)) if name not in models else _merge(models[name], m)
                 models[name].setdefault("cards", []).append(cid)
             cards.append(entry)
         out["cards"] = cards
-        for m in models.values():
+        for name, m in models.items():
             m.pop("_spent", None)
+            m["replica_target"] = sum(c["models"][name]["replica_target"] for c in cards if name in c["models"])
         if not self.single:
             live = [c for c in cards if c["live"]]
             out["models"] = models
@@ -307,6 +327,7 @@ class FleetBroker:
         else:
             for name in out["models"]:
                 out["models"][name]["cards"] = [cards[0]["id"]]
+                out["models"][name]["replica_target"] = cards[0]["models"][name]["replica_target"]
         return out
 
 
