@@ -66,6 +66,7 @@ class EntryKind(StrEnum):
     APPLY = "apply"  # a config reload
     INVARIANT = "invariant"  # a broken invariant (sum of grants over usable)
     ENGINE = "engine"  # an LLM engine's bounds or rule changed (broker.llm_window: inputs, old, new, trigger, rule)
+    REPLICAS = "replicas"  # a model's replica target changed on a card (broker.replica_targets: inputs, old, new, trigger, rule)
 
 
 __all__ = ["EntryKind", "MoveKind", "Rule", "Trigger"]
