@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
+from itertools import chain
+from operator import attrgetter
 
 from broker.attainment import attainment, met_and_total
 from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
@@ -32,9 +34,120 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[k]
 
 
+class _Digest:
+    """One report folded once, when it arrives: what every snapshot of its window adds up."""
+
+    __slots__ = (
+        "arrivals",
+        "batches",
+        "busy_s",
+        "completions",
+        "cost",
+        "counted",
+        "emergency",
+        "interval",
+        "lat",
+        "max_cost",
+        "met",
+        "misses",
+        "n_batches",
+        "oom_costs",
+        "oom_splits",
+        "peak",
+        "report",
+        "requests",
+        "rid",
+        "t",
+    )
+
+    def __init__(self, t: float, r: StatsReport, slo_ms: float) -> None:
+        self.t, self.report, self.rid = t, r, r.replica_id
+        self.peak = max(r.mem_peak_bytes, r.mem_used_bytes)
+        self.lat = r.latency_ms
+        self.completions = r.completions
+        self.misses = r.rejections + r.timeouts
+        self.counted = r.completions + r.rejections + r.timeouts + r.errors
+        self.batches = r.batches
+        paired = r.batches[: len(r.batch_requests)]  # a batch counts toward cost with its request count
+        self.cost = sum(cost for cost, _ in paired)
+        self.requests = sum(r.batch_requests[: len(paired)])
+        self.max_cost = max((cost for cost, _ in paired), default=0.0)
+        self.n_batches = len(r.batches)
+        self.emergency = r.emergency_shrinks > 0
+        self.oom_splits = r.oom_splits
+        self.oom_costs = r.oom_costs
+        self.arrivals, self.interval, self.busy_s = r.arrivals, r.interval_s, r.busy_s
+        self.met = 0.0
+        self.rate(slo_ms)
+
+    def rate(self, slo_ms: float) -> None:
+        """Requests answered within ``slo_ms`` (``broker.attainment``), for the window's cap."""
+        r = self.report
+        self.met = met_and_total(r.latency_ms, r.completions, r.rejections, r.timeouts, r.errors, slo_ms)[0]
+
+
+class _ModelWindow:
+    """One model's reports over its window, with what a snapshot needs kept current as reports
+    arrive and leave: each replica's newest report, and sliding maxima (each replica's peak
+    memory, the biggest batch) as monotonic queues, so a snapshot costs C-level sums over the
+    window plus a walk over its last few seconds, not a re-fold of every report."""
+
+    __slots__ = ("events", "latest", "max_costs", "oom", "peaks", "slo_ms")
+
+    def __init__(self, slo_ms: float) -> None:
+        self.events: deque[_Digest] = deque()
+        self.latest: dict[str, _Digest] = {}  # replica -> its newest report in the window
+        self.peaks: dict[str, deque[_Digest]] = {}  # replica -> reports with decreasing peak memory
+        self.max_costs: deque[_Digest] = deque()  # reports with decreasing biggest batch
+        self.oom = 0  # reports in the window that carry OOM costs
+        self.slo_ms = slo_ms  # the cap every digest's ``met`` was counted against
+
+    def add(self, d: _Digest) -> None:
+        self.events.append(d)
+        self.latest[d.rid] = d
+        q = self.peaks.get(d.rid)
+        if q is None:
+            q = self.peaks[d.rid] = deque()
+        while q and q[-1].peak <= d.peak:
+            q.pop()
+        q.append(d)
+        while self.max_costs and self.max_costs[-1].max_cost <= d.max_cost:
+            self.max_costs.pop()
+        self.max_costs.append(d)
+        if d.oom_costs:
+            self.oom += 1
+
+    def evict(self, before_s: float) -> None:
+        events = self.events
+        while events and events[0].t < before_s:
+            d = events.popleft()
+            q = self.peaks[d.rid]
+            if q[0] is d:
+                q.popleft()
+                if not q:
+                    del self.peaks[d.rid]
+            if self.max_costs and self.max_costs[0] is d:
+                self.max_costs.popleft()
+            if d.oom_costs:
+                self.oom -= 1
+            if self.latest.get(d.rid) is d:
+                del self.latest[d.rid]
+
+    def recount(self, slo_ms: float) -> None:
+        if slo_ms != self.slo_ms:
+            for d in self.events:
+                d.rate(slo_ms)
+            self.slo_ms = slo_ms
+
+
+_LAT, _BATCHES, _OOM = attrgetter("lat"), attrgetter("batches"), attrgetter("oom_costs")
+_MET, _COUNTED, _COST = attrgetter("met"), attrgetter("counted"), attrgetter("cost")
+_REQUESTS, _N_BATCHES = attrgetter("requests"), attrgetter("n_batches")
+
+
 class ReportWindow:
     def __init__(self, config: FleetConfig):
-        self._events: dict[str, deque[tuple[float, StatsReport]]] = {}
+        self._events: dict[str, _ModelWindow] = {}
         self._edge: dict[
             str, deque[tuple[float, int]]
         ] = {}  # rejections at the ingress (Serve queue full, replica gone)
@@ -44,8 +157,8 @@ class ReportWindow:
 
     def reconfigure(self, config: FleetConfig) -> None:
         self._config = config
-        for name in config.models:
-            self._events.setdefault(name, deque())
+        for name, spec in config.models.items():
+            self._events.setdefault(name, _ModelWindow(self._slo_ms.get(name, spec.slo_p95_ms)))
             self._edge.setdefault(name, deque())
         for name in list(self._events):
             if name not in config.models:
@@ -54,10 +167,10 @@ class ReportWindow:
 
     def add(self, report: StatsReport, received_s: float) -> bool:
         """Keep a report; False (ignored) for a model the config does not know."""
-        events = self._events.get(report.model)
-        if events is None:
+        window = self._events.get(report.model)
+        if window is None:
             return False
-        events.append((received_s, report))
+        window.add(_Digest(received_s, report, window.slo_ms))
         return True
 
     def add_rejections(self, model: str, count: int, received_s: float) -> bool:
@@ -98,62 +211,51 @@ class ReportWindow:
     def _model_load(self, name: str, now_s: float, since_s: float, memory: tuple[int, float]) -> ModelLoad:
         spec = self._config.models[name]
         window_s = spec.control.window_s
-        events = self._events[name]
-        while events and events[0][0] < now_s - window_s:
-            events.popleft()
+        mw = self._events[name]
+        mw.evict(now_s - window_s)
+        events = mw.events
+        slo = self._slo_ms.get(name, spec.slo_p95_ms)
+        mw.recount(slo)
         rate_from = now_s - self.rate_window_s()
         recent_from = now_s - max(1.0, 2.0 * self._config.broker.report_interval_s) - 1e-9
-        recent_acc: dict[str, list[float]] = {}
         live_from = now_s - self.stale_after_s()
 
-        latest: dict[str, StatsReport] = {}
-        received: dict[str, float] = {}  # replica -> broker time its latest report arrived
-        peak: dict[str, int] = {}
-        per_replica: dict[str, list[float]] = {}  # arrivals, completions, rejects, busy_s, interval_s
-        latencies: list[float] = []
-        recent: list[float] = []
-        timings: list[tuple[float, float]] = []
-        batch_cost = batch_requests = 0.0
-        batches = 0
+        latest = {rid: d.report for rid, d in mw.latest.items() if d.t >= live_from}
+        received = {rid: d.t for rid, d in mw.latest.items() if d.t >= live_from}
+        # the window's sums, in C over the digests; the walks below touch only the last seconds
+        latencies = list(chain.from_iterable(map(_LAT, events)))
+        timings = list(chain.from_iterable(map(_BATCHES, events)))
+        oom_costs = list(chain.from_iterable(map(_OOM, events))) if mw.oom else []  # the ceiling stays below them
+        met = sum(map(_MET, events))
+        counted = sum(map(_COUNTED, events))
+        batch_cost = sum(map(_COST, events))
+        batch_requests = sum(map(_REQUESTS, events))
+        batches = sum(map(_N_BATCHES, events))
+        max_cost = mw.max_costs[0].max_cost if mw.max_costs else 0.0  # the batch behind the window's peak
         emergency = False
         oom_splits = 0
-        oom_costs: list[float] = []  # every OOMed batch in the window: the memory ceiling stays below them
-        slo = self._slo_ms.get(name, spec.slo_p95_ms)
-        met = 0.0
-        counted = 0
-        max_cost = 0.0  # biggest batch over the window (what the window's peak memory ran)
-        for t, r in events:
-            if t >= live_from:
-                latest[r.replica_id] = r
-                received[r.replica_id] = t
-            peak[r.replica_id] = max(peak.get(r.replica_id, 0), r.mem_peak_bytes, r.mem_used_bytes)
-            latencies.extend(r.latency_ms)
-            m, c = met_and_total(r.latency_ms, r.completions, r.rejections, r.timeouts, r.errors, slo)
-            met += m
-            counted += c
-            timings.extend(r.batches)
-            oom_costs.extend(r.oom_costs)
-            for (cost, _), reqs in zip(r.batches, r.batch_requests):
-                batch_cost += cost
-                batch_requests += reqs
-                if cost > max_cost:
-                    max_cost = cost
-            batches += len(r.batches)
+        recent: list[float] = []
+        recent_acc: dict[str, list[float]] = {}
+        per_replica: dict[str, list[float]] = {}  # arrivals, completions, rejects, busy_s, interval_s
+        for d in reversed(events):
+            t = d.t
+            if t < rate_from and t < recent_from and t <= since_s:
+                break
             if t > since_s:
-                emergency = emergency or r.emergency_shrinks > 0
-                oom_splits += r.oom_splits
+                emergency = emergency or d.emergency
+                oom_splits += d.oom_splits
             if t >= recent_from:
-                racc = recent_acc.setdefault(r.replica_id, [0.0, 0.0])
-                racc[0] += r.arrivals
-                racc[1] += r.interval_s
+                racc = recent_acc.setdefault(d.rid, [0.0, 0.0])
+                racc[0] += d.arrivals
+                racc[1] += d.interval
             if t >= rate_from:
-                recent.extend(r.latency_ms)
-                acc = per_replica.setdefault(r.replica_id, [0.0, 0.0, 0.0, 0.0, 0.0])
-                acc[0] += r.arrivals
-                acc[1] += r.completions
-                acc[2] += r.rejections + r.timeouts
-                acc[3] += r.busy_s
-                acc[4] += r.interval_s
+                recent.extend(d.lat)
+                acc = per_replica.setdefault(d.rid, [0.0, 0.0, 0.0, 0.0, 0.0])
+                acc[0] += d.arrivals
+                acc[1] += d.completions
+                acc[2] += d.misses
+                acc[3] += d.busy_s
+                acc[4] += d.interval
 
         edge = self._edge[name]
         while edge and edge[0][0] < now_s - window_s:
@@ -192,7 +294,7 @@ class ReportWindow:
             cost_per_request=(batch_cost / batch_requests) if batch_requests else 1.0,
             busy_frac=(sum(busy) / len(busy)) if busy else 0.0,
             mem_used_bytes=sum(r.mem_used_bytes for r in latest.values()),
-            mem_peak_bytes=sum(peak.get(rid, 0) for rid in latest),
+            mem_peak_bytes=sum(mw.peaks[rid][0].peak for rid in latest),
             emergency=emergency,
             oom_splits=oom_splits,
             oom_costs=tuple(oom_costs),
