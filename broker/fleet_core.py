@@ -14,11 +14,23 @@ decision log (entries carry ``card``), and merges ``status``: fleet totals, ``ca
 cards: bytes, replicas and rates summed; batch settings of its first card, ``cards`` listing
 all). A fleet without ``gpus:`` is one card, ``card0``, whose core runs the config as given.
 
-Node loss: a card none of whose replicas has reported for ``dead_after_s`` is marked *lost*;
-its core stops ticking (its grants no longer count toward anything live) and status shows it
-``live: false``. When its replicas come back (Serve restarts them once the node returns) they
-register again and the card is live. The broker never calls Serve: re-placing replicas of a
-lost node on other cards is the deploying layer's job (a new ``gpubroker up``).
+Node loss: a card none of whose replicas has reported for ``DEAD_AFTER_S`` (or whose node left
+the Ray cluster, ``observe_cards``) is marked *lost*; its core stops ticking (its grants no longer
+count toward anything live) and status shows it ``live: false``. Without re-placement (the
+default) that is all: when its replicas come back they register again and the card is live.
+
+Re-placement (``enable_replacement``; the broker actor turns it on when the deploying layer
+gives it a reconciler, ``deployments.reconcile``): a loss re-places the fleet at once
+(``broker.replacement``: ``quotas.placement.replace_after_loss`` over the live cards; replicas
+on live cards stay, the lost ones go where a card's usable holds their base, the rest stay
+*unplaced*, in status and in a ``placement`` decision naming the model and why). Every card
+whose models or replica counts changed gets a new core on its new card config (every model at
+its base, so Σ base ≤ usable holds by placement; loans on that card end; the calibrations of
+replicas already registered there are replayed); a card left empty loses its core.
+``placement_version`` counts re-placements: the actor runs its reconciler (Serve redeploys the
+changed models' apps, on the head node) after a tick that changed it. A node that joins
+(``observe_cards`` sees a lost card's resource again) makes its cards live and empty; unplaced
+replicas are placed on them (no live migration of the others).
 
 Replica targets: after the cores tick, ``broker.replica_targets`` runs the replica rule
 (``broker.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
@@ -39,6 +51,7 @@ from prometheus_client import CollectorRegistry
 from broker.core import BrokerCore, NullMetrics
 from broker.decision_log import DecisionLog
 from broker.metrics import BrokerMetrics
+from broker.replacement import FleetEntry, Replacement, groups_of, replace_fleet
 from broker.replica_targets import ReplicaTargets
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -87,6 +100,12 @@ class FleetBroker:
         self.cores: dict[str, BrokerCore] = {}
         self._seen: dict[str, float] = {}  # card -> last report time of any of its replicas
         self.lost: set[str] = set()
+        self._deployed = self._placement  # as deployed: apply compares a new config's placement with it
+        self.placement_version = 0  # +1 per re-placement; the actor reconciles Serve after a change
+        self.unplaced_reasons: dict[str, str] = {}  # model -> why its unplaced replicas fit nowhere
+        self._replacing = False  # enable_replacement: a loss or join re-places (module note)
+        self._observed: set[str] = set()  # cards seen on a live node (observe_cards)
+        self._registered: dict[tuple[str, str], dict[str, Any]] = {}  # (card, model) -> replica id -> calibration
         self.replica_targets = ReplicaTargets()  # per (card, model): broker.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
@@ -133,6 +152,10 @@ class FleetBroker:
     def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None, card_id: str = "") -> dict:
         core = self._core(model, card_id)
         self._mark_alive(core)
+        known = self._registered.setdefault((core.card_id, model), {})
+        known[replica_id] = calibration  # replayed on a rebuilt core (re-placement)
+        while len(known) > 16:
+            known.pop(next(iter(known)))
         return core.register(model, replica_id, calibration)
 
     def report(self, report: dict[str, Any], card_id: str = "") -> dict[str, Any]:
@@ -162,17 +185,23 @@ class FleetBroker:
     def tick(self) -> dict[str, Any]:
         now = self._clock()
         out: dict[str, Any] = {"ok": True, "now_s": now, "changed": [], "cards": {}}
+        # a one-card fleet has no other card to fall back to: its core always ticks (the core's
+        # own staleness rules cover silent replicas); only a card of many can be lost
+        silent = {
+            cid: now - seen
+            for cid in self.cores
+            if not self.single and (seen := self._seen.get(cid)) is not None and now - seen > DEAD_AFTER_S
+        }
+        gone = [cid for cid in silent if cid not in self.lost]
+        for cid in gone:
+            self._lose(cid, f"no report from its replicas for {silent[cid]:.0f}s")
+        nodes = {self._placement.card(cid).node for cid in gone}
+        for plan in self._placement.cards:  # an empty card of that node is taken as gone with it
+            if plan.card.node in nodes and not plan.models and plan.card.id not in self.lost:
+                self._lose(plan.card.id, f"its node {plan.card.node} fell silent")
+        if gone and self._replacing:
+            self._replace(f"card {', '.join(gone)} lost")
         for cid, core in self.cores.items():
-            seen = self._seen.get(cid)
-            # a one-card fleet has no other card to fall back to: its core always ticks (the core's
-            # own staleness rules cover silent replicas); only a card of many can be lost
-            if not self.single and seen is not None and now - seen > DEAD_AFTER_S and cid not in self.lost:
-                self.lost.add(cid)
-                core._log_event(
-                    "card",
-                    f"card {cid}: no report from its replicas for {now - seen:.0f}s; lost "  # noqa: SLF001
-                    "(its grants stay frozen until they return)",
-                )
             if cid in self.lost:
                 continue
             res = core.tick()
@@ -186,6 +215,74 @@ class FleetBroker:
             self.log.append(entry, line)
         out["replicas_changed"] = [e["model"] for e, _ in steps]
         return out
+
+    # ------------------------------------------------------------------ loss, join, re-placement
+    def enable_replacement(self) -> None:
+        """From now on a loss or a join re-places the fleet (someone applies it to Serve)."""
+        self._replacing = not self.single
+
+    def _lose(self, cid: str, why: str) -> None:
+        self.lost.add(cid)
+        then = "its replicas are re-placed" if self._replacing else "its grants stay frozen until they return"
+        self._event(f"card {cid}: {why}; lost ({then})")
+
+    def _event(self, reason: str, model: str | None = None, kind: str = FleetEntry.CARD, **extra: Any) -> None:
+        entry = {"kind": kind, "time_s": self._clock(), "model": model, "reason": reason, **extra}
+        self.log.append(entry, f"[{kind}] {reason}")
+
+    def observe_cards(self, alive: Any) -> bool:
+        """The cards whose node is in the Ray cluster now (the reconciler reads Ray's resources).
+        With re-placement on: a card seen before and gone is lost now; a lost card seen again is
+        live and empty, and unplaced replicas are placed (on it or elsewhere). True when the
+        placement changed."""
+        if not self._replacing:
+            return False
+        now_alive = set(alive) & {p.card.id for p in self._placement.cards}
+        gone = sorted(c for c in self._observed - now_alive if c not in self.lost)
+        back = sorted(c for c in now_alive & self.lost)
+        self._observed = (self._observed | now_alive) - set(gone)
+        version = self.placement_version
+        for cid in gone:
+            self._lose(cid, "its node left the Ray cluster")
+        for cid in back:
+            self.lost.discard(cid)
+            self._seen.pop(cid, None)
+            self._event(f"card {cid}: its node is in the cluster again; live, free for new replicas")
+        if gone or (back and self._placement.unplaced):
+            self._replace(f"card {', '.join(gone)} lost" if gone else f"card {', '.join(back)} joined")
+        return self.placement_version != version
+
+    def _replace(self, why: str) -> Replacement:
+        """Re-place over the live cards; rebuild the cores of the cards that changed (module note)."""
+        rep = replace_fleet(self._placement, self._cfg, self.lost)
+        old = self._placement
+        self._placement = rep.placement
+        self.unplaced_reasons = dict(rep.reasons)
+        if not rep.changed and dict(rep.unplaced) == dict(old.unplaced):
+            return rep
+        for cid in rep.cards_changed:
+            self.cores.pop(cid, None)
+            if not rep.placement.card_plan(cid).models:
+                continue
+            core = self.cores[cid] = self._make_core(cid)
+            for (card, model), known in self._registered.items():
+                if card == cid and model in core.config.models:
+                    for rid, cal in known.items():  # the replicas already there keep their calibration
+                        core.register(model, rid, cal)
+        self.placement_version += 1
+        for m in rep.models_changed:
+            now = groups_of(rep.placement, m)
+            self._event(
+                f"{m}: {why}; re-placed from {groups_of(old, m) or 'nowhere'} to {now or 'nowhere'}"
+                + (f"; {rep.unplaced[m]} replica(s) unplaced: {rep.reasons[m]}" if rep.unplaced.get(m) else ""),
+                m,
+                FleetEntry.PLACEMENT,
+                cards=now,
+                unplaced=rep.unplaced.get(m, 0),
+            )
+        for m in (m for m in rep.unplaced if m not in rep.models_changed):
+            self._event(f"{m}: {rep.unplaced[m]} replica(s) still unplaced: {rep.reasons[m]}", m, FleetEntry.PLACEMENT)
+        return rep
 
     def apply(self, config_text: str) -> dict[str, Any]:
         """A new config for every card, or none: placement must stay as deployed. Every outcome
@@ -215,7 +312,7 @@ class FleetBroker:
             placement = place_fleet(cfg, self._discovered, self._capacity)
         except ValueError as exc:
             return {"ok": False, "config_hash": self.config_hash, "issues": [str(exc)]}
-        if placement.replicas != self._placement.replicas or set(placement.replicas) != set(self._placement.replicas):
+        if placement.replicas != self._deployed.replicas or set(placement.replicas) != set(self._deployed.replicas):
             return {
                 "ok": False,
                 "config_hash": self.config_hash,
@@ -232,7 +329,8 @@ class FleetBroker:
             applied: list[str] = []
             out = {"ok": True, "issues": [], "notes": []}
             for cid, core in self.cores.items():
-                res = core._apply(card_config(cfg, placement, cid).model_dump_json())  # noqa: SLF001 - counted once, below
+                # the cards as they run now (re-placed or as deployed)
+                res = core._apply(card_config(cfg, self._placement, cid).model_dump_json())  # noqa: SLF001 - counted once
                 if not res["ok"]:  # put back the cards already changed: all or nothing
                     for done in applied:
                         self.cores[done]._apply(card_config(old_cfg, self._placement, done).model_dump_json())  # noqa: SLF001
@@ -245,7 +343,9 @@ class FleetBroker:
                 applied.append(cid)
                 out["notes"].extend(f"card {cid}: {n}" for n in res.get("notes", []))
         if out["ok"]:
-            self._cfg, self._text, self._placement = cfg, config_text, placement
+            self._cfg, self._text, self._deployed = cfg, config_text, placement
+            if self.placement_version == 0:
+                self._placement = placement
         out["config_hash"] = self.config_hash
         return out
 
@@ -312,6 +412,10 @@ class FleetBroker:
                 models[name].setdefault("cards", []).append(cid)
             cards.append(entry)
         out["cards"] = cards
+        out["placement_version"] = self.placement_version
+        out["unplaced"] = {
+            m: {"replicas": n, "reason": self.unplaced_reasons.get(m, "")} for m, n in self._placement.unplaced.items()
+        }
         for name, m in models.items():
             m.pop("_spent", None)
             m["replica_target"] = sum(c["models"][name]["replica_target"] for c in cards if name in c["models"])

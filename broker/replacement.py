@@ -1,0 +1,104 @@
+"""Re-placement after cards are lost or join (pure): what moves, what stays, what fits nowhere.
+
+Design note. ``quotas.placement.replace_after_loss`` keeps every replica that runs on a live
+card where it runs and places the lost ones by the deploy-time rules on the live cards,
+counting what fits nowhere in ``unplaced`` (never over the card's usable). This module wraps it
+for the broker: the result keeps *every* card of the fleet in fleet order (a lost card stays,
+empty, so status still shows it ``live: false``), says which models' card groups changed
+(their Serve apps must be redeployed) and which cards' model sets changed (their broker cores
+must be rebuilt), and gives each unplaced model a reason naming the model, what it needs and
+what each allowed live card has free. No Ray, no clock: the broker passes the lost cards in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from quotas.cards import CardBudget, budget_from_gpu
+from quotas.placement import (
+    DEFAULT_CUDA_CONTEXT_BYTES,
+    CardPlan,
+    ModelDemand,
+    Placement,
+    demands_from_models,
+    replace_after_loss,
+)
+from quotas.sizes import format_size
+
+
+class FleetEntry(StrEnum):
+    """Decision-log kinds of the many-card broker (``broker.fleet_core``)."""
+
+    CARD = "card"  # a card lost, or live again
+    PLACEMENT = "placement"  # a model re-placed, or replicas that fit nowhere (names the model and why)
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """A re-placement decision (``replace_fleet``)."""
+
+    placement: Placement  # every card of the fleet, fleet order; lost cards empty
+    models_changed: tuple[str, ...]  # models whose (card -> replicas) groups changed: redeploy their apps
+    cards_changed: tuple[str, ...]  # cards whose (model -> replicas) changed: rebuild their cores
+    unplaced: Mapping[str, int]  # model -> replicas that fit on no live card
+    reasons: Mapping[str, str]  # model -> why its unplaced replicas fit nowhere
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.models_changed or self.cards_changed)
+
+
+def groups_of(placement: Placement, model: str) -> dict[str, int]:
+    """card id -> replicas of ``model`` on it."""
+    ids = placement.replicas.get(model, ())
+    return {cid: ids.count(cid) for cid in placement.cards_of(model)} if ids else {}
+
+
+def _why(d: ModelDemand, placement: Placement, alive: set[str], budget: CardBudget) -> str:
+    allowed = [p for p in placement.cards if p.card.id in alive and d.allows(p.card)]
+    if not allowed:
+        where = f"cards {list(d.cards)}" if d.cards is not None else "any card"
+        labels = f", node_label {dict(d.node_label)}" if d.node_label else ""
+        return f"no live card matches its placement ({where}{labels}); it returns when such a card joins"
+    free = ", ".join(
+        f"{p.card.id} {format_size(max(0, p.free_bytes))} free" + (" (has it)" if d.name in p.models else "")
+        for p in allowed
+    )
+    return (
+        f"needs quota.base {format_size(d.base_bytes)} free on a live card it may use (or a card it is on with room "
+        f"for one more process); allowed live cards: {free}"
+    )
+
+
+def replace_fleet(previous: Placement, cfg: Any, lost: Iterable[str]) -> Replacement:
+    """Re-place ``cfg``'s models (a ``quotas.config.FleetConfig``) on every card of ``previous``
+    except ``lost``; see the module note."""
+    gone = set(lost)
+    cards = [p.card for p in previous.cards]
+    alive = [c for c in cards if c.id not in gone]
+    budget = budget_from_gpu(cfg.gpu, DEFAULT_CUDA_CONTEXT_BYTES)
+    demands = demands_from_models(cfg.models)
+    new = replace_after_loss(previous, demands, alive, budget)
+    plans = {p.card.id: p for p in new.cards}
+    full = tuple(plans.get(c.id) or CardPlan(c, budget.usable_bytes(c, 0), 0, MappingProxyType({})) for c in cards)
+    placement = Placement(new.replicas, full, new.unplaced)
+    models = tuple(
+        m
+        for m in sorted(set(previous.replicas) | set(new.replicas))
+        if groups_of(previous, m) != groups_of(placement, m)
+    )
+    before = {p.card.id: dict(p.models) for p in previous.cards}
+    changed_cards = tuple(p.card.id for p in placement.cards if dict(p.models) != before.get(p.card.id, {}))
+    alive_ids = {c.id for c in alive}
+    reasons = {d.name: _why(d, placement, alive_ids, budget) for d in demands if new.unplaced.get(d.name)}
+    return Replacement(
+        placement,
+        models,
+        changed_cards,
+        MappingProxyType(dict(new.unplaced)),
+        MappingProxyType(dict(sorted(reasons.items()))),
+    )
