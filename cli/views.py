@@ -68,6 +68,7 @@ def status_table(st: dict[str, Any]) -> Table:
         "attain",
         "ver",
         "repl",
+        "target",
         "admit",
         "$/1k",
     ):
@@ -94,10 +95,19 @@ def status_table(st: dict[str, Any]) -> Table:
             "-" if att is None else f"{att:.1%}",
             str(m["settings_version"]),
             str(m["replicas"]),
+            _target(m),
             "yes" if m["admit"] else "[red]PAUSED[/]",
             "-" if cost is None else f"{cost:.4f}",
         )
     return table
+
+
+def _target(m: dict[str, Any]) -> str:
+    """The replica target (broker.replica_rules), marked when it is under the live replicas' count."""
+    target = m.get("replica_target")
+    if target is None:
+        return "-"
+    return f"[cyan]{target}[/]" if target < m.get("replicas", target) else str(target)
 
 
 def card_table(st: dict[str, Any]) -> Table | None:
@@ -106,14 +116,24 @@ def card_table(st: dict[str, Any]) -> Table | None:
     if len(cards) < 2:
         return None
     table = Table(title=f"cards ({sum(1 for c in cards if c.get('live', True))} of {len(cards)} live)")
-    for col in ("card", "node", "device", "capacity", "usable", "granted", "used", "models: grant / used (replicas)"):
+    for col in (
+        "card",
+        "node",
+        "device",
+        "capacity",
+        "usable",
+        "granted",
+        "used",
+        "models: grant / used (replicas, target) $/1k",
+    ):
         table.add_column(
             col, justify="left" if col in ("card", "node", "device") or col.startswith("models") else "right"
         )
     for c in cards:
         models = (
             "; ".join(
-                f"{n} {format_size(m['grant_bytes'])} / {format_size(m['used_bytes'])} ({m['replicas']})"
+                f"{n} {format_size(m['grant_bytes'])} / {format_size(m['used_bytes'])} ({m['replicas']}, {_target(m)})"
+                + ("" if m.get("cost_per_1k_requests") is None else f" ${m['cost_per_1k_requests']:.4f}")
                 for n, m in c.get("models", {}).items()
             )
             or "-"
@@ -202,6 +222,14 @@ def describe_decision(d: dict[str, Any]) -> str:
         trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
         return f"#{d['seq']} {t} {d['model']}: {', '.join(parts) or 'no change'}  [{trig}]  {d.get('reason', '')}" + (
             " (dry run)" if d.get("dry_run") else ""
+        )
+    if kind == "replicas":
+        where = f"{d['model']}@{d['card']}" if d.get("card") else d["model"]
+        tv = d.get("trigger_value")
+        trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
+        return (
+            f"#{d['seq']} {t} {where}: replicas {d['old']['replica_target']}->{d['new']['replica_target']}  "
+            f"[{trig}]  {d.get('reason', '')}" + (" (dry run)" if d.get("dry_run") else "")
         )
     if kind == "move":
         return (

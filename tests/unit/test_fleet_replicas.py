@@ -154,3 +154,30 @@ def test_many_cards_show_a_target_and_a_cost_per_card():
     for name, m in st["models"].items():
         assert m["replica_target"] == sum(c["models"][name]["replica_target"] for c in st["cards"])
         assert m["replica_target"] == fb.config.models[name].replicas  # default profile balanced: configured
+
+
+def test_the_status_tables_and_the_log_line_show_the_target():
+    from rich.console import Console
+
+    from cli.views import card_table, describe_decision, status_table
+
+    clock = Clock(TUE_0759_UTC + 61)  # in the peak window
+    fb = FleetBroker(CONFIG, clock=clock)
+    reps = Replicas(fb, clock)
+    for _ in range(12):
+        reps.second(60.0)
+    st = fb.status()
+    console = Console(width=200, record=True)
+    console.print(status_table(st))
+    text = console.export_text()
+    assert "target" in text and st["models"]["hot"]["replica_target"] == 1
+    [entry] = _replica_entries(fb)
+    line = describe_decision(entry)
+    assert "hot: replicas 3->1" in line and "[arrival_rate_rps=" in line and "replicas_" not in line.split("]")[0]
+
+    fb2 = FleetBroker(CARDS_CONFIG, clock=Clock(1_000_000.0))
+    fb2.tick()
+    console = Console(width=240, record=True)
+    console.print(card_table(fb2.status()))
+    text = console.export_text()
+    assert "(replicas, target)" in text and "hot 128.0MiB / 0B (0, 1)" in text  # none live yet, target 1 per card
