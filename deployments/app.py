@@ -59,6 +59,7 @@ class ServeApp:
     name: str
     route_prefix: str
     app: Application
+    scalable: bool = False  # a model app: Serve's external scaler on, for the replica targets (deployments.scaler)
 
 
 def model_app_name(model: str, fleet_app: str = FLEET_APP) -> str:
@@ -138,10 +139,15 @@ def model_deployment(
     )
 
 
-def fleet_api(config_text: str) -> Application:
+def fleet_api(config_text: str, app_names: dict[str, str] | None = None) -> Application:
+    """The fleet API; ``app_names`` (model -> its Serve app; default: the default app names) are
+    the apps its replica scaler sets replica counts on (``deployments.scaler``)."""
+    if app_names is None:
+        cfg = parse_config_text(config_text, "fleet api config")
+        app_names = {n: model_app_name(n) for n, m in cfg.models.items() if m.kind != "llm"}
     return FleetApi.options(
         name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=1024
-    ).bind(config_text)
+    ).bind(config_text, app_names)
 
 
 def fleet_apps(
@@ -162,7 +168,8 @@ def fleet_apps(
         from quotas.placement import place_fleet
 
         placement = place_fleet(cfg, cards)
-    apps = [ServeApp(fleet_app, prefix, fleet_api(config_text))]
+    scaled = {n: model_app_name(n, fleet_app) for n, m in cfg.models.items() if m.kind != "llm"}
+    apps = [ServeApp(fleet_app, prefix, fleet_api(config_text, scaled))]
     for name, spec in cfg.models.items():
         if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
             continue
@@ -179,6 +186,7 @@ def fleet_apps(
                     model_cls=model_cls,
                     placement=placement,
                 ),
+                scalable=True,
             )
         )
     if any(m.kind == "llm" for m in cfg.models.values()):
@@ -197,7 +205,13 @@ def run_fleet(apps: list[ServeApp], *, wait: bool = False, logging_config: dict[
 
     run_many(
         [
-            RunTarget(target=a.app, name=a.name, route_prefix=a.route_prefix, logging_config=logging_config)
+            RunTarget(
+                target=a.app,
+                name=a.name,
+                route_prefix=a.route_prefix,
+                logging_config=logging_config,
+                external_scaler_enabled=a.scalable,  # replica counts set by deployments.scaler, no restart
+            )
             for a in apps
         ],
         wait_for_ingress_deployment_creation=wait,
@@ -250,6 +264,7 @@ def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP)
                 "route_prefix": model_route(name),
                 "import_path": "deployments.app:build_model_app",
                 "args": {"config": config_path, "model": name},
+                "external_scaler_enabled": True,  # replica counts set by deployments.scaler
             }
         )
     if any(m.kind == "llm" for m in cfg.models.values()):

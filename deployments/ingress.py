@@ -13,6 +13,12 @@ path no model app owns (Serve routes by the longest route prefix):
     those refusals go to the broker (``report_rejections``, one RPC per report interval) so
     its counts include requests no replica saw.
 
+``GET /v1/replicas``  what the replica scaler applied to Serve (``deployments.scaler``).
+
+Its replica also runs the replica scaler (``deployments.scaler``): a background task that reads
+the broker's replica targets and sets the model deployments' replica counts through Serve's
+external-scaler API (``app_names``: model -> its Serve app, from ``deployments.app.fleet_api``).
+
 The broker handle is looked up off the event loop (``asyncio.to_thread``) and kept; every
 broker call is awaited with a timeout. Nothing here blocks the loop.
 """
@@ -24,6 +30,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from deployments.scaler import ReplicaScaler, ServeReplicaSetter, scaler_loop
 from quotas.config import parse_config_text
 
 api = FastAPI(title="gpubroker", description="Several Ray Serve models sharing one GPU.")
@@ -38,8 +45,18 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 @serve.deployment
 @serve.ingress(api)
 class FleetApi:
-    def __init__(self, config_text: str):
+    def __init__(self, config_text: str, app_names: dict[str, str] | None = None):
         self.cfg = parse_config_text(config_text, "fleet api config")
+        self.scaler = ReplicaScaler(app_names or {}, ServeReplicaSetter())
+        self._scaler_task: asyncio.Task | None = None
+        if app_names:
+            try:  # Serve runs the constructor on the replica's event loop
+                every_s = max(1.0, self.cfg.broker.control_interval_s)
+                self._scaler_task = asyncio.get_running_loop().create_task(
+                    scaler_loop(self._broker_status, self.scaler, every_s)
+                )
+            except RuntimeError:
+                self._scaler_task = None
         self.names = sorted(self.cfg.models)
         self.retry_after_s = max(1, int(round(self.cfg.broker.control_interval_s)))
         self._broker = None
@@ -72,6 +89,18 @@ class FleetApi:
                 for k, v in counts.items():
                     self._rejected[k] = self._rejected.get(k, 0) + v
                 await asyncio.sleep(self.retry_after_s)
+
+    async def _broker_status(self) -> dict[str, Any]:
+        try:
+            handle = await self._broker_handle()
+            return await asyncio.wait_for(handle.status.remote(), timeout=BROKER_RPC_TIMEOUT_S)
+        except Exception:
+            self._broker = None  # a restarted broker is looked up again
+            raise
+
+    @api.get("/v1/replicas")
+    async def replicas(self) -> dict[str, Any]:
+        return {**self.scaler.view(), "running": self._scaler_task is not None and not self._scaler_task.done()}
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
