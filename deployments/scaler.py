@@ -152,7 +152,9 @@ class ServeReplicaSetter:
         if self._controller is None:
             self._controller = await asyncio.to_thread(_serve_controller)
         try:
-            await self._controller.update_deployment_replicas.remote(DeploymentID(name=deployment, app_name=app), replicas)
+            await self._controller.update_deployment_replicas.remote(
+                DeploymentID(name=deployment, app_name=app), replicas
+            )
         except Exception:
             self._controller = None  # a restarted controller is looked up again
             raise

@@ -67,9 +67,7 @@ def test_a_lower_and_a_raise_reach_serve_without_restarting_the_survivor(fleet):
     assert answers(url)
 
     # idle under throughput: the target drops to 1 and Serve follows, keeping one of the two
-    wait_for(
-        lambda: ray.get(broker.status.remote())["models"]["hot"]["replica_target"] == 1, 60, what="target 1"
-    )
+    wait_for(lambda: ray.get(broker.status.remote())["models"]["hot"]["replica_target"] == 1, 60, what="target 1")
     after = wait_for(lambda: (lambda r: r if len(r) == 1 else None)(running_replicas()), 60, what="1 replica")
     [(survivor, pid)] = after.items()
     assert survivor in before and before[survivor] == pid  # the same actor, the same process
