@@ -74,6 +74,7 @@ from bench.sim_types import (  # noqa: F401 - re-exported: bench.sim is the simu
     START_EPOCH_S,
     TIMED_OUT,
     Arm,
+    MemPool,
     ModelResult,
     SimBatch,
     SimReplica,
@@ -174,11 +175,15 @@ class Simulator(BatchingMixin):
         self.batch_log: list[tuple[int, float, int, float, int]] = []  # (model, start_t, n, cost, oversize)
 
         # Replicas.
+        self.mem_pool = MemPool()  # what they hold now, all together
         self.replicas: list[list[SimReplica]] = []
         for m, name in enumerate(self.names):
             spec = config.models[name]
             self.replicas.append(
-                [SimReplica(m, name, f"{name}#{r}", self.profiles[name], spec) for r in range(spec.replicas)]
+                [
+                    SimReplica(m, name, f"{name}#{r}", self.profiles[name], spec, self.mem_pool)
+                    for r in range(spec.replicas)
+                ]
             )
         self.all_reps = [r for reps in self.replicas for r in reps]
         self.oom_total = [0] * len(self.names)

@@ -163,7 +163,7 @@ class BatchingMixin:
     def _fast_loop(self, rep: SimReplica) -> None:
         """The replica's own fast-loop step (``deployments.fast_loop``) on the emulated card's
         free share (what a CUDA replica reads from NVML)."""
-        used = sum(r.mem_now for r in self.all_reps)
+        used = self.mem_pool.total
         free = 1.0 - used / self.capacity
         cur = self._cap(rep)
         out = fast_loop_step(free, cur, rep.max_batch, rep.paused, self.fast[rep.name])

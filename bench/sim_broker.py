@@ -57,7 +57,7 @@ class SimBroker:
         if len(lat) > LATENCY_SAMPLES_PER_REPORT:
             step = len(lat) / LATENCY_SAMPLES_PER_REPORT
             lat = [lat[int(k * step)] for k in range(LATENCY_SAMPLES_PER_REPORT)]
-        used = sum(r.mem_now for r in sim.all_reps)
+        used = sim.mem_pool.total
         report = StatsReport(
             model=rep.name,
             replica_id=rep.rid,

@@ -86,6 +86,16 @@ class SimBatch:
         self.start_t = start_t
 
 
+class MemPool:
+    """The memory every replica on the emulated card holds now (the sum of their ``mem_now``,
+    kept as each changes instead of summed over every replica at every report)."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0.0
+
+
 class SimReplica:
     __slots__ = (
         "m",
@@ -107,7 +117,8 @@ class SimReplica:
         "mcb",
         "max_queued",
         "timeout_s",
-        "mem_now",
+        "_mem",
+        "pool",
         "seq",
         "last_report_t",
         "card_busy_mark",
@@ -132,7 +143,9 @@ class SimReplica:
         "held",
     )
 
-    def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any):
+    def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any, pool: MemPool | None = None):
+        self.pool = pool if pool is not None else MemPool()  # the card's total, kept as mem_now moves
+        self._mem = 0.0
         self.m = m
         self.name = name
         self.rid = rid
@@ -164,6 +177,15 @@ class SimReplica:
         self.paused = False  # the fast loop paused admission
         self.held = 0  # requests admitted and not answered yet (the replica's ``waiting``)
         self._reset_stats()
+
+    @property
+    def mem_now(self) -> float:
+        return self._mem
+
+    @mem_now.setter
+    def mem_now(self, value: float) -> None:
+        self.pool.total += value - self._mem
+        self._mem = value
 
     def _reset_stats(self) -> None:
         self.st_arr = self.st_done = self.st_rej = self.st_to = self.st_err = 0

@@ -41,7 +41,16 @@ class DecisionLog:
         self.seq = max(self.seq, int(seq))
 
     def since(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
-        return [e for e in self.entries if e["seq"] > since_seq and (model is None or e.get("model") == model)]
+        """Entries after ``since_seq`` (oldest first): read from the newest end, since entries are
+        kept in sequence order, so a caller polling for new ones does not walk the whole log."""
+        out = []
+        for e in reversed(self.entries):
+            if e["seq"] <= since_seq:
+                break
+            if model is None or e.get("model") == model:
+                out.append(e)
+        out.reverse()
+        return out
 
 
 def finite(value: float | None) -> float | None:

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from broker.types import ModelLoad
 
 C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or token)
 
@@ -38,19 +42,47 @@ class LatencyFit:
 
 def fit_latency(timings: Iterable[tuple[float, float]], prior: LatencyFit | None = None) -> LatencyFit | None:
     """Least-squares a + c*b over (batch, exec_ms) pairs, clamped; None with no samples and no prior."""
-    pts = [(float(b), float(ms)) for b, ms in timings if b > 0 and ms >= 0]
-    n = len(pts)
+    return fit_from_sums(fit_sums(timings), prior)
+
+
+FitSums = tuple[int, float, float, float, float]  # n, sum b, sum ms, sum b^2, sum b*ms over valid points
+
+
+def fit_sums(timings: Iterable[tuple[float, float]]) -> FitSums:
+    """The sums a fit needs over the valid (batch > 0, exec_ms >= 0) pairs."""
+    n = 0
+    sb = sl = sbb = sbl = 0.0
+    for b, ms in timings:
+        if b > 0 and ms >= 0:
+            n += 1
+            sb += b
+            sl += ms
+            sbb += b * b
+            sbl += b * ms
+    return n, sb, sl, sbb, sbl
+
+
+def fit_for_load(load: ModelLoad, prior: LatencyFit | None) -> LatencyFit | None:
+    """The fit over a snapshot's recent batches: from the sums the report window kept as
+    batches came and went (``ModelLoad.fit_sums``), or from ``batch_timings`` without them."""
+    sums = load.fit_sums if load.fit_sums is not None else fit_sums(load.batch_timings)
+    return fit_from_sums(sums, prior)
+
+
+def fit_from_sums(sums: FitSums, prior: LatencyFit | None = None) -> LatencyFit | None:
+    """``fit_latency`` from its sums (what the report window keeps up to date incrementally)."""
+    n, sb, sl, sbb, sbl = sums
     if n == 0:
         return prior
-    mean_b = sum(b for b, _ in pts) / n
-    mean_l = sum(ms for _, ms in pts) / n
-    var_b = sum((b - mean_b) ** 2 for b, _ in pts)
+    mean_b = sb / n
+    mean_l = sl / n
+    var_b = max(0.0, sbb - sb * mean_b)
     if n < 3 or var_b < 1e-9 * max(1.0, mean_b**2) * n:
         if prior is not None and prior.samples > 0:
             return prior
         half = max(mean_l, 0.0) / 2.0
         return LatencyFit(a_ms=half, c_ms=max(C_MIN_MS, half / max(mean_b, 1.0)), samples=0)
-    cov = sum((b - mean_b) * (ms - mean_l) for b, ms in pts)
+    cov = sbl - sb * mean_l
     c = cov / var_b
     a = mean_l - c * mean_b
     if c < C_MIN_MS:  # flat or negative slope: all cost is fixed
@@ -58,5 +90,5 @@ def fit_latency(timings: Iterable[tuple[float, float]], prior: LatencyFit | None
         a = mean_l - c * mean_b
     if a < 0:  # line through the origin instead
         a = 0.0
-        c = max(C_MIN_MS, sum(b * ms for b, ms in pts) / sum(b * b for b, _ in pts))
+        c = max(C_MIN_MS, sbl / sbb)
     return LatencyFit(a_ms=a, c_ms=c, samples=n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +42,7 @@ class MemoryModel:
         if model.calibrated and load.mem_peak_bytes > 0 and load.replicas > 0:
             # the biggest batch over the same window as the peak (the fit's recent batches may
             # all be smaller than the one that set the peak: that would inflate the fixed part)
-            biggest = max(load.max_batch, max((cost for cost, _ in load.batch_timings), default=load.mean_batch))
+            biggest = max(load.max_batch, max(map(itemgetter(0), load.batch_timings), default=load.mean_batch))
             observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
             if observed > model.weights_bytes:
                 model = cls(int(observed), model.bytes_per_unit, oom)

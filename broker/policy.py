@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from broker.batch_rules import RuleContext, decide_batch
-from broker.latency_model import fit_latency
+from broker.latency_model import fit_for_load
 from broker.lending import plan_quota
 from broker.memory_model import MemoryModel
 from broker.profiles import active_profile
-from broker.state import BatchWant, ModelState
+from broker.state import BatchWant, ModelState, evolve
 from broker.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
 from broker.vocab import Rule, Trigger
 from quotas.config import FleetConfig, ModelSpec
@@ -179,10 +179,12 @@ def decide(
 
     wants: dict[str, BatchWant] = {}
     new_states: dict[str, ModelState] = {}
+    mms: dict[str, MemoryModel] = {}  # each model's memory model, once per tick
     for name, spec in config.models.items():
         old = state.models.get(name) or _initial_model_state(spec, interval)
         load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
-        fit = fit_latency(load.batch_timings, old.latency_fit)
+        fit = fit_for_load(load, old.latency_fit)
+        mms[name] = memory_model(load)
         active = load.arrival_rate_rps > 0 or load.queue_depth > 0
         # a model is idle from its last arrival, or from the first tick it was seen
         last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s
@@ -203,7 +205,7 @@ def decide(
             paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
             max_pause_s=spec.control.max_pause_intervals * interval,
             mem_ceiling=(
-                memory_model(load).cap_for(state.ledger.grant(name) / max(1, spec.replicas))
+                mms[name].cap_for(state.ledger.grant(name) / max(1, spec.replicas))
                 if name in state.ledger.quotas
                 else None
             ),
@@ -213,7 +215,7 @@ def decide(
             if spec.kind != "llm"
             else BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON)
         )
-        ms = replace(
+        ms = evolve(
             old,
             last_arrival_s=last_arrival,
             loaded_since_s=loaded_since,
@@ -243,13 +245,13 @@ def decide(
     )
     ledger, moves = plan.ledger, plan.moves
     notes.extend(plan.notes)
-    flags_now = replace(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
+    flags_now = evolve(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
 
     decisions: dict[str, ModelDecision] = {}
     for name, spec in config.models.items():
         ms, want = new_states[name], wants[name]
         load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
-        cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), load)
+        cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), mms[name])
         grant = ledger.grant(name)
         old = state.models.get(name)
         prev = (
@@ -267,9 +269,9 @@ def decide(
             kinds = sorted({m.kind for m in moves if name in (m.donor, m.recipient)})
             reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
         if cap != ms.max_batch:
-            ms = replace(ms, last_dir=direction, last_change_s=now)
+            ms = evolve(ms, last_dir=direction, last_change_s=now)
         paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
-        new_states[name] = replace(
+        new_states[name] = evolve(
             ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since
         )
         decisions[name] = ModelDecision(
@@ -304,13 +306,13 @@ def decide(
     ), new_state
 
 
-def _guard(cap: int, spec: ModelSpec, grant_bytes: int, load: ModelLoad) -> tuple[int, str]:
+def _guard(cap: int, spec: ModelSpec, grant_bytes: int, mm: MemoryModel) -> tuple[int, str]:
     """Floor <= cap <= min(ceiling, memory ceiling). Static strategies keep their cap."""
     if spec.control.strategy == "static":
         return cap, ""
     floor, ceiling = spec.batch.floor, spec.batch.ceiling
     note = ""
-    mem_cap = memory_model(load).cap_for(grant_bytes / max(1, spec.replicas))
+    mem_cap = mm.cap_for(grant_bytes / max(1, spec.replicas))
     top = ceiling
     if mem_cap is not None and mem_cap < top:
         top = max(floor, mem_cap)
@@ -331,22 +333,22 @@ def _anti_oscillation(
     reversals = tuple(t for t in ms.reversals if t > now - ctl.reversal_window_s)
     # relax after a quiet spell
     if ms.band_scale > 1.0 and now - ms.last_reversal_s > 2 * ctl.reversal_window_s:
-        ms = replace(
+        ms = evolve(
             ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now
         )
         note = f"no oscillation for {2 * ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
     if direction != 0 and not want.safety and now - ms.last_change_s < ms.hold_s - 1e-9:
-        held = replace(
+        held = evolve(
             want,
             cap=ms.max_batch,
             rule=Rule.HELD,
             reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)",
         )
-        return held, replace(ms, reversals=reversals), note
+        return held, evolve(ms, reversals=reversals), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
-            ms = replace(
+            ms = evolve(
                 ms,
                 band_scale=min(ctl.band_scale_max, ms.band_scale * 1.5),
                 hold_s=min(ctl.hold_max_intervals * interval, ms.hold_s * 2),
@@ -354,7 +356,7 @@ def _anti_oscillation(
             )
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
-    return want, replace(ms, reversals=reversals), note
+    return want, evolve(ms, reversals=reversals), note
 
 
 __all__ = [

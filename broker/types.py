@@ -7,8 +7,9 @@ returns a ``FleetDecision``. Nothing here imports ray, torch, pynvml or reads th
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from broker.vocab import EntryKind, MoveKind, Rule, Trigger  # noqa: F401 - the closed vocabularies, re-exported
@@ -47,7 +48,11 @@ class StatsReport:
     engine: dict[str, Any] | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``asdict`` without its deep copy (tuples of numbers are immutable already)."""
+        out = dict(self.__dict__)
+        if self.engine is not None:
+            out["engine"] = copy.deepcopy(self.engine)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StatsReport:
@@ -79,7 +84,11 @@ class ModelSettings:
     )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """``asdict`` without its deep copy of every field (every report's reply builds one)."""
+        out = dict(self.__dict__)
+        if self.engine is not None:
+            out["engine"] = copy.deepcopy(self.engine)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSettings:
@@ -128,6 +137,8 @@ class ModelLoad:
     recent_samples: int = 0  # samples behind recent_p95_ms
     attainment: float | None = None  # share of requests in the window answered within the SLO (rejects/timeouts miss)
     batch_timings: tuple[tuple[float, float], ...] = ()  # recent (batch cost, exec ms) for the L(b) fit
+    # the fit's sums over batch_timings (broker.latency_model.fit_sums), kept by the report window; None: sum them
+    fit_sums: tuple[int, float, float, float, float] | None = None
     mean_batch: float = 0.0  # mean batch cost over the window
     max_batch: float = 0.0  # biggest batch cost over the window (the one behind mem_peak_bytes)
     cost_per_request: float = 1.0  # mean cost units per request (tokens per request for token models)

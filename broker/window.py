@@ -20,6 +20,7 @@ from itertools import chain
 from operator import attrgetter
 
 from broker.attainment import attainment, met_and_total
+from broker.latency_model import fit_sums
 from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
 from quotas.config import FleetConfig
 
@@ -92,15 +93,40 @@ class _ModelWindow:
     memory, the biggest batch) as monotonic queues, so a snapshot costs C-level sums over the
     window plus a walk over its last few seconds, not a re-fold of every report."""
 
-    __slots__ = ("events", "latest", "max_costs", "oom", "peaks", "slo_ms")
+    __slots__ = (
+        "events",
+        "fit_drops",
+        "fit_n",
+        "fit_own",
+        "fit_pts",
+        "fit_sums",
+        "fit_window",
+        "latest",
+        "lat_sorted",
+        "timings",
+        "max_costs",
+        "oom",
+        "peaks",
+        "slo_ms",
+    )
 
-    def __init__(self, slo_ms: float) -> None:
+    def __init__(self, slo_ms: float, fit_window: int) -> None:
         self.events: deque[_Digest] = deque()
         self.latest: dict[str, _Digest] = {}  # replica -> its newest report in the window
         self.peaks: dict[str, deque[_Digest]] = {}  # replica -> reports with decreasing peak memory
         self.max_costs: deque[_Digest] = deque()  # reports with decreasing biggest batch
         self.oom = 0  # reports in the window that carry OOM costs
         self.slo_ms = slo_ms  # the cap every digest's ``met`` was counted against
+        # the L(b) fit's points: the window's last ``fit_window`` batches (and the report each came
+        # in), with their sums kept as points come and go (broker.latency_model.fit_from_sums)
+        self.fit_window = fit_window
+        self.fit_pts: deque[tuple[float, float]] = deque()
+        self.fit_own: deque[_Digest] = deque()
+        self.fit_n = 0
+        self.fit_sums = [0.0, 0.0, 0.0, 0.0]  # sum b, sum ms, sum b^2, sum b*ms over valid points
+        self.fit_drops = 0  # points subtracted since the sums were last re-added from scratch
+        self.timings: tuple[tuple[float, float], ...] | None = ()  # tuple(fit_pts); None: rebuild
+        self.lat_sorted: list[float] | None = []  # the window's latencies, ascending; None: rebuild
 
     def add(self, d: _Digest) -> None:
         self.events.append(d)
@@ -116,6 +142,62 @@ class _ModelWindow:
         self.max_costs.append(d)
         if d.oom_costs:
             self.oom += 1
+        if d.lat:
+            self.lat_sorted = None
+        if d.batches:
+            self.timings = None
+        sums = self.fit_sums
+        for b, ms in d.batches:
+            self.fit_pts.append((b, ms))
+            self.fit_own.append(d)
+            if b > 0 and ms >= 0:
+                self.fit_n += 1
+                sums[0] += b
+                sums[1] += ms
+                sums[2] += b * b
+                sums[3] += b * ms
+        while len(self.fit_pts) > self.fit_window:
+            self._drop_point()
+
+    def _drop_point(self) -> None:
+        self.timings = None
+        b, ms = self.fit_pts.popleft()
+        self.fit_own.popleft()
+        if b > 0 and ms >= 0:
+            self.fit_n -= 1
+            sums = self.fit_sums
+            sums[0] -= b
+            sums[1] -= ms
+            sums[2] -= b * b
+            sums[3] -= b * ms
+            self.fit_drops += 1
+
+    def fit_sums_now(self) -> tuple[int, float, float, float, float]:
+        if self.fit_drops > 8 * self.fit_window or self.fit_n == 0:  # bound the float drift of add-and-subtract
+            n, sb, sl, sbb, sbl = fit_sums(self.fit_pts)
+            self.fit_n, self.fit_sums, self.fit_drops = n, [sb, sl, sbb, sbl], 0
+        return (self.fit_n, *self.fit_sums)
+
+    def batch_timings(self) -> tuple[tuple[float, float], ...]:
+        if self.timings is None:
+            self.timings = tuple(self.fit_pts)
+        return self.timings
+
+    def latencies(self) -> list[float]:
+        """The window's latency samples (the newest ``MAX_LATENCY_SAMPLES``), ascending; rebuilt
+        only when a report with samples came or went."""
+        if self.lat_sorted is None:
+            lat = list(chain.from_iterable(map(_LAT, self.events)))
+            if len(lat) > MAX_LATENCY_SAMPLES:
+                lat = lat[-MAX_LATENCY_SAMPLES:]
+            lat.sort()
+            self.lat_sorted = lat
+        return self.lat_sorted
+
+    def set_fit_window(self, fit_window: int) -> None:
+        self.fit_window = fit_window
+        while len(self.fit_pts) > fit_window:
+            self._drop_point()
 
     def evict(self, before_s: float) -> None:
         events = self.events
@@ -130,8 +212,12 @@ class _ModelWindow:
                 self.max_costs.popleft()
             if d.oom_costs:
                 self.oom -= 1
+            if d.lat:
+                self.lat_sorted = None
             if self.latest.get(d.rid) is d:
                 del self.latest[d.rid]
+            while self.fit_own and self.fit_own[0] is d:
+                self._drop_point()
 
     def recount(self, slo_ms: float) -> None:
         if slo_ms != self.slo_ms:
@@ -140,7 +226,7 @@ class _ModelWindow:
             self.slo_ms = slo_ms
 
 
-_LAT, _BATCHES, _OOM = attrgetter("lat"), attrgetter("batches"), attrgetter("oom_costs")
+_LAT, _OOM = attrgetter("lat"), attrgetter("oom_costs")
 _MET, _COUNTED, _COST = attrgetter("met"), attrgetter("counted"), attrgetter("cost")
 _REQUESTS, _N_BATCHES = attrgetter("requests"), attrgetter("n_batches")
 
@@ -158,7 +244,10 @@ class ReportWindow:
     def reconfigure(self, config: FleetConfig) -> None:
         self._config = config
         for name, spec in config.models.items():
-            self._events.setdefault(name, _ModelWindow(self._slo_ms.get(name, spec.slo_p95_ms)))
+            window = self._events.setdefault(
+                name, _ModelWindow(self._slo_ms.get(name, spec.slo_p95_ms), spec.control.fit_window)
+            )
+            window.set_fit_window(spec.control.fit_window)
             self._edge.setdefault(name, deque())
         for name in list(self._events):
             if name not in config.models:
@@ -223,8 +312,7 @@ class ReportWindow:
         latest = {rid: d.report for rid, d in mw.latest.items() if d.t >= live_from}
         received = {rid: d.t for rid, d in mw.latest.items() if d.t >= live_from}
         # the window's sums, in C over the digests; the walks below touch only the last seconds
-        latencies = list(chain.from_iterable(map(_LAT, events)))
-        timings = list(chain.from_iterable(map(_BATCHES, events)))
+        latencies = mw.latencies()
         oom_costs = list(chain.from_iterable(map(_OOM, events))) if mw.oom else []  # the ceiling stays below them
         met = sum(map(_MET, events))
         counted = sum(map(_COUNTED, events))
@@ -268,11 +356,7 @@ class ReportWindow:
             return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > 0)
 
         busy = [acc[3] / acc[4] for acc in per_replica.values() if acc[4] > 0]
-        if len(latencies) > MAX_LATENCY_SAMPLES:
-            latencies = latencies[-MAX_LATENCY_SAMPLES:]
-        latencies.sort()
         recent.sort()
-        fit_window = spec.control.fit_window
         return ModelLoad(
             name=name,
             replicas=len(latest),
@@ -288,7 +372,8 @@ class ReportWindow:
             recent_p95_ms=percentile(recent, 95),
             recent_samples=len(recent),
             attainment=attainment(met, counted),
-            batch_timings=tuple(timings[-fit_window:]),
+            batch_timings=mw.batch_timings(),
+            fit_sums=mw.fit_sums_now(),
             mean_batch=(batch_cost / batches) if batches else 0.0,
             max_batch=max_cost,
             cost_per_request=(batch_cost / batch_requests) if batch_requests else 1.0,

@@ -1,0 +1,159 @@
+"""The report window keeps its sums as reports come and go (``broker.window``): its snapshots
+must equal a plain re-fold of the reports in the window, on random report streams, with the
+SLO cap changing between snapshots and a fit window short enough to be trimmed.
+
+The reference fold below is written straight from the definitions (window, rate window,
+live replicas, nearest-rank percentiles, ``broker.attainment``), one report at a time."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from broker.attainment import met_and_total
+from broker.decision_log import DecisionLog
+from broker.latency_model import fit_from_sums, fit_latency
+from broker.state import ModelState, evolve
+from broker.types import StatsReport
+from broker.window import ReportWindow, percentile
+from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
+
+FIT_WINDOW = 12
+
+
+def _stream(seed: int, names: list[str]):
+    rng = random.Random(seed)
+    t = MONDAY_UTC
+    for step in range(300):
+        t += rng.choice([0.1, 0.5, 0.5, 1.0, 3.0])
+        reports = []
+        for _ in range(rng.randint(0, 4)):
+            m = rng.choice(names)
+            nb = rng.randint(0, 3)
+            bt = tuple((float(rng.randint(1, 32)), rng.uniform(1, 50)) for _ in range(nb))
+            reports.append(
+                StatsReport(
+                    model=m,
+                    replica_id=f"{m}-r{rng.randint(0, 2)}",
+                    seq=step,
+                    now_s=t,
+                    interval_s=0.5,
+                    arrivals=rng.randint(0, 20),
+                    completions=rng.randint(0, 20),
+                    rejections=rng.randint(0, 2),
+                    timeouts=rng.randint(0, 1),
+                    errors=rng.randint(0, 1),
+                    latency_ms=tuple(rng.uniform(1, 400) for _ in range(rng.randint(0, 10))),
+                    batches=bt,
+                    batch_requests=tuple(int(b) for b, _ in bt),
+                    busy_s=rng.uniform(0, 0.5),
+                    queue_depth=rng.randint(0, 9),
+                    mem_used_bytes=rng.randint(0, 10**8),
+                    mem_peak_bytes=rng.randint(0, 10**8),
+                    oom_costs=(float(rng.randint(1, 9)),) if rng.random() < 0.05 else (),
+                    emergency_shrinks=int(rng.random() < 0.1),
+                    settings_version=rng.randint(0, 5),
+                )
+            )
+        slo = {n: rng.choice([100.0, 200.0, 250.0]) for n in names} if rng.random() < 0.3 else None
+        yield t, reports, slo
+
+
+def _refold(kept: list[tuple[float, StatsReport]], w: ReportWindow, now: float, spec, slo: float, since: float):
+    """One model's load from the reports themselves."""
+    inside = [(t, r) for t, r in kept if t >= now - spec.control.window_s]
+    rate_from, live_from = now - w.rate_window_s(), now - w.stale_after_s()
+    latest = {r.replica_id: r for t, r in inside if t >= live_from}
+    lat = sorted(x for _, r in inside for x in r.latency_ms)
+    met = total = 0.0
+    for _, r in inside:
+        m, c = met_and_total(r.latency_ms, r.completions, r.rejections, r.timeouts, r.errors, slo)
+        met, total = met + m, total + c
+    per: dict[str, list[float]] = {}
+    for t, r in inside:
+        if t >= rate_from:
+            acc = per.setdefault(r.replica_id, [0.0, 0.0])
+            acc[0] += r.arrivals
+            acc[1] += r.interval_s
+    peak = {}
+    for _, r in inside:
+        peak[r.replica_id] = max(peak.get(r.replica_id, 0), r.mem_peak_bytes, r.mem_used_bytes)
+    timings = [b for _, r in inside for b in r.batches][-FIT_WINDOW:]
+    return {
+        "replicas": len(latest),
+        "p95_ms": percentile(lat, 95),
+        "p50_ms": percentile(lat, 50),
+        "attainment": (met / total) if total else None,
+        "arrival_rate_rps": sum(a / i for a, i in per.values() if i > 0),
+        "mem_peak_bytes": sum(peak[rid] for rid in latest),
+        "max_batch": max((c for _, r in inside for c, _ in r.batches), default=0.0),
+        "batch_timings": tuple(timings),
+        "emergency": any(r.emergency_shrinks > 0 for t, r in inside if t > since),
+        "oom_costs": tuple(c for _, r in inside for c in r.oom_costs),
+    }
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_snapshot_equals_a_refold_of_the_window(seed):
+    cfg = make_config(
+        models={"a": {"control": {"fit_window": FIT_WINDOW}}, "b": {"control": {"fit_window": FIT_WINDOW}}}
+    )
+    names = list(cfg.models)
+    w = ReportWindow(cfg)
+    kept: dict[str, list[tuple[float, StatsReport]]] = {n: [] for n in names}
+    since = float("-inf")
+    checked = 0
+    for t, reports, slo in _stream(seed, names):
+        for r in reports:
+            w.add(r, t)
+            kept[r.model].append((t, r))
+        if slo is None:
+            continue
+        snap = w.snapshot(t, gpu(), None, slo)
+        for n in names:
+            want = _refold(kept[n], w, t, cfg.models[n], slo[n], since)
+            got = snap.models[n]
+            for key, value in want.items():
+                have = getattr(got, key)
+                if isinstance(value, float):
+                    assert have == pytest.approx(value, rel=1e-9, abs=1e-9), (key, t)
+                else:
+                    assert have == value, (key, t)
+            fa, fb = fit_latency(got.batch_timings), fit_from_sums(got.fit_sums)
+            assert (fa is None) == (fb is None)
+            if fa is not None:
+                assert (fb.a_ms, fb.c_ms, fb.samples) == pytest.approx(
+                    (fa.a_ms, fa.c_ms, fa.samples), rel=1e-6, abs=1e-6
+                )
+            checked += 1
+        since = t
+    assert checked > 50
+
+
+def test_fit_from_sums_matches_the_two_pass_fit():
+    pts = [(float(b), 20 + 0.5 * b + (b % 3) * 0.1) for b in (1, 2, 4, 8, 16, 32, 64)]
+    fa = fit_latency(pts)
+    assert fa.a_ms == pytest.approx(20, abs=0.2) and fa.c_ms == pytest.approx(0.5, abs=0.01)
+    assert fit_latency([(8.0, 18.0)] * 10).predict_ms(8) == pytest.approx(18)  # one batch size: the prior split
+    assert math.isclose(fit_latency([(1, 1), (2, 50), (3, 100)]).a_ms, 0.0)
+
+
+def test_evolve_is_replace_without_init_and_refuses_unknown_fields():
+    ms = ModelState(max_batch=8, wait_s=0.01)
+    new = evolve(ms, max_batch=16, version=3)
+    assert (new.max_batch, new.version, new.wait_s) == (16, 3, 0.01) and ms.max_batch == 8
+    assert new == ModelState(max_batch=16, wait_s=0.01, version=3)
+    with pytest.raises(TypeError, match="no field"):
+        evolve(ms, max_bach=4)
+
+
+def test_decision_log_since_reads_from_the_newest_end():
+    log = DecisionLog(50)
+    for i in range(80):
+        log.append({"kind": "note", "model": "a" if i % 2 else "b", "reason": str(i)}, str(i))
+    seqs = [e["seq"] for e in log.since(since_seq=70)]
+    assert seqs == sorted(seqs) and seqs[0] == 71 and seqs[-1] == log.seq
+    assert all(e["model"] == "a" for e in log.since("a", since_seq=60))
+    assert len(log.since()) == 50
