@@ -73,8 +73,7 @@ class ReplicaParams:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be at least 1; a model needs a replica")
         if self.lower_after_s < 0 or self.lower_margin_frac < 0:
             raise ValueError(
-                f"lower_after_s ({self.lower_after_s}) and lower_margin_frac ({self.lower_margin_frac}) "
-                "must be >= 0"
+                f"lower_after_s ({self.lower_after_s}) and lower_margin_frac ({self.lower_margin_frac}) must be >= 0"
             )
 
 
@@ -208,7 +207,9 @@ def lower_later(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
     need = needed(inp, params)
     held_s = inp.now_s - since
     if held_s + 1e-9 < params.lower_after_s:
-        why = f"{want} replica(s) carry {_rate_text(inp)} for {held_s:.1f}s < {params.lower_after_s:g}s: hold {st.target}"
+        why = (
+            f"{want} replica(s) carry {_rate_text(inp)} for {held_s:.1f}s < {params.lower_after_s:g}s: hold {st.target}"
+        )
         return ReplicaDecision(
             st.target, st.target, ReplicaRule.HOLD, ReplicaTrigger.ARRIVAL_RATE_RPS, inp.arrival_rate_rps, why, need
         ), ReplicaState(st.target, since, want)
@@ -250,12 +251,14 @@ def decide(
     if inp.configured < 1:
         raise ValueError(f"configured replicas ({inp.configured}) must be at least 1")
     given = state.target
-    state = replace(state, target=_clamp(given, inp, params))
+    bounded = _clamp(given, inp, params)
+    if bounded != given:
+        state = replace(state, target=bounded)
     for rule in RULES:
         out = rule(inp, state, params)
         if out is not None:
             decision, new_state = out
-            return replace(decision, old=given), new_state
+            return (decision if bounded == given else replace(decision, old=given)), new_state
     raise AssertionError("the replica rules ended without an answer; their last rule must always answer")
 
 

@@ -15,7 +15,8 @@ Pure: the cores come in as objects to read (duck-typed, no import of the core), 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from broker.decision_log import finite
@@ -23,6 +24,7 @@ from broker.memory_model import MemoryModel
 from broker.profiles import active_profile
 from broker.replica_rules import (
     LOWER_AFTER_WINDOWS,
+    THROUGHPUT,
     ReplicaDecision,
     ReplicaInputs,
     ReplicaParams,
@@ -33,14 +35,17 @@ from broker.replica_rules import (
 from broker.vocab import EntryKind
 
 
-def core_inputs(core: Any, now_s: float) -> dict[str, ReplicaInputs]:
-    """The replica rule's inputs for every batch model of one card's core, after its tick."""
+def core_inputs(core: Any, now_s: float, only: Callable[[str, Any], bool] | None = None) -> dict[str, ReplicaInputs]:
+    """The replica rule's inputs for the models of one card's core, after its tick (``only``:
+    the models, by name and spec, whose inputs are wanted; default every one)."""
     cfg = core.config
     profile = active_profile(cfg.profiles, now_s)
     snap = getattr(core, "_last_snapshot", None)
     state = getattr(core, "_state", None)
     out: dict[str, ReplicaInputs] = {}
     for name, spec in cfg.models.items():
+        if only is not None and not only(name, spec):
+            continue
         load = snap.models.get(name) if snap is not None else None
         ms = state.models.get(name) if state is not None else None
         fit = ms.latency_fit if (ms is not None and spec.kind != "llm") else None  # LLM engines: configured count
@@ -61,10 +66,14 @@ def core_inputs(core: Any, now_s: float) -> dict[str, ReplicaInputs]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _params(window_s: float) -> ReplicaParams:
+    return ReplicaParams(lower_after_s=LOWER_AFTER_WINDOWS * window_s)
+
+
 def params_for(core: Any, model: str) -> ReplicaParams:
     """The hysteresis of one model: a lower waits ``LOWER_AFTER_WINDOWS`` of its rate window."""
-    spec = core.config.models[model]
-    return ReplicaParams(lower_after_s=LOWER_AFTER_WINDOWS * spec.control.window_s)
+    return _params(float(core.config.models[model].control.window_s))
 
 
 def replicas_entry(
@@ -97,9 +106,8 @@ def replicas_entry(
     if card:
         entry["card"] = card
     where = f"{name}@{card}" if card else name
-    line = (
-        f"{where}: replica_target {d.old}->{d.target} [{d.trigger}={entry['trigger_value']}] {d.reason}"
-        + (" (dry run)" if dry else "")
+    line = f"{where}: replica_target {d.old}->{d.target} [{d.trigger}={entry['trigger_value']}] {d.reason}" + (
+        " (dry run)" if dry else ""
     )
     return entry, line
 
@@ -117,7 +125,14 @@ class ReplicaTargets:
         ``label_cards``: entries carry ``card`` (a fleet of many cards)."""
         changes: list[tuple[dict[str, Any], str]] = []
         for cid, core in cores.items():
-            for name, inp in core_inputs(core, now_s).items():
+            only = None
+            if active_profile(core.config.profiles, now_s).objective != THROUGHPUT:
+                # off-peak every target is the configured count: only a model not there yet is decided
+                def only(name: str, spec: Any, cid: str = cid) -> bool:
+                    st = self.states.get((cid, name))
+                    return st is not None and st != initial_state(spec.replicas)
+
+            for name, inp in core_inputs(core, now_s, only).items():
                 key = (cid, name)
                 st = self.states.get(key) or initial_state(inp.configured)
                 d, self.states[key] = decide(inp, st, params_for(core, name))
