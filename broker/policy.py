@@ -330,7 +330,9 @@ def _anti_oscillation(
     ctl = spec.control
     note = ""
     direction = (want.cap > ms.max_batch) - (want.cap < ms.max_batch)
-    reversals = tuple(t for t in ms.reversals if t > now - ctl.reversal_window_s)
+    reversals = ms.reversals  # ascending: pruned only when its oldest left the window
+    if reversals and reversals[0] <= now - ctl.reversal_window_s:
+        reversals = tuple(t for t in reversals if t > now - ctl.reversal_window_s)
     # relax after a quiet spell
     if ms.band_scale > 1.0 and now - ms.last_reversal_s > 2 * ctl.reversal_window_s:
         ms = evolve(
@@ -344,7 +346,7 @@ def _anti_oscillation(
             rule=Rule.HELD,
             reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)",
         )
-        return held, evolve(ms, reversals=reversals), note
+        return held, (ms if reversals is ms.reversals else evolve(ms, reversals=reversals)), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
@@ -356,7 +358,7 @@ def _anti_oscillation(
             )
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
-    return want, evolve(ms, reversals=reversals), note
+    return want, (ms if reversals is ms.reversals else evolve(ms, reversals=reversals)), note
 
 
 __all__ = [

@@ -25,6 +25,7 @@ from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsRe
 from quotas.config import FleetConfig
 
 MAX_LATENCY_SAMPLES = 20_000  # per model per window, newest kept
+MIN_INTERVAL_S = 1e-9  # a replica's reports covering less than this say nothing about its rates
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -107,6 +108,9 @@ class _ModelWindow:
         "max_costs",
         "oom",
         "peaks",
+        "rate_acc",
+        "rate_lat",
+        "rate_q",
         "slo_ms",
     )
 
@@ -127,6 +131,11 @@ class _ModelWindow:
         self.fit_drops = 0  # points subtracted since the sums were last re-added from scratch
         self.timings: tuple[tuple[float, float], ...] | None = ()  # tuple(fit_pts); None: rebuild
         self.lat_sorted: list[float] | None = []  # the window's latencies, ascending; None: rebuild
+        # the rate window's reports and, per replica, their running sums: arrivals, completions,
+        # rejects + timeouts, busy_s, interval_s, reports
+        self.rate_q: deque[_Digest] = deque()
+        self.rate_acc: dict[str, list[float]] = {}
+        self.rate_lat: list[float] | None = []  # the rate window's latencies, ascending; None: rebuild
 
     def add(self, d: _Digest) -> None:
         self.events.append(d)
@@ -143,9 +152,19 @@ class _ModelWindow:
         if d.oom_costs:
             self.oom += 1
         if d.lat:
-            self.lat_sorted = None
+            self.lat_sorted = self.rate_lat = None
         if d.batches:
             self.timings = None
+        self.rate_q.append(d)
+        acc = self.rate_acc.get(d.rid)
+        if acc is None:
+            acc = self.rate_acc[d.rid] = [0, 0, 0, 0.0, 0.0, 0]
+        acc[0] += d.arrivals
+        acc[1] += d.completions
+        acc[2] += d.misses
+        acc[3] += d.busy_s
+        acc[4] += d.interval
+        acc[5] += 1
         sums = self.fit_sums
         for b, ms in d.batches:
             self.fit_pts.append((b, ms))
@@ -177,6 +196,31 @@ class _ModelWindow:
             n, sb, sl, sbb, sbl = fit_sums(self.fit_pts)
             self.fit_n, self.fit_sums, self.fit_drops = n, [sb, sl, sbb, sbl], 0
         return (self.fit_n, *self.fit_sums)
+
+    def advance_rate(self, from_s: float) -> None:
+        """Reports older than ``from_s`` leave the rate window (and its sums)."""
+        q = self.rate_q
+        while q and q[0].t < from_s:
+            d = q.popleft()
+            acc = self.rate_acc[d.rid]
+            if acc[5] <= 1:  # its last report here: drop the sums rather than keep float remainders
+                del self.rate_acc[d.rid]
+            else:
+                acc[0] -= d.arrivals
+                acc[1] -= d.completions
+                acc[2] -= d.misses
+                acc[3] -= d.busy_s
+                acc[4] -= d.interval
+                acc[5] -= 1
+            if d.lat:
+                self.rate_lat = None
+
+    def rate_latencies(self) -> list[float]:
+        if self.rate_lat is None:
+            lat = list(chain.from_iterable(map(_LAT, self.rate_q)))
+            lat.sort()
+            self.rate_lat = lat
+        return self.rate_lat
 
     def batch_timings(self) -> tuple[tuple[float, float], ...]:
         if self.timings is None:
@@ -289,6 +333,8 @@ class ReportWindow:
         attainment (``broker.attainment``) is measured against it, else against ``slo_p95_ms``."""
         memory_models = memory_models or {}
         self._slo_ms = dict(slo_ms or {})
+        self._rate_s, self._stale_s = self.rate_window_s(), self.stale_after_s()
+        self._recent_s = max(1.0, 2.0 * self._config.broker.report_interval_s) + 1e-9
         since = self._last_snapshot_s
         self._last_snapshot_s = now_s
         models = {
@@ -305,9 +351,8 @@ class ReportWindow:
         events = mw.events
         slo = self._slo_ms.get(name, spec.slo_p95_ms)
         mw.recount(slo)
-        rate_from = now_s - self.rate_window_s()
-        recent_from = now_s - max(1.0, 2.0 * self._config.broker.report_interval_s) - 1e-9
-        live_from = now_s - self.stale_after_s()
+        rate_from, recent_from, live_from = now_s - self._rate_s, now_s - self._recent_s, now_s - self._stale_s
+        mw.advance_rate(max(rate_from, now_s - window_s))
 
         latest = {rid: d.report for rid, d in mw.latest.items() if d.t >= live_from}
         received = {rid: d.t for rid, d in mw.latest.items() if d.t >= live_from}
@@ -322,12 +367,10 @@ class ReportWindow:
         max_cost = mw.max_costs[0].max_cost if mw.max_costs else 0.0  # the batch behind the window's peak
         emergency = False
         oom_splits = 0
-        recent: list[float] = []
         recent_acc: dict[str, list[float]] = {}
-        per_replica: dict[str, list[float]] = {}  # arrivals, completions, rejects, busy_s, interval_s
-        for d in reversed(events):
+        for d in reversed(events):  # the last report or two of each replica, and those since the last snapshot
             t = d.t
-            if t < rate_from and t < recent_from and t <= since_s:
+            if t < recent_from and t <= since_s:
                 break
             if t > since_s:
                 emergency = emergency or d.emergency
@@ -336,14 +379,8 @@ class ReportWindow:
                 racc = recent_acc.setdefault(d.rid, [0.0, 0.0])
                 racc[0] += d.arrivals
                 racc[1] += d.interval
-            if t >= rate_from:
-                recent.extend(d.lat)
-                acc = per_replica.setdefault(d.rid, [0.0, 0.0, 0.0, 0.0, 0.0])
-                acc[0] += d.arrivals
-                acc[1] += d.completions
-                acc[2] += d.misses
-                acc[3] += d.busy_s
-                acc[4] += d.interval
+        per_replica = mw.rate_acc  # arrivals, completions, rejects, busy_s, interval_s (reports)
+        recent = mw.rate_latencies()
 
         edge = self._edge[name]
         while edge and edge[0][0] < now_s - window_s:
@@ -353,10 +390,9 @@ class ReportWindow:
         counted += edge_total
 
         def rate(i: int) -> float:
-            return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > 0)
+            return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > MIN_INTERVAL_S)
 
-        busy = [acc[3] / acc[4] for acc in per_replica.values() if acc[4] > 0]
-        recent.sort()
+        busy = [acc[3] / acc[4] for acc in per_replica.values() if acc[4] > MIN_INTERVAL_S]
         return ModelLoad(
             name=name,
             replicas=len(latest),
@@ -364,7 +400,7 @@ class ReportWindow:
             arrival_rate_rps=rate(0),
             recent_arrival_rate_rps=sum(a / i for a, i in recent_acc.values() if i > 0),
             completion_rate_rps=rate(1),
-            reject_rate_rps=rate(2) + edge_recent / self.rate_window_s(),
+            reject_rate_rps=rate(2) + edge_recent / self._rate_s,
             p50_ms=percentile(latencies, 50),
             p95_ms=percentile(latencies, 95),
             p99_ms=percentile(latencies, 99),
