@@ -73,6 +73,9 @@ class BrokerActor:
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
         self._started_s = time.time()
+        self._reconciler: Any = None  # deployments.reconcile.ServeReconciler, given by the deploying layer
+        self._reconcile: dict[str, Any] = {"applied_version": 0, "last": None, "error": None, "last_s": None}
+        self._reconcile_task: asyncio.Task | None = None
         try:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         except RuntimeError:
@@ -91,6 +94,34 @@ class BrokerActor:
             except Exception as exc:  # noqa: BLE001 - keep the loop alive, surface the error in status
                 self._last_error = repr(exc)
                 logger.exception("broker tick failed")
+            if self._reconciler is not None and (self._reconcile_task is None or self._reconcile_task.done()):
+                self._reconcile_task = asyncio.get_running_loop().create_task(self._follow())
+
+    async def _follow(self) -> None:
+        """After a tick: Ray's view of the cards to the broker, and a changed placement to Serve
+        (``deployments.reconcile``; blocking Ray calls run in a worker thread, one at a time)."""
+        try:
+            alive = await asyncio.to_thread(self._reconciler.alive_cards)
+            self._core.observe_cards(alive)
+            version = self._core.placement_version
+            if version != self._reconcile["applied_version"]:
+                placement, reasons = self._core.placement, dict(self._core.unplaced_reasons)
+                t0 = time.time()
+                done = await asyncio.to_thread(self._reconciler, placement, reasons)
+                self._reconcile.update(applied_version=version, last=done, error=None, last_s=time.time())
+                logger.info("placement %d applied to Serve in %.2fs: %s", version, time.time() - t0, done)
+        except Exception as exc:  # noqa: BLE001 - retried after the next tick; surfaced in status
+            self._reconcile["error"] = repr(exc)
+            logger.exception("reconcile failed")
+
+    async def set_reconciler(self, reconciler: Any) -> dict[str, Any]:
+        """The deploying layer's applier of re-placements (``deployments.reconcile.ServeReconciler``);
+        turns re-placement on: a card loss or join re-places the fleet and Serve follows."""
+        self._ensure_loop()
+        self._reconciler = reconciler
+        self._core.enable_replacement()
+        self._reconcile["applied_version"] = self._core.placement_version
+        return {"ok": True, "placement_version": self._core.placement_version}
 
     async def ping(self) -> dict[str, Any]:
         self._ensure_loop()
@@ -119,6 +150,7 @@ class BrokerActor:
         out["pid"] = os.getpid()
         out["started_s"] = self._started_s
         out["last_error"] = self._last_error
+        out["reconcile"] = dict(self._reconcile, enabled=self._reconciler is not None)
         out["metrics_url"] = self._exporter.url if self._exporter is not None else None
         return out
 

@@ -27,7 +27,10 @@ without it the replicas serve on their config's initial settings and keep retryi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +73,20 @@ def model_route(model: str, prefix: str = "/") -> str:
     return f"{prefix.rstrip('/')}/v1/models/{model}"
 
 
+def deployment_version(model_cls: type, dep_name: str, replicas: int, actor_options: dict, args: tuple) -> str:
+    """A Serve version from what a deployment runs (class, name, replicas, Ray options, constructor
+    arguments). Redeploying an app whose group is unchanged is then a no-op for that group: its
+    replicas keep running (``deployments.reconcile``). Serve would otherwise give every
+    ``serve.run`` a random version and restart every replica of the app."""
+    digest = [hashlib.sha256(a.encode()).hexdigest() if isinstance(a, str) else a for a in args]
+    blob = json.dumps(
+        [f"{model_cls.__module__}.{model_cls.__qualname__}", dep_name, replicas, actor_options, digest],
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def config_text_from_args(args: dict[str, Any]) -> str:
     if "config_text" in args and args["config_text"]:
         return str(args["config_text"])
@@ -94,15 +111,20 @@ def model_deployment(
     model_num_cpus: float = MODEL_NUM_CPUS,
     model_cls: type = HttpModel,
     placement: Any = None,
+    plans: Sequence[Any] | None = None,
+    router: bool | None = None,
 ) -> Application:
     """One model's application graph: the ``HttpModel`` deployment (or a subclass), its own ingress.
 
     A fleet with ``gpus:`` places every replica on a card (``placement``, ``quotas.placement``): a
     model on one card is one deployment asking for that card's resource; a model on several cards
-    is one deployment per card (``<model>@<card>``) behind a ``CardRouter`` ingress."""
+    is one deployment per card (``<model>@<card>``) behind a ``CardRouter`` ingress. ``plans``
+    (``DeploymentPlan``s of this model) replace the placement's; ``router`` keeps the router
+    ingress even for one group (``deployments.reconcile`` after a re-placement)."""
     from ray.serve.config import BackpressureConfig
 
     def one(dep_name: str, replicas: int, actor_options: dict[str, Any], *args: Any) -> Application:
+        version = deployment_version(model_cls, dep_name, replicas, actor_options, (name, config_text, *args))
         return (
             serve.deployment(model_cls)
             .options(
@@ -115,16 +137,19 @@ def model_deployment(
                 health_check_period_s=5,
                 graceful_shutdown_timeout_s=5,
             )
+            .options(version=version, _internal=True)  # Serve's own option; not settable otherwise
             .bind(name, config_text, *args)
         )
 
-    if placement is None or cfg.gpus is None:
-        return one(name, spec.replicas, {"num_cpus": model_num_cpus})
-    from deployments.http_cards import CardRouter
-    from deployments.placement_resources import deployment_plans
+    if plans is None:
+        if placement is None or cfg.gpus is None:
+            return one(name, spec.replicas, {"num_cpus": model_num_cpus})
+        from deployments.placement_resources import deployment_plans
 
-    plans = [p for p in deployment_plans(placement, model_num_cpus=model_num_cpus) if p.model == name]
-    if len(plans) == 1:
+        plans = [p for p in deployment_plans(placement, model_num_cpus=model_num_cpus) if p.model == name]
+    from deployments.http_cards import CardRouter
+
+    if len(plans) == 1 and not router:
         p = plans[0]
         return one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas)
     groups = {p.card_id: one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas) for p in plans}
@@ -134,6 +159,8 @@ def model_deployment(
             name=name,
             ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
             max_ongoing_requests=4096,
+            max_surge_percent=100,  # a new router (re-placed groups) is up before the old one stops
+            graceful_shutdown_timeout_s=5,  # the old one's calls to a group that is gone end then (explicit 503)
         )
         .bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
     )

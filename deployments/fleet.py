@@ -38,6 +38,18 @@ def example_inputs(cfg: FleetConfig) -> dict[str, Any]:
     return out
 
 
+def proxy_location(nodes: list[dict[str, Any]] | None = None) -> str:
+    """Serve's proxies: one per node (``EveryNode``), or on the head only (``HeadOnly``) when two
+    alive Ray nodes share an address: two ``ray start`` nodes on one machine would bind the
+    same HTTP port, and the second proxy would never start."""
+    if nodes is None:
+        import ray
+
+        nodes = ray.nodes()
+    addresses = [n.get("NodeManagerAddress") for n in nodes if n.get("Alive", True)]
+    return "HeadOnly" if len(addresses) != len(set(addresses)) else "EveryNode"
+
+
 def deploy(
     cfg: FleetConfig,
     config_text: str,
@@ -65,12 +77,21 @@ def deploy(
     notify("broker-up", {})
     host = http_host or cfg.broker.http_host
     port = http_port or cfg.broker.http_port
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(proxy_location=proxy_location(), http_options={"host": host, "port": port})
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
     apps = fleet_apps(
         cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME, cards=cards
     )
     run_fleet(apps, logging_config={"enable_access_log": False})  # not waiting: progress below
+    if cfg.gpus is not None:  # many cards: the broker re-places after a card loss or join and Serve follows
+        import ray
+
+        from deployments.reconcile import ServeReconciler
+
+        follow = ServeReconciler(
+            config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS
+        )
+        ray.get(broker.set_reconciler.remote(follow), timeout=60)
     deadline = time.time() + timeout_s
     while True:
         every = serve.status().applications

@@ -1,0 +1,239 @@
+"""Serve follows the broker's re-placement: a thin applier that runs in the broker actor (head node).
+
+Who triggers it. ``deployments.fleet.deploy`` hands the broker actor a ``ServeReconciler``
+(``BrokerActor.set_reconciler``), which turns re-placement on in ``broker.fleet_core.FleetBroker``.
+After every tick the actor asks the reconciler which cards' nodes are in the Ray cluster
+(``alive_cards``: the ``gpubroker_card_<id>`` resources of the alive nodes) and gives that to
+``FleetBroker.observe_cards`` (a node that left loses its cards at once; one that joins brings
+its cards back); when the broker's ``placement_version`` moved (a loss, by silence or by Ray,
+or a join with replicas waiting), the actor calls the reconciler with the new placement in a
+worker thread, one call at a time, and keeps the outcome in its status (``reconcile``).
+
+What it applies. Every model whose card groups changed is deployed again under its app name
+and route (``serve.run_many`` without waiting):
+
+- a group as deployed (same card, same replica count) is its deploy-time deployment exactly
+  (name, Ray options, arguments, hence its version: ``deployments.app.deployment_version``), so
+  Serve leaves its replicas running;
+- a group that is new on its card, or whose size changed, is pinned to its card's node by label
+  (``gpubroker.io/node``, or ``ray.io/node-id`` for a discovered card), told its card in its
+  environment, and asks for no card resource: the card's units are held by the deploy-time
+  replicas (``deployments.placement_resources``), and the broker's placement (Σ base ≤ usable
+  per card, ``quotas.placement.replace_after_loss``) is the guard now. A group whose size
+  changed restarts (its replicas split the grant by their count, a constructor argument);
+- the app keeps its shape: a model deployed behind a ``CardRouter`` keeps its router (groups
+  ``<model>@<card>``; the router itself is replaced, the new one up before the old stops); a
+  one-group model stays one deployment unless it now spans cards;
+- a model with no replica placed gets a stand-in ingress (``Unplaced``) that answers 503 +
+  ``Retry-After`` with the broker's reason, so its route answers instead of waiting for
+  replicas that cannot start.
+
+LLM engines (``kind: llm``) share one app and are not re-placed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from broker.replacement import groups_of
+from deployments.app import (
+    FLEET_APP,
+    INGRESS_NUM_CPUS,
+    MODEL_NUM_CPUS,
+    ServeApp,
+    model_app_name,
+    model_deployment,
+    model_route,
+    run_fleet,
+)
+from deployments.http_api import JSON_TYPE, HttpAnswer
+from deployments.http_model import HttpModel
+from deployments.placement_resources import (
+    CARD_ENV,
+    CARD_INDEX_ENV,
+    NODE_LABEL,
+    NOSET_CUDA_ENV,
+    RAY_NODE_ID_LABEL,
+    DeploymentPlan,
+    deployment_name,
+    deployment_plans,
+)
+from quotas.cards import Card, CardDevice, fleet_cards
+from quotas.config import parse_config_text
+from quotas.placement import Placement, place_fleet
+
+
+def moved_actor_options(card: Card, num_cpus: float) -> dict[str, Any]:
+    """``ray_actor_options`` of a re-placed group: on its card's node by label, its card in its
+    environment, no card resource (see the module note)."""
+    env = {CARD_ENV: card.id, CARD_INDEX_ENV: str(card.index)}
+    if card.device == CardDevice.CUDA:
+        env.update({NOSET_CUDA_ENV: "1", "CUDA_VISIBLE_DEVICES": str(card.index)})
+    selector = {RAY_NODE_ID_LABEL: card.node_id} if card.node_id else {NODE_LABEL: card.node}
+    return {"num_cpus": num_cpus, "label_selector": selector, "runtime_env": {"env_vars": env}}
+
+
+class Unplaced:
+    """Stand-in ingress of a model none of whose replicas fits on a live card: an explicit 503."""
+
+    def __init__(self, model: str, reason: str, retry_after_s: int) -> None:
+        self.answer = HttpAnswer(
+            503,
+            {"detail": f"model '{model}' has no replica placed: {reason}; retry later", "unplaced": True},
+            {"Retry-After": str(retry_after_s)},
+        )
+
+    async def __call__(self, request: Request) -> Response:
+        a = self.answer
+        return Response(a.encoded(), status_code=a.status, headers=a.headers or None, media_type=JSON_TYPE)
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    """What one reconcile applied."""
+
+    redeployed: tuple[str, ...]  # models whose apps were deployed again
+    unplaced: tuple[str, ...]  # of those, models with no replica placed (stand-in ingress)
+    groups: dict[str, dict[str, int]]  # model -> card -> replicas, for the redeployed models
+    kept: dict[str, list[str]]  # model -> deployments kept exactly as deployed (Serve leaves them be)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "redeployed": list(self.redeployed),
+            "unplaced": list(self.unplaced),
+            "groups": self.groups,
+            "kept": self.kept,
+        }
+
+
+class ServeReconciler:
+    """Applies a ``Placement`` to Serve (``__call__``) and reads which cards are alive (``alive_cards``).
+
+    Built where the fleet is deployed, with the same arguments as ``deployments.app.fleet_apps``;
+    picklable (the broker actor receives it)."""
+
+    def __init__(
+        self,
+        config_text: str,
+        *,
+        cards: tuple[Card, ...] | None = None,
+        fleet_app: str = FLEET_APP,
+        prefix: str = "/",
+        model_num_cpus: float = MODEL_NUM_CPUS,
+        model_cls: type = HttpModel,
+    ) -> None:
+        self.config_text = config_text
+        self.cards = cards
+        self.fleet_app = fleet_app
+        self.prefix = prefix
+        self.model_num_cpus = model_num_cpus
+        self.model_cls = model_cls
+        self._cache: dict[str, Any] = {}  # config, deploy-time placement and plans, what Serve runs now
+
+    def __getstate__(self) -> dict[str, Any]:  # placements hold read-only mappings: rebuilt after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_cache"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _cache={})
+
+    # ---------------------------------------------------------------- pure parts
+    @property
+    def cfg(self) -> Any:
+        if "cfg" not in self._cache:
+            self._cache["cfg"] = parse_config_text(self.config_text, "reconcile config")
+        return self._cache["cfg"]
+
+    def deployed(self) -> Placement:
+        """The deploy-time placement (what ``fleet_apps`` deployed)."""
+        if "deployed" not in self._cache:
+            self._cache["deployed"] = place_fleet(self.cfg, self.cards)
+        return self._cache["deployed"]
+
+    def _as_deployed(self) -> dict[tuple[str, str], DeploymentPlan]:
+        if "plans" not in self._cache:
+            plans = deployment_plans(self.deployed(), model_num_cpus=self.model_num_cpus)
+            self._cache["plans"] = {(p.model, p.card_id): p for p in plans}
+        return self._cache["plans"]
+
+    def plans_for(self, model: str, placement: Placement) -> tuple[list[DeploymentPlan], bool]:
+        """The deployments of ``model`` under ``placement`` and whether its app is a router."""
+        deployed, as_deployed = self.deployed(), self._as_deployed()
+        groups = groups_of(placement, model)
+        router = len(deployed.cards_of(model)) > 1 or len(groups) > 1
+        plans = []
+        for cid, n in groups.items():
+            name = deployment_name(model, cid, 2 if router else 1)
+            dep = as_deployed.get((model, cid))
+            if dep is not None and dep.num_replicas == n and dep.name == name:
+                plans.append(dep)
+            else:
+                options = moved_actor_options(placement.card(cid), self.model_num_cpus)
+                plans.append(DeploymentPlan(name, model, cid, n, options))
+        return plans, router
+
+    def apps_for(
+        self, placement: Placement, reasons: dict[str, str] | None = None
+    ) -> tuple[list[ServeApp], ReconcileResult]:
+        cfg = self.cfg
+        current = self._cache.get("current") or self.deployed()
+        apps, redeployed, unplaced, groups, kept = [], [], [], {}, {}
+        as_deployed = list(self._as_deployed().values())
+        for model, spec in cfg.models.items():
+            if spec.kind == "llm" or groups_of(current, model) == groups_of(placement, model):
+                continue
+            redeployed.append(model)
+            groups[model] = groups_of(placement, model)
+            route, app_name = model_route(model, self.prefix), model_app_name(model, self.fleet_app)
+            plans, router = self.plans_for(model, placement)
+            if not plans:
+                unplaced.append(model)
+                why = (reasons or {}).get(model, "it fits on no live card")
+                retry = max(1, round(cfg.broker.control_interval_s))
+                from ray import serve
+
+                app = (
+                    serve.deployment(Unplaced)
+                    .options(name=model, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096)
+                    .bind(model, why, retry)
+                )
+                apps.append(ServeApp(app_name, route, app))
+                kept[model] = []
+                continue
+            kept[model] = [p.name for p in plans if p in as_deployed]
+            app = model_deployment(
+                model,
+                spec,
+                cfg,
+                self.config_text,
+                model_num_cpus=self.model_num_cpus,
+                model_cls=self.model_cls,
+                plans=plans,
+                router=router,
+            )
+            apps.append(ServeApp(app_name, route, app))
+        return apps, ReconcileResult(tuple(redeployed), tuple(unplaced), groups, kept)
+
+    # ---------------------------------------------------------------- Ray and Serve
+    def __call__(self, placement: Placement, reasons: dict[str, str] | None = None) -> dict[str, Any]:
+        """Deploy the changed models' apps (not waiting for them to run); returns what it did."""
+        apps, result = self.apps_for(placement, reasons)
+        if apps:
+            run_fleet(apps, wait=False, logging_config={"enable_access_log": False})
+        self._cache["current"] = placement
+        return result.to_dict()
+
+    def alive_cards(self) -> set[str]:
+        """The fleet's cards whose node is alive in the Ray cluster now."""
+        import ray
+
+        from deployments.cluster_discovery import card_nodes
+
+        nodes = ray.nodes()
+        alive = {str(n["NodeID"]) for n in nodes if n.get("Alive", True)}
+        listed = set(card_nodes(nodes))
+        every = fleet_cards(self.cfg.gpu, self.cfg.gpus, self.cards)
+        return {c.id for c in every if c.id in listed or (c.node_id is not None and c.node_id in alive)}
