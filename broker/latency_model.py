@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from broker.types import ModelLoad
 
 C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or token)
+FIT_DECIMALS = 9  # a and c are kept to a nanosecond of a millisecond
 
 
 @dataclass(frozen=True)
@@ -91,4 +92,6 @@ def fit_from_sums(sums: FitSums, prior: LatencyFit | None = None) -> LatencyFit 
     if a < 0:  # line through the origin instead
         a = 0.0
         c = max(C_MIN_MS, sbl / sbb)
-    return LatencyFit(a_ms=a, c_ms=c, samples=n)
+    # Sums lose the last bits that a two-pass fit keeps: round them off (far below any timing
+    # noise) so exact samples give the exact line, and a plan floored from it its exact batch.
+    return LatencyFit(a_ms=round(a, FIT_DECIMALS), c_ms=max(C_MIN_MS, round(c, FIT_DECIMALS)), samples=n)
