@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +77,14 @@ class BrokerActor:
         self._reconciler: Any = None  # deployments.reconcile.ServeReconciler, given by the deploying layer
         self._reconcile: dict[str, Any] = {"applied_version": 0, "last": None, "error": None, "last_s": None}
         self._reconcile_task: asyncio.Task | None = None
+        self._reconciler_path = Path(path).with_suffix(".reconciler.pkl") if cfg.gpus is not None else None
+        if self._reconciler_path is not None and self._reconciler_path.exists():  # a restart: Serve runs our placement
+            try:
+                self._reconciler = pickle.loads(self._reconciler_path.read_bytes())
+                self._core.enable_replacement()
+                self._reconcile["applied_version"] = self._core.placement_version
+            except Exception:  # noqa: BLE001 - without it the broker runs as before; `gpubroker up` gives a new one
+                logger.exception("saved reconciler %s not loaded", self._reconciler_path)
         try:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         except RuntimeError:
@@ -120,7 +129,11 @@ class BrokerActor:
         self._ensure_loop()
         self._reconciler = reconciler
         self._core.enable_replacement()
-        self._reconcile["applied_version"] = self._core.placement_version
+        # a new reconciler has just deployed the config's placement: if this broker runs another one
+        # (restored after a restart), the next tick applies it to Serve
+        self._reconcile["applied_version"] = 0
+        if self._reconciler_path is not None:  # a restarted broker gets it back
+            self._reconciler_path.write_bytes(pickle.dumps(reconciler))
         return {"ok": True, "placement_version": self._core.placement_version}
 
     async def ping(self) -> dict[str, Any]:

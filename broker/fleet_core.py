@@ -30,7 +30,8 @@ replicas already registered there are replayed); a card left empty loses its cor
 ``placement_version`` counts re-placements: the actor runs its reconciler (Serve redeploys the
 changed models' apps, on the head node) after a tick that changed it. A node that joins
 (``observe_cards`` sees a lost card's resource again) makes its cards live and empty; unplaced
-replicas are placed on them (no live migration of the others).
+replicas are placed on them (no live migration of the others). A re-placement is saved beside
+the checkpoint (``<checkpoint>.placement.json``); a restarted broker restores it.
 
 Replica targets: after the cores tick, ``broker.replica_targets`` runs the replica rule
 (``broker.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
@@ -51,7 +52,7 @@ from prometheus_client import CollectorRegistry
 from broker.core import BrokerCore, NullMetrics
 from broker.decision_log import DecisionLog
 from broker.metrics import BrokerMetrics
-from broker.replacement import FleetEntry, Replacement, groups_of, replace_fleet
+from broker.replacement import FleetEntry, Replacement, groups_of, read_placement, replace_fleet, write_placement
 from broker.replica_targets import ReplicaTargets
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -106,6 +107,8 @@ class FleetBroker:
         self._replacing = False  # enable_replacement: a loss or join re-places (module note)
         self._observed: set[str] = set()  # cards seen on a live node (observe_cards)
         self._registered: dict[tuple[str, str], dict[str, Any]] = {}  # (card, model) -> replica id -> calibration
+        self._launch_hash = self._cfg.config_hash()
+        self._restore_placement()
         self.replica_targets = ReplicaTargets()  # per (card, model): broker.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
@@ -217,6 +220,25 @@ class FleetBroker:
         return out
 
     # ------------------------------------------------------------------ loss, join, re-placement
+    @property
+    def _placement_path(self) -> Path | None:
+        single = self.single or self._checkpoint_path is None
+        return None if single else self._checkpoint_path.with_suffix(".placement.json")  # type: ignore[union-attr]
+
+    def _restore_placement(self) -> None:
+        """A restarted broker runs the placement it had re-placed to (what Serve runs), not the config's."""
+        path = self._placement_path
+        try:
+            got = read_placement(path, self._launch_hash, self._deployed, self._cfg) if path else None
+        except ValueError as exc:
+            got = None
+            self._event(f"{exc}; the config's placement runs")
+        if got is not None:
+            self._placement, self.lost, self.placement_version = got
+            self._event(
+                f"placement {self.placement_version} restored from {path} (lost: {sorted(self.lost) or 'none'})"
+            )
+
     def enable_replacement(self) -> None:
         """From now on a loss or a join re-places the fleet (someone applies it to Serve)."""
         self._replacing = not self.single
@@ -270,6 +292,8 @@ class FleetBroker:
                     for rid, cal in known.items():  # the replicas already there keep their calibration
                         core.register(model, rid, cal)
         self.placement_version += 1
+        if self._placement_path is not None:
+            write_placement(self._placement_path, rep.placement, self.lost, self.placement_version, self._launch_hash)
         for m in rep.models_changed:
             now = groups_of(rep.placement, m)
             self._event(

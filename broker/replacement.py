@@ -12,9 +12,11 @@ what each allowed live card has free. No Ray, no clock: the broker passes the lo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -25,6 +27,7 @@ from quotas.placement import (
     ModelDemand,
     Placement,
     demands_from_models,
+    place,
     replace_after_loss,
 )
 from quotas.sizes import format_size
@@ -74,6 +77,42 @@ def _why(d: ModelDemand, placement: Placement, alive: set[str], budget: CardBudg
     )
 
 
+def _every_card(new: Placement, cards: list[Any], budget: CardBudget) -> Placement:
+    """``new`` with every card of the fleet, in fleet order (the ones it did not place on, empty)."""
+    plans = {p.card.id: p for p in new.cards}
+    full = tuple(plans.get(c.id) or CardPlan(c, budget.usable_bytes(c, 0), 0, MappingProxyType({})) for c in cards)
+    return Placement(new.replicas, full, new.unplaced)
+
+
+def write_placement(path: Path, placement: Placement, lost: Iterable[str], version: int, launch_hash: str) -> None:
+    """Save what a restarted broker needs to run the placement Serve runs (beside its checkpoint)."""
+    replicas = {m: list(ids) for m, ids in placement.replicas.items()}
+    doc = {"launch_hash": launch_hash, "version": version, "lost": sorted(lost), "replicas": replicas}
+    path.write_text(json.dumps(doc), encoding="utf-8")
+
+
+def read_placement(
+    path: Path, launch_hash: str, deployed: Placement, cfg: Any
+) -> tuple[Placement, set[str], int] | None:
+    """The saved placement again, with its lost cards and version; None when there is none for
+    this launch config. Its replicas are kept where they ran (``place`` with ``keep``: same rules,
+    same result) on every card but the lost ones. Raises ValueError on a file it cannot use."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("launch_hash") != launch_hash:
+            return None
+        cards = [p.card for p in deployed.cards]
+        gone = set(saved["lost"])
+        budget = budget_from_gpu(cfg.gpu, DEFAULT_CUDA_CONTEXT_BYTES)
+        alive = [c for c in cards if c.id not in gone]
+        new = place(demands_from_models(cfg.models), alive, budget, keep=saved["replicas"], partial=True)
+        return _every_card(new, cards, budget), gone, int(saved["version"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a saved placement ({exc!r})") from exc
+
+
 def replace_fleet(previous: Placement, cfg: Any, lost: Iterable[str]) -> Replacement:
     """Re-place ``cfg``'s models (a ``quotas.config.FleetConfig``) on every card of ``previous``
     except ``lost``; see the module note."""
@@ -83,9 +122,7 @@ def replace_fleet(previous: Placement, cfg: Any, lost: Iterable[str]) -> Replace
     budget = budget_from_gpu(cfg.gpu, DEFAULT_CUDA_CONTEXT_BYTES)
     demands = demands_from_models(cfg.models)
     new = replace_after_loss(previous, demands, alive, budget)
-    plans = {p.card.id: p for p in new.cards}
-    full = tuple(plans.get(c.id) or CardPlan(c, budget.usable_bytes(c, 0), 0, MappingProxyType({})) for c in cards)
-    placement = Placement(new.replicas, full, new.unplaced)
+    placement = _every_card(new, cards, budget)
     models = tuple(
         m
         for m in sorted(set(previous.replicas) | set(new.replicas))

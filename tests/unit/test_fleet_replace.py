@@ -167,3 +167,18 @@ def test_a_replica_that_joins_its_own_group_rebuilds_that_card_with_its_calibrat
     assert core.status()["models"]["solo"]["calibrated"]  # replayed on the rebuilt core
     for plan in fb2.placement.cards:
         assert plan.base_bytes <= plan.usable_bytes
+
+
+def test_a_restarted_broker_runs_the_placement_it_had_re_placed_to(tmp_path):
+    path = tmp_path / "fr.checkpoint.json"
+    fb = FleetBroker(CONFIG, clock=Clock(), checkpoint_path=path)
+    fb.enable_replacement()
+    fb.observe_cards({"a0", "a1", "b0", "b1"})
+    fb.observe_cards({"a0", "a1"})
+    again = FleetBroker(CONFIG, clock=Clock(), checkpoint_path=path)  # what Ray's restart of the actor does
+    assert again.placement.replicas == fb.placement.replicas and again.placement.unplaced == {"west": 1}
+    assert again.lost == {"b0", "b1"} and again.placement_version == fb.placement_version == 1
+    assert set(again.cores) == {"a0", "a1"}
+    other = CONFIG.replace("slo_p95_ms: 1500", "slo_p95_ms: 1400")  # another launch config: placed afresh
+    fresh = FleetBroker(other, clock=Clock(), checkpoint_path=path)
+    assert fresh.placement.replicas["west"] == ("b0",) and fresh.placement_version == 0
