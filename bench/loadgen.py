@@ -63,6 +63,7 @@ class Record:
     batch: int | None = None  # requests in the batch it ran in (bench.tagged models)
     batch_cost: int | None = None  # that batch's cost (requests or tokens)
     batch_ms: float | None = None  # that batch's predict time
+    stamps: dict[str, float] | None = None  # bench.tagged wall-clock stamps: _t_val, _t0, _t1 (time.time())
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RunResult:
     duration_s: float  # the schedule's length (arrivals in [0, duration_s))
     wall_s: float  # from the first send until the last response
     status_samples: list[dict[str, Any]] = field(default_factory=list)  # (t_s, status) polls
+    t0_wall: float = 0.0  # time.time() at the run's start (offset 0 of send_s / finish_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -168,6 +170,7 @@ async def run_async(
     samples: list[dict[str, Any]] = []
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()
+        t0_wall = time.time()
         stop = asyncio.Event()
         poller = None
         if status_url:
@@ -204,7 +207,7 @@ async def run_async(
         if poller is not None:
             await poller
     duration = max((p.t_s for p in schedule), default=0.0)
-    return RunResult(records, duration, wall, samples)
+    return RunResult(records, duration, wall, samples, t0_wall)
 
 
 def _read_tags(rec: Record, payload: bytes) -> None:
@@ -224,6 +227,8 @@ def _read_tags(rec: Record, payload: bytes) -> None:
         return
     if isinstance(out, dict) and "_batch" in out:
         rec.batch, rec.batch_cost, rec.batch_ms = out.get("_batch"), out.get("_cost"), out.get("_batch_ms")
+        stamps = {k: out[k] for k in ("_t_val", "_t0", "_t1") if isinstance(out.get(k), (int, float))}
+        rec.stamps = stamps or None
 
 
 def run(base_url: str, schedule: Sequence[Planned], **kw: Any) -> RunResult:
