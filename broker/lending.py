@@ -33,8 +33,16 @@ moves to make, and when a move may complete, in this order, each tick:
    release is two-phase too: the grant drops now, the pool gets the bytes at its confirm;
 6. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
    borrows from models idle (busy share under ``idle_util_frac``, no backlog) for
-   ``idle_hold_s``, which give what they hold above their working set (peak memory x 1.1, the
-   memory for a floor batch, and ``min``), highest priority first;
+   ``idle_hold_s``, which give what they hold above their working set, highest priority first.
+   A move must buy more than it costs: the borrower must be held back by its memory now
+   (``pressed``: its window's biggest batch at the ceiling its grant holds, and a backlog or a
+   recent P95 over its SLO; with lazy formation every model *wants* a large cap), the loan must
+   raise its batch ceiling, and a lender keeps, up to its base, the memory for what its own
+   demand at the window's peak needs (``peak_batch``: all of its biggest batch if it missed its
+   SLO in the window, else the smallest batch whose scaled P99 stays within ``LEND_TAIL_FRAC``
+   of its SLO). Measured on ``bench lending``'s independent load (every model bursting, gamma
+   CV 4): lenders lowered to the floor batch missed their next burst before the reclaim
+   landed, and loans of memory a borrower could not use bought nothing;
 7. restore: an owner still under its base takes it back from the free pool (memory nobody
    asked for this tick); if it is idle it will lend it again when someone needs it.
 
@@ -47,19 +55,24 @@ base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from broker.latency_model import LatencyFit
 from broker.memory_model import MemoryModel
 from broker.state import BatchWant, ModelState
 from broker.types import FleetSnapshot, ModelLoad, QuotaMove
 from broker.vocab import MoveKind
-from quotas.config import FleetConfig
+from quotas.config import FleetConfig, ModelSpec
 from quotas.holding import measured_free_bytes
 from quotas.ledger import LedgerError, QuotaLedger, Transfer
 from quotas.sizes import format_size
 
 # a lender keeps its peak memory x control.working_set_margin (a config tuning constant)
+# a lender lowered to batch b must keep its window's P99, scaled to b, within this share of its SLO:
+# the window is a sample, and the tail the lender has not seen yet needs room too
+LEND_TAIL_FRAC = 0.7
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
 
 
@@ -96,6 +109,53 @@ class ConfirmGate:
     used_bytes: int  # measured use summed over the live replicas
     measured_s: float  # the oldest of their latest reports: transfers begun before it may complete
     why: str
+
+
+def peak_batch(load: ModelLoad, spec: ModelSpec, fit: LatencyFit | None) -> int:
+    """The smallest batch a lender may be lowered to: what its own demand at the window's peak
+    needs within its SLO (a lender keeps the memory for it, up to its base).
+
+    The window's peak ran batches of up to ``max_batch`` (``peak``). A model that missed its SLO
+    in the window (attainment under 1) needed all of them. Otherwise a smaller batch ``b`` is
+    enough when the window's P99 stays within the SLO at the rate ``b`` drains a queue: a queue
+    of requests takes ``L(b) / b`` per request instead of ``L(peak) / peak`` (the latency fit;
+    with none, ``1 / b``: no fixed cost to share, the largest slowdown), so the P99 scales by
+    their ratio. No latency samples in the window: the floor."""
+    floor = max(1, spec.batch.floor)
+    peak = max(floor, math.ceil(load.max_batch))
+    if load.attainment is not None and load.attainment < 1.0:
+        return peak
+    if load.p99_ms is None or load.latency_samples == 0:
+        return floor
+
+    def per_request_ms(b: int) -> float:
+        return (fit.predict_ms(b) if fit is not None else 1.0) / b
+
+    for b in range(floor, peak):
+        if load.p99_ms * per_request_ms(b) / per_request_ms(peak) <= LEND_TAIL_FRAC * spec.slo_p95_ms:
+            return b
+    return peak
+
+
+def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> str | None:
+    """Why a model that wants more memory should not borrow it (None: it should).
+
+    A batch cap that wants more than the grant holds is not a need by itself (with lazy
+    formation every model wants a large cap). A borrower must be held back by its memory now:
+    its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
+    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO."""
+    if ceiling is None:  # memory does not limit its batch
+        return "memory does not limit its batch"
+    if load.max_batch < ceiling:
+        return f"its biggest batch in the window ({load.max_batch:.0f}) is under its memory ceiling {ceiling}"
+    backlog = load.queue_depth > ceiling * max(1, load.replicas)
+    late = load.recent_p95_ms is not None and load.recent_p95_ms > spec.slo_p95_ms
+    if not (backlog or late):
+        return (
+            f"not behind (queue {load.queue_depth:.0f}, recent P95 "
+            f"{0.0 if load.recent_p95_ms is None else load.recent_p95_ms:.0f} ms within its SLO {spec.slo_p95_ms:g} ms)"
+        )
+    return None
 
 
 def min_move_bytes(ledger: QuotaLedger) -> int:
@@ -217,14 +277,18 @@ def plan_quota(
         return min(q.max, max(q.min, replicas(name) * model.grant_for(wants[name].cap)))
 
     def working_set(name: str) -> int:
-        # What an idle lender keeps: its memory in use now (latest reports, not the window's peak:
-        # a burst that ended 20 s ago must not pin its memory for the next model's burst) times
-        # the margin, its min, and the memory for a floor batch. A lender still above a lowered
-        # grant is not confirmed until it is measured under it (two-phase), so this is safe.
+        # What an idle lender keeps: its memory in use now (latest reports, not the window's peak
+        # memory: a burst that ended 20 s ago, served on borrowed memory, must not pin it for the
+        # next model's burst) times the margin, its min, the memory for a floor batch, and up to
+        # its base what its own demand at the window's peak needs (peak_batch). A lender still
+        # above a lowered grant is not confirmed until it is measured under it (two-phase).
         spec = config.models[name]
         ws = max(int(loads[name].mem_used_bytes * spec.control.working_set_margin), spec.quota.min)
         if mm(name).calibrated:
             ws = max(ws, replicas(name) * mm(name).grant_for(spec.batch.floor))
+            # never below what its own demand at the window's peak needs (up to its base)
+            peak = replicas(name) * mm(name).grant_for(peak_batch(loads[name], spec, states[name].latency_fit))
+            ws = max(ws, min(spec.quota.base, peak))
         return ws
 
     def idle(name: str) -> bool:
@@ -337,15 +401,28 @@ def plan_quota(
         deficit -= grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
         if deficit < dust:
             continue
+        if name not in (need_bytes or {}):
+            holds = ledger.grant(name) + ledger.incoming_bytes(name)
+            behind = pressed(loads[name], config.models[name], mm(name).cap_for(holds / replicas(name)))
+            if behind is not None:  # not logged: with lazy formation this is most ticks of most models
+                continue
         donors = sorted(
             (n for n in config.models if n != name and idle(n)),
             key=lambda n: (-(ledger.grant(n) - working_set(n)), n),
         )
+        offers: list[tuple[str, int]] = []
         for donor in donors:
             surplus = min(ledger.grant(donor) - working_set(donor), ledger.headroom_bytes(name))
-            amount = min(deficit, surplus)
-            if amount < dust:
-                continue
+            amount = min(deficit - sum(a for _, a in offers), surplus)
+            if amount >= dust:
+                offers.append((donor, amount))
+        if name not in (need_bytes or {}) and offers:
+            holds = ledger.grant(name) + ledger.incoming_bytes(name)
+            ceiling = mm(name).cap_for(holds / replicas(name))
+            lifted = mm(name).cap_for((holds + sum(a for _, a in offers)) / replicas(name))
+            if ceiling is not None and lifted is not None and lifted <= ceiling:
+                continue  # what the idle models can spare would not raise its batch: a move that buys nothing
+        for donor, amount in offers:
             transfer(
                 donor,
                 name,
@@ -354,9 +431,6 @@ def plan_quota(
                 why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for "
                 f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}",
             )
-            deficit -= amount
-            if deficit < dust:
-                break
     # 7. top owners under base back up from memory nobody needs this tick
     for owner, spec in sorted(config.models.items(), key=lambda kv: (-kv[1].priority, kv[0])):
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)

@@ -124,7 +124,7 @@ def _calibrated(name, **kw):
 def test_lends_from_idle_to_busy_and_gives_back_when_owner_returns():
     cfg = make_config(gpu={"capacity": "6.7GiB"})  # usable ~6 GiB = a.base + b.base: no free pool
     d = Driver(cfg, usable=6 * GiB)
-    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5))
+    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5), max_batch=64.0)
     # b idle for longer than idle_hold_s (5 s)
     for _ in range(8):
         d.step({"a": _calibrated("a", **busy), "b": _calibrated("b")})
@@ -158,7 +158,7 @@ def test_lends_from_idle_to_busy_and_gives_back_when_owner_returns():
 def test_transfer_waits_for_donor_to_run_new_settings():
     cfg = make_config(gpu={"capacity": "6.7GiB"})
     d = Driver(cfg, usable=6 * GiB)
-    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5))
+    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5), max_batch=64.0)
     stale_version = 1
     for _ in range(10):  # b keeps reporting the old settings version: nothing completes
         d.step({"a": _calibrated("a", **busy), "b": _calibrated("b", settings_version=stale_version)})
@@ -170,7 +170,7 @@ def test_transfer_waits_for_donor_to_run_new_settings():
 def test_unconfirmed_transfer_is_aborted_after_timeout():
     cfg = make_config(gpu={"capacity": "6.7GiB"}, broker={"transfer_timeout_s": 3})
     d = Driver(cfg, usable=6 * GiB)
-    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5))
+    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5), max_batch=64.0)
     for _ in range(12):  # b lends on its measured use; then its memory rises and stays over its lowered grant
         lent = any(m.kind == "lend" for h in d.history for m in h.moves)
         used = 3 * GiB - 1 if lent else 700 * MiB
@@ -314,7 +314,7 @@ def test_every_decision_names_trigger_and_value():
 def test_borrower_keeps_loan_while_busy_and_returns_it_when_idle():
     cfg = make_config(gpu={"capacity": "6.7GiB"})
     d = Driver(cfg, usable=6 * GiB)
-    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5))
+    busy = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5), max_batch=64.0)
     for _ in range(10):
         d.step({"a": _calibrated("a", **busy), "b": _calibrated("b")})
     assert d.grant("a") > 3 * GiB and d.grant("b") < 3 * GiB

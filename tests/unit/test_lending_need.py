@@ -1,0 +1,133 @@
+"""Lending moves that never cost more than they buy (broker.lending: peak_batch, pressed).
+
+A lender keeps what its own demand at the window's peak needed within its SLO; a model borrows
+only while its memory holds it back now; a loan that would not raise the borrower's batch
+ceiling is not made. Pure policy, fake clock.
+"""
+
+from __future__ import annotations
+
+from broker.latency_model import LatencyFit
+from broker.lending import LEND_TAIL_FRAC, peak_batch, pressed
+from broker.memory_model import MemoryModel
+from tests.unit.policy_builders import Driver, GiB, MiB, load, make_config, timings
+
+SPEC = make_config().models["a"]  # floor 2, SLO 100 ms
+FIT = LatencyFit(a_ms=5.0, c_ms=1.0, samples=40)  # L(b) = 5 + b ms
+MM = MemoryModel(500 * MiB, 64 * MiB)  # what _calibrated models hold: base 3 GiB holds a batch of 35
+BUSY = dict(queue_depth=200, arrival_rate_rps=2000, batch_timings=timings(20, 0.5), max_batch=64.0)
+
+
+def _window(**kw):
+    kw.setdefault("latency_samples", 200)
+    kw.setdefault("attainment", 1.0)
+    kw.setdefault("max_batch", 4.0)
+    return load("b", **kw)
+
+
+def test_a_lender_that_missed_its_slo_in_the_window_keeps_its_peak_batch():
+    assert peak_batch(_window(p99_ms=30.0, attainment=0.99), SPEC, FIT) == 4
+
+
+def test_a_lender_with_room_in_its_tail_goes_down_as_far_as_its_scaled_p99_allows():
+    # per request L(b)/b: 2.25 ms at 4, 2.67 at 3, 3.5 at 2; the P99 scales by their ratio
+    assert peak_batch(_window(p99_ms=30.0), SPEC, FIT) == 2  # 30 x 3.5/2.25 = 47 ms
+    assert peak_batch(_window(p99_ms=55.0), SPEC, FIT) == 3  # 55 x 1.56 = 86 ms > 70; 55 x 1.19 = 65 ms
+    assert 75.0 * (8 / 3) / 2.25 > LEND_TAIL_FRAC * SPEC.slo_p95_ms
+    assert peak_batch(_window(p99_ms=75.0), SPEC, FIT) == 4
+
+
+def test_without_a_latency_fit_the_slowdown_is_the_largest_one():
+    assert peak_batch(_window(p99_ms=30.0), SPEC, None) == 2  # 30 x 4/2 = 60 ms
+    assert peak_batch(_window(p99_ms=50.0), SPEC, None) == 3  # 50 x 2 = 100 ms > 70; 50 x 4/3 = 67 ms
+
+
+def test_a_window_without_latency_samples_needs_only_the_floor():
+    assert peak_batch(_window(latency_samples=0, p99_ms=None, attainment=None, max_batch=0.0), SPEC, FIT) == 2
+
+
+def test_pressed_names_why_a_model_should_not_borrow():
+    assert pressed(load("a", max_batch=64.0, queue_depth=200), SPEC, None) == "memory does not limit its batch"
+    assert "under its memory ceiling 35" in pressed(load("a", max_batch=10.0, queue_depth=200), SPEC, 35)
+    calm = load("a", max_batch=35.0, queue_depth=10, recent_p95_ms=50.0)
+    assert "not behind" in pressed(calm, SPEC, 35)
+    # two replicas take two batches at once: 50 queued is not a backlog at a ceiling of 35 each
+    assert "not behind" in pressed(load("a", replicas=2, max_batch=35.0, queue_depth=50), SPEC, 35)
+
+
+def test_pressed_says_borrow_at_the_ceiling_with_a_backlog_or_a_late_p95():
+    assert pressed(load("a", max_batch=35.0, queue_depth=200), SPEC, 35) is None
+    assert pressed(load("a", max_batch=35.0, queue_depth=10, recent_p95_ms=150.0), SPEC, 35) is None
+
+
+def _calibrated(name, **kw):
+    kw.setdefault("weights_bytes", 500 * MiB)
+    kw.setdefault("bytes_per_unit", 64 * MiB)
+    kw.setdefault("mem_used_bytes", 600 * MiB)
+    kw.setdefault("mem_peak_bytes", 700 * MiB)
+    return load(name, **kw)
+
+
+def _lends(d: Driver) -> list:
+    return [m for h in d.history for m in h.moves if m.kind == "lend"]
+
+
+def _two_models() -> Driver:
+    return Driver(make_config(gpu={"capacity": "6.7GiB"}), usable=6 * GiB)  # no free pool
+
+
+def test_a_model_that_wants_a_bigger_batch_but_is_not_behind_borrows_nothing():
+    d = _two_models()
+    calm = dict(
+        queue_depth=3,
+        arrival_rate_rps=300,
+        busy_frac=0.6,
+        max_batch=35.0,
+        batch_timings=timings(20, 0.5),
+        p95_ms=40.0,
+        recent_p95_ms=40.0,
+        latency_samples=200,
+        recent_samples=50,
+    )
+    for _ in range(10):
+        d.step({"a": _calibrated("a", **calm), "b": _calibrated("b")})
+    assert not _lends(d), [h.moves for h in d.history]
+    for _ in range(3):  # now a backlog its ceiling cannot take: it borrows from b
+        d.step({"a": _calibrated("a", **BUSY), "b": _calibrated("b")})
+    assert [(m.donor, m.recipient) for m in _lends(d)] == [("b", "a")]
+
+
+def _lender(**kw):
+    kw = {"busy_frac": 0.05, "queue_depth": 0, "arrival_rate_rps": 40.0, "latency_samples": 200, **kw}
+    return _calibrated("b", **kw)
+
+
+def test_a_lender_that_missed_its_slo_keeps_what_its_peak_batch_needs():
+    d = _two_models()
+    missed = dict(attainment=0.97, p95_ms=90.0, p99_ms=150.0, max_batch=30.0)
+    for _ in range(10):
+        d.step({"a": _calibrated("a", **BUSY), "b": _lender(**missed)})
+    lends = _lends(d)
+    assert lends and lends[0].donor == "b"
+    assert d.grant("b") >= MM.grant_for(30) and sum(m.amount_bytes for m in lends) <= 3 * GiB - MM.grant_for(30)
+
+
+def test_a_lender_with_a_clean_window_lends_down_to_its_working_set():
+    d = _two_models()
+    clean = dict(attainment=1.0, p95_ms=10.0, p99_ms=12.0, max_batch=6.0, batch_timings=timings(20, 0.5))
+    for _ in range(10):
+        d.step({"a": _calibrated("a", **BUSY), "b": _lender(**clean)})
+    assert d.grant("b") == 1 * GiB  # its min: above the memory for a floor batch and 1.1 x its use
+
+
+def test_a_loan_that_would_not_raise_the_borrowers_ceiling_is_not_made():
+    d = _two_models()
+    # b keeps the memory of a batch of 35 (3044 MiB of its 3072): 28 MiB to spare, over the
+    # 24 MiB dust, but a's ceiling at 3072 + 28 MiB is still 35
+    missed = dict(attainment=0.97, p99_ms=150.0, max_batch=35.0)
+    assert 3 * GiB - MM.grant_for(35) >= 24 * MiB
+    assert MM.cap_for(3 * GiB + 3 * GiB - MM.grant_for(35)) == MM.cap_for(3 * GiB) == 35
+    for _ in range(10):
+        d.step({"a": _calibrated("a", **BUSY), "b": _lender(**missed)})
+    assert not _lends(d)
+    assert d.grant("a") == d.grant("b") == 3 * GiB
