@@ -193,6 +193,8 @@ def _loss_then_join(fleet):
             assert card["granted_bytes"] <= card["usable_bytes"], card
     decisions = ray.get(broker.decisions.remote())
     assert any(d["kind"] == "placement" and d["model"] == "west" and d.get("unplaced") for d in decisions)
+    on_a0 = [(d["model"], d["card"]) for d in decisions if d["kind"] == "register" and d.get("card") == "a0"]
+    assert sorted(on_a0) == [("solo", "a0"), ("spread", "a0")]  # Serve left node-a's replicas running
 
     # the requests: answered 200 or an explicit JSON 503; nothing dropped, nothing hung; solo untouched
     answers = load.answers
