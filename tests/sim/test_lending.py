@@ -56,3 +56,18 @@ def test_a_lender_whose_loans_keep_coming_back_waits_longer_before_it_lends_agai
     assert any("lends again only after" in e["reason"] for e in core.decisions() if e["kind"] == "move")
     for name, s in scales.items():
         assert 1.0 <= s <= cfg.models[name].control.lend_backoff_max
+
+
+def test_on_the_contention_load_lending_costs_no_model_anything():
+    """Every model bursting on its own (gamma CV 4), all contending: the broker with lending
+    serves every model at least as well as the broker with quotas fixed at base, request for
+    request, on each seed: a lender keeps what its own window's peak needed, and a model
+    borrows only while its memory holds it back (bench lending's independent load, shortened)."""
+    for seed in (0, 1):
+        times = L.independent(L.IND_MEAN_RPS, 150.0, seed)
+        fixed = L.run_arm(L.fleet(fixed=True), "broker", times, 150.0, 10.0)
+        broker = L.run_arm(L.fleet(), "broker", times, 150.0, 10.0)
+        assert fixed["quota_moves"] == 0 and broker["over_grant_events"] == 0
+        for m in L.MODELS:
+            b, f = broker["models"][m], fixed["models"][m]
+            assert b["attainment"] >= f["attainment"], (seed, m, b["attainment"], f["attainment"])
