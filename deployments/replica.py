@@ -41,6 +41,7 @@ from deployments.gate import LazyGate
 from deployments.items import Item as _Item
 from deployments.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
 from deployments.items import error as _error
+from deployments.next_batch import NextBatchStart
 from deployments.oom import ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
@@ -111,6 +112,7 @@ class ModelReplica:
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
         # static, or the config says the runtime's own formation is to be left alone.
         self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
+        self.next_start = NextBatchStart(self.lazy_gate and getattr(self, "START_NEXT_FIRST", True))
         # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
         # running batch and is NOT under this lock: holding it would keep new requests out of
         # Serve's queue for a whole batch, so the next batch would form from almost nothing.
@@ -120,7 +122,7 @@ class ModelReplica:
         self._batch = serve.batch(
             max_batch_size=self.cap,
             batch_wait_timeout_s=self.settings.batch_wait_timeout_s,
-            max_concurrent_batches=self.spec.batch.max_concurrent_batches,
+            max_concurrent_batches=self.spec.batch.max_concurrent_batches + self.next_start.extra_slots,
             batch_size_fn=batch_cost if self.token_priced else None,
         )(self._run_batch)
         self._enforce(self.settings)
@@ -311,7 +313,7 @@ class ModelReplica:
             self.delta.oom_splits += 1
 
         start = time.perf_counter()
-        self.gate.batch_started()
+        self.next_start.batch_started(self.gate)
         for item in items:  # they run now: no longer pending in the batcher
             self._settle(item)
         costs = {id(v): float(item.cost) for v, item in zip(values, items)}
@@ -334,7 +336,7 @@ class ModelReplica:
         finally:
             exec_s = time.perf_counter() - start
             self.gate.batch_ended()
-            self._pump()  # lazy formation: what waited meanwhile forms the next batch
+            await self.next_start.pump(self._pump, self.gate)  # what waited forms the next batch, started first
             d = self.delta  # the report may have swapped the delta while the batch ran
             d.batches.append((float(cost), exec_s * 1000.0))
             d.batch_requests.append(len(items))
