@@ -165,9 +165,16 @@ def min_move_bytes(ledger: QuotaLedger) -> int:
 
 def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float) -> ConfirmGate:
     """A donor confirms only on reports from every live replica (at least ``replicas``), each
-    received after ``started_s`` and running settings ``version`` or later."""
+    received after ``started_s`` and running settings ``version`` or later.
+
+    ``used_bytes`` is what the donor may hold once confirmed: each replica is held to its share
+    of the grant (grant / ``replicas``: deployments.enforce), so one replica above its share while
+    another is below it must not pass on their sum (the one below may still grow to its share):
+    the larger of the sum and ``replicas`` x the most one replica holds."""
     seen = load.replica_reports
     used = sum(r.mem_used_bytes for r in seen)
+    if seen:
+        used = max(used, max(1, replicas) * max(r.mem_used_bytes for r in seen))
     if len(seen) < max(1, replicas):
         return ConfirmGate(False, used, 0.0, f"{len(seen)} of {max(1, replicas)} replicas reporting")
     late = [r.replica_id for r in seen if r.last_report_s <= started_s]
@@ -403,9 +410,13 @@ def plan_quota(
             continue
         if name not in (need_bytes or {}):
             holds = ledger.grant(name) + ledger.incoming_bytes(name)
-            behind = pressed(loads[name], config.models[name], mm(name).cap_for(holds / replicas(name)))
-            if behind is not None:  # not logged: with lazy formation this is most ticks of most models
-                continue
+            ceiling = mm(name).cap_for(holds / replicas(name))
+            if pressed(loads[name], config.models[name], ceiling) is not None:
+                continue  # not logged: with lazy formation this is most ticks of most models
+            why += (
+                f", behind at its memory ceiling {ceiling} (queue {loads[name].queue_depth:.0f}, recent P95 "
+                f"{loads[name].recent_p95_ms or 0.0:.0f} ms)"
+            )
         donors = sorted(
             (n for n in config.models if n != name and idle(n)),
             key=lambda n: (-(ledger.grant(n) - working_set(n)), n),
