@@ -25,7 +25,8 @@ from broker.latency_model import fit_for_load
 from broker.lending import plan_quota
 from broker.memory_model import MemoryModel
 from broker.profiles import active_profile
-from broker.state import BatchWant, ModelState, evolve
+from broker.records import build, evolve
+from broker.state import BatchWant, ModelState
 from broker.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
 from broker.vocab import Rule, Trigger
 from quotas.config import FleetConfig, ModelSpec
@@ -143,7 +144,8 @@ def reconfigure_state(
 
 def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSettings:
     ms = state.models[model]
-    return ModelSettings(
+    return build(
+        ModelSettings,
         model=model,
         version=ms.version,
         max_batch_size=ms.max_batch,
@@ -193,7 +195,8 @@ def decide(
         quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1
         quiet_since = (old.quiet_since_s if old.quiet_since_s is not None else now) if quiet else None
         loaded_since = None if quiet else (old.loaded_since_s if old.loaded_since_s is not None else now)
-        ctx = RuleContext(
+        ctx = build(
+            RuleContext,
             now_s=now,
             slo_ms=spec.slo_p95_ms * profile.latency_slack,
             objective=profile.objective,
@@ -274,7 +277,8 @@ def decide(
         new_states[name] = evolve(
             ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since
         )
-        decisions[name] = ModelDecision(
+        decisions[name] = build(
+            ModelDecision,
             max_batch_size=cap,
             batch_wait_timeout_s=want.wait_s,
             grant_bytes=grant,

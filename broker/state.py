@@ -46,22 +46,3 @@ class ModelState:
     @property
     def latency_fit(self) -> LatencyFit | None:
         return None if self.fit is None else LatencyFit(*self.fit)
-
-
-_FIELDS: dict[type, frozenset[str]] = {}
-
-
-def evolve(obj, **changes):  # noqa: ANN001, ANN201 - any of the frozen dataclasses above (or BatchWant's kin)
-    """``dataclasses.replace`` for the policy's frozen, validation-free records, without
-    re-running ``__init__`` (the tick calls it a few times per model; ``replace`` was a tenth
-    of a 100-model tick). Unknown field names are refused like ``replace`` refuses them."""
-    cls = type(obj)
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = frozenset(cls.__dataclass_fields__)
-    if not changes.keys() <= names:
-        raise TypeError(f"{cls.__name__} has no field(s) {sorted(set(changes) - names)}")
-    new = object.__new__(cls)
-    new.__dict__.update(obj.__dict__)
-    new.__dict__.update(changes)
-    return new

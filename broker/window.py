@@ -21,6 +21,7 @@ from operator import attrgetter
 
 from broker.attainment import attainment, met_and_total
 from broker.latency_model import fit_sums
+from broker.records import build
 from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
 from quotas.config import FleetConfig
 
@@ -393,7 +394,8 @@ class ReportWindow:
             return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > MIN_INTERVAL_S)
 
         busy = [acc[3] / acc[4] for acc in per_replica.values() if acc[4] > MIN_INTERVAL_S]
-        return ModelLoad(
+        return build(  # ModelLoad(...) without the frozen __init__ (broker.records)
+            ModelLoad,
             name=name,
             replicas=len(latest),
             queue_depth=float(sum(r.queue_depth for r in latest.values())),

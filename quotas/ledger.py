@@ -229,8 +229,11 @@ class QuotaLedger(TransferOps):
         return dict(self._grants)
 
     def grant(self, name: str) -> int:
-        self._known(name, "grant")
-        return self._grants[name]
+        try:  # the policy asks this a few times per model per tick: the error path only on a miss
+            return self._grants[name]
+        except (KeyError, TypeError):
+            self._known(name, "grant")
+            raise
 
     @property
     def pending(self) -> tuple[Transfer, ...]:

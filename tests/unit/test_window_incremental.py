@@ -15,7 +15,8 @@ import pytest
 from broker.attainment import met_and_total
 from broker.decision_log import DecisionLog
 from broker.latency_model import fit_from_sums, fit_latency
-from broker.state import ModelState, evolve
+from broker.records import evolve
+from broker.state import ModelState
 from broker.types import StatsReport
 from broker.window import ReportWindow, percentile
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
@@ -157,3 +158,16 @@ def test_decision_log_since_reads_from_the_newest_end():
     assert seqs == sorted(seqs) and seqs[0] == 71 and seqs[-1] == log.seq
     assert all(e["model"] == "a" for e in log.since("a", since_seq=60))
     assert len(log.since()) == 50
+
+
+def test_build_is_the_constructor_without_init():
+    from broker.records import build
+    from broker.types import ModelLoad
+
+    assert build(ModelLoad, name="a", queue_depth=3.0) == ModelLoad(name="a", queue_depth=3.0)
+    with pytest.raises(TypeError, match="missing"):
+        build(ModelLoad, queue_depth=3.0)
+    with pytest.raises(TypeError, match="unknown"):
+        build(ModelLoad, name="a", queue_dept=3.0)
+    with pytest.raises(AttributeError):  # still frozen
+        build(ModelLoad, name="a").name = "b"
