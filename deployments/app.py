@@ -27,7 +27,9 @@ without it the replicas serve on their config's initial settings and keep retryi
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -73,14 +75,43 @@ def model_route(model: str, prefix: str = "/") -> str:
     return f"{prefix.rstrip('/')}/v1/models/{model}"
 
 
-def deployment_version(model_cls: type, dep_name: str, replicas: int, actor_options: dict, args: tuple) -> str:
+def code_digest(model_ref: str = "") -> str:
+    """What the code a replica runs hashes to: every module of gpubroker's own packages and, for a
+    user model (``pkg.module:Class``), its module's file, read where Python would import it from
+    (not imported here). A redeploy after either changed is a new version: Serve restarts the
+    replicas instead of leaving them on the old code."""
+    h = hashlib.sha256(_own_code_digest().encode())
+    module = model_ref.partition(":")[0] if ":" in model_ref else ""
+    if module:
+        try:
+            origin = importlib.util.find_spec(module).origin  # type: ignore[union-attr]
+            h.update(Path(origin).read_bytes())
+        except Exception as exc:  # noqa: BLE001 - unresolvable here: the replica reports it when it loads
+            h.update(f"unresolved {module}: {type(exc).__name__}".encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _own_code_digest() -> str:
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for pkg in ("broker", "deployments", "quotas"):
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def deployment_version(
+    model_cls: type, dep_name: str, replicas: int, actor_options: dict, args: tuple, code: str = ""
+) -> str:
     """A Serve version from what a deployment runs (class, name, replicas, Ray options, constructor
-    arguments). Redeploying an app whose group is unchanged is then a no-op for that group: its
-    replicas keep running (``deployments.reconcile``). Serve would otherwise give every
-    ``serve.run`` a random version and restart every replica of the app."""
+    arguments, ``code``: ``code_digest``). Redeploying an app whose group is unchanged is then a
+    no-op for that group: its replicas keep running (``deployments.reconcile``). Serve would
+    otherwise give every ``serve.run`` a random version and restart every replica of the app."""
     digest = [hashlib.sha256(a.encode()).hexdigest() if isinstance(a, str) else a for a in args]
     blob = json.dumps(
-        [f"{model_cls.__module__}.{model_cls.__qualname__}", dep_name, replicas, actor_options, digest],
+        [f"{model_cls.__module__}.{model_cls.__qualname__}", dep_name, replicas, actor_options, digest, code],
         sort_keys=True,
         default=str,
     )
@@ -124,7 +155,9 @@ def model_deployment(
     from ray.serve.config import BackpressureConfig
 
     def one(dep_name: str, replicas: int, actor_options: dict[str, Any], *args: Any) -> Application:
-        version = deployment_version(model_cls, dep_name, replicas, actor_options, (name, config_text, *args))
+        version = deployment_version(
+            model_cls, dep_name, replicas, actor_options, (name, config_text, *args), code_digest(spec.model)
+        )
         return (
             serve.deployment(model_cls)
             .options(
