@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from broker.batch_plan import BatchPlan, wait_for
@@ -81,6 +82,8 @@ class Inputs:
     ) -> BatchWant:
         """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
         new = max(1, round(new_cap))
+        if self.plan is not None and new > self.cap and math.isfinite(self.plan.useful):
+            new = min(new, max(self.cap, math.ceil(self.plan.useful)))  # no rule grows a lazy cap past it
         backlog = self.qdepth > self.spec.control.band_high
         wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
         return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)

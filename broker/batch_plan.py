@@ -30,6 +30,8 @@ LAZY_WAIT_BUDGET_FRAC = {
     "balanced": 0.25,
     "throughput": 0.5,
 }  # share of the SLO budget a lazy wait may take, per objective
+# A lazy cap stops where a bigger batch buys under 10 % more throughput (``useful_batch``).
+USEFUL_THROUGHPUT_FRAC = 0.9
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class BatchPlan:
     b_lat: float  # largest batch with 2 L(b) <= cap (what a burst may form at most, latency-wise)
     est_ms: float  # estimated P95: wait + L(batch) + queueing
     cap: float  # batch cap: headroom over ``batch`` for bursts, at least b_lat, within the ceiling
+    useful: float = math.inf  # lazy: the largest cap any rule may grow to (``useful_batch``, at least b_lat)
 
 
 def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
@@ -50,6 +53,16 @@ def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
     gap, so batch inter-arrival CV^2 is about 1 / b^2: big batches arrive almost evenly."""
     ca2 = 1.0 / max(batch, 1.0) ** 2
     return 2.0 * rho / (1.0 - rho) * ca2 / 2.0 * service_ms
+
+
+def useful_batch(fit: LatencyFit, frac: float = USEFUL_THROUGHPUT_FRAC) -> float:
+    """The smallest batch whose throughput b / L(b) is ``frac`` of the curve's top, 1/c:
+    b = frac / (1 - frac) * a / c. Found live on MiniLM (a 13 ms, c 15 ms a request): with the
+    machine slowing the model, the fit said no batch keeps up and the cap went to the ceiling (128
+    requests); the lazy gate then let in everything waiting, batches of 1-2 s ran past the request
+    timeout, and a load batches of 1-2 served collapsed. Past this batch a lazy batch only grows its
+    latency (a nearly linear curve: 8 requests there; a = 20, c = 0.5 ms: 360, past any ceiling)."""
+    return math.inf if fit.c_ms <= 0 else frac / (1.0 - frac) * fit.a_ms / fit.c_ms
 
 
 def plan_batch(
@@ -119,7 +132,8 @@ def _plan_lazy(
     denom = 1.0 - lam * fit.c_ms
     b_fp = lam * fit.a_ms / denom if (lam > 0 and denom > 0) else (0.0 if lam <= 0 else math.inf)
     want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
-    cap = min(float(ceiling), max(b_lat, want, u))
+    useful = max(b_lat, useful_batch(fit), u)
+    cap = min(float(ceiling), max(b_lat, min(want, useful), u))
     # the wait is for the batch that will run: the cap, or less where the grant holds less
     # (``run_cap``); the cap itself stays the load's want, so lending sees what the model needs
     runs = min(cap, float(run_cap)) if run_cap is not None and run_cap > 0 else cap
@@ -127,7 +141,7 @@ def _plan_lazy(
     fill_s = runs / (lam * 1000.0) if lam > 0 else 0.0
     batch = max(u, b_fp) if math.isfinite(b_fp) else float(ceiling)
     rho = lam * fit.predict_ms(batch) / batch if math.isfinite(b_fp) and lam > 0 else (0.0 if lam <= 0 else math.inf)
-    return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap)
+    return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap, useful)
 
 
 def wait_for(
