@@ -249,13 +249,28 @@ def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0
     }
 
 
-def run(quick: bool = False, out: Path = Path("bench/out")) -> dict[str, Any]:
+def run(quick: bool = False, out: Path = Path("bench/out"), on_progress: Any = None) -> dict[str, Any]:
+    """Every case in turn; ``on_progress(line)`` hears each as it starts and ends."""
+    say = on_progress or (lambda _m: None)
     seconds = 30.0 if quick else 120.0
-    rows = bench_models((10, 100) if quick else (10, 100, 1000), seconds)
-    cards = [bench_cards(16, 100, seconds)]
+
+    def case(label: str, fn: Any, *args: Any) -> Any:
+        say(f"{label} ...")
+        started = time.perf_counter()
+        res = fn(*args)
+        say(f"{label}: done in {time.perf_counter() - started:.0f} s")
+        return res
+
+    rows = [
+        r
+        for n in ((10, 100) if quick else (10, 100, 1000))
+        for r in case(f"1 card x {n} models", bench_models, (n,), seconds)
+    ]
+    cards = [case("16 cards x 100 models", bench_cards, 16, 100, seconds)]
     if not quick:
-        cards.append(bench_cards(16, 1600, seconds / 4))
-    sim = bench_sim(duration_s=300.0 if quick else 3600.0)
+        cards.append(case("16 cards x 1600 models", bench_cards, 16, 1600, seconds / 4))
+    duration = 300.0 if quick else 3600.0
+    sim = case(f"simulator: 100 models x {duration / 3600:g} h of trace", bench_sim, 100, duration)
     res = {"quick": quick, "seconds_per_case": seconds, "targets": TARGETS, "models": rows, "cards": cards, "sim": sim}
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(res, indent=1), encoding="utf-8")

@@ -55,7 +55,7 @@ def bench(
     if scenario == "scale":  # the broker core on a fake clock and the simulator: no Ray (bench/scale.py)
         from bench import scale
 
-        res = scale.run(quick=quick, out=out)
+        res = scale.run(quick=quick, out=out, on_progress=lambda m: typer.echo(m, err=True))
         print(json.dumps(res) if as_json else scale.table(res))
         typer.echo(f"wrote {out / 'scale.json'}", err=True)
         return
