@@ -198,6 +198,8 @@ def one_run(arm: dict[str, Any], w: Workload, o: Opts, rate: float, seed: int, c
     _, client_t = (max(2.0, 5.0 * cap_ms / 1000.0), max(2.0, 5.0 * cap_ms / 1000.0) + 3.0)
     pids = dict(arm["pids"])
     pids["client"] = os.getpid()
+    fleet = getattr(tgt, "kind", "") == "fleet"
+    seq0 = sc.decisions_since(tgt, 0, w.model)[1] if fleet else 0
     with CpuWatch(pids, arm["pids"].get("replica")) as cw:
         res = lg.run(tgt.base_url, sched, timeout_s=client_t, status_url=getattr(tgt, "status_url", None))
     row = breakdown(res, warm, duration - o.cooldown_s, cap_ms)
@@ -208,6 +210,8 @@ def one_run(arm: dict[str, Any], w: Workload, o: Opts, rate: float, seed: int, c
         row["set_cap"] = (st.get("max_batch_size") or {}).get("median")
         wt = (st.get("batch_wait_timeout_s") or {}).get("median")
         row["set_wait_ms"] = None if wt is None else round(wt * 1000, 1)
+    if fleet:  # what the broker set during the run, and why (its decision log)
+        row["decisions"] = sc.decisions_since(tgt, seq0, w.model)[0][-12:]
     return row
 
 
