@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -80,14 +79,13 @@ def code_digest(model_ref: str = "") -> str:
     user model (``pkg.module:Class``), its module's file, read where Python would import it from
     (not imported here). A redeploy after either changed is a new version: Serve restarts the
     replicas instead of leaving them on the old code."""
+    from deployments.models import model_source
+
     h = hashlib.sha256(_own_code_digest().encode())
-    module = model_ref.partition(":")[0] if ":" in model_ref else ""
-    if module:
-        try:
-            origin = importlib.util.find_spec(module).origin  # type: ignore[union-attr]
-            h.update(Path(origin).read_bytes())
-        except Exception as exc:  # noqa: BLE001 - unresolvable here: the replica reports it when it loads
-            h.update(f"unresolved {module}: {type(exc).__name__}".encode())
+    h.update(model_ref.encode())
+    source = model_source(model_ref)
+    if source is not None:  # a module not found here: the replica reports it when it loads
+        h.update(source)
     return h.hexdigest()[:16]
 
 

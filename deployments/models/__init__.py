@@ -10,7 +10,9 @@ Built-ins are imported lazily, so importing this package does not import torch.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from deployments.models.base import (
@@ -163,6 +165,19 @@ def _import_ref(ref: str) -> Any:
         classes = sorted(n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_"))
         hint = f" (classes there: {', '.join(classes)})" if classes else ""
         raise ModelRefError(f"model '{ref}': no class '{attr}' in module '{module_name}'{hint}") from None
+
+
+def model_source(ref: str) -> bytes | None:
+    """The source of a user model's module (``pkg.module:Class``), read from where Python would
+    import it without importing it; None for a built-in or a module that cannot be found."""
+    module = ref.partition(":")[0] if isinstance(ref, str) and ":" in ref else ""
+    if not module:
+        return None
+    try:
+        spec = importlib.util.find_spec(module)
+        return Path(spec.origin).read_bytes() if spec is not None and spec.origin else None
+    except (ImportError, ValueError, OSError):
+        return None
 
 
 def resolve_model(ref: str) -> type[ModelAdapter]:
