@@ -267,8 +267,12 @@ def plan_quota(
                 _escalation(step, borrower, mine, ledger.grant(borrower), gate, now_s, tokens.get(borrower, 0))
             )
 
-    def mm(name: str) -> MemoryModel:
-        return MemoryModel.from_load(loads[name])
+    memory: dict[str, MemoryModel] = {}
+
+    def mm(name: str) -> MemoryModel:  # one per model per tick: the steps below ask it several times
+        if name not in memory:
+            memory[name] = MemoryModel.from_load(loads[name])
+        return memory[name]
 
     def replicas(name: str) -> int:
         return max(1, loads[name].replicas or config.models[name].replicas)

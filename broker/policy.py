@@ -253,7 +253,6 @@ def decide(
     decisions: dict[str, ModelDecision] = {}
     for name, spec in config.models.items():
         ms, want = new_states[name], wants[name]
-        load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
         cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), mms[name])
         grant = ledger.grant(name)
         old = state.models.get(name)

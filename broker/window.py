@@ -355,8 +355,8 @@ class ReportWindow:
         rate_from, recent_from, live_from = now_s - self._rate_s, now_s - self._recent_s, now_s - self._stale_s
         mw.advance_rate(max(rate_from, now_s - window_s))
 
-        latest = {rid: d.report for rid, d in mw.latest.items() if d.t >= live_from}
-        received = {rid: d.t for rid, d in mw.latest.items() if d.t >= live_from}
+        live = {rid: d for rid, d in mw.latest.items() if d.t >= live_from}  # each live replica's newest
+        latest = {rid: d.report for rid, d in live.items()}
         # the window's sums, in C over the digests; the walks below touch only the last seconds
         latencies = mw.latencies()
         oom_costs = list(chain.from_iterable(map(_OOM, events))) if mw.oom else []  # the ceiling stays below them
@@ -426,7 +426,6 @@ class ReportWindow:
             bytes_per_unit=float(memory[1]),
             cost_unit=spec.batch.unit,
             replica_reports=tuple(
-                ReplicaSeen(rid, received[rid], r.settings_version, r.mem_used_bytes)
-                for rid, r in sorted(latest.items())
+                ReplicaSeen(rid, live[rid].t, r.settings_version, r.mem_used_bytes) for rid, r in sorted(latest.items())
             ),
         )
