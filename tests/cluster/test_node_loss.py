@@ -221,8 +221,21 @@ def _loss_then_join(fleet):
     back = st()
     assert back["unplaced"] == {} and all(c["live"] for c in back["cards"])
     assert back["models"]["spread"]["cards"] == ["a0", "a1"]  # no live migration
-    r = httpx.post(f"{url}/v1/models/west/infer", json={"inputs": [{}]}, timeout=60)
-    assert r.status_code == 200, r.text
+    # The new replica reports to the broker as it starts; Serve routes to it only once its rollout
+    # ends (until then the stand-in still answers its explicit 503). Retried as a client would.
+    tries: list[tuple[int, str]] = []
+
+    def west_answers() -> bool:
+        r = httpx.post(f"{url}/v1/models/west/infer", json={"inputs": [{}]}, timeout=60)
+        tries.append((r.status_code, r.text[:200]))
+        return r.status_code == 200
+
+    wait_until(west_answers, 60, every_s=0.5, what="west answering 200 once Serve's rollout ends")
+    t_ok = time.monotonic()
+    assert all(code == 200 or (code == 503 and '"unplaced":true' in body) for code, body in tries), tries
     for card in back["cards"]:
         assert card["granted_bytes"] <= card["usable_bytes"], card
-    print(f"node join: west answering from b0 {t_west - t_join:.1f}s after node-b joined")  # noqa: T201
+    print(  # noqa: T201
+        f"node join: west on b0 {t_west - t_join:.1f}s after node-b joined, answering 200 after "
+        f"{t_ok - t_join:.1f}s ({len(tries)} tries)"
+    )
