@@ -185,6 +185,11 @@ class BrokerActor:
     async def settings(self, model: str, card_id: str = "") -> dict:
         return self._core.settings(model, card_id)
 
+    async def lost_cards(self) -> list[str]:
+        """The cards marked lost (``broker.fleet_core``; none on a one-card fleet): card routers
+        send nothing there (``deployments.http_cards``)."""
+        return sorted(getattr(self._core, "lost", ()))
+
 
 RemoteBroker = ray.remote(BrokerActor)
 

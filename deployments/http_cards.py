@@ -8,10 +8,19 @@ ingress) reads and checks the request exactly as a one-card model does
 requests in flight from this router, weighted by the group's replicas, through Serve's
 handles (async: no blocking Ray call). That is one hop more than a one-card model; a model on
 one card keeps its one hop (``deployments.http_model.HttpModel``).
+
+Lost cards. Serve holds a request sent to a group whose replicas died on a lost node until the
+group is redeployed (20-35 s on the test cluster), so the router follows the broker's lost
+cards (``BrokerActor.lost_cards``, read every control interval by a task of its own, never on
+a request's path): it sends nothing to a group on a lost card, answers an explicit 503 at once
+when every group is on one, and ends the requests still waiting on a card as it is marked lost
+with a 503 naming the card (Serve's request is cancelled). The broker marks a card lost when
+its node leaves Ray or its replicas fall silent (``broker.fleet_core``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -21,10 +30,17 @@ from deployments.http_api import JSON_TYPE, HttpAnswer, answer_for
 from deployments.http_model import read_infer_request
 from quotas.config import parse_config_text
 
+BROKER_RPC_TIMEOUT_S = 10.0
 
-def pick_group(in_flight: dict[str, int], replicas: dict[str, int]) -> str:
-    """The card group with the fewest in-flight requests per replica (ties: the first card)."""
-    return min(in_flight, key=lambda cid: (in_flight[cid] / max(1, replicas[cid]), list(in_flight).index(cid)))
+
+def pick_group(in_flight: dict[str, int], replicas: dict[str, int], lost: frozenset[str] = frozenset()) -> str | None:
+    """The card group with the fewest in-flight requests per replica (ties: the first card),
+    of those not on a ``lost`` card; None when every group is."""
+    order = list(in_flight)
+    live = [cid for cid in order if cid not in lost]
+    if not live:
+        return None
+    return min(live, key=lambda cid: (in_flight[cid] / max(1, replicas[cid]), order.index(cid)))
 
 
 class CardRouter:
@@ -38,6 +54,41 @@ class CardRouter:
         self.groups = groups  # card id -> DeploymentHandle of that card's group
         self.replicas = dict(replicas)
         self.in_flight = {cid: 0 for cid in groups}
+        self.broker_name, self.broker_namespace = cfg.broker.name, cfg.broker.namespace
+        self.poll_s = max(0.25, float(cfg.broker.control_interval_s))
+        self.lost: frozenset[str] = frozenset()  # the broker's lost cards among this router's groups
+        self.waiting: dict[str, set[tuple[asyncio.Future, Any]]] = {cid: set() for cid in groups}
+        self._broker: Any = None
+        self._watch_task: asyncio.Task | None = None
+
+    async def lost_now(self) -> set[str]:
+        """The cards the broker has marked lost (one actor call; raises when the broker is away)."""
+        if self._broker is None:
+            import ray
+
+            self._broker = await asyncio.to_thread(ray.get_actor, self.broker_name, namespace=self.broker_namespace)
+        return set(await asyncio.wait_for(self._broker.lost_cards.remote(), timeout=BROKER_RPC_TIMEOUT_S))
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                self.set_lost(await self.lost_now())
+            except Exception:  # noqa: BLE001 - broker away or restarting: keep what it said last
+                self._broker = None
+            await asyncio.sleep(self.poll_s)
+
+    def set_lost(self, lost: set[str]) -> None:
+        """Cards now lost: nothing more is sent there and what waits there is ended (503)."""
+        now = frozenset(lost) & frozenset(self.groups)
+        newly, self.lost = now - self.lost, now
+        for cid in newly:
+            for task, response in list(self.waiting[cid]):
+                response.cancel()
+                task.cancel()
+
+    def _ensure_watch(self) -> None:
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch())
 
     async def __call__(self, request: Request) -> Response:
         answer = await self.answer(request)
@@ -50,16 +101,32 @@ class CardRouter:
         if isinstance(read, HttpAnswer):
             return read
         parsed, body = read
-        cid = pick_group(self.in_flight, self.replicas)
+        self._ensure_watch()
+        cid = pick_group(self.in_flight, self.replicas, self.lost)
+        if cid is None:
+            return self._unavailable(
+                f"model '{self.name}' has no live card: {', '.join(sorted(self.lost))} lost; "
+                "the broker re-places its replicas; retry later"
+            )
         self.in_flight[cid] += 1
+        response = self.groups[cid].infer.remote(parsed.inputs, len(body))
+        call = (asyncio.ensure_future(response), response)
+        self.waiting[cid].add(call)
         try:
-            result = await self.groups[cid].infer.remote(parsed.inputs, len(body))
+            result = await call[0]
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if (current is not None and current.cancelling()) or cid not in self.lost:
+                raise  # the client went away, not the card
+            return self._unavailable(f"model '{self.name}': card {cid} was lost while the request ran; retry later")
         except Exception as exc:  # noqa: BLE001 - the group is gone (node lost): an explicit, retryable answer
-            return HttpAnswer(
-                503,
-                {"detail": f"model '{self.name}' on card {cid} is unavailable ({type(exc).__name__}); retry later"},
-                {"Retry-After": str(self.retry_after_s)},
+            return self._unavailable(
+                f"model '{self.name}' on card {cid} is unavailable ({type(exc).__name__}); retry later"
             )
         finally:
             self.in_flight[cid] -= 1
+            self.waiting[cid].discard(call)
         return answer_for(self.name, result, parsed.single, self.retry_after_s)
+
+    def _unavailable(self, detail: str) -> HttpAnswer:
+        return HttpAnswer(503, {"detail": detail}, {"Retry-After": str(self.retry_after_s)})

@@ -6,7 +6,8 @@ node-b is killed. The broker marks b0 and b1 lost and re-places: spread's lost r
 a1 (pinned to node-a by label; Serve starts it there), west fits nowhere and is reported
 unplaced (its route answers an explicit 503 naming why). Every request is answered: 200, or a
 503 with a JSON body; none hangs or is dropped. ``solo`` never sees an error. Σ grants per card
-stay within usable in every status read. The times it took are printed (``-s``).
+stay within usable in every status read. spread's router stops sending to b0 once the broker
+marks it lost and ends what waits there with a 503 naming the card, before spread's redeploy. The times it took are printed (``-s``).
 """
 
 from __future__ import annotations
@@ -203,6 +204,10 @@ def _loss_then_join(fleet):
     assert all(a[2] == 200 for a in answers if a[1] == "solo"), [a for a in answers if a[1] == "solo" and a[2] != 200]
     after = [a for a in answers if a[0] > t_back]
     assert any(a[1] == "spread" and a[2] == 200 for a in after)
+    # spread's router follows the broker's lost cards: what waited on b0 is answered (503 naming
+    # the card) once b0 is marked lost, not when spread's redeploy replaces the router
+    stuck = [a for a in answers if a[1] == "spread" and a[0] < t_lost and a[0] + a[4] > t_back]
+    assert not stuck, stuck
     errors = {m: sum(1 for a in answers if a[1] == m and a[2] != 200) for m in MODELS}
     ok = {m: sum(1 for a in answers if a[1] == m and a[2] == 200) for m in MODELS}
     slowest = max(a[4] for a in answers)
