@@ -119,9 +119,11 @@ def run_arm(
     duration_s: float,
     warmup_s: float,
     windows: list[tuple[float, float]] | None = None,
+    sim_cls: type[Simulator] = Simulator,
 ) -> dict[str, Any]:
-    """One arm: fleet goodput, per-model attainment (and off-burst attainment), OOMs, over-grants."""
-    sim = Simulator(
+    """One arm: fleet goodput, per-model attainment (and off-burst attainment), OOMs, over-grants.
+    ``sim_cls``: a variant of the simulator (``bench.lending_gap`` tries one gate change)."""
+    sim = sim_cls(
         cfg,
         parse_arm(arm),
         _workload(cfg, times),
