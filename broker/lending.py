@@ -199,8 +199,10 @@ def plan_quota(
     need_bytes: Mapping[str, int] | None = None,
     lend_scale: Mapping[str, float] | None = None,
     lent_at: Mapping[str, float] | None = None,
+    memory_models: Mapping[str, MemoryModel] | None = None,
 ) -> QuotaPlan:
-    """One tick of quota moves (module docstring); returns a ``QuotaPlan``, changes nothing it is given."""
+    """One tick of quota moves (module docstring); returns a ``QuotaPlan``, changes nothing it is given.
+    ``memory_models``: each model's ``MemoryModel.from_load`` of this snapshot, when the caller has them."""
     ledger = ledger.copy()
     scale = dict(lend_scale or {})
     lent = dict(lent_at or {})
@@ -267,7 +269,7 @@ def plan_quota(
                 _escalation(step, borrower, mine, ledger.grant(borrower), gate, now_s, tokens.get(borrower, 0))
             )
 
-    memory: dict[str, MemoryModel] = {}
+    memory: dict[str, MemoryModel] = dict(memory_models or {})
 
     def mm(name: str) -> MemoryModel:  # one per model per tick: the steps below ask it several times
         if name not in memory:

@@ -38,15 +38,15 @@ class MemoryModel:
         fixed part is used instead, so the batch ceiling and the memory a model asks to borrow
         follow what is measured against its grant."""
         oom = min(load.oom_costs) if load.oom_costs else None
-        model = cls(int(load.weights_bytes), float(load.bytes_per_unit), oom)
-        if model.calibrated and load.mem_peak_bytes > 0 and load.replicas > 0:
+        weights, per_unit = int(load.weights_bytes), float(load.bytes_per_unit)
+        if per_unit > 0 and load.mem_peak_bytes > 0 and load.replicas > 0:
             # the biggest batch over the same window as the peak (the fit's recent batches may
             # all be smaller than the one that set the peak: that would inflate the fixed part)
             biggest = max(load.max_batch, max(map(itemgetter(0), load.batch_timings), default=load.mean_batch))
             observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
-            if observed > model.weights_bytes:
-                model = cls(int(observed), model.bytes_per_unit, oom)
-        return model
+            if observed > weights:
+                weights = int(observed)
+        return cls(weights, per_unit, oom)
 
     @property
     def calibrated(self) -> bool:

@@ -14,6 +14,7 @@ only on reports from all of them that arrived after it began (``broker.lending``
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Mapping
 from itertools import chain
@@ -103,8 +104,15 @@ class _ModelWindow:
         "fit_pts",
         "fit_sums",
         "fit_window",
+        "counted_sum",
         "latest",
+        "lat_add",
+        "lat_capped",
+        "lat_del",
         "lat_sorted",
+        "lat_total",
+        "nbatch_sum",
+        "requests_sum",
         "timings",
         "max_costs",
         "oom",
@@ -132,6 +140,12 @@ class _ModelWindow:
         self.fit_drops = 0  # points subtracted since the sums were last re-added from scratch
         self.timings: tuple[tuple[float, float], ...] | None = ()  # tuple(fit_pts); None: rebuild
         self.lat_sorted: list[float] | None = []  # the window's latencies, ascending; None: rebuild
+        # samples that came and went since ``lat_sorted`` was brought up to date (merged in by bisect)
+        self.lat_add: list[float] = []
+        self.lat_del: list[float] = []
+        self.lat_total = 0  # samples in the window
+        self.lat_capped = False  # lat_sorted holds only the newest MAX_LATENCY_SAMPLES
+        self.counted_sum = self.requests_sum = self.nbatch_sum = 0  # the window's integer sums
         # the rate window's reports and, per replica, their running sums: arrivals, completions,
         # rejects + timeouts, busy_s, interval_s, reports
         self.rate_q: deque[_Digest] = deque()
@@ -152,8 +166,14 @@ class _ModelWindow:
         self.max_costs.append(d)
         if d.oom_costs:
             self.oom += 1
+        self.counted_sum += d.counted
+        self.requests_sum += d.requests
+        self.nbatch_sum += d.n_batches
         if d.lat:
-            self.lat_sorted = self.rate_lat = None
+            self.rate_lat = None
+            self.lat_total += len(d.lat)
+            if self.lat_sorted is not None:
+                self.lat_add.extend(d.lat)
         if d.batches:
             self.timings = None
         self.rate_q.append(d)
@@ -231,13 +251,32 @@ class _ModelWindow:
     def latencies(self) -> list[float]:
         """The window's latency samples (the newest ``MAX_LATENCY_SAMPLES``), ascending; rebuilt
         only when a report with samples came or went."""
-        if self.lat_sorted is None:
+        lat = self.lat_sorted
+        if lat is not None and (self.lat_add or self.lat_del):
+            gone, came = self.lat_del, self.lat_add
+            self.lat_add, self.lat_del = [], []
+            if self.lat_capped or self.lat_total > MAX_LATENCY_SAMPLES:
+                lat = None  # over the cap: the newest samples are kept, which takes the window's order
+            else:
+                for v in gone:
+                    i = bisect_left(lat, v)
+                    if i < len(lat) and lat[i] == v:
+                        del lat[i]
+                    else:  # not found (a NaN): rebuild
+                        lat = None
+                        break
+                else:
+                    lat.extend(came)
+                    lat.sort()  # one sorted run and a short tail: a merge
+        if lat is None:
+            self.lat_add, self.lat_del = [], []
             lat = list(chain.from_iterable(map(_LAT, self.events)))
-            if len(lat) > MAX_LATENCY_SAMPLES:
+            self.lat_capped = len(lat) > MAX_LATENCY_SAMPLES
+            if self.lat_capped:
                 lat = lat[-MAX_LATENCY_SAMPLES:]
             lat.sort()
-            self.lat_sorted = lat
-        return self.lat_sorted
+        self.lat_sorted = lat
+        return lat
 
     def set_fit_window(self, fit_window: int) -> None:
         self.fit_window = fit_window
@@ -257,8 +296,13 @@ class _ModelWindow:
                 self.max_costs.popleft()
             if d.oom_costs:
                 self.oom -= 1
+            self.counted_sum -= d.counted
+            self.requests_sum -= d.requests
+            self.nbatch_sum -= d.n_batches
             if d.lat:
-                self.lat_sorted = None
+                self.lat_total -= len(d.lat)
+                if self.lat_sorted is not None:
+                    self.lat_del.extend(d.lat)
             if self.latest.get(d.rid) is d:
                 del self.latest[d.rid]
             while self.fit_own and self.fit_own[0] is d:
@@ -272,8 +316,7 @@ class _ModelWindow:
 
 
 _LAT, _OOM = attrgetter("lat"), attrgetter("oom_costs")
-_MET, _COUNTED, _COST = attrgetter("met"), attrgetter("counted"), attrgetter("cost")
-_REQUESTS, _N_BATCHES = attrgetter("requests"), attrgetter("n_batches")
+_MET, _COST = attrgetter("met"), attrgetter("cost")
 
 
 class ReportWindow:
@@ -350,21 +393,35 @@ class ReportWindow:
         mw = self._events[name]
         mw.evict(now_s - window_s)
         events = mw.events
-        slo = self._slo_ms.get(name, spec.slo_p95_ms)
-        mw.recount(slo)
+        mw.recount(self._slo_ms.get(name, spec.slo_p95_ms))
         rate_from, recent_from, live_from = now_s - self._rate_s, now_s - self._recent_s, now_s - self._stale_s
         mw.advance_rate(max(rate_from, now_s - window_s))
 
-        live = {rid: d for rid, d in mw.latest.items() if d.t >= live_from}  # each live replica's newest
-        latest = {rid: d.report for rid, d in live.items()}
-        # the window's sums, in C over the digests; the walks below touch only the last seconds
+        # each live replica's newest report (one that came within stale_after_s), in id order
+        queue = used = peak = 0
+        version: int | None = None
+        seen: list[ReplicaSeen] = []
+        latest, peaks = mw.latest, mw.peaks
+        for rid in sorted(latest) if len(latest) > 1 else latest:
+            d = latest[rid]
+            if d.t < live_from:
+                continue
+            r = d.report
+            queue += r.queue_depth
+            used += r.mem_used_bytes
+            peak += peaks[rid][0].peak
+            v = r.settings_version
+            if version is None or v < version:
+                version = v
+            seen.append(ReplicaSeen(rid, d.t, v, r.mem_used_bytes))
+        # the window's sums: kept as reports come and go, or summed in C over the digests
         latencies = mw.latencies()
-        oom_costs = list(chain.from_iterable(map(_OOM, events))) if mw.oom else []  # the ceiling stays below them
+        oom_costs = tuple(chain.from_iterable(map(_OOM, events))) if mw.oom else ()  # the ceiling stays below them
         met = sum(map(_MET, events))
-        counted = sum(map(_COUNTED, events))
+        counted = mw.counted_sum
         batch_cost = sum(map(_COST, events))
-        batch_requests = sum(map(_REQUESTS, events))
-        batches = sum(map(_N_BATCHES, events))
+        batch_requests = mw.requests_sum
+        batches = mw.nbatch_sum
         max_cost = mw.max_costs[0].max_cost if mw.max_costs else 0.0  # the batch behind the window's peak
         emergency = False
         oom_splits = 0
@@ -377,32 +434,45 @@ class ReportWindow:
                 emergency = emergency or d.emergency
                 oom_splits += d.oom_splits
             if t >= recent_from:
-                racc = recent_acc.setdefault(d.rid, [0.0, 0.0])
+                racc = recent_acc.get(d.rid)
+                if racc is None:
+                    racc = recent_acc[d.rid] = [0.0, 0.0]
                 racc[0] += d.arrivals
                 racc[1] += d.interval
-        per_replica = mw.rate_acc  # arrivals, completions, rejects, busy_s, interval_s (reports)
+        recent_rate = 0.0
+        for a, i in recent_acc.values():
+            if i > 0:
+                recent_rate += a / i
         recent = mw.rate_latencies()
 
+        edge_recent = 0
         edge = self._edge[name]
-        while edge and edge[0][0] < now_s - window_s:
-            edge.popleft()
-        edge_total = sum(n for _, n in edge)
-        edge_recent = sum(n for t, n in edge if t >= rate_from)
-        counted += edge_total
+        if edge:
+            while edge and edge[0][0] < now_s - window_s:
+                edge.popleft()
+            counted += sum(n for _, n in edge)
+            edge_recent = sum(n for t, n in edge if t >= rate_from)
 
-        def rate(i: int) -> float:
-            return sum(acc[i] / acc[4] for acc in per_replica.values() if acc[4] > MIN_INTERVAL_S)
-
-        busy = [acc[3] / acc[4] for acc in per_replica.values() if acc[4] > MIN_INTERVAL_S]
+        # the rate window's per-replica rates, summed over replicas (busy: averaged)
+        arrival = completion = reject = busy = 0.0
+        rated = 0
+        for acc in mw.rate_acc.values():
+            iv = acc[4]
+            if iv > MIN_INTERVAL_S:
+                arrival += acc[0] / iv
+                completion += acc[1] / iv
+                reject += acc[2] / iv
+                busy += acc[3] / iv
+                rated += 1
         return build(  # ModelLoad(...) without the frozen __init__ (broker.records)
             ModelLoad,
             name=name,
-            replicas=len(latest),
-            queue_depth=float(sum(r.queue_depth for r in latest.values())),
-            arrival_rate_rps=rate(0),
-            recent_arrival_rate_rps=sum(a / i for a, i in recent_acc.values() if i > 0),
-            completion_rate_rps=rate(1),
-            reject_rate_rps=rate(2) + edge_recent / self._rate_s,
+            replicas=len(seen),
+            queue_depth=float(queue),
+            arrival_rate_rps=arrival,
+            recent_arrival_rate_rps=recent_rate,
+            completion_rate_rps=completion,
+            reject_rate_rps=reject + edge_recent / self._rate_s,
             p50_ms=percentile(latencies, 50),
             p95_ms=percentile(latencies, 95),
             p99_ms=percentile(latencies, 99),
@@ -415,17 +485,15 @@ class ReportWindow:
             mean_batch=(batch_cost / batches) if batches else 0.0,
             max_batch=max_cost,
             cost_per_request=(batch_cost / batch_requests) if batch_requests else 1.0,
-            busy_frac=(sum(busy) / len(busy)) if busy else 0.0,
-            mem_used_bytes=sum(r.mem_used_bytes for r in latest.values()),
-            mem_peak_bytes=sum(mw.peaks[rid][0].peak for rid in latest),
+            busy_frac=(busy / rated) if rated else 0.0,
+            mem_used_bytes=used,
+            mem_peak_bytes=peak,
             emergency=emergency,
             oom_splits=oom_splits,
-            oom_costs=tuple(oom_costs),
-            settings_version=min((r.settings_version for r in latest.values()), default=0),
+            oom_costs=oom_costs,
+            settings_version=version or 0,
             weights_bytes=int(memory[0]),
             bytes_per_unit=float(memory[1]),
             cost_unit=spec.batch.unit,
-            replica_reports=tuple(
-                ReplicaSeen(rid, live[rid].t, r.settings_version, r.mem_used_bytes) for rid, r in sorted(latest.items())
-            ),
+            replica_reports=tuple(seen),
         )

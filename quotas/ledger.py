@@ -264,11 +264,15 @@ class QuotaLedger(TransferOps):
     def incoming_bytes(self, name: str) -> int:
         """Bytes in flight to ``name`` (added to its grant at confirm)."""
         self._known(name, "incoming_bytes")
+        if not self._pending:
+            return 0
         return sum(t.amount_bytes for t in self._pending.values() if t.recipient == name)
 
     def outgoing_bytes(self, name: str) -> int:
         """Bytes in flight from ``name`` (already out of its grant; back to it on abort)."""
         self._known(name, "outgoing_bytes")
+        if not self._pending:
+            return 0
         return sum(t.amount_bytes for t in self._pending.values() if t.donor == name)
 
     def headroom_bytes(self, name: str) -> int:

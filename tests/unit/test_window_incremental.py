@@ -12,13 +12,14 @@ import random
 
 import pytest
 
+import broker.window as window_module
 from broker.attainment import met_and_total
 from broker.decision_log import DecisionLog
 from broker.latency_model import fit_from_sums, fit_latency
 from broker.records import evolve
 from broker.state import ModelState
 from broker.types import StatsReport
-from broker.window import ReportWindow, percentile
+from broker.window import MAX_LATENCY_SAMPLES, ReportWindow, percentile
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 FIT_WINDOW = 12
@@ -62,12 +63,15 @@ def _stream(seed: int, names: list[str]):
         yield t, reports, slo
 
 
-def _refold(kept: list[tuple[float, StatsReport]], w: ReportWindow, now: float, spec, slo: float, since: float):
-    """One model's load from the reports themselves."""
+def _refold(
+    kept: list[tuple[float, StatsReport]], w: ReportWindow, now: float, spec, slo: float, since: float, cap: int
+):
+    """One model's load from the reports themselves (``cap``: latency samples kept, the newest)."""
     inside = [(t, r) for t, r in kept if t >= now - spec.control.window_s]
     rate_from, live_from = now - w.rate_window_s(), now - w.stale_after_s()
     latest = {r.replica_id: r for t, r in inside if t >= live_from}
-    lat = sorted(x for _, r in inside for x in r.latency_ms)
+    lat = sorted([x for _, r in inside for x in r.latency_ms][-cap:])
+    paired = [(c, n) for _, r in inside for (c, _), n in zip(r.batches, r.batch_requests)]
     met = total = 0.0
     for _, r in inside:
         m, c = met_and_total(r.latency_ms, r.completions, r.rejections, r.timeouts, r.errors, slo)
@@ -86,6 +90,17 @@ def _refold(kept: list[tuple[float, StatsReport]], w: ReportWindow, now: float, 
         "replicas": len(latest),
         "p95_ms": percentile(lat, 95),
         "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
+        "latency_samples": len(lat),
+        "queue_depth": float(sum(r.queue_depth for r in latest.values())),
+        "mem_used_bytes": sum(r.mem_used_bytes for r in latest.values()),
+        "settings_version": min((r.settings_version for r in latest.values()), default=0),
+        "cost_per_request": (sum(c for c, _ in paired) / sum(n for _, n in paired)) if paired else 1.0,
+        "mean_batch": (
+            sum(c for c, _ in paired) / sum(len(r.batches) for _, r in inside)
+            if any(r.batches for _, r in inside)
+            else 0.0
+        ),
         "attainment": (met / total) if total else None,
         "arrival_rate_rps": sum(a / i for a, i in per.values() if i > 0),
         "mem_peak_bytes": sum(peak[rid] for rid in latest),
@@ -96,8 +111,11 @@ def _refold(kept: list[tuple[float, StatsReport]], w: ReportWindow, now: float, 
     }
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_snapshot_equals_a_refold_of_the_window(seed):
+@pytest.mark.parametrize("seed,cap", [(seed, MAX_LATENCY_SAMPLES) for seed in range(6)] + [(6, 40), (7, 40)])
+def test_snapshot_equals_a_refold_of_the_window(seed, cap, monkeypatch):
+    """``cap`` 40: the window often holds more samples than it keeps (the newest only), so the
+    sorted samples are rebuilt rather than merged as reports come and go."""
+    monkeypatch.setattr(window_module, "MAX_LATENCY_SAMPLES", cap)
     cfg = make_config(
         models={"a": {"control": {"fit_window": FIT_WINDOW}}, "b": {"control": {"fit_window": FIT_WINDOW}}}
     )
@@ -114,7 +132,7 @@ def test_snapshot_equals_a_refold_of_the_window(seed):
             continue
         snap = w.snapshot(t, gpu(), None, slo)
         for n in names:
-            want = _refold(kept[n], w, t, cfg.models[n], slo[n], since)
+            want = _refold(kept[n], w, t, cfg.models[n], slo[n], since, cap)
             got = snap.models[n]
             for key, value in want.items():
                 have = getattr(got, key)
