@@ -42,7 +42,10 @@ class MemoryModel:
         if per_unit > 0 and load.mem_peak_bytes > 0 and load.replicas > 0:
             # the biggest batch over the same window as the peak (the fit's recent batches may
             # all be smaller than the one that set the peak: that would inflate the fixed part)
-            biggest = max(load.max_batch, max(map(itemgetter(0), load.batch_timings), default=load.mean_batch))
+            fit_max = load.fit_max_cost
+            if fit_max is None:
+                fit_max = max(map(itemgetter(0), load.batch_timings), default=load.mean_batch)
+            biggest = max(load.max_batch, fit_max)
             observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
             if observed > weights:
                 weights = int(observed)

@@ -12,14 +12,15 @@ import random
 
 import pytest
 
-import broker.window as window_module
+import broker.window_fold as window_module
 from broker.attainment import met_and_total
 from broker.decision_log import DecisionLog
 from broker.latency_model import fit_from_sums, fit_latency
 from broker.records import evolve
 from broker.state import ModelState
 from broker.types import StatsReport
-from broker.window import MAX_LATENCY_SAMPLES, ReportWindow, percentile
+from broker.window import ReportWindow, percentile
+from broker.window_fold import MAX_LATENCY_SAMPLES
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 FIT_WINDOW = 12
