@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from broker.batch_plan import BatchPlan, wait_for
 from broker.latency_model import LatencyFit
@@ -47,16 +48,18 @@ class Inputs:
     p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
     window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
 
-    @property
+    # derived once per tick and model: the rules ask these several times (cached_property writes
+    # the instance's __dict__, so the record stays frozen against assignment)
+    @cached_property
     def u(self) -> float:
         return max(self.load.cost_per_request, 1.0)
 
-    @property
+    @cached_property
     def proposal(self) -> int:
         """The cap the plan asks for (the current cap without a plan): what a guard compares with."""
         return self.cap if self.plan is None else max(1, round(self.plan.cap))
 
-    @property
+    @cached_property
     def backlog(self) -> bool:
         """More than a batch queued, a queue over the band's top, or arrivals beyond what this cap serves."""
         ctl = self.spec.control

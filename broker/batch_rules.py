@@ -41,6 +41,7 @@ from collections.abc import Callable
 from broker.batch_inputs import Inputs, RuleContext  # noqa: F401 - RuleContext is part of this module's API
 from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
+from broker.records import build
 from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
 from broker.vocab import Rule, Trigger
@@ -396,21 +397,22 @@ def inputs_for(
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
     window_p95 = load.p95_ms if load.latency_samples >= ctl.min_samples else None
-    return Inputs(
-        load,
-        spec,
-        ctx,
-        gpu,
-        cap,
-        wait_s,
-        fit,
-        plan,
-        rate_rps,
-        units_per_s,
-        queued_units,
-        load.queue_depth / replicas,
-        p95,
-        window_p95,
+    return build(  # Inputs(...) without the frozen __init__ (broker.records)
+        Inputs,
+        load=load,
+        spec=spec,
+        ctx=ctx,
+        gpu=gpu,
+        cap=cap,
+        wait_s=wait_s,
+        fit=fit,
+        plan=plan,
+        rate_rps=rate_rps,
+        units_per_s=units_per_s,
+        queued_units=queued_units,
+        qdepth=load.queue_depth / replicas,
+        p95_ms=p95,
+        window_p95_ms=window_p95,
     )
 
 
