@@ -185,10 +185,10 @@ class BrokerActor:
     async def settings(self, model: str, card_id: str = "") -> dict:
         return self._core.settings(model, card_id)
 
-    async def lost_cards(self) -> list[str]:
-        """The cards marked lost (``broker.fleet_core``; none on a one-card fleet): card routers
-        send nothing there (``deployments.http_cards``)."""
-        return sorted(getattr(self._core, "lost", ()))
+    async def card_health(self) -> dict[str, list[str]]:
+        """``lost``: cards marked lost; ``silent``: live cards whose replicas stopped reporting
+        (``broker.fleet_core``). Card routers avoid both (``deployments.http_cards``)."""
+        return self._core.card_health()
 
 
 RemoteBroker = ray.remote(BrokerActor)

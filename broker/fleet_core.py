@@ -19,19 +19,10 @@ the Ray cluster, ``observe_cards``) is marked *lost*; its core stops ticking (it
 count toward anything live) and status shows it ``live: false``. Without re-placement (the
 default) that is all: when its replicas come back they register again and the card is live.
 
-Re-placement (``enable_replacement``; the broker actor turns it on when the deploying layer
-gives it a reconciler, ``deployments.reconcile``): a loss re-places the fleet at once
-(``broker.replacement``: ``quotas.placement.replace_after_loss`` over the live cards; replicas
-on live cards stay, the lost ones go where a card's usable holds their base, the rest stay
-*unplaced*, in status and in a ``placement`` decision naming the model and why). Every card
-whose models or replica counts changed gets a new core on its new card config (every model at
-its base, so Σ base ≤ usable holds by placement; loans on that card end; the calibrations of
-replicas already registered there are replayed); a card left empty loses its core.
-``placement_version`` counts re-placements: the actor runs its reconciler (Serve redeploys the
-changed models' apps, on the head node) after a tick that changed it. A node that joins
-(``observe_cards`` sees a lost card's resource again) makes its cards live and empty; unplaced
-replicas are placed on them (no live migration of the others). A re-placement is saved beside
-the checkpoint (``<checkpoint>.placement.json``); a restarted broker restores it.
+Re-placement (``enable_replacement``, on when the deploying layer gives the actor a reconciler):
+a loss re-places the fleet at once (``broker.replacement``), a join places the unplaced on the
+new cards; cards whose models changed get new cores; docs/DESIGN.md "Node loss and join" has
+the rules. ``card_health`` gives card routers the lost cards and the silent ones.
 
 Replica targets: after the cores tick, ``broker.replica_targets`` runs the replica rule
 (``broker.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
@@ -175,6 +166,13 @@ class FleetBroker:
         if cid in self.lost:
             self.lost.discard(cid)
             core._log_event("card", f"card {cid}: replicas report again; live")  # noqa: SLF001
+
+    def card_health(self) -> dict[str, list[str]]:
+        """Lost cards, and live ones none of whose replicas reported for ``stale_after_s`` (a node
+        may be gone but not yet lost): card routers avoid both (``deployments.http_cards``)."""
+        now, after_s = self._clock(), max(2.0, 5.0 * self._cfg.broker.report_interval_s)
+        silent = [c for c, seen in self._seen.items() if c not in self.lost and now - seen > after_s]
+        return {"lost": sorted(self.lost), "silent": sorted(silent)}
 
     def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
         taken: dict[str, int] = {}

@@ -10,17 +10,19 @@ handles (async: no blocking Ray call). That is one hop more than a one-card mode
 one card keeps its one hop (``deployments.http_model.HttpModel``).
 
 Lost cards. Serve holds a request sent to a group whose replicas died on a lost node until the
-group is redeployed (20-35 s on the test cluster), so the router follows the broker's lost
-cards (``BrokerActor.lost_cards``, read every control interval by a task of its own, never on
-a request's path): it sends nothing to a group on a lost card, answers an explicit 503 at once
-when every group is on one, and ends the requests still waiting on a card as it is marked lost
-with a 503 naming the card (Serve's request is cancelled). The broker marks a card lost when
-its node leaves Ray or its replicas fall silent (``broker.fleet_core``).
+group is redeployed (20-35 s on the test cluster), so the router follows the broker's view of
+the cards (``BrokerActor.card_health``, read every control interval by a task of its own, never
+on a request's path). A *silent* card (its replicas missed five reports: the node may be gone,
+the broker has not said so yet) gets no new request while another card of the model is not
+silent; a *lost* one (its node left Ray, or 15 s of silence) gets none at all: the requests
+still waiting there are ended with a 503 naming the card (Serve's request is cancelled), and
+when every card of the model is lost the router answers 503 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 from starlette.requests import Request
@@ -57,29 +59,34 @@ class CardRouter:
         self.broker_name, self.broker_namespace = cfg.broker.name, cfg.broker.namespace
         self.poll_s = max(0.25, float(cfg.broker.control_interval_s))
         self.lost: frozenset[str] = frozenset()  # the broker's lost cards among this router's groups
+        self.silent: frozenset[str] = frozenset()  # live, but their replicas stopped reporting
         self.waiting: dict[str, set[tuple[asyncio.Future, Any]]] = {cid: set() for cid in groups}
         self._broker: Any = None
         self._watch_task: asyncio.Task | None = None
 
-    async def lost_now(self) -> set[str]:
-        """The cards the broker has marked lost (one actor call; raises when the broker is away)."""
+    async def health_now(self) -> dict[str, list[str]]:
+        """The broker's ``card_health`` (one actor call; raises when the broker is away)."""
         if self._broker is None:
             import ray
 
             self._broker = await asyncio.to_thread(ray.get_actor, self.broker_name, namespace=self.broker_namespace)
-        return set(await asyncio.wait_for(self._broker.lost_cards.remote(), timeout=BROKER_RPC_TIMEOUT_S))
+        return await asyncio.wait_for(self._broker.card_health.remote(), timeout=BROKER_RPC_TIMEOUT_S)
 
     async def _watch(self) -> None:
         while True:
             try:
-                self.set_lost(await self.lost_now())
+                health = await self.health_now()
+                self.set_health(health.get("lost", ()), health.get("silent", ()))
             except Exception:  # noqa: BLE001 - broker away or restarting: keep what it said last
                 self._broker = None
             await asyncio.sleep(self.poll_s)
 
-    def set_lost(self, lost: set[str]) -> None:
-        """Cards now lost: nothing more is sent there and what waits there is ended (503)."""
-        now = frozenset(lost) & frozenset(self.groups)
+    def set_health(self, lost: Iterable[str], silent: Iterable[str] = ()) -> None:
+        """Cards now lost: nothing more is sent there and what waits there is ended (503).
+        Silent cards: no new request while a card of the model is not silent."""
+        mine = frozenset(self.groups)
+        now = frozenset(lost) & mine
+        self.silent = (frozenset(silent) & mine) - now
         newly, self.lost = now - self.lost, now
         for cid in newly:
             for task, response in list(self.waiting[cid]):
@@ -102,7 +109,9 @@ class CardRouter:
             return read
         parsed, body = read
         self._ensure_watch()
-        cid = pick_group(self.in_flight, self.replicas, self.lost)
+        cid = pick_group(self.in_flight, self.replicas, self.lost | self.silent) if self.silent else None
+        if cid is None:  # no silent card, or only silent ones left: they may be slow, not gone
+            cid = pick_group(self.in_flight, self.replicas, self.lost)
         if cid is None:
             return self._unavailable(
                 f"model '{self.name}' has no live card: {', '.join(sorted(self.lost))} lost; "

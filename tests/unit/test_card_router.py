@@ -100,8 +100,8 @@ def test_a_request_waiting_on_a_card_that_is_lost_gets_an_explicit_503_and_the_n
     lost: set[str] = set()
 
     class Router(CardRouter):
-        async def lost_now(self) -> set[str]:
-            return set(lost)
+        async def health_now(self) -> dict[str, list[str]]:
+            return {"lost": sorted(lost), "silent": []}
 
     async def run() -> None:
         released = asyncio.Event()
@@ -132,5 +132,33 @@ def test_a_request_waiting_on_a_card_that_is_lost_gets_an_explicit_503_and_the_n
         router.in_flight["a0"] -= 5
         assert (await router.answer(_request())).status == 200  # the cards are back
         router._watch_task.cancel()  # noqa: SLF001
+
+    asyncio.run(run())
+
+
+def test_a_silent_card_gets_no_new_request_while_another_card_reports():
+    """Silent (its replicas stopped reporting, not lost yet): new requests go elsewhere, what
+    waits there is left alone (it may be slow, not gone); when every card is silent, they are
+    used all the same."""
+    text = open("configs/cluster-demo.yaml", encoding="utf-8").read()
+
+    async def run() -> None:
+        released = asyncio.Event()
+        released.set()
+        a0, b0 = _Group(released), _Group(released)
+        router = CardRouter("mlp", text, {"a0": a0, "b0": b0}, {"a0": 1, "b0": 1})
+        router._ensure_watch = lambda: None  # noqa: SLF001 - no broker here: health set by hand
+        router.set_health(lost=[], silent=["a0", "x9"])  # x9: not one of this model's cards
+        assert router.silent == frozenset({"a0"})
+        for _ in range(3):
+            assert (await router.answer(_request())).status == 200
+        assert (a0.calls, b0.calls) == (0, 3)  # a0 first on ties, but silent
+        router.set_health(lost=[], silent=["a0", "b0"])
+        assert (await router.answer(_request())).status == 200
+        assert (a0.calls, b0.calls) == (1, 3)  # all silent: the usual choice
+        router.set_health(lost=["b0"], silent=["a0", "b0"])
+        assert router.silent == frozenset({"a0"}) and router.lost == frozenset({"b0"})
+        assert (await router.answer(_request())).status == 200
+        assert (a0.calls, b0.calls) == (2, 3)  # lost beats silent
 
     asyncio.run(run())

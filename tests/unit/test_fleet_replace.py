@@ -182,3 +182,18 @@ def test_a_restarted_broker_runs_the_placement_it_had_re_placed_to(tmp_path):
     other = CONFIG.replace("slo_p95_ms: 1500", "slo_p95_ms: 1400")  # another launch config: placed afresh
     fresh = FleetBroker(other, clock=Clock(), checkpoint_path=path)
     assert fresh.placement.replicas["west"] == ("b0",) and fresh.placement_version == 0
+
+
+def test_card_health_says_silent_before_lost():
+    """A card whose replicas stopped reporting is silent after five report intervals (at least
+    2 s) and lost after DEAD_AFTER_S; a card that reports is neither; a card never reported on
+    (a1, empty) is not silent."""
+    clock, fb = _fleet(replacing=False)
+    _run(fb, clock, 2, silent=frozenset())
+    assert fb.card_health() == {"lost": [], "silent": []}
+    _run(fb, clock, 3, silent=frozenset({"b0"}))  # report_interval_s 0.5: silent after 2.5 s
+    assert fb.card_health() == {"lost": [], "silent": ["b0"]}
+    _run(fb, clock, int(DEAD_AFTER_S), silent=frozenset({"b0"}))
+    assert fb.card_health() == {"lost": ["b0", "b1"], "silent": []}
+    _run(fb, clock, 1, silent=frozenset())  # b0 reports again: live, not silent
+    assert fb.card_health() == {"lost": ["b1"], "silent": []}
