@@ -30,9 +30,7 @@ def test_broker_fixed_runs_the_memory_ceiling_and_differs_from_static_only_by_it
 def test_broker_fixed_with_the_static_wait_and_window_is_the_static_split():
     times = L.independent(L.IND_MEAN_RPS, 120.0, 1)
     static = L.run_arm(L.fleet(fixed=True), f"static:{L.STATIC_CAP}:10", times, 120.0, 10.0)
-    pinned = L.run_arm(
-        G.fixed_wait(L.fleet(fixed=True), 10.0), "broker", times, 120.0, 10.0, sim_cls=G.OldestWindowSim
-    )
+    pinned = L.run_arm(G.fixed_wait(L.fleet(fixed=True), 10.0), "broker", times, 120.0, 10.0, sim_cls=G.OldestWindowSim)
     plain = L.run_arm(L.fleet(fixed=True), "broker", times, 120.0, 10.0)
     for m in L.MODELS:
         assert pinned["models"][m]["attainment"] == static["models"][m]["attainment"]
