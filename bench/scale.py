@@ -227,6 +227,35 @@ def bench_cards(cards: int, models: int, seconds: float, seed: int = 0) -> dict[
     return _summary(f"{cards} cards x {models} models", runs, cards=cards, models=models, cores=cores)
 
 
+def unchanged_share(models: int = 100, cards: int = 16, seconds: float = 120.0, seed: int = 0) -> float:
+    """The share of model-ticks whose ``ModelLoad`` equals the model's previous one (report times
+    aside): an upper bound on what deciding only the models whose load changed could skip."""
+    import dataclasses
+
+    import broker.window as bw
+
+    cores = _Cores(synthetic_doc(models, cards=cards), seed)
+    cores.run(30.0)
+    prev: dict[str, Any] = {}
+    counts = [0, 0]  # same, all
+    fold = bw.ReportWindow._model_load
+
+    def counting(self: Any, name: str, *args: Any) -> Any:
+        load = fold(self, name, *args)
+        key = dataclasses.replace(load, replica_reports=())
+        counts[0] += prev.get(name) == key
+        counts[1] += 1
+        prev[name] = key
+        return load
+
+    bw.ReportWindow._model_load = counting  # type: ignore[method-assign]
+    try:
+        cores.run(seconds)
+    finally:
+        bw.ReportWindow._model_load = fold  # type: ignore[method-assign]
+    return counts[0] / max(1, counts[1])
+
+
 def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0.5, seed: int = 0) -> dict[str, Any]:
     """The simulator's broker arm on ``models`` x ``duration_s`` of trace arrivals, wall-clock timed."""
     from bench.sim import run_sim

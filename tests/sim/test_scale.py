@@ -62,3 +62,13 @@ def test_table_names_every_case_and_the_one_card_fallback():
     text = scale.table(res)
     assert "| 16 cards x 100 models | 16 | 3 | 5.00 | 9.00 |" in text
     assert "FleetBroker.tick" in text and "12.0 s wall" in text
+
+
+def test_unchanged_share_counts_loads_equal_to_the_last_tick_and_restores_the_window():
+    import broker.window as bw
+
+    fold = bw.ReportWindow._model_load
+    share = scale.unchanged_share(models=8, cards=1, seconds=40.0)
+    assert bw.ReportWindow._model_load is fold  # put back
+    # models busy one 30 s phase in four: some ticks repeat an idle load, busy ones never do
+    assert 0.0 < share < 1.0
