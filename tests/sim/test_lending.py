@@ -71,3 +71,28 @@ def test_on_the_contention_load_lending_costs_no_model_anything():
         for m in L.MODELS:
             b, f = broker["models"][m], fixed["models"][m]
             assert b["attainment"] >= f["attainment"], (seed, m, b["attainment"], f["attainment"])
+
+
+def test_the_independent_load_reports_the_target_and_the_two_readings_beside_it():
+    """``independent_load``: the issue's target (every model, every seed, at least the static
+    split) and, beside it, broker against broker-fixed and each model summed over the seeds."""
+    res = L.independent_load(60.0, (0,), warmup_s=5.0)
+    arms = res["seeds"]["0"]
+    short = [
+        m
+        for m in L.MODELS
+        if arms["broker"]["models"][m]["attainment"] < arms["static-split"]["models"][m]["attainment"]
+    ]
+    assert res["never_worse"] == (not short) and [x["model"] for x in res["short"]] == short
+    cost = [
+        m
+        for m in L.MODELS
+        if arms["broker"]["models"][m]["attainment"] < arms["broker-fixed"]["models"][m]["attainment"]
+    ]
+    assert res["moves_never_cost"] == (not cost)
+    for arm in ("broker", "static-split"):
+        for m in L.MODELS:
+            mm = arms[arm]["models"][m]
+            assert res["within_slo_summed"][arm][m] == round(mm["attainment"] * mm["offered"], 1)
+    summed = res["within_slo_summed"]
+    assert res["summed_never_worse"] == all(summed["broker"][m] >= summed["static-split"][m] for m in L.MODELS)
