@@ -38,6 +38,7 @@ from broker.types import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
 from deployments.fast_loop import FastEvent, fast_loop_step, params_for
 from deployments.gate import LazyGate
+from deployments.inline_work import InlineOrThread
 from deployments.items import Item as _Item
 from deployments.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
 from deployments.items import error as _error
@@ -113,11 +114,10 @@ class ModelReplica:
         # static, or the config says the runtime's own formation is to be left alone.
         self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
         self.next_start = NextBatchStart(self.lazy_gate and getattr(self, "START_NEXT_FIRST", True))
-        # Batches never overlap inside one adapter. Validation runs in a worker thread beside a
-        # running batch and is NOT under this lock: holding it would keep new requests out of
-        # Serve's queue for a whole batch, so the next batch would form from almost nothing.
-        # Adapters make validate/cost safe beside predict (minilm locks its tokenizer only).
-        self._model_lock = threading.Lock()
+        # Batches never overlap in one adapter. Validation (in a thread, or inline once measured cheap:
+        # deployments.inline_work) is NOT under this lock: it would keep requests out for a whole
+        # batch. Adapters make validate/cost safe beside predict (minilm locks its tokenizer only).
+        self._model_lock, self.validating = threading.Lock(), InlineOrThread()
         await asyncio.to_thread(self._load)
         self._batch = serve.batch(
             max_batch_size=self.cap,
@@ -383,7 +383,7 @@ class ModelReplica:
 
     # ------------------------------------------------------------------ requests
     def _validate_all(self, inputs: list) -> list[_Item] | dict[str, Any]:
-        """Validated items with their cost, or a 422 naming the field (runs in a worker thread)."""
+        """Validated items with their cost, or a 422 naming the field (in a thread, or inline)."""
         from deployments.models import InputError
 
         items = []
@@ -435,7 +435,7 @@ class ModelReplica:
         # all pass the max_queued check while each is still being validated.
         self.waiting += n
         try:
-            items_or_error = await asyncio.to_thread(self._validate_all, inputs)
+            items_or_error = await self.validating.run(self._validate_all, inputs)  # thread or inline
             if isinstance(items_or_error, dict):
                 return items_or_error
             self.delta.arrivals += n

@@ -1,0 +1,15 @@
+"""bench/replica_cpu.py runs both arms on a real replica (Serve's batcher, no Ray): the thread arm
+never goes inline, the inline arm does (no timing asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench import replica_cpu
+
+
+def test_both_arms_run_and_only_the_inline_arm_moves_validation_onto_the_loop():
+    res = asyncio.run(replica_cpu.main_async(rounds=1, requests=80))
+    by_mode = {r["mode"]: r for r in res["runs"]}
+    assert by_mode["thread"]["inline"] is False and by_mode["inline"]["inline"] is True
+    assert all(r["cpu_ms_per_request"] > 0 for r in res["runs"])
