@@ -33,7 +33,7 @@ import numpy as np
 
 from bench import lending as L
 from bench.sim import Simulator, parse_arm
-from bench.sim_types import DONE, EV_TIMER, TIMED_OUT, SimReplica
+from bench.sim_types import DONE, EV_TIMER, SimReplica
 from quotas.config import FleetConfig
 
 DURATION_S = 600.0  # bench lending's full independent load
@@ -54,26 +54,10 @@ class OldestWindowSim(Simulator):
     request has waited the wait timeout (or at once, when it already has), as the static arm's
     lazy batcher does, instead of waiting a fresh window from its release."""
 
-    def _pump(self, rep: SimReplica) -> None:
-        limit = self.now - rep.timeout_s
-        arr_t, status = self.arr_t, self.status
-
-        def alive(i: int) -> bool:
-            if arr_t[i] < limit:
-                status[i] = TIMED_OUT
-                rep.st_to += 1
-                rep.held -= 1
-                return False
-            return True
-
-        released = rep.gate.pump(alive)
-        if not released:
-            return
-        rep.queue.extend(released)
-        self._form(rep)
+    def _released(self, rep: SimReplica) -> None:
         if rep.forming is None:
             return
-        deadline = max(self.now, arr_t[rep.forming[0]] + rep.wait_s)
+        deadline = max(self.now, self.arr_t[rep.forming[0]] + rep.wait_s)
         if deadline >= rep.timer_at:
             return
         rep.gate.form_until = deadline

@@ -306,6 +306,11 @@ class Simulator(BatchingMixin):
         if released:
             rep.queue.extend(released)
             self._form(rep)
+            self._released(rep)
+
+    def _released(self, rep: SimReplica) -> None:
+        """After the gate let requests in and a batch formed from them: a hook for variants
+        (``bench.lending_gap``); the simulator itself does nothing more here."""
 
     def _expire(self, rep: SimReplica) -> None:
         q = rep.queue
