@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 from broker.batch_plan import BatchPlan, wait_for
 from broker.latency_model import LatencyFit
@@ -47,24 +46,10 @@ class Inputs:
     qdepth: float  # queue depth per replica (requests waiting or running)
     p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
     window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
-
-    # derived once per tick and model: the rules ask these several times (cached_property writes
-    # the instance's __dict__, so the record stays frozen against assignment)
-    @cached_property
-    def u(self) -> float:
-        return max(self.load.cost_per_request, 1.0)
-
-    @cached_property
-    def proposal(self) -> int:
-        """The cap the plan asks for (the current cap without a plan): what a guard compares with."""
-        return self.cap if self.plan is None else max(1, round(self.plan.cap))
-
-    @cached_property
-    def backlog(self) -> bool:
-        """More than a batch queued, a queue over the band's top, or arrivals beyond what this cap serves."""
-        ctl = self.spec.control
-        overloaded = self.fit is not None and self.units_per_s > 0.95 * self.fit.saturated_rate(self.cap)
-        return self.queued_units > self.cap or self.qdepth > ctl.band_high or overloaded
+    # derived once (``derived``): the rules ask these several times a tick
+    u: float  # batch units per request (at least 1)
+    proposal: int  # the cap the plan asks for (the current cap without a plan): what a guard compares with
+    backlog: bool  # more than a batch queued, a queue over the band's top, or arrivals beyond this cap's rate
 
     def waiting(self, min_depth: float) -> bool:
         """Work waits: more queued than the plan's cap takes at once, or (no plan) a queue of min_depth."""
@@ -94,3 +79,20 @@ class Inputs:
     def hold(self, trigger: Trigger, value: float, rule: Rule, reason: str) -> BatchWant:
         """Keep the cap and the wait as they are."""
         return BatchWant(self.cap, self.wait_s, True, trigger, float(value), rule, reason)
+
+
+def derived(
+    load: ModelLoad,
+    spec: ModelSpec,
+    cap: int,
+    fit: LatencyFit | None,
+    plan: BatchPlan | None,
+    units_per_s: float,
+    queued_units: float,
+    qdepth: float,
+) -> tuple[float, int, bool]:
+    """``Inputs.u``, ``Inputs.proposal``, ``Inputs.backlog`` from the numbers they derive from."""
+    proposal = cap if plan is None else max(1, round(plan.cap))
+    overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
+    backlog = queued_units > cap or qdepth > spec.control.band_high or overloaded
+    return max(load.cost_per_request, 1.0), proposal, backlog

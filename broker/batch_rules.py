@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from broker.batch_inputs import Inputs, RuleContext  # noqa: F401 - RuleContext is part of this module's API
+from broker.batch_inputs import Inputs, RuleContext, derived  # noqa: F401 - RuleContext is part of this module's API
 from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
 from broker.records import build
@@ -397,6 +397,8 @@ def inputs_for(
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
     window_p95 = load.p95_ms if load.latency_samples >= ctl.min_samples else None
+    qdepth = load.queue_depth / replicas
+    u, proposal, backlog = derived(load, spec, cap, fit, plan, units_per_s, queued_units, qdepth)
     return build(  # Inputs(...) without the frozen __init__ (broker.records)
         Inputs,
         load=load,
@@ -410,9 +412,12 @@ def inputs_for(
         rate_rps=rate_rps,
         units_per_s=units_per_s,
         queued_units=queued_units,
-        qdepth=load.queue_depth / replicas,
+        qdepth=qdepth,
         p95_ms=p95,
         window_p95_ms=window_p95,
+        u=u,
+        proposal=proposal,
+        backlog=backlog,
     )
 
 

@@ -120,6 +120,9 @@ def test_request_past_deadline_gets_prompt_504(monkeypatch, tmp_path):
     async def main():
         rig = await make("slow", monkeypatch, tmp_path)
         try:
+            # no background reports: the delta is read below, and a report at the deadline (0.5 s,
+            # two report intervals) would move its timeouts to the broker first
+            await close(rig)
             calls = count_predicts(rig.r)
 
             async def timed():
