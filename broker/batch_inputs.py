@@ -46,7 +46,7 @@ class Inputs:
     qdepth: float  # queue depth per replica (requests waiting or running)
     p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
     window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
-    # derived once (``derived``): the rules ask these several times a tick
+    # derived once by ``broker.batch_rules.inputs_for``: the rules ask these several times a tick
     u: float  # batch units per request (at least 1)
     proposal: int  # the cap the plan asks for (the current cap without a plan): what a guard compares with
     backlog: bool  # more than a batch queued, a queue over the band's top, or arrivals beyond this cap's rate
@@ -79,20 +79,3 @@ class Inputs:
     def hold(self, trigger: Trigger, value: float, rule: Rule, reason: str) -> BatchWant:
         """Keep the cap and the wait as they are."""
         return BatchWant(self.cap, self.wait_s, True, trigger, float(value), rule, reason)
-
-
-def derived(
-    load: ModelLoad,
-    spec: ModelSpec,
-    cap: int,
-    fit: LatencyFit | None,
-    plan: BatchPlan | None,
-    units_per_s: float,
-    queued_units: float,
-    qdepth: float,
-) -> tuple[float, int, bool]:
-    """``Inputs.u``, ``Inputs.proposal``, ``Inputs.backlog`` from the numbers they derive from."""
-    proposal = cap if plan is None else max(1, round(plan.cap))
-    overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
-    backlog = queued_units > cap or qdepth > spec.control.band_high or overloaded
-    return max(load.cost_per_request, 1.0), proposal, backlog

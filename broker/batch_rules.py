@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from broker.batch_inputs import Inputs, RuleContext, derived  # noqa: F401 - RuleContext is part of this module's API
+from broker.batch_inputs import Inputs, RuleContext  # noqa: F401 - RuleContext is part of this module's API
 from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
 from broker.records import build
@@ -398,7 +398,9 @@ def inputs_for(
     p95 = load.recent_p95_ms if load.recent_samples >= ctl.min_samples else None
     window_p95 = load.p95_ms if load.latency_samples >= ctl.min_samples else None
     qdepth = load.queue_depth / replicas
-    u, proposal, backlog = derived(load, spec, cap, fit, plan, units_per_s, queued_units, qdepth)
+    # backlog: more than a batch queued, a queue over the band's top, or arrivals beyond this cap's rate
+    overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
+    backlog = queued_units > cap or qdepth > ctl.band_high or overloaded
     return build(  # Inputs(...) without the frozen __init__ (broker.records)
         Inputs,
         load=load,
@@ -415,8 +417,8 @@ def inputs_for(
         qdepth=qdepth,
         p95_ms=p95,
         window_p95_ms=window_p95,
-        u=u,
-        proposal=proposal,
+        u=max(load.cost_per_request, 1.0),
+        proposal=cap if plan is None else max(1, round(plan.cap)),
         backlog=backlog,
     )
 

@@ -45,6 +45,7 @@ from broker.decision_log import DecisionLog
 from broker.metrics import BrokerMetrics
 from broker.replacement import FleetEntry, Replacement, groups_of, read_placement, replace_fleet, write_placement
 from broker.replica_targets import ReplicaTargets
+from broker.window import stale_after_s
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 from quotas.placement import Placement, place_fleet
@@ -170,7 +171,7 @@ class FleetBroker:
     def card_health(self) -> dict[str, list[str]]:
         """Lost cards, and live ones none of whose replicas reported for ``stale_after_s`` (a node
         may be gone but not yet lost): card routers avoid both (``deployments.http_cards``)."""
-        now, after_s = self._clock(), max(2.0, 5.0 * self._cfg.broker.report_interval_s)
+        now, after_s = self._clock(), stale_after_s(self._cfg)
         silent = [c for c, seen in self._seen.items() if c not in self.lost and now - seen > after_s]
         return {"lost": sorted(self.lost), "silent": sorted(silent)}
 

@@ -56,7 +56,7 @@ base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from broker.latency_model import LatencyFit
@@ -325,8 +325,7 @@ def plan_quota(
             lent[donor] = now_s
         moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
-    def grow(name: str, amount: int, kind: str, why: str | Callable[[], str]) -> int:
-        """``why``: the move's reason, or what builds it (called only when the grant grows)."""
+    def grow(name: str, amount: int, kind: str, why: str) -> int:
         amount = min(amount, ledger.free_bytes, ledger.headroom_bytes(name))
         if amount > 0:  # the measured bound last: it sums over every model
             amount = min(amount, measured_free_bytes(ledger, used))
@@ -337,7 +336,7 @@ def plan_quota(
         except LedgerError as exc:
             notes.append(f"grow {name} refused: {exc}")
             return 0
-        moves.append(QuotaMove(kind, None, name, amount, why if isinstance(why, str) else why()))
+        moves.append(QuotaMove(kind, None, name, amount, why))
         return amount
 
     # 4. reclaim base for owners whose load is back
@@ -405,22 +404,18 @@ def plan_quota(
         deficit = wanted - ledger.grant(name) - ledger.incoming_bytes(name)
         if deficit < dust:
             continue
-        want, grant_was = wants[name], ledger.grant(name)
-
-        def wants_text(
-            name: str = name, want: BatchWant = want, wanted: int = wanted, grant_was: int = grant_was
-        ) -> str:
-            if name in (need_bytes or {}):
-                return f"{name} engine wants {format_size(wanted)}, grant {format_size(grant_was)}"
-            return (
+        want = wants[name]
+        why = (
+            (
                 f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
-                f"grant {format_size(grant_was)}"
+                f"grant {format_size(ledger.grant(name))}"
             )
-
-        deficit -= grow(name, deficit, MoveKind.GROW, lambda text=wants_text: text() + ": from the free pool")
+            if name not in (need_bytes or {})
+            else (f"{name} engine wants {format_size(wanted)}, grant {format_size(ledger.grant(name))}")
+        )
+        deficit -= grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
         if deficit < dust:
             continue
-        why = wants_text()
         if name not in (need_bytes or {}):
             holds = ledger.grant(name) + ledger.incoming_bytes(name)
             ceiling = mm(name).cap_for(holds / replicas(name))

@@ -156,13 +156,8 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
     )
 
 
-_NO_FLAGS = {"release_cache": False, "drain": False, "restart_token": 0}
-
-
 def _quota_flags(state: PolicyState, model: str) -> dict[str, Any]:
     """The reclaim escalation's settings for ``model`` (broker.lending, deployments.reclaim)."""
-    if not state.reclaim_steps and not state.restart_tokens:
-        return dict(_NO_FLAGS)
     step = state.reclaim_steps.get(model, 0)
     return {"release_cache": step >= 1, "drain": step >= 2, "restart_token": state.restart_tokens.get(model, 0)}
 

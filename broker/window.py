@@ -26,6 +26,11 @@ from quotas.config import FleetConfig
 MIN_INTERVAL_S = 1e-9  # a replica's reports covering less than this say nothing about its rates
 
 
+def stale_after_s(config: FleetConfig) -> float:
+    """A replica that has not reported for this long is not live (five report intervals, at least 2 s)."""
+    return max(2.0, 5.0 * config.broker.report_interval_s)
+
+
 class ReportWindow:
     def __init__(self, config: FleetConfig):
         self._events: dict[str, _ModelWindow] = {}
@@ -71,7 +76,7 @@ class ReportWindow:
         return max(5.0, 4.0 * broker.control_interval_s, 4.0 * broker.report_interval_s)
 
     def stale_after_s(self) -> float:
-        return max(2.0, 5.0 * self._config.broker.report_interval_s)
+        return stale_after_s(self._config)
 
     def snapshot(
         self,

@@ -134,7 +134,7 @@ class _ModelWindow:
         self.fit_sums = [0.0, 0.0, 0.0, 0.0]  # sum b, sum ms, sum b^2, sum b*ms over valid points
         self.fit_drops = 0  # points subtracted since the sums were last re-added from scratch
         self.timings: tuple[tuple[float, float], ...] | None = ()  # tuple(fit_pts); None: rebuild
-        self.lat_sorted: list[float] | None = []  # the window's latencies, ascending; None: rebuild
+        self.lat_sorted: list[float] = []  # the window's latencies, ascending
         # samples that came and went since ``lat_sorted`` was brought up to date (merged in by bisect)
         self.lat_add: list[float] = []
         self.lat_del: list[float] = []
@@ -170,8 +170,7 @@ class _ModelWindow:
         if d.lat:
             self.rate_lat = None
             self.lat_total += len(d.lat)
-            if self.lat_sorted is not None:
-                self.lat_add.extend(d.lat)
+            self.lat_add.extend(d.lat)
         if d.batches:
             self.timings = None
         self.rate_q.append(d)
@@ -257,10 +256,10 @@ class _ModelWindow:
         return self.timings
 
     def latencies(self) -> list[float]:
-        """The window's latency samples (the newest ``MAX_LATENCY_SAMPLES``), ascending; rebuilt
-        only when a report with samples came or went."""
-        lat = self.lat_sorted
-        if lat is not None and (self.lat_add or self.lat_del):
+        """The window's latency samples (the newest ``MAX_LATENCY_SAMPLES``), ascending: the samples
+        that came and went merged in, or a rebuild over the cap."""
+        lat: list[float] | None = self.lat_sorted
+        if self.lat_add or self.lat_del:
             gone, came = self.lat_del, self.lat_add
             self.lat_add, self.lat_del = [], []
             if self.lat_capped or self.lat_total > MAX_LATENCY_SAMPLES:
@@ -277,7 +276,6 @@ class _ModelWindow:
                     lat.extend(came)
                     lat.sort()  # one sorted run and a short tail: a merge
         if lat is None:
-            self.lat_add, self.lat_del = [], []
             lat = list(chain.from_iterable(map(_LAT, self.events)))
             self.lat_capped = len(lat) > MAX_LATENCY_SAMPLES
             if self.lat_capped:
@@ -311,8 +309,7 @@ class _ModelWindow:
             self.nbatch_sum -= d.n_batches
             if d.lat:
                 self.lat_total -= len(d.lat)
-                if self.lat_sorted is not None:
-                    self.lat_del.extend(d.lat)
+                self.lat_del.extend(d.lat)
             if self.latest.get(d.rid) is d:
                 del self.latest[d.rid]
             while self.fit_own and self.fit_own[0] is d:
