@@ -126,6 +126,12 @@ class ReportWindow:
             if version is None or v < version:
                 version = v
             seen.append(ReplicaSeen(rid, d.t, v, r.mem_used_bytes))
+        edge = self._edge[name]
+        if edge:
+            while edge and edge[0][0] < now_s - window_s:
+                edge.popleft()
+        if not mw.active and not edge:
+            return self._quiet_load(name, spec.batch.unit, mw, queue, used, peak, version, seen, memory)
         # the window's sums: kept as reports come and go, or summed in C over the digests
         latencies = mw.latencies()
         oom_costs = tuple(chain.from_iterable(map(_OOM, events))) if mw.oom else ()  # the ceiling stays below them
@@ -157,10 +163,7 @@ class ReportWindow:
         recent = mw.rate_latencies()
 
         edge_recent = 0
-        edge = self._edge[name]
         if edge:
-            while edge and edge[0][0] < now_s - window_s:
-                edge.popleft()
             counted += sum(n for _, n in edge)
             edge_recent = sum(n for t, n in edge if t >= rate_from)
 
@@ -207,5 +210,62 @@ class ReportWindow:
             weights_bytes=int(memory[0]),
             bytes_per_unit=float(memory[1]),
             cost_unit=spec.batch.unit,
+            replica_reports=tuple(seen),
+        )
+
+    @staticmethod
+    def _quiet_load(
+        name: str,
+        unit: str,
+        mw: _ModelWindow,
+        queue: int,
+        used: int,
+        peak: int,
+        version: int | None,
+        seen: list[ReplicaSeen],
+        memory: tuple[int, float],
+    ) -> ModelLoad:
+        """The load of a window whose reports carry no activity (``_Digest.active``) and no
+        refusals at the ingress: every rate is 0, no latency, no batch. The same record the full
+        fold gives (a test compares them), without its passes over the window."""
+        met, batch_cost = mw.sums_met_cost()
+        busy = 0.0  # the busy seconds' float sums can keep a remainder: summed as the full fold does
+        rated = 0
+        for acc in mw.rate_acc.values():
+            if acc[4] > MIN_INTERVAL_S:
+                busy += acc[3] / acc[4]
+                rated += 1
+        return build(
+            ModelLoad,
+            name=name,
+            replicas=len(seen),
+            queue_depth=float(queue),
+            arrival_rate_rps=0.0,
+            recent_arrival_rate_rps=0.0,
+            completion_rate_rps=0.0,
+            reject_rate_rps=0.0,
+            p50_ms=None,
+            p95_ms=None,
+            p99_ms=None,
+            latency_samples=0,
+            recent_p95_ms=None,
+            recent_samples=0,
+            attainment=attainment(met, mw.counted_sum),
+            batch_timings=mw.batch_timings(),
+            fit_sums=mw.fit_sums_now(),
+            fit_max_cost=mw.biggest_fit_cost(),
+            mean_batch=0.0,
+            max_batch=mw.max_costs[0].max_cost if mw.max_costs else 0.0,
+            cost_per_request=1.0,
+            busy_frac=(busy / rated) if rated else 0.0,
+            mem_used_bytes=used,
+            mem_peak_bytes=peak,
+            emergency=False,
+            oom_splits=0,
+            oom_costs=(),
+            settings_version=version or 0,
+            weights_bytes=int(memory[0]),
+            bytes_per_unit=float(memory[1]),
+            cost_unit=unit,
             replica_reports=tuple(seen),
         )

@@ -38,6 +38,7 @@ class _Digest:
         "cost",
         "counted",
         "emergency",
+        "active",
         "interval",
         "lat",
         "max_cost",
@@ -72,6 +73,20 @@ class _Digest:
         self.arrivals, self.interval, self.busy_s = r.arrivals, r.interval_s, r.busy_s
         self.met = 0.0
         self.rate(slo_ms)
+        # a report of an idle replica (nothing arrived, ran, missed or failed): a window of only
+        # such reports has every rate, latency and batch figure empty (``broker.window``'s quiet fold)
+        self.active = bool(
+            self.arrivals
+            or self.counted
+            or self.lat
+            or self.batches
+            or self.busy_s
+            or self.misses
+            or self.emergency
+            or self.oom_splits
+            or self.oom_costs
+            or r.batch_requests
+        )
 
     def rate(self, slo_ms: float) -> None:
         """Requests answered within ``slo_ms`` (``broker.attainment``), for the window's cap."""
@@ -95,6 +110,7 @@ class _ModelWindow:
         "fit_seq",
         "fit_sums",
         "fit_window",
+        "active",
         "counted_sum",
         "latest",
         "lat_add",
@@ -141,6 +157,7 @@ class _ModelWindow:
         self.lat_total = 0  # samples in the window
         self.lat_capped = False  # lat_sorted holds only the newest MAX_LATENCY_SAMPLES
         self.counted_sum = self.requests_sum = self.nbatch_sum = 0  # the window's integer sums
+        self.active = 0  # reports in the window that carry any activity (``_Digest.active``)
         # (met, batch cost) summed over the window in order; None: a report with either came or
         # went (reports adding 0.0 leave a float sum as it was, so only those count)
         self.met_cost: tuple[float, float] | None = (0, 0)
@@ -152,6 +169,7 @@ class _ModelWindow:
 
     def add(self, d: _Digest) -> None:
         self.events.append(d)
+        self.active += d.active
         self.latest[d.rid] = d
         q = self.peaks.get(d.rid)
         if q is None:
@@ -293,6 +311,7 @@ class _ModelWindow:
         events = self.events
         while events and events[0].t < before_s:
             d = events.popleft()
+            self.active -= d.active
             q = self.peaks[d.rid]
             if q[0] is d:
                 q.popleft()
