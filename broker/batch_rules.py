@@ -137,7 +137,8 @@ def idle(s: Inputs) -> BatchWant | None:
     batches size themselves to the load, so an idle model's big cap costs no memory, while a cap
     at the floor would meet the next burst with batches of the floor until the next tick. What an
     idle model lends follows its measured use either way (``broker.lending``), and a lowered grant
-    clamps the cap through the memory ceiling."""
+    clamps the cap through the memory ceiling. The answer names the hold, not how long the model
+    has been idle: it stays the same while the model stays idle (``broker.idle_memo`` keeps it)."""
     if s.ctx.idle_for_s < s.spec.control.idle_hold_s or s.load.queue_depth > 0:
         return None
     floor, rate = s.spec.batch.floor, s.load.arrival_rate_rps
@@ -147,7 +148,7 @@ def idle(s: Inputs) -> BatchWant | None:
             Trigger.ARRIVAL_RATE_RPS,
             rate,
             Rule.IDLE,
-            f"no arrivals for {s.ctx.idle_for_s:.0f}s: lazy batches size themselves, hold batch {s.cap}",
+            f"no arrivals for {s.spec.control.idle_hold_s:g}s or more: lazy batches size themselves, hold batch {s.cap}",
         )
     if s.cap > floor:
         return s.want(
@@ -155,7 +156,7 @@ def idle(s: Inputs) -> BatchWant | None:
             Trigger.ARRIVAL_RATE_RPS,
             rate,
             Rule.IDLE,
-            f"no arrivals for {s.ctx.idle_for_s:.0f}s: batch {s.cap}->{floor}",
+            f"no arrivals for {s.spec.control.idle_hold_s:g}s or more: batch {s.cap}->{floor}",
         )
     return s.want(s.cap, Trigger.ARRIVAL_RATE_RPS, rate, Rule.IDLE, "idle at the floor")
 

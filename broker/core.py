@@ -41,6 +41,7 @@ from broker import policy
 from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from broker.cost import cost_per_1k_requests
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
+from broker.idle_memo import IdleMemo
 from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics, NullMetrics
 from broker.profiles import active_profile
@@ -132,7 +133,7 @@ class BrokerCore:
         self._config_text = text
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
-        self._window = ReportWindow(cfg)
+        self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.idle_memo)
         self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.llm_window)
         for name in cfg.models:
             self._tallies.setdefault(name, deque())
@@ -280,7 +281,7 @@ class BrokerCore:
         if used != gpu.used_bytes:
             gpu = replace(gpu, used_bytes=used)
             snap = replace(snap, gpu=gpu)
-        decision, new_state = policy.decide(snap, self._cfg, self._state, need_bytes=self._llm.need_bytes())
+        decision, new_state = policy.decide(snap, self._cfg, self._state, self._llm.need_bytes(), self._memo)
         self._state = new_state
         for entry, line in self._llm.step(now, gpu.free_frac, new_state.ledger.grants, self._cfg.broker.dry_run):
             self._append(entry, line)  # engine bounds inside the new grants, before the settings table
@@ -318,9 +319,8 @@ class BrokerCore:
             self._log_event(EntryKind.NOTE, note)
         self._check_grants()
         self.checkpoint_now()
-        tick_s = time.perf_counter() - started
         if getattr(self.metrics, "active", True):
-            self.metrics.observe_tick(decision, self.status(), tick_s)
+            self.metrics.observe_tick(decision, self.status(), time.perf_counter() - started)
         return {"ok": True, "now_s": now, "changed": changed, "profile": decision.profile, "dry_run": dry}
 
     def _check_grants(self) -> None:

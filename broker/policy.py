@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from broker.batch_rules import RuleContext, decide_batch
+from broker.idle_memo import Entry, IdleMemo, load_key, steady
 from broker.latency_model import fit_for_load
 from broker.lending import plan_quota
 from broker.memory_model import MemoryModel
@@ -167,9 +168,14 @@ def memory_model(load: ModelLoad) -> MemoryModel:
 
 
 def decide(
-    snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState, need_bytes: Mapping[str, int] | None = None
+    snapshot: FleetSnapshot,
+    config: FleetConfig,
+    state: PolicyState,
+    need_bytes: Mapping[str, int] | None = None,
+    memo: IdleMemo | None = None,
 ) -> tuple[FleetDecision, PolicyState]:
-    """``need_bytes``: models whose need the lending planner takes as given (LLM engines, broker.llm_window)."""
+    """``need_bytes``: models whose need the lending planner takes as given (LLM engines, broker.llm_window).
+    ``memo``: idle models' steps kept from tick to tick (``broker.idle_memo``); the answers are the same without it."""
     now = snapshot.now_s
     interval = config.broker.control_interval_s
     profile = active_profile(config.profiles, now)
@@ -182,17 +188,42 @@ def decide(
     wants: dict[str, BatchWant] = {}
     new_states: dict[str, ModelState] = {}
     mms: dict[str, MemoryModel] = {}  # each model's memory model, once per tick
+    entries: dict[str, Entry] = {}  # idle models' cached steps, this tick (broker.idle_memo)
     for name, spec in config.models.items():
         old = state.models.get(name) or _initial_model_state(spec, interval)
         load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
+        active = load.arrival_rate_rps > 0 or load.queue_depth > 0
+        # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog
+        quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1
+        key = None
+        if (
+            memo is not None
+            and not active
+            and spec.kind != "llm"
+            and name in state.models
+            and steady(old)
+            and (old.quiet_since_s if quiet else old.loaded_since_s) is not None
+        ):
+            key = (
+                load_key(load),
+                old,
+                state.ledger.grant(name) if name in state.ledger.quotas else None,
+                profile.latency_slack,
+                profile.objective,
+                snapshot.gpu.free_frac < config.gpu.emergency_free_frac,
+                now - old.last_arrival_s >= spec.control.idle_hold_s,  # type: ignore[operator]
+                now - old.emergency_s < spec.control.emergency_recovery_intervals * interval,
+            )
+            hit = memo.get(name, config, spec, key)
+            if hit is not None:
+                wants[name], new_states[name], mms[name] = hit.want, hit.ms, hit.mm
+                entries[name] = hit
+                continue
         fit = fit_for_load(load, old.latency_fit)
         mms[name] = memory_model(load)
-        active = load.arrival_rate_rps > 0 or load.queue_depth > 0
         # a model is idle from its last arrival, or from the first tick it was seen
         last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s
         idle_for = 0.0 if active else now - last_arrival
-        # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog
-        quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1
         quiet_since = (old.quiet_since_s if old.quiet_since_s is not None else now) if quiet else None
         loaded_since = None if quiet else (old.loaded_since_s if old.loaded_since_s is not None else now)
         ctx = build(
@@ -231,6 +262,12 @@ def decide(
             notes.append(f"{name}: {note}")
         wants[name] = want
         new_states[name] = ms
+        if memo is not None and key is not None:  # an answer the clock does not move on its own
+            keep = want.rule == Rule.IDLE and want.cap == old.max_batch and not note
+            entry = Entry(config, spec, key, want, ms, mms[name]) if keep else None
+            memo.put(name, entry)
+            if entry is not None:
+                entries[name] = entry
 
     plan = plan_quota(
         snapshot,
@@ -254,8 +291,15 @@ def decide(
     decisions: dict[str, ModelDecision] = {}
     for name, spec in config.models.items():
         ms, want = new_states[name], wants[name]
-        cap, clamp_note = _guard(want.cap, spec, ledger.grant(name), mms[name])
         grant = ledger.grant(name)
+        entry = entries.get(name)
+        after = None
+        if entry is not None and name in state.ledger.quotas:
+            after = (grant, state.ledger.grant(name), _quota_flags(state, name), _quota_flags(flags_now, name))
+            if entry.after == after and entry.final is not None:
+                decisions[name], new_states[name] = entry.final
+                continue
+        cap, clamp_note = _guard(want.cap, spec, grant, mms[name])
         old = state.models.get(name)
         prev = (
             (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, _quota_flags(state, name))
@@ -289,6 +333,10 @@ def decide(
             changed=changed,
             rule=want.rule,
         )
+        if after is not None:  # the second pass kept too when nothing in it moves with the clock
+            steady_after = not changed and cap == ms.max_batch and grant == after[1] and want.admit
+            entry.after = after if steady_after else None  # type: ignore[union-attr]
+            entry.final = (decisions[name], new_states[name]) if steady_after else None  # type: ignore[union-attr]
 
     # a donor whose grant was lowered this tick must run the new version before it can confirm
     confirm_after = dict(plan.confirm_after)
