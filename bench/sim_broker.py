@@ -22,6 +22,7 @@ from typing import Any
 
 from bench.sim_types import LATENCY_SAMPLES_PER_REPORT, SimReplica
 from broker.core import BrokerCore, NullMetrics
+from broker.records import build
 from broker.types import ModelSettings, StatsReport
 
 
@@ -35,6 +36,7 @@ class SimBroker:
         )
         self.trace: list[tuple[str, float, Any]] | None = [] if record else None
         self._seen_seq = 0
+        self._replies: dict[str, tuple[dict[str, Any], ModelSettings]] = {}  # replica -> its last reply, parsed
 
     def calibration(self, rep: SimReplica) -> dict[str, Any]:
         p = rep.prof
@@ -58,7 +60,8 @@ class SimBroker:
             step = len(lat) / LATENCY_SAMPLES_PER_REPORT
             lat = [lat[int(k * step)] for k in range(LATENCY_SAMPLES_PER_REPORT)]
         used = sim.mem_pool.total
-        report = StatsReport(
+        report = build(  # StatsReport(...) without the frozen __init__ (broker.records)
+            StatsReport,
             model=rep.name,
             replica_id=rep.rid,
             seq=rep.seq,
@@ -90,7 +93,13 @@ class SimBroker:
         rep._reset_stats()
         if self.trace is not None:
             self.trace.append(("report", sim.epoch0 + now, report))
-        return ModelSettings.from_dict(self.core.report(report))
+        reply = self.core.report(report)
+        last = self._replies.get(rep.rid)
+        if last is not None and last[0] == reply:
+            return last[1]  # the same settings as last time: the object the replica already has
+        settings = ModelSettings.from_dict(reply)
+        self._replies[rep.rid] = (reply, settings)
+        return settings
 
     def tick(self) -> None:
         if self.trace is not None:
