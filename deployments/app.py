@@ -248,7 +248,8 @@ def fleet_apps(
             )
         )
     if any(m.kind == "llm" for m in cfg.models.values()):
-        apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llm_app(cfg, config_text)))
+        llms = llm_app(cfg, config_text, placement=placement)  # each engine on its placed card
+        apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llms))
     return apps
 
 

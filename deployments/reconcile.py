@@ -28,7 +28,9 @@ and route (``serve.run_many`` without waiting):
   ``Retry-After`` with the broker's reason, so its route answers instead of waiting for
   replicas that cannot start.
 
-LLM engines (``kind: llm``) share one app and are not re-placed here.
+LLM engines (``kind: llm``) share one app: when one moves, the app is deployed again with the
+engines that stayed exactly as deployed (their versions unchanged, so Serve leaves them and the
+OpenAI ingress running) and the moved engine pinned to its new card's node like a moved group.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from broker.replacement import groups_of
 from deployments.app import (
     FLEET_APP,
     INGRESS_NUM_CPUS,
+    LLM_APP,
     MODEL_NUM_CPUS,
     ServeApp,
+    llm_route,
     model_app_name,
     model_deployment,
     model_route,
@@ -182,8 +186,12 @@ class ServeReconciler:
         current = self._cache.get("current") or self.deployed()
         apps, redeployed, unplaced, groups, kept = [], [], [], {}, {}
         as_deployed = list(self._as_deployed().values())
+        moved_llms = []
         for model, spec in cfg.models.items():
-            if spec.kind == "llm" or groups_of(current, model) == groups_of(placement, model):
+            if groups_of(current, model) == groups_of(placement, model):
+                continue
+            if spec.kind == "llm":  # the engines share one app: deployed once below
+                moved_llms.append(model)
                 continue
             redeployed.append(model)
             groups[model] = groups_of(placement, model)
@@ -215,7 +223,40 @@ class ServeReconciler:
                 router=router,
             )
             apps.append(ServeApp(app_name, route, app))
+        if moved_llms:
+            apps.append(self._llm_app(placement, moved_llms, redeployed, unplaced, groups, kept))
         return apps, ReconcileResult(tuple(redeployed), tuple(unplaced), groups, kept)
+
+    def _llm_app(
+        self,
+        placement: Placement,
+        moved: list[str],
+        redeployed: list[str],
+        unplaced: list[str],
+        groups: dict[str, dict[str, int]],
+        kept: dict[str, list[str]],
+    ) -> ServeApp:
+        """The LLM app again: the engines that did not move exactly as deployed (same versions:
+        Serve leaves them and the ingress running), a moved engine pinned to its new card's node
+        (``moved_actor_options``). An engine with no card left keeps its deploy-time options and
+        waits for its card's node (its requests wait or time out; it is reported unplaced)."""
+        from deployments.llm.openai_api import LLM_NUM_CPUS, llm_app, llm_spots
+
+        spots = llm_spots(self.deployed(), LLM_NUM_CPUS)
+        many = len(self.deployed().cards) > 1
+        for model in moved:
+            redeployed.append(model)
+            groups[model] = groups_of(placement, model)
+            kept[model] = []
+            cards = placement.cards_of(model) if model in placement.replicas else ()
+            if not cards:
+                unplaced.append(model)
+                continue
+            spots[model] = (cards[0] if many else "", moved_actor_options(placement.card(cards[0]), LLM_NUM_CPUS))
+        llms = {n: s for n, s in spots.items() if self.cfg.models[n].kind == "llm"}
+        return ServeApp(
+            f"{self.fleet_app}-{LLM_APP}", llm_route(self.prefix), llm_app(self.cfg, self.config_text, spots=llms)
+        )
 
     # ---------------------------------------------------------------- Ray and Serve
     def __call__(self, placement: Placement, reasons: dict[str, str] | None = None) -> dict[str, Any]:

@@ -17,6 +17,8 @@ engine's request). Build with ``build_llm_app({"config": "configs/llm-demo.yaml"
 
 # no "from __future__ import annotations": FastAPI must see the real Request annotation
 
+import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -155,27 +157,74 @@ class OpenAIIngress:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+# where one LLM engine runs: its card ("" in a one-card fleet) and its Ray actor options
+EngineSpot = tuple[str, dict[str, Any]]
+
+
 def build_llm_fleet(
-    llms: dict[str, dict[str, Any]], llm_num_cpus: float = LLM_NUM_CPUS, config_text: str | None = None
+    llms: dict[str, dict[str, Any]],
+    llm_num_cpus: float = LLM_NUM_CPUS,
+    config_text: str | None = None,
+    spots: Mapping[str, EngineSpot] | None = None,
 ) -> Application:
     """The ingress and one ``LlmServer`` deployment per LLM (name -> engine options). With the
-    fleet's ``config_text`` each server reports to the broker and runs the bounds it sets."""
-    handles = {
-        name: serve.deployment(LlmServer)
-        .options(
-            name=f"llm-{name}",
-            num_replicas=1,
-            max_ongoing_requests=1024,
-            ray_actor_options={"num_cpus": llm_num_cpus},
-            health_check_period_s=5,
-            graceful_shutdown_timeout_s=5,
+    fleet's ``config_text`` each server reports to the broker and runs the bounds it sets.
+    ``spots``: each engine's card and Ray options (``llm_spots``; default: ``num_cpus`` only, no card).
+
+    Every deployment carries a version from what it runs (``deployments.app.deployment_version``),
+    so deploying the app again after a re-placement (``deployments.reconcile``) restarts only the
+    engines that moved; the others and the ingress keep running."""
+    from deployments.app import deployment_version
+
+    handles = {}
+    for name, options in llms.items():
+        card_id, actor_options = (spots or {}).get(name) or ("", {"num_cpus": llm_num_cpus})
+        dep_name = f"llm-{name}"
+        args = (name, options, config_text, card_id)
+        version = deployment_version(
+            LlmServer,
+            dep_name,
+            1,
+            actor_options,
+            (name, json.dumps(options, sort_keys=True), config_text or "", card_id),
         )
-        .bind(name, options, config_text)
-        for name, options in llms.items()
+        handles[name] = (
+            serve.deployment(LlmServer)
+            .options(
+                name=dep_name,
+                num_replicas=1,
+                max_ongoing_requests=1024,
+                ray_actor_options=actor_options,
+                health_check_period_s=5,
+                graceful_shutdown_timeout_s=5,
+            )
+            .options(version=version, _internal=True)  # Serve's own option; not settable otherwise
+            .bind(*args)
+        )
+    ingress_options = {"num_cpus": INGRESS_NUM_CPUS}
+    ingress_version = deployment_version(
+        OpenAIIngress.func_or_class, "llm-ingress", 1, ingress_options, tuple(sorted(handles))
+    )
+    return (
+        OpenAIIngress.options(name="llm-ingress", ray_actor_options=ingress_options, max_ongoing_requests=4096)
+        .options(version=ingress_version, _internal=True)
+        .bind(handles)
+    )
+
+
+def llm_spots(placement: Any, llm_num_cpus: float = LLM_NUM_CPUS) -> dict[str, EngineSpot]:
+    """Each LLM engine's card and Ray options under a deploy-time ``quotas.placement.Placement``,
+    as a batch model's replica gets them (``deployments.placement_resources``): on a fleet of
+    several cards the card's custom resource (its share of the card's processes), ``num_gpus``
+    and ``CUDA_VISIBLE_DEVICES`` on CUDA, the card in its environment and in its reports; on the
+    one card of a ``gpu:`` fleet, ``num_cpus`` only."""
+    from deployments.placement_resources import deployment_plans
+
+    many = len(placement.cards) > 1
+    return {
+        plan.model: (plan.card_id if many else "", plan.ray_actor_options)
+        for plan in deployment_plans(placement, model_num_cpus=llm_num_cpus)
     }
-    return OpenAIIngress.options(
-        name="llm-ingress", ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096
-    ).bind(handles)
 
 
 def build_llm_app(args: dict[str, Any]) -> Application:
@@ -202,10 +251,20 @@ def _config_text(args: dict[str, Any]) -> str:
     )
 
 
-def llm_app(cfg: Any, config_text: str, llm_num_cpus: float = LLM_NUM_CPUS) -> Application:
+def llm_app(
+    cfg: Any,
+    config_text: str,
+    llm_num_cpus: float = LLM_NUM_CPUS,
+    placement: Any = None,
+    spots: Mapping[str, EngineSpot] | None = None,
+) -> Application:
     """The fleet's LLM application (``deployments.app.fleet_apps`` routes it at ``/openai``):
-    the OpenAI ingress and one reporting ``LlmServer`` per ``kind: llm`` model."""
+    the OpenAI ingress and one reporting ``LlmServer`` per ``kind: llm`` model. With the fleet's
+    ``placement`` (``gpus:``) each engine runs on its placed card (``llm_spots``); ``spots`` gives
+    them outright (a re-placement: ``deployments.reconcile``)."""
     llms = {name: dict(spec.options) for name, spec in cfg.models.items() if spec.kind == "llm"}
     if not llms:
         raise ValueError("models: no model has kind: llm; add one (model: tiny-llama, kind: llm) to serve completions")
-    return build_llm_fleet(llms, llm_num_cpus, config_text)
+    if spots is None and placement is not None:
+        spots = {n: s for n, s in llm_spots(placement, llm_num_cpus).items() if n in llms}
+    return build_llm_fleet(llms, llm_num_cpus, config_text, spots)
