@@ -39,7 +39,7 @@ test-integration: $(STAMP)
 	$(PY) -m pytest -q -m "integration and not slow" tests/integration
 
 # Faults, overload, bad input: every slow/integration test plus the fast reliability unit
-# tests, then the table (faults injected/survived; requests sent/answered/rejected/lost).
+# tests, the slow cluster tests (an LLM engine's node lost) in a process of their own, then the table (faults injected/survived; requests sent/answered/rejected/lost).
 # GPUBROKER_SOAK_S shortens the 10-minute soak.
 CHAOS_RESULTS ?= bench/out/chaos-results.jsonl
 chaos: $(STAMP)
@@ -47,6 +47,7 @@ chaos: $(STAMP)
 	@status=0; \
 	GPUBROKER_CHAOS_RESULTS=$(CHAOS_RESULTS) $(PY) -m pytest -q tests/unit/test_reliability_broker.py tests/unit/test_reliability_replica.py || status=1; \
 	GPUBROKER_CHAOS_RESULTS=$(CHAOS_RESULTS) $(PY) -m pytest -q -m "slow or integration" tests/integration tests/chaos || status=1; \
+	$(PY) -m pytest -q -m slow tests/cluster || status=1; \
 	$(PY) tests/chaos/report.py $(CHAOS_RESULTS) || status=1; \
 	exit $$status
 
