@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from deployments.placement_resources import node_labels, node_resources
@@ -102,3 +103,34 @@ class CardCluster:
             pass
         ray.shutdown()
         self.cluster.shutdown()
+
+
+@contextmanager
+def deployed_fleet(
+    config_text: str, fleet_app: str, *, follow: bool = False, model_num_cpus: float = 0.05
+) -> Iterator[tuple[CardCluster, str, Any]]:
+    """A ``CardCluster`` for the config, its broker, Serve (head-only proxy on a free port) and the
+    fleet deployed and running; with ``follow`` the broker re-places onto Serve (a
+    ``ServeReconciler``). Yields (cluster, base URL, broker handle); shuts it all down after."""
+    import ray
+    from ray import serve
+
+    from broker.actor import start_broker
+    from deployments.app import fleet_apps, run_fleet
+    from deployments.local_ray import free_port
+    from deployments.reconcile import ServeReconciler
+    from quotas.config import parse_config_text
+
+    cfg = parse_config_text(config_text)
+    cc = CardCluster(cfg)
+    try:
+        broker = start_broker(config_text)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
+        run_fleet(fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus, fleet_app=fleet_app), wait=True)
+        if follow:
+            rec = ServeReconciler(config_text, fleet_app=fleet_app, model_num_cpus=model_num_cpus)
+            ray.get(broker.set_reconciler.remote(rec), timeout=60)
+        yield cc, f"http://127.0.0.1:{port}", broker
+    finally:
+        cc.shutdown()

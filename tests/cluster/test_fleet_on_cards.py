@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.cluster.harness import CardCluster, wait_until
+from tests.cluster.harness import deployed_fleet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -39,23 +39,8 @@ models:
 
 @pytest.fixture(scope="module")
 def fleet():
-    from ray import serve
-
-    from broker.actor import start_broker
-    from deployments.app import fleet_apps, run_fleet
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
-
-    cfg = parse_config_text(CONFIG)
-    cc = CardCluster(cfg)
-    try:
-        broker = start_broker(CONFIG)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        run_fleet(fleet_apps(cfg, CONFIG, model_num_cpus=0.05, fleet_app="cards"), wait=True)
-        yield f"http://127.0.0.1:{port}", broker
-    finally:
-        cc.shutdown()
+    with deployed_fleet(CONFIG, "cards") as (_, url, broker):
+        yield url, broker
 
 
 def test_a_model_on_two_cards_answers_and_each_card_holds_its_grant(fleet):

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from deployments.http_proxy import PROXY_ENV
-from tests.cluster.harness import CardCluster, wait_until
+from tests.cluster.harness import deployed_fleet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,30 +56,13 @@ MODELS = ("spread", "solo", "west")
 
 @pytest.fixture(scope="module")
 def fleet():
-    import ray
-    from ray import serve
-
-    from broker.actor import start_broker
-    from deployments.app import fleet_apps, run_fleet
-    from deployments.local_ray import free_port
-    from deployments.reconcile import ServeReconciler
-    from quotas.config import parse_config_text
-
     os.environ.update(PROXY_ENV)  # the proxy answers a lost replica with a JSON 503 (its nodes inherit it)
-    cfg = parse_config_text(CONFIG)
-    cc = CardCluster(cfg)
     try:
-        broker = start_broker(CONFIG)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        run_fleet(fleet_apps(cfg, CONFIG, model_num_cpus=0.05, fleet_app="loss"), wait=True)
-        follow = ServeReconciler(CONFIG, fleet_app="loss", model_num_cpus=0.05)
-        ray.get(broker.set_reconciler.remote(follow), timeout=60)
-        yield cc, f"http://127.0.0.1:{port}", broker
+        with deployed_fleet(CONFIG, "loss", follow=True) as out:
+            yield out
     finally:
         for key in PROXY_ENV:
             os.environ.pop(key, None)
-        cc.shutdown()
 
 
 class Load:
