@@ -251,6 +251,9 @@ class _ModelWindow:
             acc = self.rate_acc[d.rid]
             if acc[5] <= 1:  # its last report here: drop the sums rather than keep float remainders
                 del self.rate_acc[d.rid]
+            elif not d.active:  # an idle report added only its interval
+                acc[4] -= d.interval
+                acc[5] -= 1
             else:
                 acc[0] -= d.arrivals
                 acc[1] -= d.completions
@@ -311,7 +314,6 @@ class _ModelWindow:
         events = self.events
         while events and events[0].t < before_s:
             d = events.popleft()
-            self.active -= d.active
             q = self.peaks[d.rid]
             if q[0] is d:
                 q.popleft()
@@ -319,6 +321,11 @@ class _ModelWindow:
                     del self.peaks[d.rid]
             if self.max_costs and self.max_costs[0] is d:
                 self.max_costs.popleft()
+            if self.latest.get(d.rid) is d:
+                del self.latest[d.rid]
+            if not d.active:  # an idle report added nothing to the sums, the samples or the fit
+                continue
+            self.active -= 1
             if d.oom_costs:
                 self.oom -= 1
             if d.met or d.cost:
@@ -329,8 +336,6 @@ class _ModelWindow:
             if d.lat:
                 self.lat_total -= len(d.lat)
                 self.lat_del.extend(d.lat)
-            if self.latest.get(d.rid) is d:
-                del self.latest[d.rid]
             while self.fit_own and self.fit_own[0] is d:
                 self._drop_point()
 
