@@ -72,7 +72,6 @@ class _Digest:
         self.oom_costs = r.oom_costs
         self.arrivals, self.interval, self.busy_s = r.arrivals, r.interval_s, r.busy_s
         self.met = 0.0
-        self.rate(slo_ms)
         # a report of an idle replica (nothing arrived, ran, missed or failed): a window of only
         # such reports has every rate, latency and batch figure empty (``broker.window``'s quiet fold)
         self.active = bool(
@@ -87,6 +86,8 @@ class _Digest:
             or self.oom_costs
             or r.batch_requests
         )
+        if self.active:
+            self.rate(slo_ms)
 
     def rate(self, slo_ms: float) -> None:
         """Requests answered within ``slo_ms`` (``broker.attainment``), for the window's cap."""
@@ -169,7 +170,6 @@ class _ModelWindow:
 
     def add(self, d: _Digest) -> None:
         self.events.append(d)
-        self.active += d.active
         self.latest[d.rid] = d
         q = self.peaks.get(d.rid)
         if q is None:
@@ -180,6 +180,19 @@ class _ModelWindow:
         while self.max_costs and self.max_costs[-1].max_cost <= d.max_cost:
             self.max_costs.pop()
         self.max_costs.append(d)
+        self.rate_q.append(d)
+        acc = self.rate_acc.get(d.rid)
+        if acc is None:
+            acc = self.rate_acc[d.rid] = [0, 0, 0, 0.0, 0.0, 0]
+        acc[4] += d.interval
+        acc[5] += 1
+        if not d.active:  # an idle report: nothing for the sums, the samples or the fit
+            return
+        self.active += 1
+        acc[0] += d.arrivals
+        acc[1] += d.completions
+        acc[2] += d.misses
+        acc[3] += d.busy_s
         if d.oom_costs:
             self.oom += 1
         self.counted_sum += d.counted
@@ -191,16 +204,6 @@ class _ModelWindow:
             self.lat_add.extend(d.lat)
         if d.batches:
             self.timings = None
-        self.rate_q.append(d)
-        acc = self.rate_acc.get(d.rid)
-        if acc is None:
-            acc = self.rate_acc[d.rid] = [0, 0, 0, 0.0, 0.0, 0]
-        acc[0] += d.arrivals
-        acc[1] += d.completions
-        acc[2] += d.misses
-        acc[3] += d.busy_s
-        acc[4] += d.interval
-        acc[5] += 1
         if d.met or d.cost:
             self.met_cost = None
         sums, top, seq = self.fit_sums, self.fit_max, self.fit_seq
