@@ -29,6 +29,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.llm.server import CHAT, COMPLETION, LlmServer, openai_error
+from deployments.versions import code_digest, deployment_version
 
 api = FastAPI(title="gpubroker LLMs", description="OpenAI-compatible completions on the fleet's LLM engines.")
 
@@ -171,11 +172,11 @@ def build_llm_fleet(
     fleet's ``config_text`` each server reports to the broker and runs the bounds it sets.
     ``spots``: each engine's card and Ray options (``llm_spots``; default: ``num_cpus`` only, no card).
 
-    Every deployment carries a version from what it runs (``deployments.app.deployment_version``),
-    so deploying the app again after a re-placement (``deployments.reconcile``) restarts only the
-    engines that moved; the others and the ingress keep running."""
-    from deployments.app import deployment_version
-
+    Every deployment carries a version from what it runs (``deployments.versions``: its options,
+    arguments and gpubroker's own code), so deploying the app again after a re-placement
+    (``deployments.reconcile``) restarts only the engines that moved; the others and the ingress
+    keep running. New code is a new version everywhere."""
+    code = code_digest()
     handles = {}
     for name, options in llms.items():
         card_id, actor_options = (spots or {}).get(name) or ("", {"num_cpus": llm_num_cpus})
@@ -187,6 +188,7 @@ def build_llm_fleet(
             1,
             actor_options,
             (name, json.dumps(options, sort_keys=True), config_text or "", card_id),
+            code,
         )
         handles[name] = (
             serve.deployment(LlmServer)
@@ -203,7 +205,7 @@ def build_llm_fleet(
         )
     ingress_options = {"num_cpus": INGRESS_NUM_CPUS}
     ingress_version = deployment_version(
-        OpenAIIngress.func_or_class, "llm-ingress", 1, ingress_options, tuple(sorted(handles))
+        OpenAIIngress.func_or_class, "llm-ingress", 1, ingress_options, tuple(sorted(handles)), code
     )
     return (
         OpenAIIngress.options(name="llm-ingress", ray_actor_options=ingress_options, max_ongoing_requests=4096)
