@@ -236,26 +236,32 @@ class ServeReconciler:
         groups: dict[str, dict[str, int]],
         kept: dict[str, list[str]],
     ) -> ServeApp:
-        """The LLM app again: the engines that did not move exactly as deployed (same versions:
-        Serve leaves them and the ingress running), a moved engine pinned to its new card's node
-        (``moved_actor_options``). An engine with no card left keeps its deploy-time options and
-        waits for its card's node (its requests wait or time out; it is reported unplaced)."""
+        """The LLM app again, every engine from ``placement`` as a batch group is (``plans_for``):
+        one on its deploy-time card exactly as deployed (same version: Serve leaves it, and the
+        ingress, running), one on another card pinned to that card's node (``moved_actor_options``:
+        the same options, so the same version, for as long as it stays there). An engine with no
+        card left keeps its deploy-time options and waits for its card's node (its requests wait
+        or time out; it is reported unplaced)."""
         from deployments.llm.openai_api import LLM_NUM_CPUS, llm_app, llm_spots
 
-        spots = llm_spots(self.deployed(), LLM_NUM_CPUS)
-        many = len(self.deployed().cards) > 1
-        for model in moved:
-            redeployed.append(model)
-            groups[model] = groups_of(placement, model)
-            kept[model] = []
-            cards = placement.cards_of(model) if model in placement.replicas else ()
-            if not cards:
-                unplaced.append(model)
+        deployed = self.deployed()
+        spots = llm_spots(deployed, LLM_NUM_CPUS)
+        many = len(deployed.cards) > 1
+        for model, spec in self.cfg.models.items():
+            if spec.kind != "llm":
+                spots.pop(model, None)
                 continue
-            spots[model] = (cards[0] if many else "", moved_actor_options(placement.card(cards[0]), LLM_NUM_CPUS))
-        llms = {n: s for n, s in spots.items() if self.cfg.models[n].kind == "llm"}
+            cards = placement.cards_of(model) if model in placement.replicas else ()
+            if cards and cards[0] not in deployed.cards_of(model):
+                spots[model] = (cards[0] if many else "", moved_actor_options(placement.card(cards[0]), LLM_NUM_CPUS))
+            if model in moved:
+                redeployed.append(model)
+                groups[model] = groups_of(placement, model)
+                kept[model] = []
+                if not cards:
+                    unplaced.append(model)
         return ServeApp(
-            f"{self.fleet_app}-{LLM_APP}", llm_route(self.prefix), llm_app(self.cfg, self.config_text, spots=llms)
+            f"{self.fleet_app}-{LLM_APP}", llm_route(self.prefix), llm_app(self.cfg, self.config_text, spots=spots)
         )
 
     # ---------------------------------------------------------------- Ray and Serve

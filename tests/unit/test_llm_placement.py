@@ -108,3 +108,24 @@ def test_after_a_node_loss_only_the_moved_engine_changes():
     for kept in ("chat_a", "chat_c", "_ingress"):  # as deployed: Serve leaves them be (chat_c waits for b0)
         assert now[kept].version == deployed[kept].version
         assert now[kept].ray_actor_options == deployed[kept].ray_actor_options
+
+
+def test_when_the_node_joins_again_the_moved_engine_stays_and_nothing_restarts():
+    """No live migration: chat_b stays on a1 with the options it got at the loss (same version,
+    so Serve leaves it running); chat_c is placed back on b0 exactly as deployed."""
+    _, deployed = _deployed()
+    fb = FleetBroker(CONFIG)
+    fb.enable_replacement()
+    fb.observe_cards({"a0", "a1", "b0"})
+    fb.observe_cards({"a0", "a1"})
+    rec = ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)
+    at_loss = _engines(rec.apps_for(fb.placement, fb.unplaced_reasons)[0][0].app)
+    rec._cache["current"] = fb.placement  # what __call__ records after deploying
+    fb.observe_cards({"a0", "a1", "b0"})
+    assert fb.placement.replicas["chat_c"] == ("b0",) and fb.placement.replicas["chat_b"] == ("a1",)
+    apps, result = rec.apps_for(fb.placement, fb.unplaced_reasons)
+    assert result.redeployed == ("chat_c",) and result.unplaced == ()
+    now = _engines(apps[0].app)
+    assert now["chat_b"].version == at_loss["chat_b"].version  # still on a1, not moved back
+    assert now["chat_c"].version == deployed["chat_c"].version  # back on its card as deployed
+    assert now["chat_a"].version == deployed["chat_a"].version
