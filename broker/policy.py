@@ -292,21 +292,21 @@ def decide(
     for name, spec in config.models.items():
         ms, want = new_states[name], wants[name]
         grant = ledger.grant(name)
+        known = name in state.ledger.quotas
+        flags_was, flags = _quota_flags(state, name), _quota_flags(flags_now, name)
         entry = entries.get(name)
-        after = None
-        if entry is not None and name in state.ledger.quotas:
-            after = (grant, state.ledger.grant(name), _quota_flags(state, name), _quota_flags(flags_now, name))
-            if entry.after == after and entry.final is not None:
-                decisions[name], new_states[name] = entry.final
-                continue
+        after = (grant, state.ledger.grant(name), flags_was, flags) if entry is not None and known else None
+        if entry is not None and after is not None and entry.after == after and entry.final is not None:
+            decisions[name], new_states[name] = entry.final
+            continue
         cap, clamp_note = _guard(want.cap, spec, grant, mms[name])
         old = state.models.get(name)
         prev = (
-            (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, _quota_flags(state, name))
-            if old and name in state.ledger.quotas
+            (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, flags_was)
+            if old and known
             else None
         )
-        now_settings = (cap, round(want.wait_s, 6), grant, want.admit, _quota_flags(flags_now, name))
+        now_settings = (cap, round(want.wait_s, 6), grant, want.admit, flags)
         changed = prev != now_settings
         version = ms.version + (1 if changed and old is not None else 0)
         direction = (cap > ms.max_batch) - (cap < ms.max_batch)
@@ -333,10 +333,10 @@ def decide(
             changed=changed,
             rule=want.rule,
         )
-        if after is not None:  # the second pass kept too when nothing in it moves with the clock
+        if entry is not None and after is not None:  # the second pass kept too when the clock does not move it
             steady_after = not changed and cap == ms.max_batch and grant == after[1] and want.admit
-            entry.after = after if steady_after else None  # type: ignore[union-attr]
-            entry.final = (decisions[name], new_states[name]) if steady_after else None  # type: ignore[union-attr]
+            entry.after = after if steady_after else None
+            entry.final = (decisions[name], new_states[name]) if steady_after else None
 
     # a donor whose grant was lowered this tick must run the new version before it can confirm
     confirm_after = dict(plan.confirm_after)

@@ -39,7 +39,7 @@ from ray.serve import Application
 from deployments.http_model import HttpModel
 from deployments.ingress import FleetApi
 from deployments.llm.openai_api import llm_app
-from deployments.versions import code_digest, deployment_version  # noqa: F401 - part of this module's API
+from deployments.versions import code_digest, deployment_version
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 FLEET_APP = "gpubroker"  # the fleet API's application name; model apps are "<fleet app>-<model>"
