@@ -14,8 +14,9 @@ import typer
 from rich.console import Console
 
 from cli import bench, fleet, simulate
-from cli.views import config_table, print_config_error
+from cli.views import config_table, placement_table, print_config_error
 from quotas.config import ConfigError, load_config
+from quotas.placement import place_fleet
 
 app = typer.Typer(
     name="gpubroker",
@@ -54,20 +55,21 @@ def validate(
         else:
             print_config_error(exc)
         raise typer.Exit(exc.exit_code) from None
+    placement = place_fleet(cfg) if isinstance(cfg.gpus, list) else None  # gpus: auto is placed at start
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "valid": True,
-                    "source": str(config),
-                    "config_hash": cfg.config_hash(),
-                    "config": cfg.model_dump(mode="json"),
-                },
-                indent=2,
-            )
-        )
+        doc = {
+            "valid": True,
+            "source": str(config),
+            "config_hash": cfg.config_hash(),
+            "config": cfg.model_dump(mode="json"),
+        }
+        if placement is not None:
+            doc["placement"] = placement.to_dict()
+        print(json.dumps(doc, indent=2))
         return
     console.print(config_table(cfg, str(config)))
+    if placement is not None:
+        console.print(placement_table(placement))
     profiles = ", ".join(
         f"{p.name}{' (default)' if p.default else f' {p.days} {p.hours}'}: {p.objective}, ${p.price_per_gpu_hour:g}/h"
         for p in cfg.profiles.schedule

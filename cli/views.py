@@ -23,9 +23,15 @@ def print_config_error(exc: ConfigError) -> None:
 
 
 def config_table(cfg: FleetConfig, source: str) -> Table:
-    cap = cfg.gpu.capacity_bytes
-    usable = format_size(cfg.usable_bytes()) if cap is not None else "auto (measured at start)"
-    table = Table(title=f"{source}: {len(cfg.models)} model(s), device {cfg.gpu.device}, usable {usable}")
+    if cfg.gpus == "auto":
+        where = "cards: every GPU of the Ray cluster (gpus: auto, found and placed at start)"
+    elif cfg.gpus is not None:
+        where = f"{len(cfg.gpus)} card(s) on {len({c.node for c in cfg.gpus})} node(s), placed below"
+    else:
+        cap = cfg.gpu.capacity_bytes
+        usable = format_size(cfg.usable_bytes()) if cap is not None else "auto (measured at start)"
+        where = f"device {cfg.gpu.device}, usable {usable}"
+    table = Table(title=f"{source}: {len(cfg.models)} model(s), {where}")
     for col in ("model", "ref", "quota min/base/max", "batch", "wait ms", "P95 SLO ms", "prio", "replicas", "strategy"):
         table.add_column(col)
     for name, m in cfg.models.items():
@@ -39,6 +45,26 @@ def config_table(cfg: FleetConfig, source: str) -> Table:
             str(m.priority),
             str(m.replicas),
             m.control.strategy,
+        )
+    return table
+
+
+def placement_table(placement: Any) -> Table:
+    """Where ``gpubroker up`` will put every replica of a listed ``gpus:`` fleet (``quotas.placement``)."""
+    table = Table(title="placement (quotas/placement.py): each card holds the base of every model on it")
+    for col in ("card", "node", "device", "capacity", "usable", "Σ base", "free", "models (replicas)"):
+        table.add_column(col, justify="left" if col in ("card", "node", "device", "models (replicas)") else "right")
+    for plan in placement.cards:
+        card = plan.card
+        table.add_row(
+            card.id,
+            card.node,
+            str(card.device),
+            format_size(card.capacity_bytes),
+            format_size(plan.usable_bytes),
+            format_size(plan.base_bytes),
+            format_size(plan.free_bytes),
+            ", ".join(f"{m} x{n}" if n > 1 else m for m, n in plan.models.items()) or "-",
         )
     return table
 

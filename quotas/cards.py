@@ -128,7 +128,7 @@ def _auto_only(value: str) -> str:
 
 # The gpus: section: "auto" or a list of cards (None: the gpu section's one card). The
 # discriminator picks the branch from the value, so an error names that branch only
-# (paths read gpus.cards.<i>.<field>).
+# (an error's path reads gpus.<i>.<field>: quotas.config_errors drops the tag).
 GpusSection = Annotated[
     Annotated[str, AfterValidator(_auto_only), Tag("auto")]
     | Annotated[list[CardSpec], AfterValidator(_check_cards), Tag("cards")],

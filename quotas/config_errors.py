@@ -42,6 +42,8 @@ def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
     loc = [str(part) for part in err.get("loc", ())]
     # Pydantic adds the union branch / validator names to locs; drop the noise.
     loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]
+    if len(loc) > 1 and loc[0] == "gpus" and loc[1] in ("auto", "cards"):
+        del loc[1]  # the tag of the gpus union's branch (quotas.cards.GpusSection), not a key the user wrote
     path = ".".join(loc)
     kind = err.get("type", "")
     msg = str(err.get("msg", "invalid"))
@@ -58,6 +60,6 @@ def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
     elif kind == "missing":
         msg = f"required field is missing; {fix}"
     value = err.get("input", _MISSING) if kind != "missing" else _MISSING
-    if isinstance(value, dict) and kind not in ("extra_forbidden",):
-        value = _MISSING  # whole-section errors: the message names the fields
+    if kind != "extra_forbidden" and (isinstance(value, dict) or (isinstance(value, list) and len(repr(value)) > 80)):
+        value = _MISSING  # whole-section (or long list) errors: the message names the fields
     return ConfigIssue(path=path, value=value, message=msg)

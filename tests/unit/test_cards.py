@@ -81,6 +81,7 @@ def test_repeated_card_id_names_both_entries():
     doc["gpus"][1]["id"] = "n0c0"
     (issue,) = _issues(doc)
     assert "gpus[1].id 'n0c0' repeats gpus[0]" in issue
+    assert issue.startswith("gpus: ") and "got [" not in issue  # the message names the entry, not the whole list
 
 
 def test_two_cards_on_one_node_index_are_refused():
@@ -96,7 +97,7 @@ def test_bad_card_id_and_missing_capacity():
     del doc["gpus"][1]["capacity"]
     issues = _issues(doc)
     assert any("card id 'Card 0' is not allowed" in i for i in issues)
-    assert any("gpus.cards.1.capacity" in i and "missing" in i for i in issues)
+    assert any("gpus.1.capacity" in i and "missing" in i for i in issues)
 
 
 def test_gpu_capacity_beside_gpus_is_refused():

@@ -177,3 +177,20 @@ def test_cli_validate_exit_codes(tmp_path):
     assert _cli("validate", str(tmp_path / "nope.yaml")).returncode == 2
     js = _cli("validate", "--json", str(bad))
     assert js.returncode == 1 and json.loads(js.stdout)["valid"] is False
+
+
+def test_cli_validate_shows_where_a_cluster_fleet_is_placed():
+    """A gpus: fleet's summary lists each card with its usable memory, Σ base and models, as
+    ``up`` will place them (the README's placement of configs/cluster-demo.yaml)."""
+    res = _cli("validate", "configs/cluster-demo.yaml")
+    assert res.returncode == 0, res.stderr
+    assert "4 card(s) on 2 node(s)" in res.stdout and "device auto" not in res.stdout
+    rows = {line.split("│")[1].strip(): line for line in res.stdout.splitlines() if line.count("│") == 9}
+    assert "800.0MiB" in rows["a0"] and "672.0MiB" in rows["a1"] and "512.0MiB" in rows["b0"]
+    assert "minilm" in rows["a0"] and "cnn" in rows["a1"] and "minilm" in rows["b0"] and "cnn" in rows["b1"]
+    doc = json.loads(_cli("validate", "--json", "configs/cluster-demo.yaml").stdout)
+    cards = {c["id"]: c for c in doc["placement"]["cards"]}
+    assert cards["a0"]["models"] == {"minilm": 1, "mlp": 1} and cards["a1"]["models"] == {"cnn": 1, "profiled": 1}
+    assert all(c["base_bytes"] <= c["usable_bytes"] for c in cards.values())
+    assert doc["placement"]["replicas"]["minilm"] == ["a0", "b0"]
+    assert "placement" not in json.loads(_cli("validate", "--json", "configs/demo.yaml").stdout)
