@@ -32,7 +32,14 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def simulate(
-    config: Path = typer.Option(..., "--config", help="Fleet config YAML (gpu.capacity must be an explicit size)."),
+    config: Path = typer.Option(
+        ..., "--config", help="Fleet config YAML (gpu.capacity an explicit size, or listed gpus: with --card)."
+    ),
+    card: str | None = typer.Option(
+        None,
+        "--card",
+        help="With a listed gpus: fleet: simulate one card, the models placement puts on it (lending is per card).",
+    ),
     policy: str = typer.Option(
         "broker", "--policy", help="broker, or static:<batch>[:<wait_ms>] (e.g. static:8, static:32:5)."
     ),
@@ -85,6 +92,20 @@ def simulate(
     except ConfigError as exc:
         print_config_error(exc)
         raise typer.Exit(exc.exit_code) from None
+    if card is not None or cfg.gpus is not None:
+        from quotas.card_fleet import card_fleet  # noqa: PLC0415
+
+        if card is None:
+            ids = "a card id under gpus:" if cfg.gpus == "auto" else ", ".join(c.id for c in cfg.gpus)
+            _fail(
+                f"{config} lists cards (gpus:); the simulator runs one card (lending is per card): "
+                f"add --card ID ({ids}) to simulate the models placed on it",
+                1,
+            )
+        try:
+            cfg = card_fleet(cfg, card, str(config))
+        except ValueError as exc:
+            _fail(str(exc), 1)
     if cfg.gpu.capacity_bytes is None:
         _fail(
             f"{config}: gpu.capacity is 'auto', but the simulator has no card to measure; "
@@ -163,7 +184,7 @@ def simulate(
     console.print(
         result_table(
             result,
-            f"{config}: {arm.label}, {arrivals}, {total:.1f} req/s total, "
+            f"{config}{f' card {card}' if card else ''}: {arm.label}, {arrivals}, {total:.1f} req/s total, "
             f"{duration_s:g} s simulated in {result.wall_s:.2f} s",
         )
     )

@@ -135,3 +135,19 @@ def test_search_knee_climbs_bisects_and_respects_budgets():
     search_knee(ok, 100.0, step=1.1, bisect_iters=8, max_runs=5)
     assert len(calls) == 5
     assert search_knee(lambda r: True, 100.0, max_rate=150.0) == 150.0
+
+
+def test_cli_simulates_one_card_of_a_cluster_fleet():
+    """A gpus: fleet runs one card at a time (lending is per card): the models placement puts on
+    it, with the card's capacity; without --card the error names the cards to choose from."""
+    r = runner.invoke(app, ["simulate", "--config", "configs/cluster-demo.yaml", "--duration-s", "5"])
+    assert r.exit_code == 1 and "--card" in r.output and "a0, a1, b0, b1" in " ".join(r.output.split())
+    r = runner.invoke(
+        app, ["simulate", "--config", "configs/cluster-demo.yaml", "--card", "a1", "--duration-s", "10", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert set(out["models"]) == {"cnn", "profiled"}  # a1's models (README's placement), not the fleet's four
+    assert all(m["offered"] > 0 for m in out["models"].values())
+    r = runner.invoke(app, ["simulate", "--config", "configs/cluster-demo.yaml", "--card", "c9"])
+    assert r.exit_code == 1 and "use one of a0, a1, b0, b1" in " ".join(r.output.split())
