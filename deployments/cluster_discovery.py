@@ -117,3 +117,22 @@ def card_nodes(nodes: Iterable[Mapping[str, Any]] | None = None) -> dict[str, st
             if resource.startswith(CARD_RESOURCE_PREFIX):
                 out[resource[len(CARD_RESOURCE_PREFIX) :]] = str(node["NodeID"])
     return out
+
+
+def missing_cards(listed: Iterable[Any], nodes: Iterable[Mapping[str, Any]] | None = None) -> list[Any]:
+    """The listed cards (``quotas.cards.CardSpec``: id, node) whose ``gpubroker_card_<id>``
+    resource no alive node of the cluster declares, in the config's order."""
+    declared = card_nodes(nodes)
+    return [card for card in listed if card.id not in declared]
+
+
+def missing_cards_fix(missing: Iterable[Any], address: str) -> str:
+    """How to start the nodes so the cards ``missing`` are declared: one ``ray start`` per node."""
+    by_node: dict[str, list[str]] = {}
+    for card in missing:
+        by_node.setdefault(card.node, []).append(card.id)
+    lines = []
+    for node, ids in by_node.items():
+        res = ", ".join(f'"{CARD_RESOURCE_PREFIX}{i}": 1000' for i in ids)
+        lines.append(f"ray start --address {address} --resources '{{{res}}}' --labels {NODE_LABEL}={node}")
+    return "; ".join(lines)

@@ -289,7 +289,8 @@ def up_fleet(
             stop_local_ray(state["pgid"])
             clear_state()
         raise
-    emit(UpEvent(UpStage.RAY, f"Ray at {state['address']}", 1, 1))
+    where = _check_cards(cfg, state)
+    emit(UpEvent(UpStage.RAY, f"Ray at {state['address']}{where}", 1, 1))
     emit(UpEvent(UpStage.BROKER, "Starting broker", 0, 1))
     emit(UpEvent(UpStage.MODELS, "Loading models", 0, n))
     emit(UpEvent(UpStage.CALIBRATION, "Calibrating", 0, n))
@@ -331,6 +332,33 @@ def up_fleet(
     state["up_s"] = round(time.time() - t0, 1)
     write_state(state)
     return state
+
+
+def _check_cards(cfg: FleetConfig, state: dict[str, Any], nodes: list[dict[str, Any]] | None = None) -> str:
+    """A listed gpus: fleet needs its cards' Ray resources on the cluster's nodes. None declared:
+    a FleetError naming the ``ray start`` lines (a local Ray that ``up`` started is stopped
+    again). Some missing: what the progress line says (their replicas wait for the node, or
+    move once the broker marks the card lost)."""
+    if not isinstance(cfg.gpus, list):
+        return ""
+    from deployments.cluster_discovery import missing_cards, missing_cards_fix
+
+    missing = missing_cards(cfg.gpus, nodes)
+    if len(missing) < len(cfg.gpus):
+        return f" (cards {', '.join(c.id for c in missing)} on no node yet)" if missing else ""
+    if state["started_ray"]:
+        stop_local_ray(state["pgid"])
+        clear_state()
+        where = "the local Ray that `gpubroker up` started declares none of them"
+    else:
+        where = f"no node of the Ray cluster at {state['address']} declares any of them"
+    raise FleetError(
+        f"the config lists cards {', '.join(c.id for c in cfg.gpus)} (gpus:), each a Ray resource "
+        f"gpubroker_card_<id> on its node, and {where}. Start the nodes with their cards "
+        f"({missing_cards_fix(cfg.gpus, state['address'] if not state['started_ray'] else 'HEAD:6379')}; "
+        "the head with --head instead of --address), then `gpubroker up CONFIG --address HEAD:6379` "
+        "(README: A cluster of several cards)"
+    )
 
 
 # =============================================================================== down
