@@ -266,6 +266,54 @@ def search_knee(
 HELD_STEP = 0.95  # a held knee is searched down from seed 0's in 5 % steps
 
 
+@dataclass(frozen=True)
+class Held:
+    """What a held-knee search found: ``rate`` every seed passed at (0.0: none), or, when the
+    budget ran out first (``resolved`` False), ``below_rps``: the rate it was trying, above which
+    no rate held."""
+
+    rate: float
+    resolved: bool
+    below_rps: float | None
+    runs: int
+
+
+def held_search(
+    passes: Callable[[float, int], bool],
+    seed0_knee: float,
+    seeds: Sequence[int],
+    *,
+    step: float = HELD_STEP,
+    max_runs: int | None = None,
+) -> Held:
+    """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
+
+    Seed 0 passes at its own knee (that is how it was found), so there the other seeds are
+    run; below it every seed is, the one that failed last first (it is the likeliest to fail
+    again: fewer runs), and a rate fails at its first failing seed. Steps down by ``step``
+    until a rate holds; ``max_runs`` bounds the calls: a search it stops is unresolved (not a
+    knee of 0). A knee that passes on one seed and not another is an edge, not a rate the arm
+    holds: this is the knee the tables report, with seed 0's beside it."""
+    if seed0_knee <= 0:
+        return Held(0.0, True, None, 0)
+    runs = 0
+    rate = float(seed0_knee)
+    order = list(seeds[1:])  # at seed 0's knee, seed 0 is known to pass
+    while True:
+        failed = None
+        for s in order:
+            if max_runs is not None and runs >= max_runs:
+                return Held(0.0, False, rate, runs)
+            runs += 1
+            if not passes(rate, s):
+                failed = s
+                break
+        if failed is None:
+            return Held(rate, True, None, runs)
+        order = [failed] + [s for s in seeds if s != failed]
+        rate *= step
+
+
 def held_knee(
     passes: Callable[[float, int], bool],
     seed0_knee: float,
@@ -274,32 +322,8 @@ def held_knee(
     step: float = HELD_STEP,
     max_runs: int | None = None,
 ) -> float:
-    """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
-
-    Seed 0 passes at its own knee (that is how it was found), so there the other seeds are
-    run; below it every seed is, the one that failed last first (it is the likeliest to fail
-    again: fewer runs), and a rate fails at its first failing seed. Steps down by ``step``
-    until a rate holds; ``max_runs`` bounds the calls (0.0 when none holds within it). A knee
-    that passes on one seed and not another is an edge, not a rate the arm holds: this is the
-    knee the tables report, with seed 0's beside it."""
-    if seed0_knee <= 0:
-        return 0.0
-    runs = 0
-    rate = float(seed0_knee)
-    order = list(seeds[1:])  # at seed 0's knee, seed 0 is known to pass
-    while True:
-        failed = None
-        for s in order:
-            if max_runs is not None and runs >= max_runs:
-                return 0.0
-            runs += 1
-            if not passes(rate, s):
-                failed = s
-                break
-        if failed is None:
-            return rate
-        order = [failed] + [s for s in seeds if s != failed]
-        rate *= step
+    """``held_search``'s rate (0.0 when none holds, or none within ``max_runs``)."""
+    return held_search(passes, seed0_knee, seeds, step=step, max_runs=max_runs).rate
 
 
 def knee_on_seeds(

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from bench import scenarios as sc
-from bench.knee import bound, bound_batch, held_knee
+from bench.knee import bound, bound_batch, held_search
 from bench.live_runs import (
     Opts,
     Workload,
@@ -20,11 +20,15 @@ from bench.live_runs import (
     start_peer,
 )
 
+HOLD_RUNS_PER_SEED = 5  # a held search's budget, runs per seed (MiniLM's seeds spread the most: 12 ran out)
 
-def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float:
-    """The knee that holds on every seed (``bench.knee.held_knee``): searched down from seed
+
+def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float | None:
+    """The knee that holds on every seed (``bench.knee.held_search``): searched down from seed
     0's (``doc["knee_rps"]``); ``doc`` keeps seed 0's as ``seed0_knee_rps``, the held one as
-    ``knee_rps`` and the other seeds' runs as ``seeds_at_knee``. Returns the held knee."""
+    ``knee_rps`` and the other seeds' runs as ``seeds_at_knee``. Returns the held knee, or None
+    when the budget ran out before a rate held (``held_resolved`` False, ``held_below_rps``:
+    no rate above it held; ``knee_rps`` is then None, not 0)."""
     k0 = doc["knee_rps"]
     doc["seed0_knee_rps"] = k0
     if len(o.seeds) < 2 or k0 <= 0:
@@ -37,10 +41,21 @@ def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float:
         say_row(o, f"{label} s{seed}")(rows[-1])
         return m.passes
 
-    held = held_knee(passes, k0, o.seeds, max_runs=4 * len(o.seeds))
-    doc.update(knee_rps=held, seeds_at_knee=rows)
-    o.log(f"[seed] {label} knee held on seeds {list(o.seeds)}: {held:.1f}/s (seed 0: {k0:.1f}/s)")
-    return held
+    held = held_search(passes, k0, o.seeds, max_runs=HOLD_RUNS_PER_SEED * len(o.seeds))
+    doc.update(
+        knee_rps=held.rate if held.resolved else None,
+        seeds_at_knee=rows,
+        held_resolved=held.resolved,
+        held_below_rps=held.below_rps,
+    )
+    if held.resolved:
+        o.log(f"[seed] {label} knee held on seeds {list(o.seeds)}: {held.rate:.1f}/s (seed 0: {k0:.1f}/s)")
+        return held.rate
+    o.log(
+        f"[seed] {label} knee not held within {held.runs} runs: none held above {held.below_rps:.1f}/s "
+        f"(seed 0: {k0:.1f}/s)"
+    )
+    return None
 
 
 def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
@@ -169,8 +184,8 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
             "bound_rps": bd,
             "bound_batch": bound_batch(a_ms, c_req, cap),
             "bound_fitted_rps": bound(a_fit, c_fit, cap),
-            "gain": kb / k8 if k8 else None,
-            "broker_vs_bound": kb / bd if bd else None,
+            "gain": kb / k8 if kb and k8 else None,
+            "broker_vs_bound": kb / bd if kb and bd else None,
         }
     )
     if o.peer:
@@ -180,7 +195,7 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
                 # from the broker's knee (the two are close on this stack): fewer runs to bracket it
                 kp, rowsp = sc.live_knee(
                     lambda r: run_arm(p, w.model, r, 0, cap, o, w.body),
-                    kb if kb > 0 else start,
+                    kb or start,
                     step=1.1,
                     bisect_iters=1,
                     max_runs=4 if q else 5,
@@ -188,8 +203,8 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
                 )
                 out["bentoml"] = {"knee_rps": kp, "rows": rowsp, "max_batch_size": 128, "max_latency_ms": cap}
                 kp = hold(out["bentoml"], lambda r, s: run_arm(p, w.model, r, s, cap, o, w.body), o, "bentoml")
-                out["broker_vs_bentoml"] = kb / kp if kp else None
-                o.log(f"[seed] BentoML knee at 1.2·S: {kp:.1f}/s")
+                out["broker_vs_bentoml"] = kb / kp if kb and kp else None
+                o.log(f"[seed] BentoML knee at 1.2·S: {'not held' if kp is None else f'{kp:.1f}/s'}")
             finally:
                 p.delete()
         except Exception as exc:  # noqa: BLE001 - the peer is optional; say why it is missing

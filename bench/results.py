@@ -104,11 +104,8 @@ def targets(full: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
         if prof and ok.get(
             "oracle_knee_rps"
         ):  # the broker's knee from this seed run, not the one oracle-knee started from
-            ok = {
-                **ok,
-                "broker_knee_rps": prof["broker"]["knee_rps"],
-                "broker_vs_oracle": prof["broker"]["knee_rps"] / ok["oracle_knee_rps"],
-            }
+            held = prof["broker"]["knee_rps"]  # None: not held within the search's budget
+            ok = {**ok, "broker_knee_rps": held, "broker_vs_oracle": held / ok["oracle_knee_rps"] if held else None}
         r = ok.get("broker_vs_oracle")
         rows.append(
             (

@@ -70,6 +70,8 @@ def _held(doc: dict[str, Any]) -> str:
     """A knee held on every seed, with seed 0's beside it (older results: seed 0's only)."""
     if doc.get("seed0_knee_rps") is None:
         return f"{_f(doc.get('knee_rps'))}/s (seed 0)"
+    if doc.get("held_resolved") is False:  # the budget ran out before a rate held on every seed
+        return f"**not held** above {_f(doc.get('held_below_rps'))}/s (seed 0: {_f(doc['seed0_knee_rps'])}/s)"
     return f"**{_f(doc['knee_rps'])}/s** (seed 0: {_f(doc['seed0_knee_rps'])}/s)"
 
 

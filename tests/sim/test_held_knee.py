@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.knee import held_knee
+from bench.knee import held_knee, held_search
 from bench.sim_types import Arm, parse_arm
 
 
@@ -26,6 +26,15 @@ def test_held_knee_equals_seed0_when_all_seeds_pass_and_respects_the_budget():
     assert held_knee(lambda r, s: True, 50.0, (0, 1, 2)) == 50.0
     assert held_knee(lambda r, s: s == 0, 50.0, (0, 1, 2), max_runs=5) == 0.0
     assert held_knee(lambda r, s: True, 0.0, (0, 1, 2)) == 0.0
+
+
+def test_a_search_the_budget_stops_is_unresolved_not_a_knee_of_zero():
+    limits = {0: 100.0, 1: 100.0, 2: 60.0}
+    held = held_search(lambda r, s: r <= limits[s], 100.0, (0, 1, 2), step=0.95, max_runs=6)
+    assert not held.resolved and held.rate == 0.0 and held.runs == 6
+    assert 60.0 < held.below_rps < 100.0  # still stepping down: nothing above it held
+    done = held_search(lambda r, s: r <= limits[s], 100.0, (0, 1, 2), step=0.95)
+    assert done.resolved and done.below_rps is None and 57.0 < done.rate <= 60.0
 
 
 def test_gated_static_arm_parses_and_labels():

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from bench.live_runs import Opts
-from bench.live_seed import hold
+from bench.live_seed import HOLD_RUNS_PER_SEED, hold
+from bench.scenarios_report import _held
 
 
 class FakeRun:
@@ -29,3 +30,18 @@ def test_one_seed_keeps_the_knee():
     doc = {"knee_rps": 10.0, "rows": []}
     assert hold(doc, lambda r, s: FakeRun(r, s, 0.0), Opts(seeds=(0,), log=lambda _m: None), "x") == 10.0
     assert doc["seed0_knee_rps"] == 10.0 and "seeds_at_knee" not in doc
+
+
+def test_a_hold_the_budget_stops_is_not_held_rather_than_a_knee_of_zero():
+    """knee_rps None (not 0) with the rate it stopped under; the report and the log say so."""
+    lines: list[str] = []
+    o = Opts(seeds=(0, 1, 2), log=lines.append)
+    doc = {"knee_rps": 40.0, "rows": []}
+    assert hold(doc, lambda r, s: FakeRun(r, s, 1.0 if s == 2 else 99.0), o, "broker") is None
+    assert doc["knee_rps"] is None and doc["held_resolved"] is False and doc["seed0_knee_rps"] == 40.0
+    assert len(doc["seeds_at_knee"]) == HOLD_RUNS_PER_SEED * 3 and doc["held_below_rps"] < 40.0
+    assert f"not held within {HOLD_RUNS_PER_SEED * 3} runs" in lines[-1]
+    assert _held(doc).startswith("**not held** above")
+    held = {"knee_rps": 40.0, "rows": []}
+    assert hold(held, lambda r, s: FakeRun(r, s, 99.0), o, "broker") == 40.0
+    assert held["held_resolved"] is True and _held(held).startswith("**40.0/s**")
