@@ -56,8 +56,8 @@ demo: $(STAMP)
 
 # Live benchmarks (bench/RESULTS.md): each scenario starts its own local Ray + Serve. seed goes
 # first (oracle, oracle-knee and trace take its measured S and reference rate); `report`
-# rebuilds RESULTS.md's tables from the JSON. Full: under 15 min per scenario on 2 cores;
-# --quick: under 3 min each. The BentoML peer gets its own venv (bench/peer, once).
+# rebuilds RESULTS.md's tables from the JSON. Full: under 15 min per scenario on 2 cores, but
+# seed (its knees held on 3 seeds: ~30 min; --models profiled / minilm split it); --quick: under 3 min each. The BentoML peer gets its own venv (bench/peer, once).
 SCENARIOS := seed oracle oracle-knee burst overhead trace
 BENCH_OUT ?= bench/out
 
