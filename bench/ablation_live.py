@@ -11,7 +11,7 @@ emulation (a = 200 ms, c = 5 ms at ×10), at one cap:
 The static setting is the simulator's best static arm for that formation
 (``--sim-json``, from ``python -m bench.ablation``; its wait scaled by ``time_scale``). Each
 knee is searched on seed 0 (``bench.scenarios.live_knee``) and then held on every seed
-(``bench.knee.held_knee``): both are reported. Run::
+(``bench.knee.held_search``): both are reported. Run::
 
     .venv/bin/python -m bench.ablation_live --sim-json bench/out/ablation-sim-a20.json \
         --cap-ms 697 --out bench/out/ablation-live.json
@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import scenarios as sc
-from bench.knee import held_knee
+from bench.knee import held_search
 from bench.live_runs import Opts, profiled_workload, run_arm, say_row
+from bench.live_seed import HOLD_RUNS_PER_SEED
 
 
 def _static_from_sim(doc: dict[str, Any], label: str) -> tuple[int, float]:
@@ -53,8 +54,21 @@ def arm_knee(target: Any, w: Any, cap: float, o: Opts, start: float, label: str,
         say_row(o, f"{label} s{seed}")(row)
         return m.passes
 
-    held = held_knee(passes, k0, o.seeds, max_runs=4 * len(o.seeds))
-    return {"seed0_knee_rps": k0, "held_knee_rps": held, "rows": rows, "seed_rows": tried}
+    held = held_search(passes, k0, o.seeds, max_runs=HOLD_RUNS_PER_SEED * len(o.seeds))
+    return {
+        "seed0_knee_rps": k0,
+        "held_knee_rps": held.rate if held.resolved else None,  # None: the budget ran out first
+        "held_resolved": held.resolved,
+        "held_below_rps": held.below_rps,
+        "rows": rows,
+        "seed_rows": tried,
+    }
+
+
+def _held_text(doc: dict[str, Any]) -> str:
+    if doc["held_knee_rps"] is None:
+        return f"not held above {doc['held_below_rps']:.1f}/s"
+    return f"{doc['held_knee_rps']:6.1f}/s"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -118,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["arms"][label] = doc
             print(
                 f"[ablation-live] {label:<26} {doc['setting']:<18} seed-0 knee {doc['seed0_knee_rps']:6.1f}/s  "
-                f"held {doc['held_knee_rps']:6.1f}/s  (sim, scaled: {doc['sim_seed0_knee_rps']:.1f} / "
+                f"held {_held_text(doc)}  (sim, scaled: {doc['sim_seed0_knee_rps']:.1f} / "
                 f"{doc['sim_held_knee_rps']:.1f})  {time.time() - t0:.0f}s",
                 flush=True,
             )
