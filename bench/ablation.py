@@ -11,7 +11,7 @@ at the broker's cap 1.2·S (S: static 8's P95 at the reference rate, eager forma
 - ``broker, lazy gate``: the broker as it ships (``batch_formation: lazy``).
 
 Each knee is reported twice: seed 0's, and the knee that holds on every seed (``--seeds``;
-``bench.knee.held_knee``). A static arm's grid is searched on seed 0; its winner is then held
+``bench.knee.held_search``). A static arm's grid is searched on seed 0; its winner is then held
 on every seed. Static 8 (eager) at S is the reference row. Run::
 
     .venv/bin/python -m bench.ablation configs/sim-a20-c0.5.yaml --out bench/out/ablation-a20.json

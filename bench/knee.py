@@ -314,18 +314,6 @@ def held_search(
         rate *= step
 
 
-def held_knee(
-    passes: Callable[[float, int], bool],
-    seed0_knee: float,
-    seeds: Sequence[int],
-    *,
-    step: float = HELD_STEP,
-    max_runs: int | None = None,
-) -> float:
-    """``held_search``'s rate (0.0 when none holds, or none within ``max_runs``)."""
-    return held_search(passes, seed0_knee, seeds, step=step, max_runs=max_runs).rate
-
-
 def knee_on_seeds(
     config: FleetConfig,
     policy: str | Arm,
@@ -347,7 +335,7 @@ def knee_on_seeds(
         tried.append({"rate": round(rate, 3), "seed": seed, "pass": ok, "why": why})
         return ok
 
-    held = held_knee(passes, k0.knee_rps, seeds)
+    held = held_search(passes, k0.knee_rps, seeds).rate  # no budget: it always resolves
     return {
         "policy": k0.policy,
         "seed0_knee_rps": k0.knee_rps,

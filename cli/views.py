@@ -10,6 +10,7 @@ from rich.table import Table
 
 from bench.numbers import fmt
 from quotas.config import ConfigError, FleetConfig
+from quotas.placement import Placement
 from quotas.sizes import format_size
 
 err_console = Console(stderr=True)
@@ -49,7 +50,7 @@ def config_table(cfg: FleetConfig, source: str) -> Table:
     return table
 
 
-def placement_table(placement: Any) -> Table:
+def placement_table(placement: Placement) -> Table:
     """Where ``gpubroker up`` will put every replica of a listed ``gpus:`` fleet (``quotas.placement``)."""
     table = Table(title="placement (quotas/placement.py): each card holds the base of every model on it")
     for col in ("card", "node", "device", "capacity", "usable", "Σ base", "free", "models (replicas)"):

@@ -1,10 +1,10 @@
-"""Knees that hold on every seed (bench.knee.held_knee) and the gated static arm of the ablation."""
+"""Knees that hold on every seed (bench.knee.held_search) and the gated static arm of the ablation."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.knee import held_knee, held_search
+from bench.knee import held_search
 from bench.sim_types import Arm, parse_arm
 
 
@@ -16,16 +16,16 @@ def test_held_knee_is_where_every_seed_passes():
         calls.append((rate, seed))
         return rate <= limits[seed]
 
-    held = held_knee(passes, 100.0, (0, 1, 2), step=0.95)
+    held = held_search(passes, 100.0, (0, 1, 2), step=0.95).rate
     assert held <= 80.0 and held > 80.0 * 0.95  # the first 5 % step under the weakest seed
     assert (100.0, 0) not in calls  # seed 0 passes at its own knee: not re-run there
     assert all(passes(held, s) for s in (0, 1, 2))
 
 
 def test_held_knee_equals_seed0_when_all_seeds_pass_and_respects_the_budget():
-    assert held_knee(lambda r, s: True, 50.0, (0, 1, 2)) == 50.0
-    assert held_knee(lambda r, s: s == 0, 50.0, (0, 1, 2), max_runs=5) == 0.0
-    assert held_knee(lambda r, s: True, 0.0, (0, 1, 2)) == 0.0
+    assert held_search(lambda r, s: True, 50.0, (0, 1, 2)).rate == 50.0
+    assert held_search(lambda r, s: s == 0, 50.0, (0, 1, 2), max_runs=5).rate == 0.0
+    assert held_search(lambda r, s: True, 0.0, (0, 1, 2)).rate == 0.0
 
 
 def test_a_search_the_budget_stops_is_unresolved_not_a_knee_of_zero():
