@@ -45,6 +45,9 @@ class MiniLmAdapter(ModelAdapter):
         # HF fast tokenizers are not safe to call from two threads at once ("Already
         # borrowed"); validation (admission) and predict (the batch) run in different threads.
         self._tok_lock = threading.Lock()
+        # the text validate last counted and its tokens: the replica asks cost() of the item it has
+        # just validated, and a second tokenization would cost as much as the first
+        self._counted: tuple[str | None, int] = (None, 0)
 
     def load(self, device: str) -> None:
         super().load(device)
@@ -77,6 +80,7 @@ class MiniLmAdapter(ModelAdapter):
         if not isinstance(text, str):
             raise InputError("text", f"expected a string, got {type(text).__name__}")
         tokens = self.token_count(text)
+        self._counted = (text, tokens)  # one tuple: a thread reads both or neither
         if tokens > self.max_tokens:
             raise InputError(
                 "text",
@@ -86,7 +90,9 @@ class MiniLmAdapter(ModelAdapter):
         return {"text": text}
 
     def cost(self, item: Any) -> int:
-        return self.token_count(item["text"])
+        text = item["text"]
+        seen, tokens = self._counted
+        return tokens if seen is text else self.token_count(text)  # the very string validate counted
 
     def predict(self, items: list) -> list:
         import torch

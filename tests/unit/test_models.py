@@ -84,6 +84,21 @@ def test_minilm_cost_counts_tokens_with_specials(minilm):
         assert minilm.cost(minilm.example_input(n)) == n
 
 
+def test_minilm_cost_of_a_validated_item_does_not_tokenize_again(minilm, monkeypatch):
+    """The replica validates an item, then asks its cost: one tokenization, the same count; any
+    other text (another request's, counted in between) is counted afresh."""
+    calls = []
+    count = minilm.token_count
+    monkeypatch.setattr(minilm, "token_count", lambda text: calls.append(text) or count(text))
+    a = minilm.validate({"text": "share one card between models"})
+    assert minilm.cost(a) == count(a["text"]) and len(calls) == 1
+    b = minilm.validate({"text": "another request"})
+    assert minilm.cost(a) == count(a["text"])  # validate(b) came in between: counted again
+    assert minilm.cost(b) == count(b["text"])
+    assert calls == [a["text"], b["text"], a["text"]]
+    assert minilm.cost({"text": "share one card between models"}) == minilm.cost(a)  # equal text, not validated
+
+
 def test_minilm_refuses_long_text_naming_the_field(minilm):
     with pytest.raises(InputError) as err:
         minilm.validate({"text": "word " * 300})
