@@ -78,12 +78,16 @@ def test_lazy_formation_turns_eager_batches_into_load_sized_ones(monkeypatch, tm
 
 
 def test_a_backlog_leaves_in_one_batch_up_to_the_cap(monkeypatch, tmp_path):
-    """40 requests arriving 2 ms apart while a 120 ms batch runs: lazy formation runs them as
-    one batch right after it; eager formation (1 ms wait) queues ~40 batches of one, each
-    paying the fixed cost, and they never merge."""
+    """40 requests arriving 2 ms apart while a batch runs: lazy formation runs them as one batch
+    right after it; eager formation (1 ms wait) queues ~40 batches of one, each paying the fixed
+    cost, and they never merge. The lazy replica's first batch runs 300 ms (a_ms 300), so the 40
+    arrivals (80 ms at 2 ms apart, ~200 ms when a loaded machine stretches each sleep) all land
+    while it runs; eager keeps 120 ms so its 40 batches of one stay a few seconds."""
 
     async def burst(formation: str) -> list[int]:
         text = CONFIG.format(formation=formation)
+        if formation == "lazy":
+            text = text.replace("a_ms: 120", "a_ms: 300")
         r, sizes = await _replica(text, monkeypatch, tmp_path / f"b-{formation}.json")
         first = asyncio.ensure_future(r.infer([{}]))
         await asyncio.sleep(0.03)  # the first batch is running
