@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import scenarios as sc
-from bench.knee import held_search
+from bench.knee import HOLD_RUNS_PER_SEED, held_search
 from bench.live_runs import Opts, profiled_workload, run_arm, say_row
-from bench.live_seed import HOLD_RUNS_PER_SEED
 
 
 def _static_from_sim(doc: dict[str, Any], label: str) -> tuple[int, float]:

@@ -264,6 +264,7 @@ def search_knee(
 
 
 HELD_STEP = 0.95  # a held knee is searched down from seed 0's in 5 % steps
+HOLD_RUNS_PER_SEED = 5  # a live held search's budget, runs per seed (MiniLM's seeds spread the most: 12 ran out)
 
 
 @dataclass(frozen=True)

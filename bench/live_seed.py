@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from bench import scenarios as sc
-from bench.knee import bound, bound_batch, held_search
+from bench.knee import HOLD_RUNS_PER_SEED, bound, bound_batch, held_search
 from bench.live_runs import (
     Opts,
     Workload,
@@ -19,8 +19,6 @@ from bench.live_runs import (
     say_row,
     start_peer,
 )
-
-HOLD_RUNS_PER_SEED = 5  # a held search's budget, runs per seed (MiniLM's seeds spread the most: 12 ran out)
 
 
 def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float | None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from bench.knee import HOLD_RUNS_PER_SEED
 from bench.live_runs import Opts
-from bench.live_seed import HOLD_RUNS_PER_SEED, hold
+from bench.live_seed import hold
 from bench.scenarios_report import _held
 
 
