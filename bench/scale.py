@@ -15,6 +15,10 @@ Cases:
   card, 1600 in all), one ``broker.fleet_core.FleetBroker`` (one ``BrokerCore`` and ledger per
   card, one tick for all; every replica names its card), as the live broker runs a ``gpus:``
   fleet. ``cores`` in the JSON is how many per-card cores ticked.
+- ``live``: the same fleets as the broker actor holds them, with what the core cases leave out:
+  its checkpoints written after every tick (to a temporary directory: temp file, fsync, rename)
+  and its Prometheus metrics updated every tick and report (a fresh ``CollectorRegistry``). The
+  core cases time the control step; this is what a tick costs the live broker.
 - ``sim``: the simulator (``bench.sim.run_sim``, broker arm) on 100 models x 1 hour of Azure
   trace arrivals (``bench.arrivals``), wall-clock timed.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -145,18 +150,24 @@ class _Cores:
     one card, the fleet broker (``broker.fleet_core.FleetBroker``: one core per card, one tick
     for all) for ``gpus:`` fleets, where every replica names its card."""
 
-    def __init__(self, doc: dict[str, Any], seed: int) -> None:
+    def __init__(self, doc: dict[str, Any], seed: int, live_dir: Path | None = None) -> None:
+        """``live_dir``: run the broker as the actor does (``FleetBroker`` for one card too), its
+        checkpoints under this directory and Prometheus metrics on a fresh registry."""
         self.t = [1_700_000_000.0]
 
         def clock() -> float:
             return self.t[0]
 
         cfg = parse_config(doc, "synthetic")
-        self.cards = bool(cfg.gpus)
+        self.cards = bool(cfg.gpus) or live_dir is not None
         if self.cards:
             from broker.fleet_core import FleetBroker
 
-            self.broker: Any = FleetBroker(json.dumps(doc), clock=clock, metrics=NullMetrics())
+            if live_dir is None:
+                self.broker: Any = FleetBroker(json.dumps(doc), clock=clock, metrics=NullMetrics())
+            else:  # metrics=None: BrokerMetrics on a private registry, as broker.actor builds it
+                path = live_dir / "broker.checkpoint.json"
+                self.broker = FleetBroker(json.dumps(doc), checkpoint_path=path, clock=clock, metrics=None)
             card_of = {m: self.broker.placement.replicas[m][0] for m in cfg.models}
         else:
             self.broker = BrokerCore(cfg, clock=clock, metrics=NullMetrics())
@@ -204,10 +215,12 @@ def _summary(label: str, runs: dict[str, list[float]], **extra: Any) -> dict[str
     }
 
 
-def _timed(doc: dict[str, Any], seconds: float, seed: int) -> tuple[dict[str, list[float]], int]:
+def _timed(
+    doc: dict[str, Any], seconds: float, seed: int, live_dir: Path | None = None
+) -> tuple[dict[str, list[float]], int]:
     """Run one report window untimed (the window fills, lending starts), then time ``seconds``.
     Returns the timings and how many per-card cores the broker ran."""
-    cores = _Cores(doc, seed)
+    cores = _Cores(doc, seed, live_dir)
     cores.run(max(float(m.get("control", {}).get("window_s", 30.0)) for m in doc["models"].values()))
     return cores.run(seconds), len(getattr(cores.broker, "cores", {None: None}))
 
@@ -225,6 +238,16 @@ def bench_cards(cards: int, models: int, seconds: float, seed: int = 0) -> dict[
     """``models`` models in all over ``cards`` emulated cards, one ``FleetBroker``."""
     runs, cores = _timed(synthetic_doc(models, cards=cards), seconds, seed)
     return _summary(f"{cards} cards x {models} models", runs, cards=cards, models=models, cores=cores)
+
+
+def bench_live(cards: int, models: int, seconds: float, seed: int = 0) -> dict[str, Any]:
+    """``models`` models over ``cards`` cards (one card: ``gpu:``) as the broker actor runs them:
+    checkpoints after every tick (a temporary directory, removed after) and Prometheus metrics."""
+    with tempfile.TemporaryDirectory(prefix="gpubroker-scale-") as tmp:
+        runs, cores = _timed(synthetic_doc(models, cards=cards), seconds, seed, Path(tmp))
+        ckpt_bytes = sum(f.stat().st_size for f in Path(tmp).iterdir() if f.suffix == ".json")
+    label = f"live: {cards} card{'s' if cards > 1 else ''} x {models} models"
+    return _summary(label, runs, cards=cards, models=models, cores=cores, checkpoint_bytes=ckpt_bytes)
 
 
 def unchanged_share(models: int = 100, cards: int = 16, seconds: float = 120.0, seed: int = 0) -> float:
@@ -298,9 +321,21 @@ def run(quick: bool = False, out: Path = Path("bench/out"), on_progress: Any = N
     cards = [case("16 cards x 100 models", bench_cards, 16, 100, seconds)]
     if not quick:
         cards.append(case("16 cards x 1600 models", bench_cards, 16, 1600, seconds / 4))
+    live = [
+        case("live: 1 card x 100 models", bench_live, 1, 100, seconds),
+        case("live: 16 cards x 100 models", bench_live, 16, 100, seconds),
+    ]
     duration = 300.0 if quick else 3600.0
     sim = case(f"simulator: 100 models x {duration / 3600:g} h of trace", bench_sim, 100, duration)
-    res = {"quick": quick, "seconds_per_case": seconds, "targets": TARGETS, "models": rows, "cards": cards, "sim": sim}
+    res = {
+        "quick": quick,
+        "seconds_per_case": seconds,
+        "targets": TARGETS,
+        "models": rows,
+        "cards": cards,
+        "live": live,
+        "sim": sim,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     return res
@@ -311,7 +346,7 @@ def table(res: dict[str, Any]) -> str:
         "| case | cores | ticks | median tick ms | p99 tick ms | max tick ms | report µs |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in res["models"] + res["cards"]:
+    for row in res["models"] + res["cards"] + res.get("live", []):
         lines.append(
             f"| {row['case']} | {row.get('cores', 1)} | {row['ticks']} | {row['median_tick_ms']:.2f} | "
             f"{row['p99_tick_ms']:.2f} | {row['max_tick_ms']:.2f} | {row['report_us']:.0f} |"
@@ -321,6 +356,7 @@ def table(res: dict[str, Any]) -> str:
     lines.append(f"{sim['case']}: {sim['wall_s']:.1f} s wall (target under {TARGETS['sim_wall_s']:.0f} s)")
     lines.append(
         "Tick: one control step of the whole broker (a gpus: fleet: FleetBroker.tick, every card's core); "
-        "report: one replica report, median."
+        "report: one replica report, median. live: as the broker actor runs, with its checkpoint "
+        "written after every tick and its Prometheus metrics."
     )
     return "\n".join(lines)

@@ -6,6 +6,11 @@ quota ledger), the versioned settings table, calibrated memory models and the ta
 decision log. Writes are atomic (write a temp file in the same directory, fsync, rename),
 so a broker killed mid-write leaves either the old checkpoint or the new one, never half.
 
+The cores of a fleet share one decision log (``broker.fleet_core``), kept once for the fleet
+as an append-only journal (``DecisionJournal``), not as a tail rewritten into every card's
+checkpoint every tick (16 cards x 100 models: sixteen copies of a 300-entry tail took 500 ms of
+a tick whose control step takes 13).
+
 No Ray here: the actor decides when to save and what to do with what it loads.
 """
 
@@ -14,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +43,8 @@ class Checkpoint:
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # shallow: json.dumps walks the nested values; ``asdict`` deep-copied them first
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Checkpoint:
@@ -49,9 +56,157 @@ class Checkpoint:
 
 def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
     """Atomically replace ``path`` with ``checkpoint`` (temp file + fsync + rename)."""
-    target = Path(path)
+    _write_atomic(Path(path), checkpoint.to_dict())
+
+
+class CheckpointFile:
+    """Where one core's checkpoint lives: a file of its own (a one-card fleet, tests, the simulator)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> Checkpoint | None:
+        return load_checkpoint(self.path)
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        save_checkpoint(self.path, checkpoint)
+
+
+class CardCheckpoints:
+    """Every card's checkpoint of a many-card fleet in one file (``broker.fleet_core``): each
+    core saves into its card's slot, and the fleet writes the file once (``flush``) after a tick,
+    an apply or a re-placement: one atomic write (temp file, fsync, rename) a tick, not one per
+    card, and every card's state in it from the same tick. A card the file lacks is looked up in
+    the file of its own that brokers before this one wrote (``legacy(card_id)``)."""
+
+    def __init__(self, path: str | Path, legacy: Callable[[str], Path]) -> None:
+        self.path, self._legacy = Path(path), legacy
+        self._cards: dict[str, dict[str, Any]] | None = None  # card -> Checkpoint.to_dict(); None: not read yet
+        self._dirty = False
+
+    def slot(self, card_id: str) -> CardSlot:
+        return CardSlot(self, card_id)
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        if self._cards is None:
+            self._cards = {}
+            try:
+                data = json.loads(self.path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                return self._cards
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"checkpoint {self.path} is unreadable: {exc}") from None
+            if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"checkpoint {self.path}: format is not {FORMAT_VERSION}")
+            self._cards = dict(data.get("cards") or {})
+        return self._cards
+
+    def load(self, card_id: str) -> Checkpoint | None:
+        saved = self._read().get(card_id)
+        if saved is None:
+            return load_checkpoint(self._legacy(card_id))
+        return Checkpoint.from_dict(saved)
+
+    def save(self, card_id: str, checkpoint: Checkpoint) -> None:
+        if self._cards is None:
+            self._cards = {}  # an unreadable file is replaced by what the cores save now
+        self._cards[card_id] = checkpoint.to_dict()
+        self._dirty = True
+
+    def flush(self, cards: Iterable[str]) -> bool:
+        """Write the file if a card saved since the last write; ``cards``: the fleet's cards now
+        (a card dropped by a re-placement leaves the file)."""
+        if not self._dirty or self._cards is None:
+            return False
+        keep = set(cards)
+        self._cards = {c: d for c, d in self._cards.items() if c in keep}
+        _write_atomic(self.path, {"format_version": FORMAT_VERSION, "cards": self._cards})
+        self._dirty = False
+        return True
+
+
+class CardSlot:
+    """One card's place in a ``CardCheckpoints`` file: what its core loads from and saves to."""
+
+    def __init__(self, fleet: CardCheckpoints, card_id: str) -> None:
+        self.fleet, self.card_id, self.path = fleet, card_id, fleet.path
+
+    def load(self) -> Checkpoint | None:
+        return self.fleet.load(self.card_id)
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        self.fleet.save(self.card_id, checkpoint)
+
+
+class DecisionJournal:
+    """A fleet's shared decision log on disk (``broker.fleet_core``): JSON lines, appended as
+    entries come, so a tick writes what it decided and not the whole tail again. The first line
+    names the fleet config the broker was launched with; a broker launched with another config
+    starts a new journal, as its cores start their state afresh. When the file holds
+    ``4 x keep`` entries it is rewritten atomically to its newest ``keep``. A broker killed
+    mid-append leaves a torn last line, which ``load`` skips. Appends are not fsynced: this is
+    history for ``gpubroker decisions``, not state a restart needs to be safe (the cards'
+    checkpoints are, and they are)."""
+
+    def __init__(self, path: str | Path, launch_hash: str, keep: int) -> None:
+        self.path, self.launch_hash, self.keep = Path(path), launch_hash, keep
+        self._lines = 0  # entries in the file now
+
+    def load(self) -> tuple[list[dict[str, Any]], int]:
+        """The newest ``keep`` entries of this fleet's journal and the last sequence number
+        (``[], 0`` when there is none or it is another config's). ValueError if its header is unreadable."""
+        try:
+            with self.path.open(encoding="utf-8") as fh:
+                header, rows = fh.readline(), fh.readlines()
+        except FileNotFoundError:
+            return [], 0
+        try:
+            head = json.loads(header)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"decision journal {self.path} is unreadable: {exc}") from None
+        if not isinstance(head, dict) or head.get("journal") != FORMAT_VERSION:
+            raise ValueError(
+                f"decision journal {self.path}: header {header.strip()[:80]!r} is not format {FORMAT_VERSION}"
+            )
+        if head.get("launch_hash") != self.launch_hash:
+            return [], 0
+        entries = []
+        for row in rows:
+            try:
+                entry = json.loads(row)
+            except json.JSONDecodeError:
+                continue  # a torn line from a kill mid-append
+            if isinstance(entry, dict) and isinstance(entry.get("seq"), int):
+                entries.append(entry)
+        # a torn line would swallow the next append: rewrite the file on the next one instead
+        self._lines = len(rows) if len(entries) == len(rows) else 0
+        return entries[-self.keep :], max((e["seq"] for e in entries), default=0)
+
+    def append(self, entries: list[dict[str, Any]], tail: list[dict[str, Any]]) -> None:
+        """Add ``entries``; ``tail`` (the log's newest entries, ``entries`` among them) is what a
+        rewrite keeps when the file has grown to ``4 x keep`` entries (or has no header yet)."""
+        if self._lines == 0 or self._lines + len(entries) > 4 * self.keep:
+            self._rewrite(tail[-self.keep :])
+            return
+        blob = "".join(json.dumps(e, sort_keys=True, default=_json_default) + "\n" for e in entries)
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(blob)
+        self._lines += len(entries)
+
+    def _rewrite(self, tail: list[dict[str, Any]]) -> None:
+        head = json.dumps({"journal": FORMAT_VERSION, "launch_hash": self.launch_hash})
+        body = "".join(json.dumps(e, sort_keys=True, default=_json_default) + "\n" for e in tail)
+        _write_text_atomic(self.path, head + "\n" + body)
+        self._lines = len(tail)
+
+
+def _write_atomic(target: Path, data: dict[str, Any]) -> None:
+    """Replace ``target`` with ``data`` as JSON: temp file in the same directory, fsync, rename."""
+    _write_text_atomic(target, json.dumps(data, sort_keys=True, default=_json_default))
+
+
+def _write_text_atomic(target: Path, blob: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    blob = json.dumps(checkpoint.to_dict(), sort_keys=True, default=_json_default)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:

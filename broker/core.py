@@ -38,7 +38,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from broker import policy
-from broker.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from broker.checkpoint import CardSlot, Checkpoint, CheckpointFile
 from broker.cost import cost_per_1k_requests
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
 from broker.idle_memo import IdleMemo
@@ -84,7 +84,10 @@ class BrokerCore:
         metrics: BrokerMetrics | NullMetrics | None = None,
         log: DecisionLog | None = None,
         card_id: str = "",
+        checkpoint: CheckpointFile | CardSlot | None = None,
     ) -> None:
+        """``checkpoint_path``: a checkpoint file of the core's own; ``checkpoint``: where else it
+        checkpoints (a card's slot in a fleet's one file, ``broker.checkpoint.CardCheckpoints``)."""
         self._clock = clock
         self._started_s = clock()
         if isinstance(config, FleetConfig):
@@ -105,9 +108,11 @@ class BrokerCore:
                 "Pass the measured capacity (broker.actor does) or set gpu.capacity in the config"
             )
         self._capacity = int(capacity_bytes)
-        self._checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
-        # the decision log; the cores of a many-card fleet share one (broker.fleet_core)
+        self._checkpoint = checkpoint or (CheckpointFile(checkpoint_path) if checkpoint_path else None)
+        # the decision log; the cores of a many-card fleet share one (broker.fleet_core), which
+        # the fleet checkpoints once (broker.checkpoint.DecisionTail): a core saves only a log it owns
         self._log = log if log is not None else DecisionLog(cfg.broker.decision_log_size)
+        self._owns_log = log is None
         self.card_id = card_id  # the card this core governs ("" for a one-card fleet)
         self._ticks = 0
         self._last_tick_s: float | None = None
@@ -148,10 +153,10 @@ class BrokerCore:
         return self._llm.with_engine(policy.settings_for(state, name, self._cfg))
 
     def _restore(self) -> bool:
-        if self._checkpoint_path is None:
+        if self._checkpoint is None:
             return False
         try:
-            ckpt = load_checkpoint(self._checkpoint_path)
+            ckpt = self._checkpoint.load()
         except ValueError as exc:
             self._log_event(EntryKind.RESTORE, f"checkpoint unreadable, starting fresh: {exc}")
             return False
@@ -395,7 +400,7 @@ class BrokerCore:
 
     # ---------------------------------------------------------------- checkpoint
     def checkpoint_now(self) -> dict[str, Any]:
-        if self._checkpoint_path is None:
+        if self._checkpoint is None:
             return {"ok": False, "path": None}
         ckpt = Checkpoint(
             config_text=self._config_text,
@@ -406,12 +411,12 @@ class BrokerCore:
             memory_models={k: [v[0], v[1]] for k, v in self._memory_models.items()},
             cost_units=dict(self._cost_units),
             llm_state=self._llm.to_dict(),
-            decisions=list(self._log.entries)[-CHECKPOINT_DECISIONS:],
+            decisions=list(self._log.entries)[-CHECKPOINT_DECISIONS:] if self._owns_log else [],
             decision_seq=self._log.seq,
             saved_at_s=self._clock(),
         )
-        save_checkpoint(self._checkpoint_path, ckpt)
-        return {"ok": True, "path": str(self._checkpoint_path), "saved_at_s": ckpt.saved_at_s}
+        self._checkpoint.save(ckpt)
+        return {"ok": True, "path": str(self._checkpoint.path), "saved_at_s": ckpt.saved_at_s}
 
     # ---------------------------------------------------------------- status
     def _profile_name(self) -> str:
@@ -486,7 +491,7 @@ class BrokerCore:
             "ticks": self._ticks,
             "last_tick_s": self._last_tick_s,
             "restored": self.restored,
-            "checkpoint_path": str(self._checkpoint_path) if self._checkpoint_path else None,
+            "checkpoint_path": str(self._checkpoint.path) if self._checkpoint else None,
             "decision_seq": self._log.seq,
             "models": models,
         }

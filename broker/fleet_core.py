@@ -40,7 +40,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from broker.core import BrokerCore, NullMetrics
+from broker.checkpoint import CardCheckpoints, DecisionJournal
+from broker.core import CHECKPOINT_DECISIONS, BrokerCore, NullMetrics
 from broker.decision_log import DecisionLog
 from broker.metrics import BrokerMetrics
 from broker.replacement import FleetEntry, Replacement, groups_of, read_placement, replace_fleet, write_placement
@@ -89,6 +90,22 @@ class FleetBroker:
             else BrokerMetrics(CollectorRegistry(), gpu=cfg0.gpu.device if cfg0.gpus is None else "fleet")
         )
         self.log = DecisionLog(self._cfg.broker.decision_log_size)
+        self._log_saved_seq = 0
+        path = self._checkpoint_path
+        # every card's checkpoint in one file, written once a tick (a one-card fleet: its core's own file)
+        self._card_checkpoints = (
+            None
+            if path is None or self.single
+            else CardCheckpoints(path.with_suffix(".cards.json"), lambda cid: path.with_suffix(f".{cid}.json"))
+        )
+        self._journal = (  # the log on disk, beside the cards' checkpoints (broker.checkpoint)
+            None
+            if self._checkpoint_path is None
+            else DecisionJournal(
+                self._checkpoint_path.with_suffix(".decisions.jsonl"), self._cfg.config_hash(), CHECKPOINT_DECISIONS
+            )
+        )
+        log_problem = self._restore_log()  # before any entry is appended: restored entries keep their seq
         self._placement = place_fleet(self._cfg, cards, capacity_bytes)
         self.cores: dict[str, BrokerCore] = {}
         self._seen: dict[str, float] = {}  # card -> last report time of any of its replicas
@@ -100,11 +117,14 @@ class FleetBroker:
         self._observed: set[str] = set()  # cards seen on a live node (observe_cards)
         self._registered: dict[tuple[str, str], dict[str, Any]] = {}  # (card, model) -> replica id -> calibration
         self._launch_hash = self._cfg.config_hash()
+        if log_problem:
+            self._event(log_problem)
         self._restore_placement()
         self.replica_targets = ReplicaTargets()  # per (card, model): broker.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
                 self.cores[plan.card.id] = self._make_core(plan.card.id)
+        self._save()
 
     # ------------------------------------------------------------------ construction
     @property
@@ -112,9 +132,8 @@ class FleetBroker:
         return self._cfg.gpus is None
 
     def _make_core(self, card_id: str) -> BrokerCore:
-        path = None
-        if self._checkpoint_path is not None:
-            path = self._checkpoint_path if self.single else self._checkpoint_path.with_suffix(f".{card_id}.json")
+        path = self._checkpoint_path if self.single else None
+        slot = None if self._card_checkpoints is None else self._card_checkpoints.slot(card_id)
         config: str | FleetConfig = self._text if self.single else card_config(self._cfg, self._placement, card_id)
         card = self._placement.card(card_id)
         metrics = self.metrics
@@ -124,6 +143,7 @@ class FleetBroker:
             config,
             capacity_bytes=int(card.capacity_bytes),
             checkpoint_path=path,
+            checkpoint=slot,
             clock=self._clock,
             metrics=metrics,
             log=self.log,
@@ -216,6 +236,7 @@ class FleetBroker:
         for entry, line in steps:
             self.log.append(entry, line)
         out["replicas_changed"] = [e["model"] for e, _ in steps]
+        self._save()
         return out
 
     # ------------------------------------------------------------------ loss, join, re-placement
@@ -305,6 +326,7 @@ class FleetBroker:
             )
         for m in (m for m in rep.unplaced if m not in rep.models_changed):
             self._event(f"{m}: {rep.unplaced[m]} replica(s) still unplaced: {rep.reasons[m]}", m, FleetEntry.PLACEMENT)
+        self._save()
         return rep
 
     def apply(self, config_text: str) -> dict[str, Any]:
@@ -314,6 +336,7 @@ class FleetBroker:
         if not out.get("_counted"):
             self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
         out.pop("_counted", None)
+        self._save()
         return out
 
     def _apply(self, config_text: str) -> dict[str, Any]:
@@ -373,7 +396,34 @@ class FleetBroker:
         return out
 
     def checkpoint_now(self) -> dict[str, Any]:
-        return {cid: core.checkpoint_now() for cid, core in self.cores.items()}
+        out = {cid: core.checkpoint_now() for cid, core in self.cores.items()}
+        self._save()
+        return out
+
+    # ------------------------------------------------------------------ the shared decision log
+    def _restore_log(self) -> str:
+        """The decisions a broker of this fleet journaled (its cores save none: they share this
+        log). Returns a problem to log once the fleet can log, or ""."""
+        if self._journal is None:
+            return ""
+        try:
+            entries, seq = self._journal.load()
+        except ValueError as exc:
+            return f"{exc}; starting a new decision journal"
+        self.log.restore(entries, seq)
+        self._log_saved_seq = self.log.seq
+        return ""
+
+    def _save(self) -> None:
+        """After every tick, apply, re-placement and checkpoint: the cards' checkpoints, in one
+        write, then the decisions logged since the last save."""
+        if self._card_checkpoints is not None:
+            self._card_checkpoints.flush(self.cores)
+        if self._journal is None or self.log.seq == self._log_saved_seq:
+            return
+        new = self.log.since(None, self._log_saved_seq)
+        self._journal.append(new, list(self.log.entries))
+        self._log_saved_seq = self.log.seq
 
     # ------------------------------------------------------------------ reading
     def _target(self, card_id: str, model: str) -> int:

@@ -17,7 +17,7 @@ Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from broker.batch_rules import RuleContext, decide_batch
@@ -92,7 +92,7 @@ class PolicyState:
 
 
 def _state_to_dict(state: ModelState) -> dict[str, Any]:
-    out = asdict(state)
+    out = dict(state.__dict__)  # ``asdict`` without its deep copy: every field is immutable
     for key in ("last_change_s", "last_reversal_s", "emergency_s"):
         if out[key] == float("-inf"):
             out[key] = None  # JSON has no -inf
