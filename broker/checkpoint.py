@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_VERSION = 1
+CHECKPOINT_DECISIONS = 300  # decision-log entries kept for a restart (a checkpoint's tail, a journal's)
 
 
 @dataclass

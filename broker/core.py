@@ -29,16 +29,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from broker import policy
-from broker.checkpoint import CardSlot, Checkpoint, CheckpointFile
+from broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoint, CheckpointFile
 from broker.cost import cost_per_1k_requests
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
 from broker.idle_memo import IdleMemo
@@ -46,6 +45,7 @@ from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics, NullMetrics
 from broker.profiles import active_profile
 from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
+from broker.tallies import Tallies, Tally
 from broker.types import EntryKind, FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
 from broker.window import ReportWindow
 from quotas.config import ConfigError, FleetConfig, parse_config_text
@@ -54,18 +54,7 @@ from quotas.sizes import format_size
 
 logger = logging.getLogger("gpubroker.broker")
 
-CHECKPOINT_DECISIONS = 300  # decision-log entries kept in a checkpoint
 REPLICA_STALE_S = 10.0  # a replica silent this long no longer counts in `replicas`
-
-
-@dataclass
-class _Tally:
-    """One report's contribution to status-only aggregates (attainment, cost)."""
-
-    t_s: float
-    completions: int
-    misses: int  # rejections + timeouts + errors
-    busy_s: float
 
 
 class BrokerCore:
@@ -122,7 +111,7 @@ class BrokerCore:
         self._cost_units: dict[str, str] = {}
         self._replicas: dict[str, dict[str, float]] = {}  # model -> replica_id -> last seen
         self._replica_free: dict[str, tuple[float, float | None, float | None]] = {}  # rid -> (t, free, sm)
-        self._tallies: dict[str, deque[_Tally]] = {}
+        self._tallies: dict[str, Tallies] = {}
         self._events: dict[str, dict[str, int]] = {}
         self.restored = False
         self._install(cfg, config_text)
@@ -141,7 +130,7 @@ class BrokerCore:
         self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.idle_memo)
         self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.llm_window)
         for name in cfg.models:
-            self._tallies.setdefault(name, deque())
+            self._tallies.setdefault(name, Tallies())
             self._replicas.setdefault(name, {})
             self._events.setdefault(name, {"emergency_shrinks": 0, "oom_splits": 0})
 
@@ -227,10 +216,8 @@ class BrokerCore:
         self._replicas[rep.model][rep.replica_id] = now
         self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
         tallies = self._tallies[rep.model]
-        tallies.append(_Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors, rep.busy_s))
-        horizon = now - self._cfg.models[rep.model].control.window_s
-        while tallies and tallies[0].t_s < horizon:
-            tallies.popleft()
+        tallies.add(Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors, rep.busy_s))
+        tallies.evict_older(now, self._cfg.models[rep.model].control.window_s)
         ev = self._events[rep.model]
         ev["emergency_shrinks"] += rep.emergency_shrinks
         ev["oom_splits"] += rep.oom_splits
@@ -245,7 +232,7 @@ class BrokerCore:
             if model not in self._cfg.models or int(n) <= 0:
                 continue
             self._window.add_rejections(model, int(n), now)
-            self._tallies[model].append(_Tally(now, 0, int(n), 0.0))
+            self._tallies[model].add(Tally(now, 0, int(n), 0.0))
             self.metrics.observe_rejections(model, int(n))
             taken[model] = int(n)
         return {"counted": taken}
@@ -439,10 +426,8 @@ class BrokerCore:
             load = snap.models.get(name) if snap is not None else None
             window_s = spec.control.window_s
             tallies = self._tallies[name]
-            while tallies and now - tallies[0].t_s > window_s:
-                tallies.popleft()
-            completions = sum(t.completions for t in tallies)
-            misses = sum(t.misses for t in tallies)
+            tallies.evict_older(now, window_s)
+            completions, misses = tallies.completions, tallies.misses
             seen = self._replicas.get(name, {})
             models[name] = {
                 "grant_bytes": s.grant_bytes,

@@ -40,28 +40,19 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from broker.checkpoint import CardCheckpoints, DecisionJournal
-from broker.core import CHECKPOINT_DECISIONS, BrokerCore, NullMetrics
+from broker.core import BrokerCore, NullMetrics
 from broker.decision_log import DecisionLog
+from broker.fleet_store import FleetStore
 from broker.metrics import BrokerMetrics
 from broker.replacement import FleetEntry, Replacement, groups_of, read_placement, replace_fleet, write_placement
 from broker.replica_targets import ReplicaTargets
 from broker.window import stale_after_s
+from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 from quotas.placement import Placement, place_fleet
 
 DEAD_AFTER_S = 15.0  # a card with registered replicas none of which reported for this long is lost
-
-
-def card_config(cfg: FleetConfig, placement: Placement, card_id: str) -> FleetConfig:
-    """The fleet config as one card's core sees it: its models (replicas on this card), its capacity."""
-    plan = placement.card_plan(card_id)
-    card = plan.card
-    device = "cpu" if card.emulated else f"cuda:{card.index}"
-    gpu = cfg.gpu.model_copy(update={"capacity": int(card.capacity_bytes), "device": device})
-    models = {m: cfg.models[m].model_copy(update={"replicas": n}) for m, n in plan.models.items()}
-    return cfg.model_copy(update={"gpu": gpu, "gpus": None, "models": models})
 
 
 class FleetBroker:
@@ -90,22 +81,9 @@ class FleetBroker:
             else BrokerMetrics(CollectorRegistry(), gpu=cfg0.gpu.device if cfg0.gpus is None else "fleet")
         )
         self.log = DecisionLog(self._cfg.broker.decision_log_size)
-        self._log_saved_seq = 0
-        path = self._checkpoint_path
-        # every card's checkpoint in one file, written once a tick (a one-card fleet: its core's own file)
-        self._card_checkpoints = (
-            None
-            if path is None or self.single
-            else CardCheckpoints(path.with_suffix(".cards.json"), lambda cid: path.with_suffix(f".{cid}.json"))
-        )
-        self._journal = (  # the log on disk, beside the cards' checkpoints (broker.checkpoint)
-            None
-            if self._checkpoint_path is None
-            else DecisionJournal(
-                self._checkpoint_path.with_suffix(".decisions.jsonl"), self._cfg.config_hash(), CHECKPOINT_DECISIONS
-            )
-        )
-        log_problem = self._restore_log()  # before any entry is appended: restored entries keep their seq
+        path, log = self._checkpoint_path, self.log
+        self._store = FleetStore(path, single=self.single, launch_hash=cfg0.config_hash(), log=log)
+        log_problem = self._store.restore_log()  # before any entry is appended (broker.fleet_store)
         self._placement = place_fleet(self._cfg, cards, capacity_bytes)
         self.cores: dict[str, BrokerCore] = {}
         self._seen: dict[str, float] = {}  # card -> last report time of any of its replicas
@@ -124,7 +102,7 @@ class FleetBroker:
         for plan in self._placement.cards:
             if plan.models:
                 self.cores[plan.card.id] = self._make_core(plan.card.id)
-        self._save()
+        self._store.save(self.cores)
 
     # ------------------------------------------------------------------ construction
     @property
@@ -132,8 +110,7 @@ class FleetBroker:
         return self._cfg.gpus is None
 
     def _make_core(self, card_id: str) -> BrokerCore:
-        path = self._checkpoint_path if self.single else None
-        slot = None if self._card_checkpoints is None else self._card_checkpoints.slot(card_id)
+        path, slot = self._store.core_path(), self._store.slot(card_id)
         config: str | FleetConfig = self._text if self.single else card_config(self._cfg, self._placement, card_id)
         card = self._placement.card(card_id)
         metrics = self.metrics
@@ -236,7 +213,7 @@ class FleetBroker:
         for entry, line in steps:
             self.log.append(entry, line)
         out["replicas_changed"] = [e["model"] for e, _ in steps]
-        self._save()
+        self._store.save(self.cores)
         return out
 
     # ------------------------------------------------------------------ loss, join, re-placement
@@ -326,7 +303,7 @@ class FleetBroker:
             )
         for m in (m for m in rep.unplaced if m not in rep.models_changed):
             self._event(f"{m}: {rep.unplaced[m]} replica(s) still unplaced: {rep.reasons[m]}", m, FleetEntry.PLACEMENT)
-        self._save()
+        self._store.save(self.cores)
         return rep
 
     def apply(self, config_text: str) -> dict[str, Any]:
@@ -336,7 +313,7 @@ class FleetBroker:
         if not out.get("_counted"):
             self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
         out.pop("_counted", None)
-        self._save()
+        self._store.save(self.cores)
         return out
 
     def _apply(self, config_text: str) -> dict[str, Any]:
@@ -397,33 +374,8 @@ class FleetBroker:
 
     def checkpoint_now(self) -> dict[str, Any]:
         out = {cid: core.checkpoint_now() for cid, core in self.cores.items()}
-        self._save()
+        self._store.save(self.cores)
         return out
-
-    # ------------------------------------------------------------------ the shared decision log
-    def _restore_log(self) -> str:
-        """The decisions a broker of this fleet journaled (its cores save none: they share this
-        log). Returns a problem to log once the fleet can log, or ""."""
-        if self._journal is None:
-            return ""
-        try:
-            entries, seq = self._journal.load()
-        except ValueError as exc:
-            return f"{exc}; starting a new decision journal"
-        self.log.restore(entries, seq)
-        self._log_saved_seq = self.log.seq
-        return ""
-
-    def _save(self) -> None:
-        """After every tick, apply, re-placement and checkpoint: the cards' checkpoints, in one
-        write, then the decisions logged since the last save."""
-        if self._card_checkpoints is not None:
-            self._card_checkpoints.flush(self.cores)
-        if self._journal is None or self.log.seq == self._log_saved_seq:
-            return
-        new = self.log.since(None, self._log_saved_seq)
-        self._journal.append(new, list(self.log.entries))
-        self._log_saved_seq = self.log.seq
 
     # ------------------------------------------------------------------ reading
     def _target(self, card_id: str, model: str) -> int:

@@ -185,6 +185,7 @@ class BrokerMetrics:
         self.gpu = gpu
         self._clock = clock
         self._models: set[str] = set()  # models with per-model gauge series
+        self._series: dict[tuple[str, ...], Any] = {}  # labels -> child, for the series every tick sets
         self._profile: str | None = None
         r = self.registry
         mg = ("model", "gpu")
@@ -371,8 +372,18 @@ class BrokerMetrics:
         view = copy.copy(self)
         view.gpu = gpu
         view._models = set()
+        view._series = {}
         view._profile = None
         return view
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: a tick sets some 17 series a model, and ``labels``
+        takes a lock and builds a key each time. ``_forget_model`` drops a model's."""
+        key = (metric._name, *labels)  # noqa: SLF001 - the metric's own name keys its children
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*labels)
+        return child
 
     # ---------------------------------------------------------------- ticks
     @_never_raises
@@ -381,23 +392,23 @@ class BrokerMetrics:
         g = self.gpu
         models = status.get("models", {})
         for name, m in models.items():
-            lab = (name, g)
-            self.grant.labels(*lab).set(_num(m.get("grant_bytes")))
-            self.base.labels(*lab).set(_num(m.get("base_bytes")))
-            self.used.labels(*lab).set(_num(m.get("used_bytes")))
-            self.max_batch.labels(*lab).set(_num(m.get("max_batch_size")))
-            self.wait.labels(*lab).set(_num(m.get("batch_wait_timeout_s")))
-            self.queue.labels(*lab).set(_num(m.get("queue_depth")))
+            child = self._child
+            child(self.grant, name, g).set(_num(m.get("grant_bytes")))
+            child(self.base, name, g).set(_num(m.get("base_bytes")))
+            child(self.used, name, g).set(_num(m.get("used_bytes")))
+            child(self.max_batch, name, g).set(_num(m.get("max_batch_size")))
+            child(self.wait, name, g).set(_num(m.get("batch_wait_timeout_s")))
+            child(self.queue, name, g).set(_num(m.get("queue_depth")))
             p95 = m.get("p95_ms")
-            self.p95.labels(*lab).set(math.nan if p95 is None else p95 / 1000.0)
+            child(self.p95, name, g).set(math.nan if p95 is None else p95 / 1000.0)
             slo = m.get("slo_p95_ms")
-            self.slo.labels(*lab).set(math.nan if slo is None else slo / 1000.0)
-            self.arrival.labels(*lab).set(_num(m.get("arrival_rate_rps")))
-            self.attainment.labels(*lab).set(_num(m.get("attainment")))
-            self.cost.labels(*lab).set(_num(m.get("cost_per_1k_requests")))
-            self.admit.labels(*lab).set(_num(m.get("admit", True)))
-            self.replicas.labels(*lab).set(_num(m.get("replicas")))
-            self.version.labels(*lab).set(_num(m.get("settings_version")))
+            child(self.slo, name, g).set(math.nan if slo is None else slo / 1000.0)
+            child(self.arrival, name, g).set(_num(m.get("arrival_rate_rps")))
+            child(self.attainment, name, g).set(_num(m.get("attainment")))
+            child(self.cost, name, g).set(_num(m.get("cost_per_1k_requests")))
+            child(self.admit, name, g).set(_num(m.get("admit", True)))
+            child(self.replicas, name, g).set(_num(m.get("replicas")))
+            child(self.version, name, g).set(_num(m.get("settings_version")))
             if m.get("engine") is not None:
                 self.llm.observe(name, g, m["engine"])
         for gone in self._models - set(models):
@@ -421,7 +432,7 @@ class BrokerMetrics:
             self.config.info({"config_hash": str(status["config_hash"])})
 
         for name, md in decision.models.items():
-            counter = self.decisions.labels(name, g, _enum(md.trigger, TRIGGERS))
+            counter = self._child(self.decisions, name, g, _enum(md.trigger, TRIGGERS))
             if md.changed:
                 counter.inc()
         for move in decision.moves:
@@ -453,6 +464,7 @@ class BrokerMetrics:
                 gauge.remove(name, self.gpu)
             except KeyError:
                 pass
+        self._series = {k: v for k, v in self._series.items() if k[1] != name}
         self.llm.forget(name, self.gpu)
 
     # ---------------------------------------------------------------- reloads

@@ -1,4 +1,5 @@
-"""One card of a many-card fleet as a fleet of its own: what the simulator runs for ``--card``.
+"""One card of a many-card fleet as a fleet of its own: what the simulator runs for ``--card``
+(``card_fleet``), and what the broker's core for that card runs (``card_config``).
 
 Lending happens only inside a card (one ledger per card), so a card's models with the card's
 capacity, device and the fleet's shared ``gpu`` settings behave as a one-card fleet: each model
@@ -46,8 +47,18 @@ def card_fleet(cfg: FleetConfig, card_id: str, source: str = "config") -> FleetC
     return parse_config(doc, f"{source}, card {card_id}")
 
 
+def card_config(cfg: FleetConfig, placement: Placement, card_id: str) -> FleetConfig:
+    """The fleet config as one card's core sees it: its models (replicas on this card), its capacity."""
+    plan = placement.card_plan(card_id)
+    card = plan.card
+    device = "cpu" if card.emulated else f"cuda:{card.index}"
+    gpu = cfg.gpu.model_copy(update={"capacity": int(card.capacity_bytes), "device": device})
+    models = {m: cfg.models[m].model_copy(update={"replicas": n}) for m, n in plan.models.items()}
+    return cfg.model_copy(update={"gpu": gpu, "gpus": None, "models": models})
+
+
 def _cards_with_models(placement: Placement) -> str:
     return ", ".join(f"{p.card.id} ({', '.join(p.models)})" for p in placement.cards if p.models)
 
 
-__all__ = ["card_fleet"]
+__all__ = ["card_config", "card_fleet"]

@@ -38,11 +38,21 @@ ALLOWED: dict[str, frozenset[str]] = {
 # no Ray, no clock (time comes in the snapshot), and only other pure modules of ours, so
 # nothing impure arrives indirectly. A new broker module is pure unless it is named here.
 BROKER_MECHANISM = frozenset(
-    {"broker.actor", "broker.checkpoint", "broker.core", "broker.fleet_core", "broker.metrics", "broker.probes"}
+    {
+        "broker.actor",
+        "broker.checkpoint",
+        "broker.core",
+        "broker.fleet_core",
+        "broker.fleet_store",  # the fleet's checkpoint files and decision journal
+        "broker.metrics",
+        "broker.probes",
+    }
 )
 # The broker core takes its clock and capacity injected: it may import the standard clock as
 # the default, but never hardware, Ray or the probes, not even through another module.
-NO_HARDWARE_MODULES = frozenset({"broker.core", "broker.fleet_core"})  # fleet_core: one BrokerCore per card
+NO_HARDWARE_MODULES = frozenset(
+    {"broker.core", "broker.fleet_core", "broker.fleet_store"}
+)  # fleet_core: one BrokerCore per card
 UI = frozenset({"typer", "rich", "click"})  # the command line's toolkits: only cli/ draws
 HARDWARE = frozenset({"ray", "torch", "pynvml", "psutil", "broker.probes"})
 CLOCKS = frozenset({"time"})

@@ -256,6 +256,24 @@ def test_profile_switch_and_removed_model(metrics):
     assert value(metrics, "gpubroker_max_batch_size", model="mlp", gpu="cpu") == 8
 
 
+def test_a_model_removed_and_added_again_is_exported_again(metrics):
+    """The per-model series a tick sets are kept between ticks (``BrokerMetrics._child``); a
+    removed model's are dropped with it, so a model that comes back is a live series again."""
+    metrics.observe_tick(decision(), status(), 0.001)
+    gone = status()
+    del gone["models"]["hot"]
+    metrics.observe_tick(decision(), gone, 0.001)
+    assert value(metrics, "gpubroker_quota_granted_bytes", model="hot", gpu="cpu") is None
+    back = status()
+    back["models"]["hot"]["grant_bytes"] = 777 << 20
+    metrics.observe_tick(decision(), back, 0.001)
+    assert value(metrics, "gpubroker_quota_granted_bytes", model="hot", gpu="cpu") == 777 << 20
+    card = metrics.for_gpu("c01")  # another card's view: its own series in the same registry
+    card.observe_tick(decision(), status(), 0.001)
+    assert value(metrics, "gpubroker_quota_granted_bytes", model="hot", gpu="c01") == 512 << 20
+    assert value(metrics, "gpubroker_quota_granted_bytes", model="hot", gpu="cpu") == 777 << 20
+
+
 def test_observe_reload(metrics):
     assert value(metrics, "gpubroker_config_last_reload_success") == 1  # start-up load
     assert value(metrics, "gpubroker_config_last_reload_timestamp_seconds") == 1234.5
