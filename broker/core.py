@@ -99,7 +99,7 @@ class BrokerCore:
         self._capacity = int(capacity_bytes)
         self._checkpoint = checkpoint or (CheckpointFile(checkpoint_path) if checkpoint_path else None)
         # the decision log; the cores of a many-card fleet share one (broker.fleet_core), which
-        # the fleet checkpoints once (broker.checkpoint.DecisionTail): a core saves only a log it owns
+        # the fleet journals once (broker.fleet_store): a core saves only a log it owns
         self._log = log if log is not None else DecisionLog(cfg.broker.decision_log_size)
         self._owns_log = log is None
         self.card_id = card_id  # the card this core governs ("" for a one-card fleet)
