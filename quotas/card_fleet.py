@@ -33,17 +33,10 @@ def card_fleet(cfg: FleetConfig, card_id: str, source: str = "config") -> FleetC
         raise ValueError(
             f"no model is placed on card {card_id}; pick a card with models: {_cards_with_models(placement)}"
         )
-    doc = cfg.model_dump(mode="json")
+    doc = card_config(cfg, placement, card_id).model_dump(mode="json")  # what the card's core runs
     del doc["gpus"]
-    card = plan.card
-    doc["gpu"].update(capacity=card.capacity_bytes, device="cpu" if card.emulated else f"cuda:{card.index}")
-    models = {}
-    for name, replicas in plan.models.items():
-        spec = doc["models"][name]
+    for spec in doc["models"].values():
         spec.pop("placement", None)
-        spec["replicas"] = replicas
-        models[name] = spec
-    doc["models"] = models
     return parse_config(doc, f"{source}, card {card_id}")
 
 
