@@ -133,3 +133,31 @@ def test_a_card_the_fleet_file_lacks_resumes_from_its_own_older_file(tmp_path):
     again = FleetBroker(CONFIG, clock=clock, checkpoint_path=path)
     assert all(again.cores[cid].restored for cid in ("a0", "b0"))
     assert again.cores["a0"]._state.ledger.to_dict() == saved["a0"]["policy_state"]["ledger"]  # noqa: SLF001
+
+
+def test_a_fleet_killed_mid_write_keeps_the_last_whole_file_and_resumes_from_it(tmp_path, monkeypatch):
+    path, clock = tmp_path / "fc.checkpoint.json", Clock()
+    fb, running, seq = _fleet(path, clock)
+    _burst(fb, running, seq, clock, 10)
+    cards_file = tmp_path / "fc.checkpoint.cards.json"
+    good = cards_file.read_text()
+    real_replace = ckpt_mod.os.replace
+
+    def die(src, dst):  # the process dies between writing the temp file and the rename
+        raise KeyboardInterrupt("killed mid-checkpoint")
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", die)
+    try:
+        _burst(fb, running, seq, clock, 1)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the tick's write was not attempted")
+    monkeypatch.setattr(ckpt_mod.os, "replace", real_replace)
+    assert cards_file.read_text() == good
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")], "temp file left behind"
+    saved = json.loads(good)["cards"]
+    again = FleetBroker(CONFIG, clock=clock, checkpoint_path=path)
+    for cid in ("a0", "b0"):
+        assert again.cores[cid].restored
+        assert again.cores[cid]._state.ledger.to_dict() == saved[cid]["policy_state"]["ledger"]  # noqa: SLF001
