@@ -8,8 +8,8 @@ so a broker killed mid-write leaves either the old checkpoint or the new one, ne
 
 The cores of a fleet share one decision log (``broker.fleet_core``), kept once for the fleet
 as an append-only journal (``DecisionJournal``), not as a tail rewritten into every card's
-checkpoint every tick (16 cards x 100 models: sixteen copies of a 300-entry tail took 500 ms of
-a tick whose control step takes 13).
+checkpoint every tick (16 cards x 100 models: sixteen copies of a 300-entry tail took 430-530 ms
+of a tick whose control step takes 13).
 
 No Ray here: the actor decides when to save and what to do with what it loads.
 """

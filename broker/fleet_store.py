@@ -3,7 +3,7 @@
 Design note. A fleet of N cards has N cores, each with a checkpoint, and one decision log that
 all of them append to. Written naively (a file per core, each with the log's tail, after every
 core's tick) that was N fsyncs and N copies of the same 300 entries a tick: 16 cards x 100
-models spent 500 ms a tick on it against a 13 ms control step. So:
+models spent 430-530 ms a tick on it against a 13 ms control step. So:
 
 - every card's checkpoint goes into one file (``broker.checkpoint.CardCheckpoints``): the
   cores save into their slots as before, and ``save`` writes the file once, after the tick;
