@@ -83,6 +83,7 @@ class CardCheckpoints:
     def __init__(self, path: str | Path, legacy: Callable[[str], Path]) -> None:
         self.path, self._legacy = Path(path), legacy
         self._cards: dict[str, dict[str, Any]] | None = None  # card -> Checkpoint.to_dict(); None: not read yet
+        self._unreadable: str | None = None  # why the file could not be read: every card's load says so
         self._dirty = False
 
     def slot(self, card_id: str) -> CardSlot:
@@ -96,10 +97,14 @@ class CardCheckpoints:
             except FileNotFoundError:
                 return self._cards
             except json.JSONDecodeError as exc:
-                raise ValueError(f"checkpoint {self.path} is unreadable: {exc}") from None
-            if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"checkpoint {self.path}: format is not {FORMAT_VERSION}")
-            self._cards = dict(data.get("cards") or {})
+                self._unreadable = f"checkpoint {self.path} is unreadable: {exc}"
+            else:
+                if isinstance(data, dict) and data.get("format_version") == FORMAT_VERSION:
+                    self._cards = dict(data.get("cards") or {})
+                else:
+                    self._unreadable = f"checkpoint {self.path}: format is not {FORMAT_VERSION}"
+        if self._unreadable:  # every card starts fresh, none from an older file of its own
+            raise ValueError(self._unreadable)
         return self._cards
 
     def load(self, card_id: str) -> Checkpoint | None:
@@ -110,7 +115,7 @@ class CardCheckpoints:
 
     def save(self, card_id: str, checkpoint: Checkpoint) -> None:
         if self._cards is None:
-            self._cards = {}  # an unreadable file is replaced by what the cores save now
+            self._cards = {}
         self._cards[card_id] = checkpoint.to_dict()
         self._dirty = True
 
@@ -123,6 +128,7 @@ class CardCheckpoints:
         self._cards = {c: d for c, d in self._cards.items() if c in keep}
         _write_atomic(self.path, {"format_version": FORMAT_VERSION, "cards": self._cards})
         self._dirty = False
+        self._unreadable = None  # the file is whole again
         return True
 
 
@@ -183,11 +189,11 @@ class DecisionJournal:
         self._lines = len(rows) if len(entries) == len(rows) else 0
         return entries[-self.keep :], max((e["seq"] for e in entries), default=0)
 
-    def append(self, entries: list[dict[str, Any]], tail: list[dict[str, Any]]) -> None:
-        """Add ``entries``; ``tail`` (the log's newest entries, ``entries`` among them) is what a
-        rewrite keeps when the file has grown to ``4 x keep`` entries (or has no header yet)."""
+    def append(self, entries: list[dict[str, Any]], log: Iterable[dict[str, Any]]) -> None:
+        """Add ``entries``; ``log`` (the whole log, oldest first, ``entries`` last) gives the newest
+        ``keep`` a rewrite keeps when the file has grown to ``4 x keep`` entries (or has no header yet)."""
         if self._lines == 0 or self._lines + len(entries) > 4 * self.keep:
-            self._rewrite(tail[-self.keep :])
+            self._rewrite(list(log)[-self.keep :])
             return
         blob = "".join(json.dumps(e, sort_keys=True, default=_json_default) + "\n" for e in entries)
         with self.path.open("a", encoding="utf-8") as fh:

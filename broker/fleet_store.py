@@ -69,5 +69,5 @@ class FleetStore:
             self._cards.flush(cards)
         if self._journal is None or self.log.seq == self._saved_seq:
             return
-        self._journal.append(self.log.since(None, self._saved_seq), list(self.log.entries))
+        self._journal.append(self.log.since(None, self._saved_seq), self.log.entries)
         self._saved_seq = self.log.seq

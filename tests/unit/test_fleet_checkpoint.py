@@ -161,3 +161,17 @@ def test_a_fleet_killed_mid_write_keeps_the_last_whole_file_and_resumes_from_it(
     for cid in ("a0", "b0"):
         assert again.cores[cid].restored
         assert again.cores[cid]._state.ledger.to_dict() == saved[cid]["policy_state"]["ledger"]  # noqa: SLF001
+
+
+def test_an_unreadable_cards_file_starts_every_card_fresh_and_is_replaced(tmp_path):
+    """Not one card from the broken file and another from an older file of its own: all fresh."""
+    path, clock = tmp_path / "fc.checkpoint.json", Clock()
+    fb, running, seq = _fleet(path, clock)
+    _burst(fb, running, seq, clock, 5)
+    saved = json.loads((tmp_path / "fc.checkpoint.cards.json").read_text())["cards"]
+    save_checkpoint(tmp_path / "fc.checkpoint.b0.json", Checkpoint.from_dict(saved["b0"]))  # an older broker's
+    (tmp_path / "fc.checkpoint.cards.json").write_text('{"format_version": 1, "cards": {"a0": ')  # torn
+    again = FleetBroker(CONFIG, clock=clock, checkpoint_path=path)
+    assert not any(core.restored for core in again.cores.values())
+    assert sum("unreadable" in e["reason"] for e in again.decisions() if e["kind"] == "restore") == 2
+    assert set(json.loads((tmp_path / "fc.checkpoint.cards.json").read_text())["cards"]) == {"a0", "b0"}
