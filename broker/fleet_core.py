@@ -213,7 +213,7 @@ class FleetBroker:
         for entry, line in steps:
             self.log.append(entry, line)
         out["replicas_changed"] = [e["model"] for e, _ in steps]
-        self._store.save(self.cores)
+        self.metrics.observe_checkpoint(self._store.save(self.cores))  # every card's in one write
         return out
 
     # ------------------------------------------------------------------ loss, join, re-placement

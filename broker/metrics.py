@@ -320,6 +320,13 @@ class BrokerMetrics:
             buckets=TICK_BUCKETS_S,
             registry=r,
         )
+        self.checkpoint_duration = Histogram(
+            f"{PREFIX}checkpoint_write_seconds",
+            "Wall time of the broker's write after a tick: a many-card fleet's one checkpoint file "
+            "for every card, and the decision journal.",
+            buckets=TICK_BUCKETS_S,
+            registry=r,
+        )
 
         # ---- config reloads (apply)
         self.config = Info(f"{PREFIX}config", "Hash of the config the broker runs.", registry=r)
@@ -466,6 +473,11 @@ class BrokerMetrics:
                 pass
         self._series = {k: v for k, v in self._series.items() if k[1] != name}
         self.llm.forget(name, self.gpu)
+
+    @_never_raises
+    def observe_checkpoint(self, write_s: float) -> None:
+        """The fleet's write after a tick (``broker.fleet_store``); cards' ticks time their own step."""
+        self.checkpoint_duration.observe(max(0.0, write_s))
 
     # ---------------------------------------------------------------- reloads
     @_never_raises

@@ -69,3 +69,6 @@ class NullMetrics:
 
     def observe_reload(self, ok: bool, config_hash: str) -> None:
         pass
+
+    def observe_checkpoint(self, write_s: float) -> None:
+        pass

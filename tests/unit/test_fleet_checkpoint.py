@@ -175,3 +175,13 @@ def test_an_unreadable_cards_file_starts_every_card_fresh_and_is_replaced(tmp_pa
     assert not any(core.restored for core in again.cores.values())
     assert sum("unreadable" in e["reason"] for e in again.decisions() if e["kind"] == "restore") == 2
     assert set(json.loads((tmp_path / "fc.checkpoint.cards.json").read_text())["cards"]) == {"a0", "b0"}
+
+
+def test_the_fleet_write_after_each_tick_is_a_metric(tmp_path):
+    """Cards' ticks no longer contain the checkpoint write; the fleet times it once a tick."""
+    path, clock = tmp_path / "fc.checkpoint.json", Clock()
+    fb, running, seq = _fleet(path, clock)  # metrics=None: BrokerMetrics on a private registry
+    _burst(fb, running, seq, clock, 6)
+    count = fb.metrics.registry.get_sample_value("gpubroker_checkpoint_write_seconds_count")
+    total = fb.metrics.registry.get_sample_value("gpubroker_checkpoint_write_seconds_sum")
+    assert count == 6 and total > 0.0
