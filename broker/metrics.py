@@ -354,24 +354,24 @@ class BrokerMetrics:
     def observe_report(self, report: StatsReport) -> None:
         """Fold one replica's stats delta into the counters and histograms."""
         lab = (report.model, self.gpu)
-        self.reports.labels(*lab).inc()
+        child = self._child  # a model's series are kept between reports, as between ticks
+        child(self.reports, *lab).inc()
         for outcome, n in zip(OUTCOMES, (report.completions, report.rejections, report.timeouts, report.errors)):
+            series = child(self.requests, *lab, outcome)  # created at 0 so rate() works from the start
             if n > 0:
-                self.requests.labels(*lab, outcome).inc(n)
-            else:
-                self.requests.labels(*lab, outcome)  # create the series at 0 so rate() works from the start
-        hist = self.latency.labels(*lab)
+                series.inc(n)
+        hist = child(self.latency, *lab)
         for ms in report.latency_ms:
             hist.observe(ms / 1000.0)
-        sizes = self.batch_size.labels(*lab)
+        sizes = child(self.batch_size, *lab)
         for n in report.batch_requests:
             sizes.observe(n)
-        exec_hist = self.batch_exec.labels(*lab)
+        exec_hist = child(self.batch_exec, *lab)
         for _cost, ms in report.batches:
             exec_hist.observe(ms / 1000.0)
-        self.busy.labels(*lab).inc(max(0.0, report.busy_s))
-        self.oom_splits.labels(*lab).inc(max(0, report.oom_splits))
-        self.emergency_shrinks.labels(*lab).inc(max(0, report.emergency_shrinks))
+        child(self.busy, *lab).inc(max(0.0, report.busy_s))
+        child(self.oom_splits, *lab).inc(max(0, report.oom_splits))
+        child(self.emergency_shrinks, *lab).inc(max(0, report.emergency_shrinks))
 
     def for_gpu(self, gpu: str) -> BrokerMetrics:
         """The same series under another ``gpu`` label: one view per card of a many-card fleet,
@@ -384,8 +384,8 @@ class BrokerMetrics:
         return view
 
     def _child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, kept: a tick sets some 17 series a model, and ``labels``
-        takes a lock and builds a key each time. ``_forget_model`` drops a model's."""
+        """``metric.labels(*labels)``, kept: a tick sets some 17 series a model and a report about
+        11, and ``labels`` takes a lock and builds a key each time. ``_forget_model`` drops a model's."""
         key = (metric._name, *labels)  # noqa: SLF001 - the metric's own name keys its children
         child = self._series.get(key)
         if child is None:
