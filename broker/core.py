@@ -216,7 +216,7 @@ class BrokerCore:
         self._replicas[rep.model][rep.replica_id] = now
         self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
         tallies = self._tallies[rep.model]
-        tallies.add(Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors, rep.busy_s))
+        tallies.add(Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors))
         tallies.evict_older(now, self._cfg.models[rep.model].control.window_s)
         ev = self._events[rep.model]
         ev["emergency_shrinks"] += rep.emergency_shrinks
@@ -232,7 +232,7 @@ class BrokerCore:
             if model not in self._cfg.models or int(n) <= 0:
                 continue
             self._window.add_rejections(model, int(n), now)
-            self._tallies[model].add(Tally(now, 0, int(n), 0.0))
+            self._tallies[model].add(Tally(now, 0, int(n)))
             self.metrics.observe_rejections(model, int(n))
             taken[model] = int(n)
         return {"counted": taken}

@@ -185,7 +185,7 @@ class BrokerMetrics:
         self.gpu = gpu
         self._clock = clock
         self._models: set[str] = set()  # models with per-model gauge series
-        self._series: dict[tuple[str, ...], Any] = {}  # labels -> child, for the series every tick sets
+        self._series: dict[tuple[str, ...], Any] = {}  # (metric, labels) -> child: what ticks and reports set
         self._profile: str | None = None
         r = self.registry
         mg = ("model", "gpu")
@@ -398,8 +398,8 @@ class BrokerMetrics:
         """Gauges from ``status`` (BrokerCore.status() shape), counters from ``decision``."""
         g = self.gpu
         models = status.get("models", {})
+        child = self._child
         for name, m in models.items():
-            child = self._child
             child(self.grant, name, g).set(_num(m.get("grant_bytes")))
             child(self.base, name, g).set(_num(m.get("base_bytes")))
             child(self.used, name, g).set(_num(m.get("used_bytes")))

@@ -14,7 +14,6 @@ class Tally:
     t_s: float
     completions: int
     misses: int  # rejections + timeouts + errors
-    busy_s: float
 
 
 class Tallies:

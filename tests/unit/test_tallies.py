@@ -12,7 +12,7 @@ def test_running_sums_equal_the_window_summed_afresh():
     tallies, t = Tallies(), 0.0
     for _ in range(2000):
         t += rng.uniform(0.0, 1.0)
-        tallies.add(Tally(t, rng.randint(0, 50), rng.randint(0, 5), 0.0))
+        tallies.add(Tally(t, rng.randint(0, 50), rng.randint(0, 5)))
         tallies.evict_older(t + rng.uniform(0.0, 2.0), rng.choice((5.0, 30.0)))
         assert tallies.completions == sum(x.completions for x in tallies.items)
         assert tallies.misses == sum(x.misses for x in tallies.items)
