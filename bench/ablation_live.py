@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "arms": {},
     }
     t0 = time.time()
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=o.direct) as stack:
         for key in args.arms.split(","):
             label, formation, static, cls = arms[key]
             spec = w.spec(cap)

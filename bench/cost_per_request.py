@@ -15,6 +15,10 @@ Processes per arm (the client runs in this process and is not counted):
 - ``fleet``: Serve's HTTP proxy and the model replica (one hop), and beside them the broker
   actor and the fleet API replica (not on the request path: reports and status);
   ``fleet-pinned`` is the same fleet held static at plain's batch and wait;
+- ``fleet-direct``: the same fleet with ``broker.direct_ingress``, the load sent to the model
+  replica's own port (``deployments.direct_ingress``: no proxy on the path; the proxy is still
+  counted, and idles). Any ``-direct`` arm starts Ray with Serve's direct ingress for every arm;
+  the proxy arms then run beside it unchanged;
 - ``plain``: the proxy, the FastAPI ingress replica and the ``@serve.batch`` replica
   (``bench/plain_serve.py``, two hops: the shape the fleet had before);
 - ``plain-1hop``: the proxy and a ``@serve.batch`` replica answering HTTP itself (one hop);
@@ -253,21 +257,22 @@ class Target:
     runs: list[dict[str, Any]] = field(default_factory=list)
 
 
-def fleet_target(stack: sc.Stack, pinned: bool) -> Target:
-    """The broker fleet (one hop); ``pinned``: the same fleet held static at plain's batch and wait."""
+def fleet_target(stack: sc.Stack, pinned: bool, direct: bool = False) -> Target:
+    """The broker fleet (one hop); ``pinned``: the same fleet held static at plain's batch and wait;
+    ``direct``: the load goes to the replica's own port (direct ingress)."""
     spec = sc.profiled_spec(OPTIONS["a_ms"], OPTIONS["c_ms"], 2000.0, weights_bytes=0, bytes_per_item=0, ceiling=64)
     if pinned:
         spec = sc.pin_static(spec, BATCH, WAIT_MS)
-    app = "pin-cost" if pinned else "fleet-cost"
+    app = "pin-cost" if pinned else "direct-cost" if direct else "fleet-cost"
     broker = f"bench-{app}-{int(time.time()) % 10**6}"
     tgt = stack.deploy_fleet(
-        sc.fleet_yaml({MODEL: spec}, broker_name=broker, http_port=stack.port),
+        sc.fleet_yaml({MODEL: spec}, broker_name=broker, http_port=stack.port, direct_ingress=direct),
         app=app,
         route_prefix=f"/{app}",
         warm_models={MODEL: BODY},
     )
     pids = serve_pids({"replica": f"{app}-{MODEL}#", "fleet_api": f"{app}#"}, broker)
-    return Target(tgt.base_url, pids, tgt.delete)
+    return Target(tgt.direct_base(MODEL) if direct else tgt.base_url, pids, tgt.delete)
 
 
 def plain_target(stack: sc.Stack) -> Target:
@@ -378,12 +383,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "arms": {},
     }
     targets: dict[str, Target] = {}
-    with tempfile.TemporaryDirectory() as d, sc.Stack() as stack:
+    direct = any(arm.endswith("-direct") for arm in arms)
+    with tempfile.TemporaryDirectory() as d, sc.Stack(direct_ingress=direct) as stack:
         tmp = Path(d)
         try:
             builders = {
                 "fleet": lambda: fleet_target(stack, False),
                 "fleet-pinned": lambda: fleet_target(stack, True),
+                "fleet-direct": lambda: fleet_target(stack, False, direct=True),
                 "plain": lambda: plain_target(stack),
                 "plain-1hop": lambda: plain_one_hop_target(stack),
                 "bentoml": lambda: bentoml_target(args, tmp),

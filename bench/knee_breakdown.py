@@ -201,7 +201,12 @@ def one_run(arm: dict[str, Any], w: Workload, o: Opts, rate: float, seed: int, c
     fleet = getattr(tgt, "kind", "") == "fleet"
     seq0 = sc.decisions_since(tgt, 0, w.model)[1] if fleet else 0
     with CpuWatch(pids, arm["pids"].get("replica")) as cw:
-        res = lg.run(tgt.base_url, sched, timeout_s=client_t, status_url=getattr(tgt, "status_url", None))
+        res = lg.run(
+            getattr(tgt, "infer_base", tgt.base_url),
+            sched,
+            timeout_s=client_t,
+            status_url=getattr(tgt, "status_url", None),
+        )
     row = breakdown(res, warm, duration - o.cooldown_s, cap_ms)
     row.update(arm=arm["name"], rate=rate, seed=seed, cores=cw.cores, replica_threads=cw.threads)
     row.update(machine_cores=cw.machine_cores, others_cores=cw.others_cores, load_avg=os.getloadavg()[0])
@@ -270,6 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--variant", action="append", default=[], help="NAME=JSON: a broker arm with a spec edit")
     ap.add_argument("--peer-venv", default="bench/peer/.venv-bentoml")
     ap.add_argument("--quick", action="store_true", help="the --quick windows (100 requests, 5-16 s)")
+    ap.add_argument(
+        "--direct", action="store_true", help="Serve's direct ingress: the broker arms on the replica's port"
+    )
     ap.add_argument("--out", default="bench/out/breakdown.json")
     ap.add_argument("--report", default=None, help="print the table of a run's JSON and exit")
     a = ap.parse_args(argv)
@@ -289,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [x for x in a.arms.split(",") if x]
     variants = dict(v.split("=", 1) for v in a.variant)
     rows: list[dict[str, Any]] = []
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=a.direct) as stack:
         arms: list[dict[str, Any]] = []
         try:
             for n in names + list(variants):

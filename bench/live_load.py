@@ -68,7 +68,7 @@ def burst(o: Opts) -> dict[str, Any]:
     }
     warm = {n: body for n in names}
     _, client_t = timeouts(cap)
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=o.direct) as stack:
         for arm, static in (("broker", False), ("static-split", True)):
             tgt = fleet_target(stack, {n: spec(static) for n in names}, arm, warm, capacity="192MiB")
             try:
@@ -135,7 +135,7 @@ def overhead(o: Opts) -> dict[str, Any]:
         "rates": rates,
         "runs": [],
     }
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=o.direct) as stack:
         fleet = stack.deploy_fleet(
             sc.fleet_yaml(
                 {w.model: w.static_spec(cap, batch, wait)},
@@ -231,7 +231,7 @@ def trace(o: Opts) -> dict[str, Any]:
         "reference": ref_doc,
         "rows": [],
     }
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=o.direct) as stack:
         for arm, static in (("broker", False), ("static8", True)):
             tgt = fleet_target(stack, {"prof": spec(static)}, arm, {"prof": lg.default_body("profiled", int(mean_tok))})
             try:

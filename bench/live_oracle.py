@@ -87,7 +87,7 @@ def oracle(o: Opts) -> dict[str, Any]:
         "rates": [],
     }
     warm = {w.model: w.body}
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=o.direct) as stack:
         br = fleet_target(stack, {w.model: w.spec(cap)}, "brk", warm)
         try:
             broker_rows: dict[float, list[sc.Measurement]] = {}
@@ -212,7 +212,7 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
         "arms": [],
     }
     warm = {w.model: w.body}
-    with sc.Stack() as stack:
+    with sc.Stack(direct_ingress=o.direct) as stack:
         st = fleet_target(stack, {w.model: w.static_spec(cap, cands[0]["batch"], cands[0]["wait_ms"])}, "oknee", warm)
         try:
             for c in cands:

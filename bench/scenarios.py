@@ -121,8 +121,9 @@ def fleet_yaml(
     control_interval_s: float = 0.5,
     report_interval_s: float = 0.25,
     http_port: int = 8000,
+    direct_ingress: bool = False,
 ) -> str:
-    doc = {
+    doc: dict[str, Any] = {
         "broker": {
             "name": broker_name,
             "namespace": "gpubroker-bench",
@@ -135,6 +136,8 @@ def fleet_yaml(
         "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": 0.0, "emergency_free_frac": 0.05},
         "models": {k: dict(v) for k, v in models.items()},
     }
+    if direct_ingress:
+        doc["broker"]["direct_ingress"] = True
     return yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -144,7 +147,11 @@ def fleet_yaml(
 class Stack:
     """Ray + Serve for one scenario; apps come and go per arm."""
 
-    def __init__(self, port: int | None = None, num_cpus: int | None = None):
+    def __init__(self, port: int | None = None, num_cpus: int | None = None, direct_ingress: bool = False):
+        """``direct_ingress``: Ray started with Serve's direct ingress (``deployments.direct_ingress``):
+        every ingress replica also answers on its own port, and ``FleetTarget.direct_base`` gives it."""
+        self.direct_ingress = direct_ingress
+        self._env_set: list[str] = []
         self.port = port or free_port()
         self.num_cpus = num_cpus or max(4, os.cpu_count() or 2)
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -160,6 +167,13 @@ class Stack:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         for key, value in PROXY_ENV.items():  # the proxy's own refusals as JSON (lost replica, Serve queue)
             os.environ.setdefault(key, value)
+        if self.direct_ingress:  # Ray's processes inherit it; taken out again on exit
+            from deployments.direct_ingress import DIRECT_ENV
+
+            for key, value in DIRECT_ENV.items():
+                if key not in os.environ:
+                    os.environ[key] = value
+                    self._env_set.append(key)
         ray.init(
             address="local",
             num_cpus=self.num_cpus,
@@ -184,6 +198,9 @@ class Stack:
             serve.shutdown()
         finally:
             ray.shutdown()
+            for key in self._env_set:
+                os.environ.pop(key, None)
+            self._env_set = []
 
     def deploy_fleet(
         self,
@@ -217,7 +234,26 @@ class Stack:
             body = json.loads((warm_models or {}).get(n, b'{"inputs": [{}]}'))
             for _ in range(3):
                 wait_http(f"{base}/v1/models/{n}/infer", body, timeout_s=timeout_s)
-        return FleetTarget(self, app, config_text, cfg.broker.name, cfg.broker.namespace, base_url=base)
+        direct: dict[str, str] = {}
+        if self.direct_ingress:  # each model's first replica port, as the base its loads are sent to
+            from deployments.app import model_app_name
+            from deployments.direct_ingress import wait_model_urls
+
+            urls = wait_model_urls({n: model_app_name(n, app) for n in names}, "127.0.0.1", timeout_s=timeout_s)
+            for n in names:
+                if not urls.get(n):
+                    raise RuntimeError(f"model {n}: no direct-ingress port after {timeout_s:.0f} s")
+                direct[n] = urls[n][0][: -len(f"/v1/models/{n}/infer")]
+        return FleetTarget(
+            self,
+            app,
+            config_text,
+            cfg.broker.name,
+            cfg.broker.namespace,
+            base_url=base,
+            direct_bases=direct,
+            load_base=direct[names[0]] if len(direct) == 1 else "",
+        )
 
     def deploy_plain(
         self,
@@ -272,6 +308,19 @@ class FleetTarget:
     namespace: str
     base_url: str = ""
     kind: str = "fleet"
+    direct_bases: dict[str, str] = field(default_factory=dict)  # model -> its replica's own port (direct ingress)
+    load_base: str = ""  # where loads go when not base_url (a one-model fleet under direct ingress: its replica)
+
+    @property
+    def infer_base(self) -> str:
+        return self.load_base or self.base_url
+
+    def direct_base(self, model: str) -> str:
+        """The base URL (``{base}/v1/models/<model>/infer``) of the model's replica port; the
+        stack must run direct ingress (``Stack(direct_ingress=True)``)."""
+        if model not in self.direct_bases:
+            raise KeyError(f"model {model}: no direct-ingress URL (start the Stack with direct_ingress=True)")
+        return self.direct_bases[model]
 
     @property
     def status_url(self) -> str:
@@ -387,7 +436,7 @@ def measure(
     timeout_s: float = 20.0,
 ) -> Measurement:
     res = lg.run(
-        target.base_url,
+        getattr(target, "infer_base", target.base_url),
         schedule,
         timeout_s=timeout_s,
         status_url=getattr(target, "status_url", None) if poll else None,

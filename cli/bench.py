@@ -44,6 +44,12 @@ def bench(
     models: str = typer.Option(
         "", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."
     ),
+    direct: bool = typer.Option(
+        False,
+        "--direct",
+        help="Ray with Serve's direct ingress (broker.direct_ingress): one-model fleets are loaded on their "
+        "replica's own port, not through the proxy.",
+    ),
 ) -> None:
     """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps), or
     ``report``: rebuild bench/RESULTS.md's tables from the results under --out (full runs) and
@@ -117,6 +123,7 @@ def bench(
         log=log,
         seed_json=str(out / "seed.json"),
         arrivals=arrivals,
+        direct=direct,
     )
     if not quick:
         o.seeds = tuple(range(seeds))
@@ -129,6 +136,7 @@ def bench(
     res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
     res["quick"] = quick
     res["arrivals"] = arrivals
+    res["direct_ingress"] = direct
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{scenario}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     md = MD[scenario](res) + f"\n\nRuntime {res['runtime_s']:.0f} s{' (--quick)' if quick else ''}.\n"

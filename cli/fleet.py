@@ -79,6 +79,15 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) ->
         f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
         f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
     )
+    if "direct_urls" in state:  # broker.direct_ingress: each replica's own port, no proxy hop
+        urls = state["direct_urls"]
+        if any(urls.values()):
+            for name, found in urls.items():
+                console.print(f"  {name} direct: {', '.join(found) or '(no replica port yet)'}", highlight=False)
+        else:
+            from deployments.direct_ingress import not_enabled_hint
+
+            console.print(f"[yellow]warning:[/] {not_enabled_hint()}")
     if state.get("join"):  # a Ray that up started: token auth and how another node joins it
         console.print(
             f"Ray {state['address']} (auth: {state.get('auth_mode')}); {state['join']}", highlight=False, markup=False

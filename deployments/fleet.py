@@ -272,7 +272,7 @@ def up_fleet(
                 f"HTTP port {cfg.broker.http_host}:{cfg.broker.http_port} is in use; "
                 "set broker.http_port to a free port or stop what holds it"
             )
-        info = start_local_ray(num_cpus, ray_port)
+        info = start_local_ray(num_cpus, ray_port, direct_ingress=cfg.broker.direct_ingress)
         state.update(
             address=info["address"],
             pgid=info["pgid"],
@@ -326,6 +326,12 @@ def up_fleet(
         emit(UpEvent(UpStage.CALIBRATION, done=sum(1 for m in st["models"].values() if m.get("calibrated")), total=n))
         wait_serving(cfg, state["http_url"], timeout_s=timeout_s, on_answer=on_answer)
         emit(UpEvent(UpStage.CALIBRATION, done=n, total=n))
+        if cfg.broker.direct_ingress:  # each replica's own port (deployments.direct_ingress)
+            from deployments.app import model_app_name
+            from deployments.direct_ingress import wait_model_urls
+
+            apps = {name: model_app_name(name) for name, spec in cfg.models.items() if spec.kind != "llm"}
+            state["direct_urls"] = wait_model_urls(apps, cfg.broker.http_host)
     except Exception as exc:
         emit(UpEvent(UpStage.FAILED, str(exc)))
         raise

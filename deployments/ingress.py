@@ -6,7 +6,9 @@ path no model app owns (Serve routes by the longest route prefix):
 
 ``GET /v1/status``  the broker's ``status()`` (503 + ``Retry-After`` when no broker answers)
 ``GET /v1/decisions?model=&since_seq=``  the broker's decision log
-``GET /v1/models``  the model names
+``GET /v1/models``  the model names; with ``broker.direct_ingress``, each batch model's replica
+    URLs under ``direct`` (``deployments.direct_ingress``: read from Serve's controller here,
+    never on a model's request path)
 ``POST /v1/models/{name}/infer`` reaches this app only when no model app owns the path:
     404 for an unknown model (the detail names the known ones); 503 + ``Retry-After`` for a
     model of the config whose application is not routed (starting, or being replaced), and
@@ -58,6 +60,7 @@ class FleetApi:
             except RuntimeError:
                 self._scaler_task = None
         self.names = sorted(self.cfg.models)
+        self.app_names = dict(app_names or {})
         self.retry_after_s = max(1, int(round(self.cfg.broker.control_interval_s)))
         self._broker = None
         self._rejected: dict[str, int] = {}  # refused here, not yet reported to the broker
@@ -104,7 +107,15 @@ class FleetApi:
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return {"models": self.names}
+        if not self.cfg.broker.direct_ingress:
+            return {"models": self.names}
+        from deployments.direct_ingress import model_urls, target_groups
+
+        try:
+            groups = await target_groups(timeout_s=BROKER_RPC_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the controller away: the names still answer
+            return {"models": self.names, "direct": {}, "direct_error": repr(exc)}
+        return {"models": self.names, "direct": model_urls(groups, self.app_names, self.cfg.broker.http_host)}
 
     @api.post("/v1/models/{name}/infer")
     async def infer(self, name: str) -> JSONResponse:

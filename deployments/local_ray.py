@@ -39,8 +39,11 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
-def start_local_ray(num_cpus: int | None = None, port: int | None = None) -> dict[str, Any]:
+def start_local_ray(
+    num_cpus: int | None = None, port: int | None = None, direct_ingress: bool = False
+) -> dict[str, Any]:
     """``ray start --head`` on 127.0.0.1 in a new process group; every port picked free.
+    ``direct_ingress``: Serve's direct ingress on (``deployments.direct_ingress.DIRECT_ENV``).
 
     Returns ``{"address", "pgid", "dashboard", "auth_mode", "join"}`` (``join``: how another node
     joins); ``stop_local_ray(pgid)`` stops exactly it. Token auth is on unless RAY_AUTH_MODE says otherwise.
@@ -76,6 +79,11 @@ def start_local_ray(num_cpus: int | None = None, port: int | None = None) -> dic
 
     for key, value in PROXY_ENV.items():
         env.setdefault(key, value)
+    if direct_ingress:
+        from deployments.direct_ingress import DIRECT_ENV
+
+        for key, value in DIRECT_ENV.items():
+            env.setdefault(key, value)
     proc = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True, env=env)
     if proc.returncode != 0:
         raise FleetError(f"`ray start --head` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")

@@ -54,6 +54,13 @@ class BrokerSection(_Strict):
     metrics_port: int = Field(9464, ge=0, le=65535, description="Prometheus exporter port; 0 disables the exporter.")
     http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
+    direct_ingress: bool = Field(
+        False,
+        description="Each batch model's replica also answers HTTP on its own port (Ray Serve's direct ingress, "
+        "ports 30000-31000 on http_host): one hop with no proxy, about a sixth of the serving path's CPU per "
+        "request. GET /v1/models lists the URLs. Needs Ray started with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 "
+        "(gpubroker up does it for the local Ray it starts).",
+    )
     dry_run: bool = Field(False, description="Decide and log, but apply nothing to the deployments.")
     batch_formation: BatchFormation = Field(
         BatchFormation.LAZY,
