@@ -87,7 +87,7 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) ->
         else:
             from deployments.direct_ingress import not_enabled_hint
 
-            console.print(f"[yellow]warning:[/] {not_enabled_hint()}")
+            console.print(f"[yellow]warning:[/] {state.get('direct_error') or not_enabled_hint()}", highlight=False)
     if state.get("join"):  # a Ray that up started: token auth and how another node joins it
         console.print(
             f"Ray {state['address']} (auth: {state.get('auth_mode')}); {state['join']}", highlight=False, markup=False

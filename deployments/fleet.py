@@ -331,7 +331,11 @@ def up_fleet(
             from deployments.direct_ingress import wait_model_urls
 
             apps = {name: model_app_name(name) for name, spec in cfg.models.items() if spec.kind != "llm"}
-            state["direct_urls"] = wait_model_urls(apps, cfg.broker.http_host)
+            try:
+                state["direct_urls"] = wait_model_urls(apps, cfg.broker.http_host)
+            except Exception as exc:  # noqa: BLE001 - the fleet is up; only the listing failed
+                state["direct_urls"] = {name: [] for name in apps}
+                state["direct_error"] = f"could not list the replica ports: {exc!r}; GET /v1/models lists them"
     except Exception as exc:
         emit(UpEvent(UpStage.FAILED, str(exc)))
         raise

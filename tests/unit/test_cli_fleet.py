@@ -64,3 +64,32 @@ def test_the_state_file_round_trips(monkeypatch, tmp_path):
     assert fleet_client.resolve_address(None) == "127.0.0.1:1234"
     fleet_client.clear_state()
     assert fleet_client.read_state() is None and fleet_client.resolve_address(None) is None
+
+
+def _up_output(monkeypatch, state: dict) -> str:
+    from quotas.config import parse_config
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli_fleet, "console", Console(file=out, width=200, force_terminal=False))
+    monkeypatch.setattr(fleet, "up_fleet", lambda *a, **k: state)  # no Ray: what up_fleet returned
+    cfg = parse_config(
+        {
+            "broker": {"direct_ingress": True},
+            "gpu": {"device": "cpu", "capacity": "1GiB"},
+            "models": {"m": {"model": "mlp", "quota": {"min": "32MiB", "base": "64MiB", "max": "128MiB"}}},
+        },
+        "t",
+    )
+    cli_fleet.up_with_progress(cfg, "", "t.yaml")
+    return out.getvalue()
+
+
+def test_up_prints_each_models_direct_urls_or_why_there_are_none(monkeypatch):
+    base = {"up_s": 3.0, "http_url": "http://127.0.0.1:8000"}
+    text = _up_output(monkeypatch, {**base, "direct_urls": {"m": ["http://127.0.0.1:30001/v1/models/m/infer"]}})
+    assert "m direct: http://127.0.0.1:30001/v1/models/m/infer" in text and "warning" not in text
+    text = _up_output(monkeypatch, {**base, "direct_urls": {"m": []}})
+    assert "warning" in text and "RAY_SERVE_ENABLE_DIRECT_INGRESS=1" in text
+    text = _up_output(monkeypatch, {**base, "direct_urls": {"m": []}, "direct_error": "could not list: boom"})
+    assert "could not list: boom" in text
+    assert "direct" not in _up_output(monkeypatch, base)  # the switch off: no such line

@@ -101,3 +101,16 @@ def test_start_local_ray_passes_the_variables_only_when_asked(monkeypatch):
             local_ray.start_local_ray(direct_ingress=direct)
     assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in seen[0]
     assert seen[1]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+
+
+def test_turning_it_on_by_apply_says_it_takes_the_next_up():
+    from broker.reconfig import next_up_notes
+
+    base = {
+        "gpu": {"device": "cpu", "capacity": "1GiB"},
+        "models": {"m": {"model": "mlp", "quota": {"min": "32MiB", "base": "64MiB", "max": "128MiB"}}},
+    }
+    old = parse_config(base, "old")
+    new = parse_config({**base, "broker": {"direct_ingress": True}}, "new")
+    assert next_up_notes(old, new) == ["broker.direct_ingress takes effect on the next `gpubroker up`"]
+    assert next_up_notes(old, old) == []
