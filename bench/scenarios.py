@@ -187,7 +187,23 @@ class Stack:
         base = self.base_url + route_prefix.rstrip("/")
         for _ in range(3):
             wait_http(f"{base}/v1/models/{name}/infer", json.loads(warm_body), timeout_s=timeout_s)
-        return PlainTarget(self, app, name, base_url=base)
+        return PlainTarget(self, app, name, base_url=base, load_base=self._direct_base(app, timeout_s))
+
+    def _direct_base(self, app: str, timeout_s: float) -> str:
+        """Under direct ingress, the base URL of ``app``'s first ingress replica (its own port and
+        route prefix); else ""."""
+        if not self.direct_ingress:
+            return ""
+        from deployments.direct_ingress import replica_ports, target_groups_sync
+
+        deadline = time.time() + timeout_s
+        while True:
+            ports = replica_ports(target_groups_sync(), {app: app}, "127.0.0.1")[app]
+            if ports:
+                return ports[0][0] + ports[0][1]
+            if time.time() >= deadline:
+                raise RuntimeError(f"app {app}: no direct-ingress port after {timeout_s:.0f} s")
+            time.sleep(0.5)
 
     def delete(self, app: str) -> None:
         import ray
@@ -284,6 +300,11 @@ class PlainTarget:
     base_url: str = ""
     kind: str = "plain"
     status_url: str | None = None
+    load_base: str = ""  # under direct ingress: the ingress replica's own port
+
+    @property
+    def infer_base(self) -> str:
+        return self.load_base or self.base_url
 
     def idle(self, timeout_s: float = 30.0) -> None:
         time.sleep(3.0)

@@ -46,25 +46,36 @@ def url_host(bind_host: str, node_ip: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def model_urls(groups: Iterable[Any], app_of: Mapping[str, str], bind_host: str) -> dict[str, list[str]]:
-    """Each model's replica URLs (``POST`` target, sorted) from Serve's target groups.
+def replica_ports(groups: Iterable[Any], app_of: Mapping[str, str], bind_host: str) -> dict[str, list[tuple[str, str]]]:
+    """Each key's (``http://host:port``, route prefix) per replica of its Serve app (sorted),
+    from Serve's target groups.
 
     ``groups``: ``TargetGroup``-like objects (``app_name``, ``protocol``, ``route_prefix``,
     ``ingress_deployment_name``, ``targets`` with ``ip`` and ``port``); groups that point at a
-    proxy (no ingress deployment) are not direct and are left out. ``app_of``: model -> its Serve
-    app. A model with no running replica yet (or direct ingress off) gets an empty list."""
-    model_of = {app: model for model, app in app_of.items()}
-    urls: dict[str, list[str]] = {model: [] for model in app_of}
+    proxy (no ingress deployment) are not direct and are left out, and so are gRPC ones.
+    ``app_of``: key (a model) -> its Serve app. A key with no running replica yet (or direct
+    ingress off) gets an empty list."""
+    key_of = {app: key for key, app in app_of.items()}
+    found: dict[str, set[tuple[str, str]]] = {key: set() for key in app_of}
     for g in groups:
-        model = model_of.get(getattr(g, "app_name", ""))
-        if model is None or not getattr(g, "ingress_deployment_name", ""):
+        key = key_of.get(getattr(g, "app_name", ""))
+        if key is None or not getattr(g, "ingress_deployment_name", ""):
             continue
         if str(getattr(g.protocol, "value", g.protocol)).upper() != "HTTP":
             continue
         prefix = g.route_prefix.rstrip("/")
         for t in g.targets:
-            urls[model].append(f"http://{url_host(bind_host, t.ip)}:{t.port}{prefix}/infer")
-    return {model: sorted(set(u)) for model, u in urls.items()}
+            found[key].add((f"http://{url_host(bind_host, t.ip)}:{t.port}", prefix))
+    return {key: sorted(v) for key, v in found.items()}
+
+
+def model_urls(groups: Iterable[Any], app_of: Mapping[str, str], bind_host: str) -> dict[str, list[str]]:
+    """Each model's replica URLs (its ``POST`` target, sorted): a model app's route prefix is
+    ``.../v1/models/<name>``, so the URL is the replica's port, that prefix and ``/infer``."""
+    return {
+        model: [f"{base}{prefix}/infer" for base, prefix in ports]
+        for model, ports in replica_ports(groups, app_of, bind_host).items()
+    }
 
 
 async def target_groups(timeout_s: float = 5.0) -> list[Any]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from deployments.direct_ingress import DIRECT_ENV, model_urls, not_enabled_hint, url_host
+from deployments.direct_ingress import DIRECT_ENV, model_urls, not_enabled_hint, replica_ports, url_host
 from quotas.config import ConfigError, parse_config
 
 
@@ -51,6 +51,11 @@ def test_a_wildcard_bind_gives_each_replica_its_nodes_ip():
         "http://10.0.0.6:30001/x/v1/models/a/infer",
     ]
     assert url_host("::", "fe80::1") == "[fe80::1]"
+
+
+def test_replica_ports_give_each_apps_bases_with_its_route_prefix():
+    groups = [G("plain", "/plain/", [T("10.0.0.5", 30007)]), G("fleet-a", "/v1/models/a", [T("10.0.0.5", 30001)])]
+    assert replica_ports(groups, {"p": "plain"}, "127.0.0.1") == {"p": [("http://127.0.0.1:30007", "/plain")]}
 
 
 def test_proxy_groups_grpc_groups_and_other_apps_are_not_model_urls():
