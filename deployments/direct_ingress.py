@@ -27,6 +27,7 @@ is ``target_groups``.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,13 +37,19 @@ DIRECT_ENV = {
     # default 30 s is for a cloud balancer; here clients hold the URLs, and redeploys wait on it)
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _binds_every_interface(bind_host: str) -> bool:
+    try:
+        return not bind_host or ipaddress.ip_address(bind_host).is_unspecified
+    except ValueError:  # a name, such as localhost
+        return False
 
 
 def url_host(bind_host: str, node_ip: str) -> str:
     """The host a client uses for a replica's port: the bind host itself, or the node's IP when
-    the servers bind every interface."""
-    host = node_ip if bind_host in WILDCARD_HOSTS else bind_host
+    the servers bind every interface (the unspecified address of IPv4 or IPv6)."""
+    host = node_ip if _binds_every_interface(bind_host) else bind_host
     return f"[{host}]" if ":" in host else host
 
 

@@ -51,6 +51,7 @@ def test_a_wildcard_bind_gives_each_replica_its_nodes_ip():
         "http://10.0.0.6:30001/x/v1/models/a/infer",
     ]
     assert url_host("::", "fe80::1") == "[fe80::1]"
+    assert url_host("localhost", "10.0.0.5") == "localhost"
 
 
 def test_replica_ports_give_each_apps_bases_with_its_route_prefix():
