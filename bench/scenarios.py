@@ -140,15 +140,11 @@ class Stack:
             for _ in range(3):
                 wait_http(f"{base}/v1/models/{n}/infer", body, timeout_s=timeout_s)
         direct: dict[str, str] = {}
-        if self.direct_ingress:  # each model's first replica port, as the base its loads are sent to
+        if self.direct_ingress:  # each model's first replica port and the fleet's prefix: its loads' base
             from deployments.app import model_app_name
-            from deployments.direct_ingress import wait_model_urls
 
-            urls = wait_model_urls({n: model_app_name(n, app) for n in names}, "127.0.0.1", timeout_s=timeout_s)
             for n in names:
-                if not urls.get(n):
-                    raise RuntimeError(f"model {n}: no direct-ingress port after {timeout_s:.0f} s")
-                direct[n] = urls[n][0][: -len(f"/v1/models/{n}/infer")]
+                direct[n] = self._direct_base(model_app_name(n, app), timeout_s)[: -len(f"/v1/models/{n}")]
         return FleetTarget(
             self,
             app,
@@ -194,16 +190,13 @@ class Stack:
         route prefix); else ""."""
         if not self.direct_ingress:
             return ""
-        from deployments.direct_ingress import replica_ports, target_groups_sync
+        from deployments.direct_ingress import wait_replica_ports
 
-        deadline = time.time() + timeout_s
-        while True:
-            ports = replica_ports(target_groups_sync(), {app: app}, "127.0.0.1")[app]
-            if ports:
-                return ports[0][0] + ports[0][1]
-            if time.time() >= deadline:
-                raise RuntimeError(f"app {app}: no direct-ingress port after {timeout_s:.0f} s")
-            time.sleep(0.5)
+        ports = wait_replica_ports({app: app}, "127.0.0.1", timeout_s)[app]
+        if not ports:
+            raise RuntimeError(f"app {app}: no direct-ingress port after {timeout_s:.0f} s")
+        base, prefix = ports[0]
+        return base + prefix
 
     def delete(self, app: str) -> None:
         import ray

@@ -77,12 +77,13 @@ def replica_ports(groups: Iterable[Any], app_of: Mapping[str, str], bind_host: s
 
 
 def model_urls(groups: Iterable[Any], app_of: Mapping[str, str], bind_host: str) -> dict[str, list[str]]:
-    """Each model's replica URLs (its ``POST`` target, sorted): a model app's route prefix is
-    ``.../v1/models/<name>``, so the URL is the replica's port, that prefix and ``/infer``."""
-    return {
-        model: [f"{base}{prefix}/infer" for base, prefix in ports]
-        for model, ports in replica_ports(groups, app_of, bind_host).items()
-    }
+    """Each model's replica URLs (its ``POST`` target, sorted) from Serve's target groups."""
+    return _as_urls(replica_ports(groups, app_of, bind_host))
+
+
+def _as_urls(ports: Mapping[str, list[tuple[str, str]]]) -> dict[str, list[str]]:
+    # a model app's route prefix is ``.../v1/models/<name>``: its URL is the port, the prefix, /infer
+    return {model: [f"{base}{prefix}/infer" for base, prefix in found] for model, found in ports.items()}
 
 
 async def target_groups(timeout_s: float = 5.0) -> list[Any]:
@@ -114,16 +115,21 @@ def not_enabled_hint() -> str:
     )
 
 
-def wait_model_urls(
+def wait_replica_ports(
     app_of: Mapping[str, str], bind_host: str, timeout_s: float = 20.0, poll_s: float = 0.5
-) -> dict[str, list[str]]:
-    """``model_urls`` once every model has a URL, or what there is at ``timeout_s`` (a replica
-    opens its port just after it starts; a cluster without direct ingress never does)."""
+) -> dict[str, list[tuple[str, str]]]:
+    """``replica_ports`` once every key has a port, or what there is at ``timeout_s`` (a replica
+    opens its port just after it starts; on a cluster without direct ingress none does)."""
     import time
 
     deadline = time.monotonic() + timeout_s
     while True:
-        urls = model_urls(target_groups_sync(), app_of, bind_host)
-        if all(urls.values()) or time.monotonic() >= deadline:
-            return urls
+        ports = replica_ports(target_groups_sync(), app_of, bind_host)
+        if all(ports.values()) or time.monotonic() >= deadline:
+            return ports
         time.sleep(poll_s)
+
+
+def wait_model_urls(app_of: Mapping[str, str], bind_host: str, timeout_s: float = 20.0) -> dict[str, list[str]]:
+    """``model_urls`` once every model has a URL, or what there is at ``timeout_s``."""
+    return _as_urls(wait_replica_ports(app_of, bind_host, timeout_s))
