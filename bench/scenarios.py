@@ -153,7 +153,6 @@ class Stack:
             cfg.broker.namespace,
             base_url=base,
             direct_bases=direct,
-            load_base=direct[names[0]] if len(direct) == 1 else "",
         )
 
     def deploy_plain(
@@ -223,11 +222,11 @@ class FleetTarget:
     base_url: str = ""
     kind: str = "fleet"
     direct_bases: dict[str, str] = field(default_factory=dict)  # model -> its replica's own port (direct ingress)
-    load_base: str = ""  # where loads go when not base_url (a one-model fleet under direct ingress: its replica)
 
     @property
     def infer_base(self) -> str:
-        return self.load_base or self.base_url
+        """Where loads go: a one-model fleet under direct ingress, its replica's port; else the proxy."""
+        return next(iter(self.direct_bases.values())) if len(self.direct_bases) == 1 else self.base_url
 
     def direct_base(self, model: str) -> str:
         """The base URL (``{base}/v1/models/<model>/infer``) of the model's replica port; the
