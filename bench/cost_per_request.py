@@ -272,7 +272,7 @@ def fleet_target(stack: sc.Stack, pinned: bool, direct: bool = False) -> Target:
         warm_models={MODEL: BODY},
     )
     pids = serve_pids({"replica": f"{app}-{MODEL}#", "fleet_api": f"{app}#"}, broker)
-    return Target(tgt.direct_base(MODEL) if direct else tgt.base_url, pids, tgt.delete)
+    return Target(tgt.infer_base, pids, tgt.delete)  # direct: the replica's port (a one-model fleet)
 
 
 def plain_target(stack: sc.Stack) -> Target:

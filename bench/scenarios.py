@@ -54,7 +54,7 @@ class Stack:
 
     def __init__(self, port: int | None = None, num_cpus: int | None = None, direct_ingress: bool = False):
         """``direct_ingress``: Ray started with Serve's direct ingress (``deployments.direct_ingress``):
-        every ingress replica also answers on its own port, and ``FleetTarget.direct_base`` gives it."""
+        every ingress replica also answers on its own port, and ``FleetTarget.infer_base`` sends a one-model fleet's load there."""
         self.direct_ingress = direct_ingress
         self._env_set: list[str] = []
         self.port = port or free_port()
@@ -227,13 +227,6 @@ class FleetTarget:
     def infer_base(self) -> str:
         """Where loads go: a one-model fleet under direct ingress, its replica's port; else the proxy."""
         return next(iter(self.direct_bases.values())) if len(self.direct_bases) == 1 else self.base_url
-
-    def direct_base(self, model: str) -> str:
-        """The base URL (``{base}/v1/models/<model>/infer``) of the model's replica port; the
-        stack must run direct ingress (``Stack(direct_ingress=True)``)."""
-        if model not in self.direct_bases:
-            raise KeyError(f"model {model}: no direct-ingress URL (start the Stack with direct_ingress=True)")
-        return self.direct_bases[model]
 
     @property
     def status_url(self) -> str:

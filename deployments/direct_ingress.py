@@ -90,20 +90,22 @@ async def target_groups(timeout_s: float = 5.0) -> list[Any]:
     """Serve's target groups, from its controller (an awaited actor call: off the request path)."""
     import asyncio
 
-    import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    controller = await asyncio.to_thread(ray.get_actor, SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    controller = await asyncio.to_thread(_controller)
     return await asyncio.wait_for(controller.get_target_groups.remote(), timeout=timeout_s)
 
 
 def target_groups_sync(timeout_s: float = 10.0) -> list[Any]:
     """``target_groups`` for a driver (``gpubroker up``, the benchmarks)."""
     import ray
+
+    return ray.get(_controller().get_target_groups.remote(), timeout=timeout_s)
+
+
+def _controller() -> Any:
+    import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    return ray.get(controller.get_target_groups.remote(), timeout=timeout_s)
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
 def not_enabled_hint() -> str:
