@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import scenarios as sc
-from bench.knee import HOLD_RUNS_PER_SEED, held_search
+from bench.knee import HELD_BISECT, HOLD_RUNS_PER_SEED, held_search
 from bench.live_runs import Opts, profiled_workload, run_arm, say_row
 
 
@@ -53,7 +53,7 @@ def arm_knee(target: Any, w: Any, cap: float, o: Opts, start: float, label: str,
         say_row(o, f"{label} s{seed}")(row)
         return m.passes
 
-    held = held_search(passes, k0, o.seeds, max_runs=HOLD_RUNS_PER_SEED * len(o.seeds))
+    held = held_search(passes, k0, o.seeds, max_runs=HOLD_RUNS_PER_SEED * len(o.seeds), bisect_iters=HELD_BISECT)
     return {
         "seed0_knee_rps": k0,
         "held_knee_rps": held.rate if held.resolved else None,  # None: the budget ran out first

@@ -264,6 +264,7 @@ def search_knee(
 
 
 HELD_STEP = 0.95  # a held knee is searched down from seed 0's in 5 % steps
+HELD_BISECT = 1  # then bisected this many times between the held rate and the failed one above it (live)
 HOLD_RUNS_PER_SEED = 5  # a live held search's budget, runs per seed (MiniLM's seeds spread the most: 12 ran out)
 
 
@@ -279,6 +280,10 @@ class Held:
     runs: int
 
 
+class _OutOfRuns(Exception):
+    """A held search's budget ran out."""
+
+
 def held_search(
     passes: Callable[[float, int], bool],
     seed0_knee: float,
@@ -286,6 +291,7 @@ def held_search(
     *,
     step: float = HELD_STEP,
     max_runs: int | None = None,
+    bisect_iters: int = 0,
 ) -> Held:
     """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
 
@@ -293,26 +299,54 @@ def held_search(
     run; below it every seed is, the one that failed last first (it is the likeliest to fail
     again: fewer runs), and a rate fails at its first failing seed. Steps down by ``step``
     until a rate holds; ``max_runs`` bounds the calls: a search it stops is unresolved (not a
-    knee of 0). A knee that passes on one seed and not another is an edge, not a rate the arm
-    holds: this is the knee the tables report, with seed 0's beside it."""
+    knee of 0). Then, as a knee search does (BENCHMARK.md: step, then bisect), it bisects
+    ``bisect_iters`` times between the held rate and the lowest failed one, every seed run at
+    each midpoint (the last to fail first): a held knee within ``1 - step`` of the edge is
+    narrowed to half of that per iteration. A midpoint the budget cuts short leaves the held
+    rate as it was (still resolved). A knee that passes on one seed and not another is an
+    edge, not a rate the arm holds: this is the knee the tables report, with seed 0's beside it."""
     if seed0_knee <= 0:
         return Held(0.0, True, None, 0)
     runs = 0
-    rate = float(seed0_knee)
-    order = list(seeds[1:])  # at seed 0's knee, seed 0 is known to pass
-    while True:
-        failed = None
+
+    def all_pass(rate: float, order: list[int]) -> int | None:
+        """Runs ``order`` at ``rate`` until one fails: that seed, or None when all passed;
+        raises ``_OutOfRuns`` when the budget stops it first."""
+        nonlocal runs
         for s in order:
             if max_runs is not None and runs >= max_runs:
-                return Held(0.0, False, rate, runs)
+                raise _OutOfRuns
             runs += 1
             if not passes(rate, s):
-                failed = s
-                break
+                return s
+        return None
+
+    def first(failed: int) -> list[int]:
+        return [failed] + [s for s in seeds if s != failed]
+
+    rate = float(seed0_knee)
+    order = list(seeds[1:])  # at seed 0's knee, seed 0 is known to pass
+    failed_above: float | None = None
+    while True:
+        try:
+            failed = all_pass(rate, order)
+        except _OutOfRuns:
+            return Held(0.0, False, rate, runs)
         if failed is None:
-            return Held(rate, True, None, runs)
-        order = [failed] + [s for s in seeds if s != failed]
+            break
+        order, failed_above = first(failed), rate
         rate *= step
+    for _ in range(bisect_iters if failed_above is not None else 0):
+        mid = (rate + failed_above) / 2.0
+        try:
+            failed = all_pass(mid, order)
+        except _OutOfRuns:
+            break
+        if failed is None:
+            rate = mid
+        else:
+            order, failed_above = first(failed), mid
+    return Held(rate, True, None, runs)
 
 
 def knee_on_seeds(

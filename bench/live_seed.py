@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from bench import scenarios as sc
-from bench.knee import HOLD_RUNS_PER_SEED, bound, bound_batch, held_search
+from bench.knee import HELD_BISECT, HOLD_RUNS_PER_SEED, bound, bound_batch, held_search
 from bench.live_runs import (
     Opts,
     Workload,
@@ -39,7 +39,7 @@ def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float | None:
         say_row(o, f"{label} s{seed}")(rows[-1])
         return m.passes
 
-    held = held_search(passes, k0, o.seeds, max_runs=HOLD_RUNS_PER_SEED * len(o.seeds))
+    held = held_search(passes, k0, o.seeds, max_runs=HOLD_RUNS_PER_SEED * len(o.seeds), bisect_iters=HELD_BISECT)
     doc.update(
         knee_rps=held.rate if held.resolved else None,
         seeds_at_knee=rows,

@@ -54,3 +54,31 @@ def test_the_gate_makes_a_static_arm_form_bigger_batches():
     gated = run_sim(cfg, "static:32:10:gate", {"prof": 200.0}, 60.0, warmup_s=15.0).models["prof"]
     assert gated.mean_batch > 2 * eager.mean_batch  # eager closes a batch 10 ms after its first request
     assert gated.completed >= eager.completed
+
+
+def test_held_knee_bisects_between_the_held_rate_and_the_failed_one():
+    limits = {0: 100.0, 1: 100.0, 2: 93.0}  # seed 2 fails at 95, holds at 90.25; its edge is 93
+    calls: list[tuple[float, int]] = []
+
+    def passes(rate: float, seed: int) -> bool:
+        calls.append((rate, seed))
+        return rate <= limits[seed]
+
+    plain = held_search(passes, 100.0, (0, 1, 2), step=0.95)
+    assert plain.rate == pytest.approx(90.25)
+    calls.clear()
+    one = held_search(passes, 100.0, (0, 1, 2), step=0.95, bisect_iters=1)
+    assert one.resolved and one.rate == pytest.approx((90.25 + 95.0) / 2)  # 92.6: every seed passed
+    mid_calls = [c for c in calls if c[0] == pytest.approx(92.625)]
+    assert [s for _, s in mid_calls] == [2, 0, 1]  # the seed that failed last runs first
+    two = held_search(passes, 100.0, (0, 1, 2), step=0.95, bisect_iters=2)
+    assert two.rate == pytest.approx(92.625)  # 93.8 failed on seed 2: the held rate stays
+    assert all(passes(two.rate, s) for s in (0, 1, 2))
+
+
+def test_held_bisection_skips_when_seed0_knee_holds_and_stops_at_the_budget():
+    assert held_search(lambda r, s: True, 50.0, (0, 1, 2), bisect_iters=3).runs == 2  # nothing failed above
+    limits = {0: 100.0, 1: 100.0, 2: 93.0}
+    cut = held_search(lambda r, s: r <= limits[s], 100.0, (0, 1, 2), step=0.95, bisect_iters=1, max_runs=7)
+    # 2 runs at 100 (seed 2 fails), 1 at 95, 3 at 90.25 (held); the midpoint gets one run of three
+    assert cut.resolved and cut.rate == pytest.approx(90.25)
