@@ -7,6 +7,8 @@ sorted, all ``< duration_s``; they come back as float64 numpy arrays.
 - ``poisson``: exponential inter-arrival gaps (CV 1).
 - ``gamma``: gamma gaps with shape 1/CV² and scale CV²/rate (mean 1/rate, CV as given);
   CV 2 and 4 are the burst cases of BENCHMARK.md.
+- ``exact_count``: a Poisson or gamma draw with exactly ``rate x duration`` arrivals (a knee
+  run's measured window: the offered rate is the nominal one).
 - ``trace``: the Azure LLM inference trace 2023 (code service; CC-BY 4.0, Patel et al.,
   "Splitwise", ISCA 2024). Its inter-arrival gaps are scaled so their mean is 1/rate and
   replayed from a seed-chosen row, looping the trace when the duration needs more;
@@ -67,6 +69,25 @@ def gamma(rate: float, duration_s: float, cv: float, seed: int = 0) -> np.ndarra
     scale = cv**2 / rate
     rng = np.random.default_rng(seed)
     return _from_gaps(lambda n: rng.gamma(shape, scale, n), rate, duration_s)
+
+
+def exact_count(rate: float, duration_s: float, seed: int = 0, cv: float | None = None) -> np.ndarray:
+    """Exactly ``round(rate * duration_s)`` arrivals over ``[0, duration_s)``, spaced like the
+    renewal process of ``poisson`` (``cv`` None) or ``gamma``: n + 1 gaps are drawn and scaled
+    so that they span the duration. For Poisson this is the process given its count (the n
+    times are the order statistics of n uniforms); for gamma gaps it keeps their burstiness.
+    A knee run's measured window is drawn this way, so the rate it is labelled with is the
+    rate it offered: in a few seconds an unconditioned draw offers several percent more or
+    less (sd 1/sqrt(rate * duration))."""
+    _check(rate, duration_s)
+    if cv is not None and not cv > 0:
+        raise ValueError(f"cv ({cv}) must be > 0; 1 is Poisson-like, 2 and 4 are bursty")
+    n = int(round(rate * duration_s))
+    rng = np.random.default_rng([seed, 0x5EED])  # its own stream: not the plain draw's gaps
+    gaps = rng.exponential(1.0, n + 1) if cv is None else rng.gamma(1.0 / cv**2, 1.0, n + 1)
+    times = np.cumsum(gaps)
+    times = times[:n] * (duration_s / times[n])
+    return np.minimum(times, np.nextafter(duration_s, 0.0))
 
 
 def trace_path(path: str | os.PathLike | None = None) -> Path:

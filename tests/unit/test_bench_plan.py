@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from bench import arrivals as arr
 from bench import results
 from bench.live_runs import Opts, knee_arrivals, run_length
 
@@ -27,6 +28,43 @@ def test_window_holds_min_requests_within_bounds():
             assert rate * window >= o.min_requests - 1e-9
     # a static arm warms up for less, the broker (or BentoML) for o.warmup_s
     assert run_length(o, 10.0, adaptive=False)[0] < run_length(o, 10.0, adaptive=True)[0] == o.warmup_s
+
+
+@pytest.mark.parametrize("quick", [False, True])
+@pytest.mark.parametrize("arrivals", ["poisson", "gamma:2"])
+@pytest.mark.parametrize("rate", [4.7, 17.8, 57.6, 64.0, 70.7])
+def test_a_knee_window_offers_its_nominal_rate_on_every_seed(rate, arrivals, quick):
+    """The held knee compares seeds at one rate; with a plain draw one seed's 8-s window offered
+    1.08-1.10x the profiled knee's rates (MiniLM's 0.87-1.14x): the seeds differed in load."""
+    o = Opts.make(quick=quick, arrivals=arrivals)
+    o.seeds = (0, 1, 2, 3, 4)
+    for seed in o.seeds:
+        for adaptive in (True, False):
+            t, warm, dur = knee_arrivals(o, rate, seed, adaptive=adaptive)
+            window = dur - warm - o.cooldown_s
+            n = np.count_nonzero((t >= warm) & (t < dur - o.cooldown_s))
+            assert abs(n - rate * window) <= 0.5 + 1e-9, (seed, adaptive, n, rate * window)
+            assert np.all(np.diff(t) >= 0) and t[0] >= 0 and t[-1] < dur  # sorted, inside the run
+    if arrivals == "poisson" and not quick and rate == 17.8:  # what the window was before
+        _, warm, dur = knee_arrivals(o, rate, 2, adaptive=True)
+        plain = arr.poisson(rate, dur, 2)
+        n = np.count_nonzero((plain >= warm) & (plain < dur - o.cooldown_s))
+        assert n / (rate * (dur - warm - o.cooldown_s)) > 1.05  # seed 2 offered 10 % more
+
+
+def test_exact_count_spacing_and_errors():
+    t = arr.exact_count(50.0, 100.0, seed=3)
+    assert len(t) == 5000 and np.all(np.diff(t) >= 0) and 0 <= t[0] and t[-1] < 100.0
+    gaps = np.diff(t)
+    assert 0.9 < gaps.std() / gaps.mean() < 1.1  # Poisson-like: CV 1
+    g = np.diff(arr.exact_count(50.0, 100.0, seed=3, cv=2.0))
+    assert 1.7 < g.std() / g.mean() < 2.3  # the gamma draw keeps its burstiness
+    assert np.array_equal(arr.exact_count(50.0, 100.0, seed=3), t)  # a seed is one draw
+    assert len(arr.exact_count(0.01, 10.0, seed=0)) == 0
+    with pytest.raises(ValueError, match="cv"):
+        arr.exact_count(5.0, 1.0, cv=0.0)
+    with pytest.raises(ValueError, match="rate"):
+        arr.exact_count(0.0, 1.0)
 
 
 @pytest.mark.parametrize("rate", [4.6, 33.0, 61.0])
