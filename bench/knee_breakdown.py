@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--direct", action="store_true", help="Serve's direct ingress: the broker arms on the replica's port"
     )
+    ap.add_argument(
+        "--plain-window",
+        action="store_true",
+        help="draw each run's measured window plainly (its offered rate varies by seed) instead of "
+        "with exactly rate x window arrivals (bench.arrivals.exact_count), as knee runs were drawn before",
+    )
     ap.add_argument("--out", default="bench/out/breakdown.json")
     ap.add_argument("--report", default=None, help="print the table of a run's JSON and exit")
     a = ap.parse_args(argv)
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         w = profiled_workload(10.0)
     cap = a.cap_ms or (697.0 if a.workload == "profiled" else 214.0)
-    o = Opts.make(a.quick, log=print)
+    o = Opts.make(a.quick, log=print, exact_window=not a.plain_window)
     rates = [float(x) for x in a.rates.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
     names = [x for x in a.arms.split(",") if x]

@@ -31,10 +31,12 @@ class Opts:
     cooldown_s: float = 1.0
     # Knee runs size their measured window by the rate: at least min_requests in it, within
     # [min_window_s, max_window_s] (a P95 needs ~100+ samples; a fast arm needs only seconds).
-    # The window offers exactly its rate (``knee_arrivals``).
+    # The window offers exactly its rate (``knee_arrivals``); exact_window False: a plain draw
+    # (how knee runs were drawn before 2026-12-02, kept for the side-by-side comparison).
     min_requests: int = 180
     min_window_s: float = 8.0
     max_window_s: float = 20.0
+    exact_window: bool = True
     peer: bool = True
     arrivals: str = "poisson"  # knee and sweep runs: poisson, or gamma:CV (bursty, BENCHMARK.md's CV 2 and 4)
     seed_json: str | None = None  # a `bench seed` result: oracle and trace take its measured S and reference
@@ -111,6 +113,8 @@ def knee_arrivals(o: Opts, rate: float, seed: int, adaptive: bool) -> tuple[np.n
     window = duration - warm - o.cooldown_s
     lo, hi = o.warmup_s, o.warmup_s + window  # the measured window, in the adaptive arm's time
     plain = draw_arrivals(o.arrivals, rate, duration + shift, seed)
+    if not o.exact_window:
+        return plain[plain >= shift] - shift, warm, duration
     inner = lo + arr.exact_count(rate, window, seed, parse_arrivals(o.arrivals))
     times = np.concatenate([plain[plain < lo], inner, plain[plain >= hi]])
     return times[times >= shift] - shift, warm, duration

@@ -50,6 +50,9 @@ def test_a_knee_window_offers_its_nominal_rate_on_every_seed(rate, arrivals, qui
         plain = arr.poisson(rate, dur, 2)
         n = np.count_nonzero((plain >= warm) & (plain < dur - o.cooldown_s))
         assert n / (rate * (dur - warm - o.cooldown_s)) > 1.05  # seed 2 offered 10 % more
+        o.exact_window = False  # the plain draw, kept for side-by-side runs, is that draw
+        t, *_ = knee_arrivals(o, rate, 2, adaptive=True)
+        assert np.array_equal(t, plain)
 
 
 def test_exact_count_spacing_and_errors():
