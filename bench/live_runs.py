@@ -106,7 +106,7 @@ def knee_arrivals(o: Opts, rate: float, seed: int, adaptive: bool) -> tuple[np.n
     as ``o.arrivals`` spaces them); warm-up and cool-down are plain draws. A knee is "the
     largest rate that passes", and the held knee compares seeds at one rate: with a plain draw
     one seed's 8-s window offered 1.08-1.10x the nominal rate at every rate of the profiled
-    knee (seed 2, 57.6-67.2/s) and MiniLM's 0.87-1.14x, so the seeds differed by how much load
+    knee (seed 2, 57.6-67.2/s) and MiniLM's 0.85-1.16x, so the seeds differed by how much load
     they offered, not only by how it was spaced."""
     warm, duration = run_length(o, rate, adaptive)
     shift = o.warmup_s - warm

@@ -35,7 +35,7 @@ def test_window_holds_min_requests_within_bounds():
 @pytest.mark.parametrize("rate", [4.7, 17.8, 57.6, 64.0, 70.7])
 def test_a_knee_window_offers_its_nominal_rate_on_every_seed(rate, arrivals, quick):
     """The held knee compares seeds at one rate; with a plain draw one seed's 8-s window offered
-    1.08-1.10x the profiled knee's rates (MiniLM's 0.87-1.14x): the seeds differed in load."""
+    1.08-1.10x the profiled knee's rates (MiniLM's 0.85-1.16x): the seeds differed in load."""
     o = Opts.make(quick=quick, arrivals=arrivals)
     o.seeds = (0, 1, 2, 3, 4)
     for seed in o.seeds:
