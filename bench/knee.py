@@ -295,23 +295,19 @@ def held_search(
 ) -> Held:
     """The largest rate at which EVERY seed passes, searched down from seed 0's knee.
 
-    Seed 0 passes at its own knee (that is how it was found), so there the other seeds are
-    run; below it every seed is, the one that failed last first (it is the likeliest to fail
-    again: fewer runs), and a rate fails at its first failing seed. Steps down by ``step``
-    until a rate holds; ``max_runs`` bounds the calls: a search it stops is unresolved (not a
-    knee of 0). Then, as a knee search does (BENCHMARK.md: step, then bisect), it bisects
-    ``bisect_iters`` times between the held rate and the lowest failed one, every seed run at
-    each midpoint (the last to fail first): a held knee within ``1 - step`` of the edge is
-    narrowed to half of that per iteration. A midpoint the budget cuts short leaves the held
-    rate as it was (still resolved). A knee that passes on one seed and not another is an
-    edge, not a rate the arm holds: this is the knee the tables report, with seed 0's beside it."""
+    Seed 0 passes at its own knee (how it was found), so there the other seeds run; below it
+    every seed does, the one that failed last first (likeliest to fail again: fewer runs), and a
+    rate fails at its first failing seed. Steps down by ``step`` until a rate holds; ``max_runs``
+    bounds the calls: a search it stops is unresolved (not a knee of 0). Then it bisects
+    ``bisect_iters`` times between the held rate and the lowest failed one, every seed at each
+    midpoint; one the budget cuts short leaves the held rate. A knee that passes on one seed and
+    not another is an edge: this is the knee the tables report, seed 0's beside it."""
     if seed0_knee <= 0:
         return Held(0.0, True, None, 0)
     runs = 0
 
     def all_pass(rate: float, order: list[int]) -> int | None:
-        """Runs ``order`` at ``rate`` until one fails: that seed, or None when all passed;
-        raises ``_OutOfRuns`` when the budget stops it first."""
+        """The first seed of ``order`` to fail at ``rate``, or None; ``_OutOfRuns`` past the budget."""
         nonlocal runs
         for s in order:
             if max_runs is not None and runs >= max_runs:
@@ -321,7 +317,7 @@ def held_search(
                 return s
         return None
 
-    def first(failed: int) -> list[int]:
+    def first(failed: int) -> list[int]:  # the seed that failed last runs first
         return [failed] + [s for s in seeds if s != failed]
 
     rate = float(seed0_knee)
