@@ -45,14 +45,17 @@ def test_a_knee_window_offers_its_nominal_rate_on_every_seed(rate, arrivals, qui
             n = np.count_nonzero((t >= warm) & (t < dur - o.cooldown_s))
             assert abs(n - rate * window) <= 0.5 + 1e-9, (seed, adaptive, n, rate * window)
             assert np.all(np.diff(t) >= 0) and t[0] >= 0 and t[-1] < dur  # sorted, inside the run
-    if arrivals == "poisson" and not quick and rate == 17.8:  # what the window was before
-        _, warm, dur = knee_arrivals(o, rate, 2, adaptive=True)
-        plain = arr.poisson(rate, dur, 2)
-        n = np.count_nonzero((plain >= warm) & (plain < dur - o.cooldown_s))
-        assert n / (rate * (dur - warm - o.cooldown_s)) > 1.05  # seed 2 offered 10 % more
-        o.exact_window = False  # the plain draw, kept for side-by-side runs, is that draw
-        t, *_ = knee_arrivals(o, rate, 2, adaptive=True)
-        assert np.array_equal(t, plain)
+
+
+def test_the_plain_window_is_kept_for_side_by_side_runs_and_was_off_its_rate():
+    o, rate = Opts.make(quick=False), 17.8
+    _, warm, dur = knee_arrivals(o, rate, 2, adaptive=True)
+    plain = arr.poisson(rate, dur, 2)
+    n = np.count_nonzero((plain >= warm) & (plain < dur - o.cooldown_s))
+    assert n / (rate * (dur - warm - o.cooldown_s)) > 1.05  # seed 2 offered 10 % more
+    o.exact_window = False  # knee_breakdown --plain-window
+    t, *_ = knee_arrivals(o, rate, 2, adaptive=True)
+    assert np.array_equal(t, plain)
 
 
 def test_exact_count_spacing_and_errors():
