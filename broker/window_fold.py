@@ -103,6 +103,7 @@ class _ModelWindow:
 
     __slots__ = (
         "events",
+        "acts",
         "fit_drops",
         "fit_n",
         "fit_max",
@@ -134,6 +135,7 @@ class _ModelWindow:
 
     def __init__(self, slo_ms: float, fit_window: int) -> None:
         self.events: deque[_Digest] = deque()
+        self.acts: deque[_Digest] = deque()  # the events that are ``active``, in the same order
         self.latest: dict[str, _Digest] = {}  # replica -> its newest report in the window
         self.peaks: dict[str, deque[_Digest]] = {}  # replica -> reports with decreasing peak memory
         self.max_costs: deque[_Digest] = deque()  # reports with decreasing biggest batch
@@ -189,6 +191,7 @@ class _ModelWindow:
         if not d.active:  # an idle report: nothing for the sums, the samples or the fit
             return
         self.active += 1
+        self.acts.append(d)
         acc[0] += d.arrivals
         acc[1] += d.completions
         acc[2] += d.misses
@@ -300,7 +303,7 @@ class _ModelWindow:
                     lat.extend(came)
                     lat.sort()  # one sorted run and a short tail: a merge
         if lat is None:
-            lat = list(chain.from_iterable(map(_LAT, self.events)))
+            lat = list(chain.from_iterable(map(_LAT, self.acts)))  # idle events carry none
             self.lat_capped = len(lat) > MAX_LATENCY_SAMPLES
             if self.lat_capped:
                 lat = lat[-MAX_LATENCY_SAMPLES:]
@@ -329,6 +332,7 @@ class _ModelWindow:
             if not d.active:  # an idle report added nothing to the sums, the samples or the fit
                 continue
             self.active -= 1
+            self.acts.popleft()  # d: the oldest active event
             if d.oom_costs:
                 self.oom -= 1
             if d.met or d.cost:
@@ -351,7 +355,12 @@ class _ModelWindow:
 
     def sums_met_cost(self) -> tuple[float, float]:
         if self.met_cost is None:
-            self.met_cost = (sum(map(_MET, self.events)), sum(map(_COST, self.events)))
+            # Over the active events only: an idle one adds met 0.0 and cost 0, which leave a
+            # left-to-right float sum as it was, so the sums are those over every event. Only
+            # the type of an all-idle window's met differs: 0.0 there, as the full sum gives.
+            acts = self.acts
+            met = sum(map(_MET, acts)) if acts else (0.0 if self.events else 0)
+            self.met_cost = (met, sum(map(_COST, acts)))
         return self.met_cost
 
     def biggest_fit_cost(self) -> float | None:

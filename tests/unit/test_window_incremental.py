@@ -190,3 +190,38 @@ def test_build_is_the_constructor_without_init():
         build(ModelLoad, name="a", queue_dept=3.0)
     with pytest.raises(AttributeError):  # still frozen
         build(ModelLoad, name="a").name = "b"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_met_and_cost_sums_equal_the_sums_over_every_report(seed):
+    """``sums_met_cost`` sums only the active reports; with idle reports in between (met 0.0,
+    cost 0) it must give the left-to-right float sums over every report exactly (not nearly)."""
+    rng = random.Random(seed)
+    mw = window_module._ModelWindow(150.0, FIT_WINDOW)
+    t, checked = MONDAY_UTC, 0
+    for step in range(400):
+        t += 0.5
+        idle = rng.random() < 0.6
+        nb = 0 if idle else rng.randint(0, 3)
+        bt = tuple((float(rng.randint(1, 16)), rng.uniform(1, 80)) for _ in range(nb))
+        lat = () if idle else tuple(rng.uniform(1, 300) for _ in range(rng.randint(0, 6)))
+        r = StatsReport(
+            model="a",
+            replica_id="r0",
+            seq=step,
+            now_s=t,
+            interval_s=0.5,
+            arrivals=0 if idle else rng.randint(0, 9),
+            completions=len(lat),
+            latency_ms=lat,
+            batches=bt,
+            batch_requests=tuple(int(b) for b, _ in bt),
+        )
+        mw.add(window_module._Digest(t, r, 150.0))
+        if rng.random() < 0.5:
+            mw.evict(t - rng.choice([2.0, 10.0, 30.0]))
+        got = mw.sums_met_cost()
+        want = (sum(d.met for d in mw.events), sum(d.cost for d in mw.events))
+        assert got == want, (step, got, want)
+        checked += any(d.active for d in mw.events) and not all(d.active for d in mw.events)
+    assert checked > 100  # windows that mix idle and active reports
