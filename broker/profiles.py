@@ -16,24 +16,8 @@ def minute_of_week(now_s: float, timezone: str) -> int:
     return local.weekday() * 1440 + local.hour * 60 + local.minute
 
 
-_LAST: dict[int, tuple[ProfilesSection, float, ProfileSpec]] = {}  # id -> (section, now_s, answer)
-
-
 def active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
-    """The window containing now (windows never overlap: the config refuses it), else the default.
-    Every card's core asks several times a tick at one ``now_s``: the last answer per section is
-    kept (the section object itself is held, so a new config is a new key)."""
-    last = _LAST.get(id(profiles))
-    if last is not None and last[0] is profiles and last[1] == now_s:
-        return last[2]
-    answer = _active_profile(profiles, now_s)
-    if len(_LAST) > 256:
-        _LAST.clear()
-    _LAST[id(profiles)] = (profiles, now_s, answer)
-    return answer
-
-
-def _active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
+    """The window containing now (windows never overlap: the config refuses it), else the default."""
     minute = minute_of_week(now_s, profiles.timezone)
     for profile in profiles.schedule:
         for start, end in profile.weekly_minutes():

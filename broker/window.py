@@ -130,7 +130,7 @@ class ReportWindow:
         if edge:
             while edge and edge[0][0] < now_s - window_s:
                 edge.popleft()
-        if not mw.active and not edge:
+        if not mw.acts and not edge:
             return self._quiet_load(name, spec.batch.unit, mw, queue, used, peak, version, seen, memory)
         # the window's sums: kept as reports come and go, or summed in C over the digests
         latencies = mw.latencies()

@@ -112,7 +112,6 @@ class _ModelWindow:
         "fit_seq",
         "fit_sums",
         "fit_window",
-        "active",
         "counted_sum",
         "latest",
         "lat_add",
@@ -135,7 +134,7 @@ class _ModelWindow:
 
     def __init__(self, slo_ms: float, fit_window: int) -> None:
         self.events: deque[_Digest] = deque()
-        self.acts: deque[_Digest] = deque()  # the events that are ``active``, in the same order
+        self.acts: deque[_Digest] = deque()  # the events that carry activity (``_Digest.active``), in order
         self.latest: dict[str, _Digest] = {}  # replica -> its newest report in the window
         self.peaks: dict[str, deque[_Digest]] = {}  # replica -> reports with decreasing peak memory
         self.max_costs: deque[_Digest] = deque()  # reports with decreasing biggest batch
@@ -160,7 +159,6 @@ class _ModelWindow:
         self.lat_total = 0  # samples in the window
         self.lat_capped = False  # lat_sorted holds only the newest MAX_LATENCY_SAMPLES
         self.counted_sum = self.requests_sum = self.nbatch_sum = 0  # the window's integer sums
-        self.active = 0  # reports in the window that carry any activity (``_Digest.active``)
         # (met, batch cost) summed over the window in order; None: a report with either came or
         # went (reports adding 0.0 leave a float sum as it was, so only those count)
         self.met_cost: tuple[float, float] | None = (0, 0)
@@ -190,7 +188,6 @@ class _ModelWindow:
         acc[5] += 1
         if not d.active:  # an idle report: nothing for the sums, the samples or the fit
             return
-        self.active += 1
         self.acts.append(d)
         acc[0] += d.arrivals
         acc[1] += d.completions
@@ -331,7 +328,6 @@ class _ModelWindow:
                 del self.latest[d.rid]
             if not d.active:  # an idle report added nothing to the sums, the samples or the fit
                 continue
-            self.active -= 1
             self.acts.popleft()  # d: the oldest active event
             if d.oom_costs:
                 self.oom -= 1
@@ -348,7 +344,7 @@ class _ModelWindow:
 
     def recount(self, slo_ms: float) -> None:
         if slo_ms != self.slo_ms:
-            for d in self.events:
+            for d in self.acts:  # an idle report's met is 0.0 at any cap
                 d.rate(slo_ms)
             self.slo_ms = slo_ms
             self.met_cost = None
@@ -356,8 +352,8 @@ class _ModelWindow:
     def sums_met_cost(self) -> tuple[float, float]:
         if self.met_cost is None:
             # Over the active events only: an idle one adds met 0.0 and cost 0, which leave a
-            # left-to-right float sum as it was, so the sums are those over every event. Only
-            # the type of an all-idle window's met differs: 0.0 there, as the full sum gives.
+            # left-to-right float sum as it was, so these are the sums over every event (an
+            # all-idle window's met is 0.0, as the sum over its reports is).
             acts = self.acts
             met = sum(map(_MET, acts)) if acts else (0.0 if self.events else 0)
             self.met_cost = (met, sum(map(_COST, acts)))

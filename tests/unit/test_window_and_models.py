@@ -160,17 +160,3 @@ def test_memory_model_refined_from_live_peak():
     assert mm.weights_bytes == 72 * MiB  # 80 peak - the biggest batch's 2 x 4
     assert mm.cap_for(64 * MiB) == 0  # a 64 MiB grant holds no batch: the model must borrow
     assert MemoryModel.from_load(ModelLoad(name="a", mem_peak_bytes=80 * MiB)).calibrated is False
-
-
-def test_active_profile_keeps_one_answer_per_section_and_time():
-    """The answer is kept per profiles section for one ``now_s`` (every card's core asks a few
-    times a tick): another time, or another section at the same time, is worked out afresh."""
-    peak = {"name": "peak", "days": "mon-fri", "hours": "08:00-20:00"}
-    berlin = make_config(profiles={"timezone": "Europe/Berlin", "schedule": [peak, {"name": "off", "default": True}]})
-    utc = make_config(profiles={"timezone": "UTC", "schedule": [peak, {"name": "off", "default": True}]})
-    at = MONDAY_UTC + 7.5 * 3600  # 08:30 in Berlin, 07:30 UTC
-    assert active_profile(berlin.profiles, at).name == "peak"
-    assert active_profile(berlin.profiles, at).name == "peak"  # the kept answer
-    assert active_profile(utc.profiles, at).name == "off"  # another section, same time
-    assert active_profile(berlin.profiles, MONDAY_UTC + 6.5 * 3600).name == "off"  # same section, another time
-    assert active_profile(berlin.profiles, at).name == "peak"
