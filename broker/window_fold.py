@@ -352,11 +352,8 @@ class _ModelWindow:
     def sums_met_cost(self) -> tuple[float, float]:
         if self.met_cost is None:
             # Over the active events only: an idle one adds met 0.0 and cost 0, which leave a
-            # left-to-right float sum as it was, so these are the sums over every event (an
-            # all-idle window's met is 0.0, as the sum over its reports is).
-            acts = self.acts
-            met = sum(map(_MET, acts)) if acts else (0.0 if self.events else 0)
-            self.met_cost = (met, sum(map(_COST, acts)))
+            # left-to-right float sum as it was, so these are the sums over every event.
+            self.met_cost = (sum(map(_MET, self.acts)), sum(map(_COST, self.acts)))
         return self.met_cost
 
     def biggest_fit_cost(self) -> float | None:
