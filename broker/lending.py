@@ -143,9 +143,13 @@ def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> str | None
     A batch cap that wants more than the grant holds is not a need by itself (with lazy
     formation every model wants a large cap). A borrower must be held back by its memory now:
     its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
-    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO."""
+    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or a replica
+    refuses requests because it holds over its grant (``held_over``): no batch runs until it has
+    the memory (or restarts, ``deployments.replica.HELD_RESTART_T``)."""
     if ceiling is None:  # memory does not limit its batch
         return "memory does not limit its batch"
+    if load.held_over:
+        return None
     if load.max_batch < ceiling:
         return f"its biggest batch in the window ({load.max_batch:.0f}) is under its memory ceiling {ceiling}"
     backlog = load.queue_depth > ceiling * max(1, load.replicas)
@@ -401,6 +405,9 @@ def plan_quota(
         wanted = need(name)
         if wanted is None or idle(name):
             continue
+        held = loads[name].held_over
+        if held:  # refusing requests while it holds over its grant: what it holds + its wanted batch
+            wanted = min(config.models[name].quota.max, loads[name].mem_used_bytes + wanted)
         deficit = wanted - ledger.grant(name) - ledger.incoming_bytes(name)
         if deficit < dust:
             continue
@@ -422,7 +429,9 @@ def plan_quota(
             if pressed(loads[name], config.models[name], ceiling) is not None:
                 continue  # not logged: with lazy formation this is most ticks of most models
             why += (
-                f", behind at its memory ceiling {ceiling} (queue {loads[name].queue_depth:.0f}, recent P95 "
+                f", refusing requests: it holds {format_size(loads[name].mem_used_bytes)}, over its grant"
+                if loads[name].held_over
+                else f", behind at its memory ceiling {ceiling} (queue {loads[name].queue_depth:.0f}, recent P95 "
                 f"{loads[name].recent_p95_ms or 0.0:.0f} ms)"
             )
         donors = sorted(
@@ -435,7 +444,7 @@ def plan_quota(
             amount = min(deficit - sum(a for _, a in offers), surplus)
             if amount >= dust:
                 offers.append((donor, amount))
-        if name not in (need_bytes or {}) and offers:
+        if name not in (need_bytes or {}) and offers and not held:
             holds = ledger.grant(name) + ledger.incoming_bytes(name)
             ceiling = mm(name).cap_for(holds / replicas(name))
             lifted = mm(name).cap_for((holds + sum(a for _, a in offers)) / replicas(name))

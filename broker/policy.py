@@ -193,8 +193,9 @@ def decide(
         old = state.models.get(name) or _initial_model_state(spec, interval)
         load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
         active = load.arrival_rate_rps > 0 or load.queue_depth > 0
-        # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog
-        quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1
+        # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog; a
+        # replica refusing requests because it holds over its grant is not quiet (it wants memory)
+        quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1 and not load.held_over
         key = None
         if (
             memo is not None

@@ -40,6 +40,7 @@ class StatsReport:
     sm_util_frac: float | None = None  # NVML SM utilisation, None where there is no GPU
     oom_splits: int = 0  # batches split in two after an out-of-memory error
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
+    held_refusals: int = 0  # requests refused because the replica holds over its grant (deployments.enforce)
     settings_version: int = 0  # version of the settings the replica runs now
     card_id: str = ""  # the card the replica was placed on ("" in a one-card fleet)
     oom_costs: tuple[
@@ -147,6 +148,7 @@ class ModelLoad:
     mem_used_bytes: int = 0  # sum over replicas, latest
     mem_peak_bytes: int = 0  # max over the window
     emergency: bool = False  # a replica shrank in its fast loop since the last tick
+    held_over: bool = False  # a replica refused requests since the last tick: it holds over its grant
     oom_splits: int = 0  # OOM splits since the last tick
     oom_costs: tuple[
         float, ...

@@ -140,7 +140,7 @@ class ReportWindow:
         batch_requests = mw.requests_sum
         batches = mw.nbatch_sum
         max_cost = mw.max_costs[0].max_cost if mw.max_costs else 0.0  # the batch behind the window's peak
-        emergency = False
+        emergency = held = False
         oom_splits = 0
         recent_acc: dict[str, list[float]] = {}
         for d in reversed(events):  # the last report or two of each replica, and those since the last snapshot
@@ -149,6 +149,7 @@ class ReportWindow:
                 break
             if t > since_s:
                 emergency = emergency or d.emergency
+                held = held or d.held
                 oom_splits += d.oom_splits
             if t >= recent_from:
                 racc = recent_acc.get(d.rid)
@@ -204,6 +205,7 @@ class ReportWindow:
             mem_used_bytes=used,
             mem_peak_bytes=peak,
             emergency=emergency,
+            held_over=held,
             oom_splits=oom_splits,
             oom_costs=oom_costs,
             settings_version=version or 0,
@@ -261,6 +263,7 @@ class ReportWindow:
             mem_used_bytes=used,
             mem_peak_bytes=peak,
             emergency=False,
+            held_over=False,
             oom_splits=0,
             oom_costs=(),
             settings_version=version or 0,

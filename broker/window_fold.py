@@ -38,6 +38,7 @@ class _Digest:
         "cost",
         "counted",
         "emergency",
+        "held",
         "active",
         "interval",
         "lat",
@@ -68,6 +69,7 @@ class _Digest:
         self.max_cost = max((cost for cost, _ in paired), default=0.0)
         self.n_batches = len(r.batches)
         self.emergency = r.emergency_shrinks > 0
+        self.held = r.held_refusals > 0
         self.oom_splits = r.oom_splits
         self.oom_costs = r.oom_costs
         self.arrivals, self.interval, self.busy_s = r.arrivals, r.interval_s, r.busy_s
@@ -82,6 +84,7 @@ class _Digest:
             or self.busy_s
             or self.misses
             or self.emergency
+            or self.held
             or self.oom_splits
             or self.oom_costs
             or r.batch_requests

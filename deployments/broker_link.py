@@ -45,6 +45,7 @@ class StatsDelta:
     mem_peak_bytes: int = 0
     oom_splits: int = 0
     emergency_shrinks: int = 0
+    held_refusals: int = 0  # requests refused: the replica holds over its grant (deployments.enforce)
     oom_costs: list[float] = field(default_factory=list)  # cost of each batch too big for memory (deployments.oom)
 
     def add_latency(self, ms: float) -> None:
@@ -59,7 +60,7 @@ class StatsDelta:
     def merge(self, older: StatsDelta) -> None:
         """Fold an unsent older delta into this one (the broker was unreachable)."""
         self.started_s = min(self.started_s, older.started_s)
-        for name in ("arrivals", "completions", "rejections", "timeouts", "errors", "oom_splits", "emergency_shrinks"):
+        for name in ("arrivals", "completions", "rejections", "timeouts", "errors", "oom_splits", "emergency_shrinks", "held_refusals"):
             setattr(self, name, getattr(self, name) + getattr(older, name))
         for ms in older.latency_ms:
             self.add_latency(ms)
@@ -113,6 +114,7 @@ def build_report(
         sm_util_frac=g.sm_util_frac,
         oom_splits=delta.oom_splits,
         emergency_shrinks=delta.emergency_shrinks,
+        held_refusals=delta.held_refusals,
         settings_version=g.settings_version,
         oom_costs=tuple(delta.oom_costs),
         engine=engine,

@@ -9,7 +9,11 @@ docs/ENFORCEMENT.md says what each limit counts and what it does not, with measu
 - ``CpuRlimitLimiter`` (``device: cpu``, Linux): ``setrlimit(RLIMIT_DATA, (soft, hard))`` with
   soft = the data size measured at ``start()`` + grant + slack (+ the stacks of threads started
   since: see ``thread_credit_bytes``); hard stays at the original hard limit, so an
-  unprivileged process can raise soft again on a larger grant. The kernel (>= 4.7) counts the
+  unprivileged process can raise soft again on a larger grant. A process holding over its grant
+  (a grant lowered under what it holds, or a model grown into the slack) never gets soft at or
+  under what it holds: soft stays at what is held + slack (``held_over``), so the runtime beside
+  the model (Ray's core worker, Python) can still allocate, and the replica runs no batch until
+  the process is under its grant again. The kernel (>= 4.7) counts the
   heap and private writable mappings (anonymous mmap included) against it: torch raises
   ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory``, numpy/bytearray
   ``MemoryError``, mmap ``OSError(ENOMEM)``.
@@ -78,6 +82,9 @@ class LimitReading:
 class MemoryLimiter(Protocol):
     kind: LimiterKind
     grant_bytes: int | None
+    # Bytes the process holds over its grant (None: not over it). While set, the replica runs no
+    # batch: the limit keeps the runtime's slack above what is held.
+    held_over: int | None
 
     def start(self) -> None:
         """Measure the process before the model loads (its baseline)."""
@@ -139,6 +146,8 @@ class CpuRlimitLimiter:
         self.baseline_threads = 0
         self.original: tuple[int, int] | None = None  # (soft, hard) RLIMIT_DATA at start()
         self.thread_stack_bytes = DEFAULT_THREAD_STACK_BYTES
+        self.held_floor_bytes: int | None = None  # soft's floor while the process holds over its grant
+        self.held_over: int | None = None  # bytes held over the grant, as last measured (None: under it)
 
     def start(self) -> None:
         st = self._status()
@@ -170,9 +179,37 @@ class CpuRlimitLimiter:
         soft = self.baseline_data_bytes + int(grant_bytes) + self.slack_bytes + self.thread_credit_bytes()
         return soft if hard == self._res.RLIM_INFINITY else min(soft, hard)
 
+    def _used(self, st: dict[str, int]) -> int:
+        return max(0, st.get("VmData", 0) - (self.baseline_data_bytes or 0) - self.thread_credit_bytes())
+
+    def _update_held(self) -> None:
+        """Measure whether the process holds over its grant (lowered under what it held, or grown
+        into the slack), after every grant and every batch.
+
+        A soft limit at or under VmData refuses every allocation of the process, the runtime's
+        included: on 2026-12-02 Ray's output serializer then failed and the worker exited (a
+        restart outside the broker's escalation). So while the process holds over its grant,
+        soft's floor is what it holds + slack, lowered as it frees, never raised (the replica runs
+        no batch meanwhile: nothing of the model's grows into the slack); the floor goes once the
+        process is measured under its grant."""
+        if self.grant_bytes is None:
+            self.held_floor_bytes = self.held_over = None
+            return
+        st = self._status()
+        over = self._used(st) - self.grant_bytes
+        if over <= 0:
+            self.held_floor_bytes = self.held_over = None
+            return
+        floor = st.get("VmData", 0) + self.slack_bytes
+        self.held_floor_bytes = floor if self.held_floor_bytes is None else min(self.held_floor_bytes, floor)
+        self.held_over = over
+
     def _apply(self, force: bool = False) -> None:
         assert self.original is not None
         soft = self.soft_for(self.grant_bytes)
+        if self.grant_bytes is not None and self.held_floor_bytes is not None and soft < self.held_floor_bytes:
+            hard = self.original[1]
+            soft = self.held_floor_bytes if hard == self._res.RLIM_INFINITY else min(self.held_floor_bytes, hard)
         if force or soft != self.limit_bytes:
             self._res.setrlimit(self._res.RLIMIT_DATA, (soft, self.original[1]))
             self.limit_bytes = None if self.grant_bytes is None else soft
@@ -184,13 +221,15 @@ class CpuRlimitLimiter:
             self.start()
         old = self.grant_bytes
         self.grant_bytes = None if grant_bytes is None else int(grant_bytes)
-        self._apply(force=True)
         if old is not None and grant_bytes is not None and grant_bytes < old:
-            self.release_caches()  # freed heap pages still count until trimmed
+            self.release_caches()  # freed heap pages still count until trimmed: trim before the measure
+        self._update_held()
+        self._apply(force=True)
         return self.read()
 
     def refresh(self) -> None:
         if self.original is not None and self.grant_bytes is not None:
+            self._update_held()
             self._apply()
 
     def release_caches(self) -> None:
@@ -213,7 +252,7 @@ class CpuRlimitLimiter:
         """Restore the original limit (tests, shutdown)."""
         if self.original is not None:
             self._res.setrlimit(self._res.RLIMIT_DATA, self.original)
-            self.grant_bytes = self.limit_bytes = None
+            self.grant_bytes = self.limit_bytes = self.held_floor_bytes = self.held_over = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +276,7 @@ class CudaFractionLimiter:
         self.grant_bytes: int | None = None
         self.fraction: float | None = None
         self.started = False
+        self.held_over: int | None = None  # a fraction under what is reserved fails torch's allocations only
 
     @property
     def cuda(self) -> Any:
@@ -308,6 +348,7 @@ class UnenforcedLimiter:
     def __init__(self, reason: str = f"RLIMIT_DATA needs Linux, this is {sys.platform}") -> None:
         self.grant_bytes: int | None = None
         self.reason = reason
+        self.held_over: int | None = None
 
     def start(self) -> None:
         logger.warning("gpubroker: no memory limit (%s): grants are not enforced", self.reason)

@@ -79,6 +79,26 @@ class ItemOOM:
 
 
 @dataclass(frozen=True)
+class HeldOverGrant:
+    """Items not run because the replica holds more than its grant (a grant lowered under what it
+    holds, or a model that grew into the slack and keeps it; ``deployments.enforce``: the limit
+    then stays at what is held + the runtime's slack). Their requests get 503 with Retry-After.
+    The broker lends to a replica that refuses for this when a model idles, escalates a reclaim
+    under it (caches, drain, restart), and the replica restarts itself when it stays held
+    (``deployments.replica.HELD_RESTART_T``)."""
+
+    model: str
+    used_bytes: int  # the replica's resident memory over its baseline
+    grant_bytes: int  # this replica's share of the grant
+
+    def detail(self) -> str:
+        return (
+            f"model '{self.model}' holds {self.used_bytes / MiB:.1f} MiB, over its grant of "
+            f"{self.grant_bytes / MiB:.1f} MiB: it runs no batch until it has the memory or restarts; retry later"
+        )
+
+
+@dataclass(frozen=True)
 class BatchResult:
     outputs: tuple[Any, ...]  # per item, in order: the model's output, or an ItemOOM
     oom_costs: tuple[float, ...] = ()  # costs of batches that OOMed though each of their items then ran
@@ -98,21 +118,28 @@ def run_items(
     grant_bytes: int | None = None,
     on_split: Callable[[int], None] | None = None,
     release: Callable[[], None] = _release_cached_memory,
+    held: Callable[[], Any] = lambda: None,
 ) -> BatchResult:
     """Outputs of ``run_batch`` for every item, in order, splitting batches that run out of memory.
 
     ``cost(item)`` prices an item in the model's unit; ``need_bytes(cost)`` estimates the memory
     a batch of that cost needs (the replica's memory model); ``release()`` gives cached memory
     back before a retry (CUDA's cache, the heap); ``on_split(n)`` is called for each batch of
-    ``n`` items that was split. Errors other than out-of-memory propagate unchanged."""
+    ``n`` items that was split. ``held()``, asked after each out-of-memory error and its release,
+    returns a marker (``HeldOverGrant``) when the process now holds over its grant: then the
+    model runs no more, and every item not yet run gets the marker as its output (its memory
+    would come out of the runtime's slack). Errors other than out-of-memory propagate unchanged."""
     items = list(items)
     costs: list[float] = []
     splits = [0]
+    stop: list[Any] = [None]  # held()'s marker once the process holds over its grant
 
     def run(start: int, chunk: list) -> tuple[list, bool]:
         """(outputs, every item ran)"""
         if not chunk:
             return [], True
+        if stop[0] is not None:
+            return [stop[0]] * len(chunk), False
         oom: BaseException | None = None
         try:
             outputs = list(run_batch(chunk))
@@ -127,6 +154,9 @@ def run_items(
         text = f"{type(oom).__name__}: {oom}"
         del oom  # the failed batch's frames (and tensors) go before the retry
         release()
+        stop[0] = held()
+        if stop[0] is not None:
+            return [stop[0]] * len(chunk), False
         if len(chunk) == 1:
             c = float(cost(chunk[0]))
             return [ItemOOM(start, c, need_bytes(c), attempted_bytes(text), grant_bytes, text)], False
@@ -136,7 +166,7 @@ def run_items(
         mid = len(chunk) // 2
         left, left_ok = run(start, chunk[:mid])
         right, right_ok = run(start + mid, chunk[mid:])
-        if left_ok and right_ok:  # the batch was too big, not one of its items
+        if left_ok and right_ok and stop[0] is None:  # the batch was too big, not one of its items
             costs.append(float(sum(cost(item) for item in chunk)))
         return left + right, left_ok and right_ok
 

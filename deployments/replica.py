@@ -43,11 +43,15 @@ from deployments.items import Item as _Item
 from deployments.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
 from deployments.items import error as _error
 from deployments.next_batch import NextBatchStart
-from deployments.oom import ItemOOM, OomCeiling, need_from_calibration, oom_error
+from deployments.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
+
+
+HELD_RESTART_T = 4  # a replica held over its grant restarts itself after this many transfer_timeout_s
+# (after the broker's escalation of a reclaim, 3 T, so a reclaim always restarts through its own step)
 
 
 def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
@@ -95,6 +99,10 @@ class ModelReplica:
         self.paused = False  # fast-loop pause (memory critical)
         self.reclaim = ReplicaReclaim(model_name, lambda: self.limiter.release_caches(), logger.warning)
         self.waiting = 0  # requests admitted and not answered yet
+        self.running_batches = 0  # batches in the model now (a lowered grant waits for them: _apply)
+        self.enforce_pending = False  # a lowered grant to set once the running batches end
+        self.held_since: float | None = None  # monotonic time the replica was first refused as held over its grant
+        self.held_restart = ""  # why check_health fails: held over its grant past HELD_RESTART_T x T
         self.link = BrokerLink(
             model_name,
             self.replica_id,
@@ -241,7 +249,13 @@ class ModelReplica:
         self._batch.set_batch_wait_timeout_s(max(0.0, new.batch_wait_timeout_s))
         self.gate.wait_s = max(0.0, new.batch_wait_timeout_s)
         if new.grant_bytes != old.grant_bytes or old.version == 0:
-            self._enforce(new)
+            if self.running_batches and new.grant_bytes < old.grant_bytes:
+                # lowered under a running batch, the limit would cut it mid-way (and, on the host,
+                # could leave the runtime beside it nothing): set it when the batch ends
+                self.enforce_pending = True
+            else:
+                self.enforce_pending = False
+                self._enforce(new)
         if new.admit:
             self.paused = False
         self.reclaim.on_settings(new)  # a reclaim's escalation (deployments.reclaim): caches, drain, restart
@@ -302,10 +316,48 @@ class ModelReplica:
                 out.cap,
             )
 
+    def _held_over_grant(self) -> HeldOverGrant | None:
+        """The process holds more than its grant, by the limiter's count (host: VmData, the
+        limit's own) and by the broker's (resident memory over the baseline): the batch is refused
+        before the model, whose next allocation would take the runtime's slack.
+
+        A reclaim or release under it escalates in the broker (caches, drain, restart: 3 T). A
+        replica held over with no such transfer (a model that keeps what it allocates, at its own
+        grant) restarts itself after ``HELD_RESTART_T`` x T: its check_health fails, Serve
+        replaces it, the new process holds nothing."""
+        over = getattr(self.limiter, "held_over", None)
+        grant = self._grant_per_replica(self.settings)
+        if not over or self.mem_used_bytes <= grant:
+            self.held_since = None
+            return None
+        now = time.monotonic()
+        if self.held_since is None:
+            self.held_since = now
+        bound_s = HELD_RESTART_T * self.cfg.broker.transfer_timeout_s
+        if not self.held_restart and now - self.held_since >= bound_s:
+            self.held_restart = (
+                f"model '{self.name}' held {self.mem_used_bytes / 2**20:.1f} MiB over its grant of "
+                f"{grant / 2**20:.1f} MiB for {bound_s:g}s: fail check_health so Serve restarts the replica"
+            )
+            logger.warning("gpubroker replica %s: %s", self.name, self.held_restart)
+        return HeldOverGrant(self.name, int(self.mem_used_bytes), grant)
+
+    def _held_after_oom(self) -> HeldOverGrant | None:
+        """In the batch's thread, after an out-of-memory error: measure again (the limit's floor
+        rises over what is held, so the runtime can allocate) and say whether the model must stop."""
+        try:
+            self.limiter.refresh()
+            self._read_memory()
+            return self._held_over_grant()
+        except MemoryError:  # not even room to measure: stop the model, the next batch measures again
+            grant = self._grant_per_replica(self.settings)
+            return HeldOverGrant(self.name, max(int(self.mem_used_bytes), grant + 1), grant)
+
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
         from deployments.oom import run_items
 
         self._fast_loop()
+        held = self._held_over_grant()
         values = [item.value for item in items]
         cost = sum(item.cost for item in items) if self.token_priced else len(items)
 
@@ -317,7 +369,10 @@ class ModelReplica:
         for item in items:  # they run now: no longer pending in the batcher
             self._settle(item)
         costs = {id(v): float(item.cost) for v, item in zip(values, items)}
+        self.running_batches += 1
         try:
+            if held is not None:  # not run: every item is refused (503, retry later)
+                return [held] * len(items)
             result = await asyncio.to_thread(
                 run_items,
                 self._predict,
@@ -327,6 +382,7 @@ class ModelReplica:
                 grant_bytes=self._grant_per_replica(self.settings),
                 on_split=on_split,
                 release=self.limiter.release_caches,
+                held=self._held_after_oom,
             )
             if result.oom_costs:  # too big for memory as a batch: report it, cap the local batch below it
                 self.delta.oom_costs.extend(result.oom_costs)
@@ -335,12 +391,17 @@ class ModelReplica:
             return list(result.outputs)
         finally:
             exec_s = time.perf_counter() - start
+            self.running_batches -= 1
+            if self.enforce_pending and not self.running_batches:
+                self.enforce_pending = False
+                self._enforce(self.settings)
             self.gate.batch_ended()
             await self.next_start.pump(self._pump, self.gate)  # what waited forms the next batch, started first
-            d = self.delta  # the report may have swapped the delta while the batch ran
-            d.batches.append((float(cost), exec_s * 1000.0))
-            d.batch_requests.append(len(items))
-            d.busy_s += exec_s
+            if held is None:  # a refused batch did not run: no sample for the latency model
+                d = self.delta  # the report may have swapped the delta while the batch ran
+                d.batches.append((float(cost), exec_s * 1000.0))
+                d.batch_requests.append(len(items))
+                d.busy_s += exec_s
 
     @property
     def _released(self) -> int:
@@ -459,6 +520,10 @@ class ModelReplica:
                 logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
                 return _error(500, f"model '{self.name}' failed: {failed!r}")
             outputs = [t.result() for t in tasks]
+            held = next((o for o in outputs if isinstance(o, HeldOverGrant)), None)
+            if held is not None:  # its batch was refused before the model, or stopped after an OOM
+                self.delta.held_refusals += n
+                return self._reject(n, 503, held.detail(), retry_after_s=retry_after)
             oom = next(((i, o) for i, o in enumerate(outputs) if isinstance(o, ItemOOM)), None)
             if oom is not None:  # this input cannot run even alone under the grant; its batch ran
                 self.delta.errors += n
@@ -496,5 +561,7 @@ class ModelReplica:
 
     async def check_health(self) -> None:
         self.reclaim.check_health()  # raises once the broker asked for a restart: Serve replaces us
+        if self.held_restart:
+            raise RuntimeError(self.held_restart)
         if self._report_task.done():  # restart the loop rather than fail the replica
             self._report_task = asyncio.get_running_loop().create_task(self._report_loop())

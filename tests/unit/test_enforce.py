@@ -154,6 +154,76 @@ def test_cpu_limiter_soft_over_baseline_hard_kept_threads_credited():
         lim.set_grant(-1)
 
 
+def test_cpu_limiter_never_sets_soft_under_what_is_held():
+    """A process over its grant (grown into the slack, or a grant lowered under what it holds):
+    soft stays at what is held + slack (else every allocation of the process fails, the runtime's
+    too), lowered as the process frees, never raised, and back to baseline + grant + slack once the
+    process is under its grant."""
+    res = FakeResource()
+    status = {"VmData": 100 * MiB, "VmRSS": 80 * MiB}
+    lim = CpuRlimitLimiter(8 * MiB, resource_mod=res, status=lambda: dict(status), threads=lambda: 1, trim=lambda: None)
+    lim.set_grant(512 * MiB)
+    status["VmData"] += 518 * MiB  # grown 6 MiB into the slack: the runtime would have 2 MiB left
+    lim.refresh()
+    assert lim.held_over == 6 * MiB and res.calls[-1][0] == 618 * MiB + 8 * MiB
+    status["VmData"] -= 218 * MiB  # the model holds 300 MiB of its loan
+    lim.refresh()
+    assert lim.held_over is None and res.calls[-1][0] == 100 * MiB + 512 * MiB + 8 * MiB
+    lim.set_grant(128 * MiB)  # reclaimed under what it holds
+    assert lim.held_over == 172 * MiB
+    assert res.calls[-1][0] == 400 * MiB + 8 * MiB  # not 100 + 128 + 8: the runtime keeps its slack
+    status["VmData"] += 4 * MiB  # the runtime took some of the slack: the floor is not raised
+    lim.refresh()
+    assert res.calls[-1][0] == 400 * MiB + 8 * MiB and lim.held_over == 176 * MiB
+    status["VmData"] -= 104 * MiB  # the model freed some: the floor follows down
+    lim.refresh()
+    assert res.calls[-1][0] == 300 * MiB + 8 * MiB and lim.held_over == 72 * MiB
+    status["VmData"] = 100 * MiB + 100 * MiB  # under the grant: the grant's limit again
+    lim.refresh()
+    assert lim.held_over is None and res.calls[-1][0] == 100 * MiB + 128 * MiB + 8 * MiB
+    status["VmData"] = 100 * MiB + 300 * MiB
+    lim.set_grant(64 * MiB)
+    assert lim.held_over == 236 * MiB
+    lim.set_grant(512 * MiB)  # raised over what is held: the floor goes
+    assert lim.held_over is None and res.calls[-1][0] == 100 * MiB + 512 * MiB + 8 * MiB
+    lim.set_grant(64 * MiB)
+    lim.set_grant(None)
+    assert lim.held_over is None and res.calls[-1] == (-1, -1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA is enforced on Linux")
+def test_a_grant_lowered_under_held_memory_leaves_the_runtime_its_slack():
+    result = run_child("""
+        import json, resource
+        import numpy as np
+        from deployments.enforce import CpuRlimitLimiter
+        MiB = 1024 ** 2
+        lim = CpuRlimitLimiter(slack_bytes=16 * MiB)
+        lim.start()
+        lim.set_grant(256 * MiB)
+        held = [np.ones(8 * MiB, dtype=np.uint8) for _ in range(12)]  # 96 MiB the model keeps
+        lim.set_grant(32 * MiB)
+        out = {"held_over": lim.held_over, "soft_over_vmdata": resource.getrlimit(resource.RLIMIT_DATA)[0]
+               - lim._status()["VmData"]}
+        runtime = bytearray(4 * MiB)  # the runtime's own next allocation, under the slack
+        out["runtime_ok"] = len(runtime) == 4 * MiB
+        try:
+            more = np.ones(64 * MiB, dtype=np.uint8)
+            out["more"] = "ran"
+        except MemoryError:
+            out["more"] = "refused"
+        del held, runtime
+        lim.refresh()
+        out["after_free"] = lim.held_over
+        out["soft_after"] = resource.getrlimit(resource.RLIMIT_DATA)[0] - lim.soft_for(32 * MiB)
+        print(json.dumps(out))
+    """)
+    assert 60 * MiB <= result["held_over"] <= 100 * MiB
+    assert 8 * MiB <= result["soft_over_vmdata"] <= 16 * MiB
+    assert result["runtime_ok"] and result["more"] == "refused"
+    assert result["after_free"] is None and result["soft_after"] == 0
+
+
 def test_make_limiter_picks_the_mechanism():
     assert isinstance(make_limiter("cpu"), CpuRlimitLimiter if sys.platform.startswith("linux") else UnenforcedLimiter)
     cuda = make_limiter("cuda:1")

@@ -131,3 +131,21 @@ def test_a_loan_that_would_not_raise_the_borrowers_ceiling_is_not_made():
         d.step({"a": _calibrated("a", **BUSY), "b": _lender(**missed)})
     assert not _lends(d)
     assert d.grant("a") == d.grant("b") == 3 * GiB
+
+
+def test_a_model_refusing_requests_while_it_holds_over_its_grant_borrows():
+    """A replica holding over its grant runs no batch (``held_over``: its batches never reach the
+    ceiling, it has no backlog, it is not busy). It is pressed nonetheless, and not quiet: it
+    borrows from an idle model what it holds plus its wanted batch."""
+    assert pressed(load("a", max_batch=0.0, queue_depth=0, held_over=True), SPEC, 35) is None
+    d = _two_models()
+    held = dict(arrival_rate_rps=50.0, busy_frac=0.0, queue_depth=0, max_batch=0.0, mem_used_bytes=3200 * MiB)
+    for _ in range(10):  # the same load without the refusals: not pressed, nothing lent
+        d.step({"a": _calibrated("a", **held), "b": _lender()})
+    assert not _lends(d)
+    for _ in range(10):
+        d.step({"a": _calibrated("a", held_over=True, **held), "b": _lender()})
+    lends = _lends(d)
+    assert [(m.donor, m.recipient) for m in lends] == [("b", "a")]
+    assert "refusing requests: it holds 3.1GiB, over its grant" in lends[0].reason
+    assert d.grant("a") > 3200 * MiB

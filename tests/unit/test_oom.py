@@ -10,7 +10,16 @@ from broker.core import BrokerCore
 from broker.memory_model import MemoryModel
 from broker.types import ModelLoad
 from deployments.models import EmulatedOOM
-from deployments.oom import OOM_STATUS, BatchResult, ItemOOM, ItemOutOfMemory, attempted_bytes, run_items, split_retry
+from deployments.oom import (
+    OOM_STATUS,
+    BatchResult,
+    HeldOverGrant,
+    ItemOOM,
+    ItemOutOfMemory,
+    attempted_bytes,
+    run_items,
+    split_retry,
+)
 
 MiB = 1024**2
 
@@ -73,6 +82,36 @@ def test_every_item_oversize_fails_each_alone_without_lowering_the_ceiling():
     result = run_items(fake_predict(0, []), [1, 2, 3], release=lambda: None)
     assert [o.index for o in result.failed] == [0, 1, 2]
     assert result.oom_costs == ()
+
+
+def test_an_oom_that_leaves_the_process_over_its_grant_stops_the_model():
+    """A model that keeps what it allocates: after its first OOM the process holds over its grant,
+    so the model runs no more (its next allocation would come out of the runtime's slack): every
+    item gets held()'s marker, no retry runs, and no batch cost is learnt from it."""
+    calls: list[int] = []
+    marker = HeldOverGrant("hog", 300 * MiB, 256 * MiB)
+    asked = []
+
+    def held():
+        asked.append(1)
+        return marker
+
+    result = run_items(fake_predict(3, calls), list(range(8)), release=lambda: None, held=held)
+    assert calls == [8] and asked == [1]
+    assert result.outputs == (marker,) * 8 and result.oom_costs == () and result.failed == ()
+    # held() says no: the usual split and retry
+    result = run_items(fake_predict(3, calls), list(range(8)), release=lambda: None, held=lambda: None)
+    assert list(result.outputs) == [i * 10 for i in range(8)]
+    # the process goes over its grant part-way: what ran keeps its output, the rest gets the marker
+    states = iter([None, marker])
+    calls.clear()
+    result = run_items(fake_predict(3, calls), list(range(8)), release=lambda: None, held=lambda: next(states))
+    assert calls == [8, 4] and result.outputs == (marker,) * 8
+    states = iter([None, None, marker])
+    calls.clear()
+    result = run_items(fake_predict(1, calls), list(range(4)), release=lambda: None, held=lambda: next(states))
+    assert calls == [4, 2, 1, 1, 2] and result.outputs[:2] == (0, 10) and result.outputs[2:] == (marker, marker)
+    assert "over its grant of 256.0 MiB" in marker.detail()
 
 
 def test_oom_costs_count_batches_too_big_as_batches():
