@@ -60,7 +60,16 @@ class StatsDelta:
     def merge(self, older: StatsDelta) -> None:
         """Fold an unsent older delta into this one (the broker was unreachable)."""
         self.started_s = min(self.started_s, older.started_s)
-        for name in ("arrivals", "completions", "rejections", "timeouts", "errors", "oom_splits", "emergency_shrinks", "held_refusals"):
+        for name in (
+            "arrivals",
+            "completions",
+            "rejections",
+            "timeouts",
+            "errors",
+            "oom_splits",
+            "emergency_shrinks",
+            "held_refusals",
+        ):
             setattr(self, name, getattr(self, name) + getattr(older, name))
         for ms in older.latency_ms:
             self.add_latency(ms)
