@@ -143,9 +143,8 @@ def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> str | None
     A batch cap that wants more than the grant holds is not a need by itself (with lazy
     formation every model wants a large cap). A borrower must be held back by its memory now:
     its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
-    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or a replica
-    refuses requests because it holds over its grant (``held_over``): no batch runs until it has
-    the memory (or restarts, ``deployments.replica.HELD_RESTART_T``)."""
+    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or it
+    refuses requests because it holds over its grant (``held_over``: it runs no batch)."""
     if ceiling is None:  # memory does not limit its batch
         return "memory does not limit its batch"
     if load.held_over:
@@ -405,8 +404,7 @@ def plan_quota(
         wanted = need(name)
         if wanted is None or idle(name):
             continue
-        held = loads[name].held_over
-        if held:  # refusing requests while it holds over its grant: what it holds + its wanted batch
+        if held := loads[name].held_over:  # refusing requests, it holds over its grant: that + its batch
             wanted = min(config.models[name].quota.max, loads[name].mem_used_bytes + wanted)
         deficit = wanted - ledger.grant(name) - ledger.incoming_bytes(name)
         if deficit < dust:
