@@ -124,3 +124,9 @@ def test_reclaim_under_a_holding_borrower_returns_the_base(fleet):
     assert [d for d in entries if d["kind"] == "register" and d.get("model") == "hog" and d["time_s"] >= restart_s], (
         "no hog replica registered after the restart"
     )
+    # and hog's first worker lived until then: held over its grant it ran no batch, so the runtime
+    # kept its slack (before 2026-12-02 the worker exited at its limit and re-registered early)
+    early = [
+        d["time_s"] for d in entries if d["kind"] == "register" and d.get("model") == "hog" and d["time_s"] < restart_s
+    ]
+    assert len(early) == 1, f"hog registered {len(early)} times before the restart step"
