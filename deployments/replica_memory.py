@@ -93,8 +93,9 @@ class ReplicaMemory:
 
         A reclaim or release under it escalates in the broker (caches, drain, restart: 3 T). A
         replica held over with no such transfer (a model that keeps what it allocates, at its own
-        grant) restarts itself after ``HELD_RESTART_T`` x T: its check_health fails, Serve
-        replaces it, the new process holds nothing."""
+        grant) restarts itself once its batches have been refused for ``HELD_RESTART_T`` x T (it
+        is checked as batches come): its check_health fails from then on (sticky, as the broker's
+        restart), Serve replaces it, the new process holds nothing."""
         over = getattr(self.limiter, "held_over", None)
         grant = self._grant_per_replica(self.settings)
         if not over or self.mem_used_bytes <= grant:
@@ -106,8 +107,8 @@ class ReplicaMemory:
         bound_s = HELD_RESTART_T * self.cfg.broker.transfer_timeout_s
         if not self.held_restart and now - self.held_since >= bound_s:
             self.held_restart = (
-                f"model '{self.name}' held {self.mem_used_bytes / 2**20:.1f} MiB over its grant of "
-                f"{grant / 2**20:.1f} MiB for {bound_s:g}s: fail check_health so Serve restarts the replica"
+                f"model '{self.name}' holds {self.mem_used_bytes / 2**20:.1f} MiB, over its grant of "
+                f"{grant / 2**20:.1f} MiB, for {bound_s:g}s: fail check_health so Serve restarts the replica"
             )
             logger.warning("gpubroker replica %s: %s", self.name, self.held_restart)
         return HeldOverGrant(self.name, int(self.mem_used_bytes), grant)

@@ -1,5 +1,5 @@
-"""A replica that holds more than a grant lowered under it runs no batch, and a grant lowered
-while a batch runs is set when the batch ends (deployments/replica.py).
+"""A replica that holds more than its grant runs no batch (and restarts itself when that lasts),
+and a grant lowered while a batch runs is set when the batch ends (deployments/replica.py).
 
 In-process (no Ray cluster): Serve's own ``@serve.batch`` batcher, a real ``BrokerCore`` behind a
 ``CoreLink``. The limiter is a FAKE (a replica built outside Serve sets no OS limit: it would
@@ -123,7 +123,7 @@ def test_a_replica_holding_over_its_lowered_grant_refuses_batches_before_the_mod
         await r.check_health()  # held, not yet for long
         r.held_since -= HELD_RESTART_T * r.cfg.broker.transfer_timeout_s  # held for the bound
         assert (await r.infer([{"x": 9}]))["status"] == 503
-        with pytest.raises(RuntimeError, match="over its grant of 256.0 MiB for .*Serve restarts"):
+        with pytest.raises(RuntimeError, match="over its grant of 256.0 MiB, for .*Serve restarts"):
             await r.check_health()
         r.held_restart = ""  # (the restart's own test ends here; the rest is the same replica)
         used[0] = 200 * MIB  # resident memory under the grant (what the broker confirms on): it runs
