@@ -57,6 +57,7 @@ def _stream(seed: int, names: list[str]):
                     mem_peak_bytes=rng.randint(0, 10**8),
                     oom_costs=(float(rng.randint(1, 9)),) if rng.random() < 0.05 else (),
                     emergency_shrinks=int(rng.random() < 0.1),
+                    held_refusals=rng.randint(1, 5) if rng.random() < 0.1 else 0,
                     settings_version=rng.randint(0, 5),
                 )
             )
@@ -108,6 +109,7 @@ def _refold(
         "max_batch": max((c for _, r in inside for c, _ in r.batches), default=0.0),
         "batch_timings": tuple(timings),
         "emergency": any(r.emergency_shrinks > 0 for t, r in inside if t > since),
+        "held_over": any(r.held_refusals > 0 for t, r in inside if t > since),
         "oom_costs": tuple(c for _, r in inside for c in r.oom_costs),
     }
 
