@@ -92,8 +92,9 @@ class MemoryLimiter(Protocol):
     def set_grant(self, grant_bytes: int | None) -> LimitReading:
         """Limit the model to ``grant_bytes`` (None lifts the limit); a shrink releases caches."""
 
-    def refresh(self) -> None:
-        """Cheap, per batch: keep the limit right as the runtime changes (cpu: thread stacks)."""
+    def refresh(self, after_oom: bool = False) -> None:
+        """Cheap, per batch: keep the limit right as the runtime changes (cpu: thread stacks);
+        ``after_oom``: the model was just refused, measure whether the process holds over its grant."""
 
     def release_caches(self) -> None:
         """Give freed memory back to the OS / the device (after a shrink or an OOM)."""
@@ -184,7 +185,9 @@ class CpuRlimitLimiter:
 
     def _update_held(self) -> None:
         """Measure whether the process holds over its grant (lowered under what it held, or grown
-        into the slack), after every grant and every batch.
+        into the slack): after every grant change and every out-of-memory error, and after every
+        batch while it holds over (a process that has not been refused cannot have starved the
+        runtime: its last allocation fit under the limit with the slack).
 
         A soft limit at or under VmData refuses every allocation of the process, the runtime's
         included: on 2026-12-02 Ray's output serializer then failed and the worker exited (a
@@ -227,9 +230,10 @@ class CpuRlimitLimiter:
         self._apply(force=True)
         return self.read()
 
-    def refresh(self) -> None:
+    def refresh(self, after_oom: bool = False) -> None:
         if self.original is not None and self.grant_bytes is not None:
-            self._update_held()
+            if after_oom or self.held_floor_bytes is not None:
+                self._update_held()
             self._apply()
 
     def release_caches(self) -> None:
@@ -315,7 +319,7 @@ class CudaFractionLimiter:
             self.release_caches()
         return self.read()  # the re-measure
 
-    def refresh(self) -> None:
+    def refresh(self, after_oom: bool = False) -> None:
         return None
 
     def release_caches(self) -> None:
@@ -357,7 +361,7 @@ class UnenforcedLimiter:
         self.grant_bytes = grant_bytes
         return self.read()
 
-    def refresh(self) -> None:
+    def refresh(self, after_oom: bool = False) -> None:
         return None
 
     def release_caches(self) -> None:

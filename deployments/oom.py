@@ -166,7 +166,7 @@ def run_items(
         mid = len(chunk) // 2
         left, left_ok = run(start, chunk[:mid])
         right, right_ok = run(start + mid, chunk[mid:])
-        if left_ok and right_ok and stop[0] is None:  # the batch was too big, not one of its items
+        if left_ok and right_ok:  # the batch was too big, not one of its items
             costs.append(float(sum(cost(item) for item in chunk)))
         return left + right, left_ok and right_ok
 

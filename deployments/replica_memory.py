@@ -117,7 +117,7 @@ class ReplicaMemory:
         """In the batch's thread, after an out-of-memory error: measure again (the limit's floor
         rises over what is held, so the runtime can allocate) and say whether the model must stop."""
         try:
-            self.limiter.refresh()
+            self.limiter.refresh(after_oom=True)
             self._read_memory()
             return self._held_over_grant()
         except MemoryError:  # not even room to measure: stop the model, the next batch measures again

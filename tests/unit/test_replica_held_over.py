@@ -72,7 +72,7 @@ class FakeLimiter:
         self.grants.append(grant_bytes)
         return None
 
-    def refresh(self):
+    def refresh(self, after_oom=False):
         return None
 
     def release_caches(self):
