@@ -186,8 +186,8 @@ class CpuRlimitLimiter:
     def _update_held(self) -> None:
         """Measure whether the process holds over its grant (lowered under what it held, or grown
         into the slack): after every grant change and every out-of-memory error, and after every
-        batch while it holds over (a process that has not been refused cannot have starved the
-        runtime: its last allocation fit under the limit with the slack).
+        batch while it holds over (a model grows into the slack until an allocation is refused,
+        and the refusal is when it is measured; docs/ENFORCEMENT.md says what that misses).
 
         A soft limit at or under VmData refuses every allocation of the process, the runtime's
         included: on 2026-12-02 Ray's output serializer then failed and the worker exited (a
