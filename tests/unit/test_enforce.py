@@ -164,7 +164,7 @@ def test_cpu_limiter_never_sets_soft_under_what_is_held():
     lim = CpuRlimitLimiter(8 * MiB, resource_mod=res, status=lambda: dict(status), threads=lambda: 1, trim=lambda: None)
     lim.set_grant(512 * MiB)
     status["VmData"] += 518 * MiB  # grown 6 MiB into the slack: the runtime would have 2 MiB left
-    lim.refresh()  # a batch that was not refused: not measured (its last allocation fit with the slack)
+    lim.refresh()  # after a batch that nothing refused: not measured
     assert lim.held_over is None and res.calls[-1][0] == 100 * MiB + 512 * MiB + 8 * MiB
     lim.refresh(after_oom=True)  # the model was refused: measured
     assert lim.held_over == 6 * MiB and res.calls[-1][0] == 618 * MiB + 8 * MiB
