@@ -210,7 +210,7 @@ class CpuRlimitLimiter:
     def _apply(self, force: bool = False) -> None:
         assert self.original is not None
         soft = self.soft_for(self.grant_bytes)
-        if self.grant_bytes is not None and self.held_floor_bytes is not None and soft < self.held_floor_bytes:
+        if self.held_floor_bytes is not None and soft < self.held_floor_bytes:  # (None whenever grant is None)
             hard = self.original[1]
             soft = self.held_floor_bytes if hard == self._res.RLIM_INFINITY else min(self.held_floor_bytes, hard)
         if force or soft != self.limit_bytes:

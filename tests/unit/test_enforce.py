@@ -68,7 +68,7 @@ def test_torch_allocation_past_the_limit_raises_and_raising_the_limit_lets_it_ru
         out["after_raise_ok"] = int(t.max()) == 1 and t.numel() == 128 * MiB
         out["used_over_grant"] = lim.read().used_bytes > 64 * MiB
         del t
-        lim.set_grant(32 * MiB)  # a shrink under what is held is allowed: later allocations fail
+        lim.set_grant(32 * MiB)  # a shrink (the 128 MiB were freed): an allocation over the new grant fails
         try:
             torch.ones(64 * MiB, dtype=torch.uint8)
             out["after_shrink"] = "ran"
