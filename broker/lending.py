@@ -55,11 +55,10 @@ base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from broker.latency_model import LatencyFit
+from broker.lending_need import peak_batch, pressed
 from broker.memory_model import MemoryModel
 from broker.state import BatchWant, ModelState
 from broker.types import FleetSnapshot, ModelLoad, QuotaMove
@@ -69,10 +68,6 @@ from quotas.holding import measured_free_bytes
 from quotas.ledger import LedgerError, QuotaLedger, Transfer
 from quotas.sizes import format_size
 
-# a lender keeps its peak memory x control.working_set_margin (a config tuning constant)
-# a lender lowered to batch b must keep its window's P99, scaled to b, within this share of its SLO:
-# the window is a sample, and the tail the lender has not seen yet needs room too
-LEND_TAIL_FRAC = 0.7
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
 
 
@@ -111,56 +106,6 @@ class ConfirmGate:
     why: str
 
 
-def peak_batch(load: ModelLoad, spec: ModelSpec, fit: LatencyFit | None) -> int:
-    """The smallest batch a lender may be lowered to: what its own demand at the window's peak
-    needs within its SLO (a lender keeps the memory for it, up to its base).
-
-    The window's peak ran batches of up to ``max_batch`` (``peak``). A model that missed its SLO
-    in the window (attainment under 1) needed all of them. Otherwise a smaller batch ``b`` is
-    enough when the window's P99 stays within the SLO at the rate ``b`` drains a queue: a queue
-    of requests takes ``L(b) / b`` per request instead of ``L(peak) / peak`` (the latency fit;
-    with none, ``1 / b``: no fixed cost to share, the largest slowdown), so the P99 scales by
-    their ratio. No latency samples in the window: the floor."""
-    floor = max(1, spec.batch.floor)
-    peak = max(floor, math.ceil(load.max_batch))
-    if load.attainment is not None and load.attainment < 1.0:
-        return peak
-    if load.p99_ms is None or load.latency_samples == 0:
-        return floor
-
-    def per_request_ms(b: int) -> float:
-        return (fit.predict_ms(b) if fit is not None else 1.0) / b
-
-    for b in range(floor, peak):
-        if load.p99_ms * per_request_ms(b) / per_request_ms(peak) <= LEND_TAIL_FRAC * spec.slo_p95_ms:
-            return b
-    return peak
-
-
-def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> str | None:
-    """Why a model that wants more memory should not borrow it (None: it should).
-
-    A batch cap that wants more than the grant holds is not a need by itself (with lazy
-    formation every model wants a large cap). A borrower must be held back by its memory now:
-    its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
-    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or it
-    refuses requests because it holds over its grant (``held_over``: it runs no batch)."""
-    if ceiling is None:  # memory does not limit its batch
-        return "memory does not limit its batch"
-    if load.held_over:
-        return None
-    if load.max_batch < ceiling:
-        return f"its biggest batch in the window ({load.max_batch:.0f}) is under its memory ceiling {ceiling}"
-    backlog = load.queue_depth > ceiling * max(1, load.replicas)
-    late = load.recent_p95_ms is not None and load.recent_p95_ms > spec.slo_p95_ms
-    if not (backlog or late):
-        return (
-            f"not behind (queue {load.queue_depth:.0f}, recent P95 "
-            f"{0.0 if load.recent_p95_ms is None else load.recent_p95_ms:.0f} ms within its SLO {spec.slo_p95_ms:g} ms)"
-        )
-    return None
-
-
 def min_move_bytes(ledger: QuotaLedger) -> int:
     """Moves smaller than this are dust: not worth a transfer."""
     return max(4 * 1024**2, ledger.usable_bytes // 256)
@@ -187,6 +132,29 @@ def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float)
     if old:
         return ConfirmGate(False, used, 0.0, f"not yet on settings v{version}: {', '.join(old)}")
     return ConfirmGate(True, used, min(r.last_report_s for r in seen), f"{len(seen)} replicas reported on v{version}")
+
+
+# Per config, the models in the planner's orders (they change only with the config; a tick of a
+# fleet of many cards asks them of every card's config). Keyed on the config object, kept alive
+# here so its id is not reused.
+_Order = tuple[tuple[str, ModelSpec], ...]
+_ORDERS: dict[int, tuple[FleetConfig, tuple[_Order, _Order]]] = {}
+
+
+def _orders(config: FleetConfig) -> tuple[_Order, _Order]:
+    """The models by priority (ties in config order), and by priority then name."""
+    hit = _ORDERS.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    items = list(config.models.items())
+    orders = (
+        tuple(sorted(items, key=lambda kv: -kv[1].priority)),
+        tuple(sorted(items, key=lambda kv: (-kv[1].priority, kv[0]))),
+    )
+    if len(_ORDERS) >= 64:
+        _ORDERS.clear()
+    _ORDERS[id(config)] = (config, orders)
+    return orders
 
 
 def plan_quota(
@@ -328,8 +296,11 @@ def plan_quota(
             lent[donor] = now_s
         moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
-    def grow(name: str, amount: int, kind: str, why: str) -> int:
-        amount = min(amount, ledger.free_bytes, ledger.headroom_bytes(name))
+    def grow(name: str, amount: int, kind: str, why: str | Callable[[], str]) -> int:
+        """``why``: the move's reason, or a function that writes it (called only when there is a move)."""
+        amount = min(amount, ledger.free_bytes)
+        if amount > 0:
+            amount = min(amount, ledger.headroom_bytes(name))
         if amount > 0:  # the measured bound last: it sums over every model
             amount = min(amount, measured_free_bytes(ledger, used))
         if amount <= 0:
@@ -339,11 +310,12 @@ def plan_quota(
         except LedgerError as exc:
             notes.append(f"grow {name} refused: {exc}")
             return 0
-        moves.append(QuotaMove(kind, None, name, amount, why))
+        moves.append(QuotaMove(kind, None, name, amount, why if isinstance(why, str) else why()))
         return amount
 
     # 4. reclaim base for owners whose load is back
-    for owner, spec in sorted(config.models.items(), key=lambda kv: -kv[1].priority):
+    by_priority, by_priority_name = _orders(config)
+    for owner, spec in by_priority:
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short < dust or idle(owner) or busy_for(owner) < spec.control.reclaim_hold_s:
             continue
@@ -399,8 +371,7 @@ def plan_quota(
             )
 
     # 6. lend to memory-bound busy models
-    order = sorted(config.models, key=lambda n: (-config.models[n].priority, n))
-    for name in order:
+    for name, _spec in by_priority_name:
         wanted = need(name)
         if wanted is None or idle(name):
             continue
@@ -410,17 +381,21 @@ def plan_quota(
         if deficit < dust:
             continue
         want = wants[name]
-        why = (
-            (
+
+        def wants_why(
+            name: str = name, want: BatchWant = want, wanted: int = wanted, grant: int = ledger.grant(name)
+        ) -> str:  # written only when a move needs it
+            if name in (need_bytes or {}):
+                return f"{name} engine wants {format_size(wanted)}, grant {format_size(grant)}"
+            return (
                 f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
-                f"grant {format_size(ledger.grant(name))}"
+                f"grant {format_size(grant)}"
             )
-            if name not in (need_bytes or {})
-            else (f"{name} engine wants {format_size(wanted)}, grant {format_size(ledger.grant(name))}")
-        )
-        deficit -= grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
+
+        deficit -= grow(name, deficit, MoveKind.GROW, lambda: wants_why() + ": from the free pool")
         if deficit < dust:
             continue
+        why = wants_why()
         if name not in (need_bytes or {}):
             holds = ledger.grant(name) + ledger.incoming_bytes(name)
             ceiling = mm(name).cap_for(holds / replicas(name))
@@ -458,7 +433,7 @@ def plan_quota(
                 f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}",
             )
     # 7. top owners under base back up from memory nobody needs this tick
-    for owner, spec in sorted(config.models.items(), key=lambda kv: (-kv[1].priority, kv[0])):
+    for owner, spec in by_priority_name:
         short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
         if short >= dust and ledger.free_bytes >= dust:
             grow(
