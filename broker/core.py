@@ -1,16 +1,14 @@
 """The broker core: everything the broker does, without Ray.
 
-``BrokerCore`` takes the clock (and metrics, checkpoint path) as arguments, so the same
-object runs inside the Ray actor (``broker.actor``), in unit tests on a fake clock and in the
-simulator (``bench.sim``) on its virtual clock. Replicas (or the simulator's emulated
-replicas) call ``register`` once and ``report`` every report interval, and get their settings
-back in the reply; ``tick`` runs one slow-loop step; ``apply`` swaps the config; ``status``
-is the JSON-safe view.
+``BrokerCore`` takes the clock (and metrics, checkpoint path) as arguments, so the same object runs inside the
+Ray actor (``broker.actor``), in unit tests on a fake clock and in the simulator (``bench.sim``) on its
+virtual clock. Replicas (or the simulator's emulated replicas) call ``register`` once and ``report`` every
+report interval, and get their settings back in the reply; ``tick`` runs one slow-loop step; ``apply`` swaps
+the config; ``status`` is the JSON-safe view.
 
-Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.policy.decide`` ->
-versioned settings table (a model's version bumps only when its settings change) ->
-checkpoint (``broker.checkpoint``) -> decision log (bounded; one entry and one log line
-per change, with its inputs, result and reason).
+Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.policy.decide`` -> versioned settings table (a
+model's version bumps only when its settings change) -> checkpoint (``broker.checkpoint``) -> decision log
+(bounded; one entry and one log line per change, with its inputs, result and reason).
 
 ``status()`` returns a JSON-safe dict::
 
@@ -128,6 +126,7 @@ class BrokerCore:
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
         self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.idle_memo)
+        self._settings_from: dict[str, tuple[Any, tuple[int, int, int], ModelSettings]] = {}
         self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.llm_window)
         for name in cfg.models:
             self._tallies.setdefault(name, Tallies())
@@ -140,6 +139,17 @@ class BrokerCore:
     def _policy_settings(self, state: Any, name: str) -> ModelSettings:
         """The policy's versioned settings (its version numbers gate two-phase confirms)."""
         return self._llm.with_engine(policy.settings_for(state, name, self._cfg))
+
+    def _tick_settings(self, state: Any, name: str) -> ModelSettings:
+        """``_policy_settings``; the same object while the model's (frozen) state, grant and flags are."""
+        ms, got = state.models[name], self._settings_from.get(name)
+        key = (state.ledger.grant(name), state.reclaim_steps.get(name, 0), state.restart_tokens.get(name, 0))
+        if got is not None and got[0] is ms and got[1] == key:
+            return got[2]
+        new = self._policy_settings(state, name)
+        if self._cfg.models[name].kind != "llm":  # an engine's settings carry its bounds: built every tick
+            self._settings_from[name] = (ms, key, new)
+        return new
 
     def _restore(self) -> bool:
         if self._checkpoint is None:
@@ -286,10 +296,10 @@ class BrokerCore:
             if name not in self._settings:
                 continue
             old = self._settings[name]
-            new = self._policy_settings(new_state, name)
-            if md.changed or settings_view(new) != settings_view(old):
+            new = self._tick_settings(new_state, name)
+            if md.changed or (new is not old and settings_view(new) != settings_view(old)):
                 self._append(*settings_entry(now, name, old, new, md, snap.models.get(name), dry))
-            if new != old and not dry:
+            if new is not old and new != old and not dry:
                 self._settings[name] = new  # version from the policy: bumps only on change
                 changed.append(name)
         for move in decision.moves:
