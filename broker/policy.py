@@ -287,14 +287,18 @@ def decide(
     )
     ledger, moves = plan.ledger, plan.moves
     notes.extend(plan.notes)
-    flags_now = evolve(state, ledger=ledger, reclaim_steps=plan.reclaim_steps, restart_tokens=plan.restart_tokens)
+    # each model's reclaim flags before and after this tick as (step up to 2, restart token): the
+    # same facts as _quota_flags' settings (steps 2 and 3 both release caches and drain)
+    steps_was, tokens_was = state.reclaim_steps, state.restart_tokens
+    steps_now, tokens_now = plan.reclaim_steps, plan.restart_tokens
 
     decisions: dict[str, ModelDecision] = {}
     for name, spec in config.models.items():
         ms, want = new_states[name], wants[name]
         grant = ledger.grant(name)
         known = name in state.ledger.quotas
-        flags_was, flags = _quota_flags(state, name), _quota_flags(flags_now, name)
+        flags_was = (min(2, steps_was.get(name, 0)), tokens_was.get(name, 0))
+        flags = (min(2, steps_now.get(name, 0)), tokens_now.get(name, 0))
         entry = entries.get(name)
         after = (grant, state.ledger.grant(name), flags_was, flags) if entry is not None and known else None
         if entry is not None and after is not None and entry.after == after and entry.final is not None:

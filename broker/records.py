@@ -49,6 +49,10 @@ def build(cls, **values):  # noqa: ANN001, ANN201 - a frozen, validation-free da
             frozenset(f.name for f in fields),
         )
     defaults, required, names = shape
+    if len(values) == len(names) and values.keys() <= names:  # every field given: no default to fill
+        new = object.__new__(cls)
+        object.__setattr__(new, "__dict__", values)  # the call's own keyword dict, nobody else holds it
+        return new
     if not values.keys() <= names or not required <= values.keys():
         raise TypeError(
             f"{cls.__name__}: unknown {sorted(values.keys() - names)}, missing {sorted(required - values.keys())}"

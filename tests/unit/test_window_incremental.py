@@ -7,6 +7,7 @@ live replicas, nearest-rank percentiles, ``broker.attainment``), one report at a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -192,6 +193,16 @@ def test_build_is_the_constructor_without_init():
         build(ModelLoad, name="a", queue_dept=3.0)
     with pytest.raises(AttributeError):  # still frozen
         build(ModelLoad, name="a").name = "b"
+    # every field given (the tick's records): the same object, frozen; a misspelt field of the
+    # same count is still refused
+    every = {f.name: f.default if f.default is not dataclasses.MISSING else "a" for f in dataclasses.fields(ModelLoad)}
+    full, made = build(ModelLoad, **{**every, "queue_depth": 2.0}), ModelLoad(**{**every, "queue_depth": 2.0})
+    assert full == made and hash(full) == hash(made) and full.queue_depth == 2.0
+    with pytest.raises(AttributeError):
+        full.queue_depth = 1.0
+    misspelt = {("queue_dept" if k == "queue_depth" else k): v for k, v in every.items()}
+    with pytest.raises(TypeError, match="unknown"):
+        build(ModelLoad, **misspelt)
 
 
 @pytest.mark.parametrize("seed", range(4))
