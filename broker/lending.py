@@ -395,18 +395,19 @@ def plan_quota(
         deficit -= grow(name, deficit, MoveKind.GROW, lambda: wants_why() + ": from the free pool")
         if deficit < dust:
             continue
-        why = wants_why()
         if name not in (need_bytes or {}):
             holds = ledger.grant(name) + ledger.incoming_bytes(name)
             ceiling = mm(name).cap_for(holds / replicas(name))
-            if pressed(loads[name], config.models[name], ceiling) is not None:
+            if pressed(loads[name], config.models[name], ceiling, explain=False) is not None:
                 continue  # not logged: with lazy formation this is most ticks of most models
-            why += (
+            why = wants_why() + (
                 f", refusing requests: it holds {format_size(loads[name].mem_used_bytes)}, over its grant"
                 if loads[name].held_over
                 else f", behind at its memory ceiling {ceiling} (queue {loads[name].queue_depth:.0f}, recent P95 "
                 f"{loads[name].recent_p95_ms or 0.0:.0f} ms)"
             )
+        else:
+            why = wants_why()
         donors = sorted(
             (n for n in config.models if n != name and idle(n)),
             key=lambda n: (-(ledger.grant(n) - working_set(n)), n),

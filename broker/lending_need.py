@@ -42,23 +42,31 @@ def peak_batch(load: ModelLoad, spec: ModelSpec, fit: LatencyFit | None) -> int:
     return peak
 
 
-def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> str | None:
+NOT_PRESSED = "not pressed"  # ``pressed(..., explain=False)``'s answer for every reason
+
+
+def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None, explain: bool = True) -> str | None:
     """Why a model that wants more memory should not borrow it (None: it should).
 
     A batch cap that wants more than the grant holds is not a need by itself (with lazy
     formation every model wants a large cap). A borrower must be held back by its memory now:
     its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
     its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or it
-    refuses requests because it holds over its grant (``held_over``: it runs no batch)."""
+    refuses requests because it holds over its grant (``held_over``: it runs no batch).
+    ``explain=False``: the same answer, with ``NOT_PRESSED`` for every reason (nothing formatted)."""
     if ceiling is None:  # memory does not limit its batch
-        return "memory does not limit its batch"
+        return "memory does not limit its batch" if explain else NOT_PRESSED
     if load.held_over:
         return None
     if load.max_batch < ceiling:
+        if not explain:
+            return NOT_PRESSED
         return f"its biggest batch in the window ({load.max_batch:.0f}) is under its memory ceiling {ceiling}"
     backlog = load.queue_depth > ceiling * max(1, load.replicas)
     late = load.recent_p95_ms is not None and load.recent_p95_ms > spec.slo_p95_ms
     if not (backlog or late):
+        if not explain:
+            return NOT_PRESSED
         return (
             f"not behind (queue {load.queue_depth:.0f}, recent P95 "
             f"{0.0 if load.recent_p95_ms is None else load.recent_p95_ms:.0f} ms within its SLO {spec.slo_p95_ms:g} ms)"
@@ -66,4 +74,4 @@ def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> str | None
     return None
 
 
-__all__ = ["LEND_TAIL_FRAC", "peak_batch", "pressed"]
+__all__ = ["LEND_TAIL_FRAC", "NOT_PRESSED", "peak_batch", "pressed"]
