@@ -20,7 +20,7 @@ from itertools import chain
 from broker.attainment import attainment
 from broker.records import build
 from broker.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
-from broker.window_fold import _OOM, _Digest, _ModelWindow, percentile
+from broker.window_fold import _OOM, _Digest, _ModelWindow, percentile, tail_percentiles
 from quotas.config import FleetConfig
 
 MIN_INTERVAL_S = 1e-9  # a replica's reports covering less than this say nothing about its rates
@@ -179,6 +179,7 @@ class ReportWindow:
                 reject += acc[2] / iv
                 busy += acc[3] / iv
                 rated += 1
+        p50, p95, p99 = tail_percentiles(latencies)
         return build(  # ModelLoad(...) without the frozen __init__ (broker.records)
             ModelLoad,
             name=name,
@@ -188,9 +189,9 @@ class ReportWindow:
             recent_arrival_rate_rps=recent_rate,
             completion_rate_rps=completion,
             reject_rate_rps=reject + edge_recent / self._rate_s,
-            p50_ms=percentile(latencies, 50),
-            p95_ms=percentile(latencies, 95),
-            p99_ms=percentile(latencies, 99),
+            p50_ms=p50,
+            p95_ms=p95,
+            p99_ms=p99,
             latency_samples=len(latencies),
             recent_p95_ms=percentile(recent, 95),
             recent_samples=len(recent),

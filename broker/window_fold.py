@@ -27,6 +27,19 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[k]
 
 
+def tail_percentiles(sorted_values: list[float]) -> tuple[float | None, float | None, float | None]:
+    """``percentile`` at 50, 95 and 99 in one call (the snapshot asks all three per model)."""
+    n = len(sorted_values)
+    if not n:
+        return None, None, None
+    top = n - 1
+    return (
+        sorted_values[max(0, min(top, math.ceil(0.5 * n - 1e-9) - 1))],
+        sorted_values[max(0, min(top, math.ceil(0.95 * n - 1e-9) - 1))],
+        sorted_values[max(0, min(top, math.ceil(0.99 * n - 1e-9) - 1))],
+    )
+
+
 class _Digest:
     """One report folded once, when it arrives: what every snapshot of its window adds up."""
 

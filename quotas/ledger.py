@@ -253,8 +253,11 @@ class QuotaLedger(TransferOps):
 
     def loan_bytes(self, name: str) -> int:
         """Grant above base: borrowed, revocable."""
-        self._known(name, "loan_bytes")
-        return max(0, self._grants[name] - self._quotas[name].base_bytes)
+        try:  # the planner asks this per model per tick: the error path only on a miss
+            return max(0, self._grants[name] - self._quotas[name].base_bytes)
+        except (KeyError, TypeError):
+            self._known(name, "loan_bytes")
+            raise
 
     def lent_bytes(self, name: str) -> int:
         """Base not held now: lent to others (or released to the pool)."""
@@ -263,14 +266,16 @@ class QuotaLedger(TransferOps):
 
     def incoming_bytes(self, name: str) -> int:
         """Bytes in flight to ``name`` (added to its grant at confirm)."""
-        self._known(name, "incoming_bytes")
+        if not (isinstance(name, str) and name in self._quotas):
+            self._known(name, "incoming_bytes")
         if not self._pending:
             return 0
         return sum(t.amount_bytes for t in self._pending.values() if t.recipient == name)
 
     def outgoing_bytes(self, name: str) -> int:
         """Bytes in flight from ``name`` (already out of its grant; back to it on abort)."""
-        self._known(name, "outgoing_bytes")
+        if not (isinstance(name, str) and name in self._quotas):
+            self._known(name, "outgoing_bytes")
         if not self._pending:
             return 0
         return sum(t.amount_bytes for t in self._pending.values() if t.donor == name)

@@ -238,3 +238,12 @@ def test_met_and_cost_sums_equal_the_sums_over_every_report(seed):
         assert got == want, (step, got, want)
         checked += any(d.active for d in mw.events) and not all(d.active for d in mw.events)
     assert checked > 100  # windows that mix idle and active reports
+
+
+def test_tail_percentiles_are_percentile_at_50_95_99():
+    from broker.window_fold import tail_percentiles
+
+    rng = random.Random(5)
+    for n in list(range(0, 41)) + [99, 100, 101, 1000, 20_000]:
+        values = sorted(rng.uniform(0, 100) for _ in range(n))
+        assert tail_percentiles(values) == tuple(percentile(values, q) for q in (50, 95, 99))
