@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 from broker.lending_need import peak_batch, pressed
 from broker.memory_model import MemoryModel
+from broker.object_memo import MISS, ObjectMemo
 from broker.state import BatchWant, ModelState
 from broker.types import FleetSnapshot, ModelLoad, QuotaMove
 from broker.vocab import MoveKind
@@ -134,27 +135,26 @@ def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float)
     return ConfirmGate(True, used, min(r.last_report_s for r in seen), f"{len(seen)} replicas reported on v{version}")
 
 
-# Per config, the models in the planner's orders (they change only with the config; a tick of a
-# fleet of many cards asks them of every card's config). Keyed on the config object, kept alive
-# here so its id is not reused.
+# Per config, the models in the planner's orders: they change only with the config, and a tick of a
+# fleet of many cards asks them of every card's config.
 _Order = tuple[tuple[str, ModelSpec], ...]
-_ORDERS: dict[int, tuple[FleetConfig, tuple[_Order, _Order]]] = {}
+_ORDERS: ObjectMemo[tuple[_Order, _Order]] = ObjectMemo()
 
 
 def _orders(config: FleetConfig) -> tuple[_Order, _Order]:
     """The models by priority (ties in config order), and by priority then name."""
-    hit = _ORDERS.get(id(config))
-    if hit is not None and hit[0] is config:
-        return hit[1]
-    items = list(config.models.items())
-    orders = (
-        tuple(sorted(items, key=lambda kv: -kv[1].priority)),
-        tuple(sorted(items, key=lambda kv: (-kv[1].priority, kv[0]))),
-    )
-    if len(_ORDERS) >= 64:
-        _ORDERS.clear()
-    _ORDERS[id(config)] = (config, orders)
-    return orders
+    found = _ORDERS.get(config, None)
+    if found is MISS:
+        items = list(config.models.items())
+        found = _ORDERS.put(
+            config,
+            None,
+            (
+                tuple(sorted(items, key=lambda kv: -kv[1].priority)),
+                tuple(sorted(items, key=lambda kv: (-kv[1].priority, kv[0]))),
+            ),
+        )
+    return found
 
 
 def plan_quota(

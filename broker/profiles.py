@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
+from broker.object_memo import MISS, ObjectMemo
 from quotas.config import ProfileSpec, ProfilesSection
 
 
@@ -16,24 +17,15 @@ def minute_of_week(now_s: float, timezone: str) -> int:
     return local.weekday() * 1440 + local.hour * 60 + local.minute
 
 
-# The last answer per profiles section: a tick asks for the same (section, time) a few times per
-# card (the core, the policy, the replica targets), and a fleet of many cards asks once per card.
-# Keyed on the section object (kept alive here, so its id is not reused) and the exact time; a
-# config reload brings a new section object, so an answer never outlives its config.
-_LAST: dict[int, tuple[ProfilesSection, float, ProfileSpec]] = {}
-_LAST_MAX = 64
+# A tick asks for the same (section, time) a few times per card (the core, the policy, the replica
+# targets), and a fleet of many cards asks once per card.
+_LAST: ObjectMemo[ProfileSpec] = ObjectMemo()
 
 
 def active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
     """The window containing now (windows never overlap: the config refuses it), else the default."""
-    hit = _LAST.get(id(profiles))
-    if hit is not None and hit[0] is profiles and hit[1] == now_s:
-        return hit[2]
-    found = _active_profile(profiles, now_s)
-    if len(_LAST) >= _LAST_MAX:
-        _LAST.clear()
-    _LAST[id(profiles)] = (profiles, now_s, found)
-    return found
+    found = _LAST.get(profiles, now_s)
+    return _LAST.put(profiles, now_s, _active_profile(profiles, now_s)) if found is MISS else found
 
 
 def _active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
