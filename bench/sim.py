@@ -85,6 +85,7 @@ from bench.sim_workload import ModelArrivals
 from broker.types import ModelSettings
 from deployments.fast_loop import FastLoopParams, params_for
 from deployments.gate import LazyGate
+from deployments.shed import LateShed
 from quotas.config import FleetConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -290,14 +291,22 @@ class Simulator(BatchingMixin):
 
     def _pump(self, rep: SimReplica) -> None:
         """The slot freed: the gate lets up to one cap in; requests that timed out while held
-        were answered 504 by the replica and are dropped."""
-        limit = self.now - rep.timeout_s
-        arr_t, status = self.arr_t, self.status
+        were answered 504 by the replica and are dropped, as are those too late for the SLO
+        (``shed_late``, ``deployments.shed``)."""
+        now = self.now
+        limit = now - rep.timeout_s
+        arr_t, status, shed = self.arr_t, self.status, rep.shed
 
         def alive(i: int) -> bool:
             if arr_t[i] < limit:
                 status[i] = TIMED_OUT
                 rep.st_to += 1
+                rep.held -= 1
+                return False
+            if shed is not None and shed.too_late(now - arr_t[i]):
+                status[i] = TIMED_OUT
+                rep.st_to += 1
+                rep.st_shed += 1
                 rep.held -= 1
                 return False
             return True
@@ -404,13 +413,16 @@ class Simulator(BatchingMixin):
                 rep.max_ongoing = spec.max_ongoing_requests  # as the fleet deploys it
                 if self.gated and spec.control.strategy != "static":
                     rep.gate = LazyGate(max_concurrent_batches=rep.mcb, clock=lambda: self.now)
+                    rep.shed = LateShed(spec.slo_p95_ms / 1000.0) if spec.shed_late else None
                 self._apply(rep, self.broker.register(rep))
                 self._push(rep_iv * (k + 1) / n, EV_REPORT, rep)
             self._push(ctrl, EV_CONTROL)
         else:
             for rep in self.all_reps:
                 if self.gated:
+                    spec = self.config.models[rep.name]
                     rep.gate = LazyGate(max_concurrent_batches=rep.mcb, clock=lambda: self.now)
+                    rep.shed = LateShed(spec.slo_p95_ms / 1000.0) if spec.shed_late else None
                 self._apply(rep, self._static_settings(rep.name))
         self._sample()
         self._push(ctrl, EV_SAMPLE)

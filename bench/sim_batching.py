@@ -240,6 +240,8 @@ class BatchingMixin:
                 lat.append((now - arr_t[i]) * 1000.0)
         rep.st_done += len(b.ids)
         rep.held -= len(b.ids)
+        if rep.shed is not None:
+            rep.shed.batch_ran(now - b.start_t)
         if rep.gate is not None:
             rep.gate.batch_ended()
             self._exec_formed(rep)

@@ -84,6 +84,7 @@ class SimBroker:
             oom_splits=rep.st_oom,
             oom_costs=tuple(rep.st_oom_costs),
             emergency_shrinks=rep.st_emerg,
+            shed=rep.st_shed,
             settings_version=max(0, rep.version),
         )
         rep.seq += 1

@@ -9,6 +9,7 @@ from typing import Any
 
 from bench.sim_profile import Profile
 from deployments.gate import LazyGate
+from deployments.shed import LateShed
 
 START_EPOCH_S = 1_700_000_000.0  # Tue 2023-11-14 22:13 UTC: the default profile's hours
 
@@ -141,6 +142,8 @@ class SimReplica:
         "gate",
         "paused",
         "held",
+        "shed",
+        "st_shed",
     )
 
     def __init__(self, m: int, name: str, rid: str, prof: Profile, spec: Any, pool: MemPool | None = None):
@@ -174,6 +177,7 @@ class SimReplica:
         self.form_cost = 0
         self.formed: deque[list[int]] = deque()  # eager mode: formed batches waiting for a slot
         self.gate: LazyGate[int] | None = None  # the replica's lazy gate (broker arm, lazy formation)
+        self.shed: LateShed | None = None  # shed_late behind the gate (deployments.shed)
         self.paused = False  # the fast loop paused admission
         self.held = 0  # requests admitted and not answered yet (the replica's ``waiting``)
         self._reset_stats()
@@ -188,7 +192,7 @@ class SimReplica:
         self._mem = value
 
     def _reset_stats(self) -> None:
-        self.st_arr = self.st_done = self.st_rej = self.st_to = self.st_err = 0
+        self.st_arr = self.st_done = self.st_rej = self.st_to = self.st_err = self.st_shed = 0
         self.st_lat: list[float] = []
         self.st_batches: list[tuple[float, float]] = []
         self.st_breq: list[int] = []

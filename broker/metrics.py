@@ -40,7 +40,7 @@ logger = logging.getLogger("gpubroker.metrics")
 PREFIX = "gpubroker_"
 
 # Fixed label enumerations: anything else is counted as "other".
-OUTCOMES = ("ok", "rejected", "timeout", "error")
+OUTCOMES = ("ok", "rejected", "timeout", "shed", "error")  # shed: 504 at once, too late for the SLO
 MOVE_KINDS = (
     "lend",
     "reclaim",
@@ -193,7 +193,7 @@ class BrokerMetrics:
         # ---- from replica reports
         self.requests = Counter(
             f"{PREFIX}requests_total",
-            "Requests finished, by outcome (ok, rejected, timeout, error).",
+            "Requests finished, by outcome (ok, rejected, timeout, shed: 504 too late for the SLO, error).",
             mg + ("outcome",),
             registry=r,
         )
@@ -356,7 +356,8 @@ class BrokerMetrics:
         lab = (report.model, self.gpu)
         child = self._child  # a model's series are kept between reports, as between ticks
         child(self.reports, *lab).inc()
-        for outcome, n in zip(OUTCOMES, (report.completions, report.rejections, report.timeouts, report.errors)):
+        counts = (report.completions, report.rejections, report.timeouts - report.shed, report.shed, report.errors)
+        for outcome, n in zip(OUTCOMES, counts):
             series = child(self.requests, *lab, outcome)  # created at 0 so rate() works from the start
             if n > 0:
                 series.inc(n)

@@ -41,6 +41,7 @@ class StatsReport:
     oom_splits: int = 0  # batches split in two after an out-of-memory error
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
     held_refusals: int = 0  # requests refused because the replica holds over its grant (deployments.enforce)
+    shed: int = 0  # of the timeouts, those answered 504 at once: too late for the SLO (deployments.shed)
     settings_version: int = 0  # version of the settings the replica runs now
     card_id: str = ""  # the card the replica was placed on ("" in a one-card fleet)
     oom_costs: tuple[

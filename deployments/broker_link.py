@@ -46,6 +46,7 @@ class StatsDelta:
     oom_splits: int = 0
     emergency_shrinks: int = 0
     held_refusals: int = 0  # requests refused: the replica holds over its grant (deployments.enforce)
+    shed: int = 0  # requests answered 504 at the gate: too late for the SLO (deployments.shed); also in timeouts
     oom_costs: list[float] = field(default_factory=list)  # cost of each batch too big for memory (deployments.oom)
 
     def add_latency(self, ms: float) -> None:
@@ -69,6 +70,7 @@ class StatsDelta:
             "oom_splits",
             "emergency_shrinks",
             "held_refusals",
+            "shed",
         ):
             setattr(self, name, getattr(self, name) + getattr(older, name))
         for ms in older.latency_ms:
@@ -124,6 +126,7 @@ def build_report(
         oom_splits=delta.oom_splits,
         emergency_shrinks=delta.emergency_shrinks,
         held_refusals=delta.held_refusals,
+        shed=delta.shed,
         settings_version=g.settings_version,
         oom_costs=tuple(delta.oom_costs),
         engine=engine,

@@ -46,6 +46,7 @@ from deployments.next_batch import NextBatchStart
 from deployments.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from deployments.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
+from deployments.shed import Late, LateShed
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -118,6 +119,8 @@ class ModelReplica(ReplicaMemory):
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
         # static, or the config says the runtime's own formation is to be left alone.
         self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
+        # shed_late: a request held at the gate that can no longer meet the SLO gets 504 (deployments.shed)
+        self.shed = LateShed(self.spec.slo_p95_ms / 1000.0) if self.spec.shed_late and self.lazy_gate else None
         self.next_start = NextBatchStart(self.lazy_gate and getattr(self, "START_NEXT_FIRST", True))
         # Batches never overlap in one adapter. Validation (in a thread, or inline once measured cheap:
         # deployments.inline_work) is NOT under this lock: it would keep requests out for a whole
@@ -300,6 +303,8 @@ class ModelReplica(ReplicaMemory):
                 self.enforce_pending = False
                 self._enforce(self.settings)
             self.gate.batch_ended()
+            if self.shed is not None and held is None:
+                self.shed.batch_ran(exec_s)
             await self.next_start.pump(self._pump, self.gate)  # what waited forms the next batch, started first
             if held is None:  # a refused batch did not run: no sample for the latency model
                 d = self.delta  # the report may have swapped the delta while the batch ran
@@ -321,9 +326,20 @@ class ModelReplica(ReplicaMemory):
     def _pump(self) -> None:
         """The slot freed: the gate releases up to one cap's worth of held requests, which enter
         Serve's queue in this event-loop turn and form one batch."""
-        for fut, item in self.gate.pump(alive=lambda tok: not tok[0].done()):
+        for fut, item in self.gate.pump(alive=self._alive):
             item.let_in = True
             fut.set_result(None)
+
+    def _alive(self, token: tuple[asyncio.Future, _Item]) -> bool:
+        """Still to be let in: not cancelled, and (shed_late) still able to meet the SLO."""
+        fut, item = token
+        if fut.done():
+            return False
+        waited = time.monotonic() - item.t_in
+        if self.shed is not None and self.shed.too_late(waited):
+            fut.set_result(Late(self.shed.detail(self.name, waited)))
+            return False
+        return True
 
     async def _admit_to_batcher(self, item: _Item) -> Any:
         """Lazy batch formation on Ray 2.60's ``@serve.batch`` (``deployments.gate``): a request
@@ -335,8 +351,8 @@ class ModelReplica(ReplicaMemory):
         try:
             if self.gate.admit((fut, item), item.cost):
                 item.let_in = True
-            else:
-                await fut
+            elif isinstance(late := await fut, Late):
+                return late  # shed at the gate: never reaches the model
             return await self._batch(item)
         except asyncio.CancelledError:
             if item.let_in:  # let in, then cancelled before its batch ran
@@ -404,6 +420,9 @@ class ModelReplica(ReplicaMemory):
             if isinstance(items_or_error, dict):
                 return items_or_error
             self.delta.arrivals += n
+            t_in = time.monotonic() - (time.time() - t0)
+            for item in items_or_error:
+                item.t_in = t_in
             tasks = [asyncio.ensure_future(self._admit_to_batcher(item)) for item in items_or_error]
             # asyncio.wait returns at the deadline even when an item sits in a running batch
             # (wait_for would wait for the cancelled batch to finish: a late 504).
@@ -424,6 +443,11 @@ class ModelReplica(ReplicaMemory):
                 logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
                 return _error(500, f"model '{self.name}' failed: {failed!r}")
             outputs = [t.result() for t in tasks]
+            late = next((o for o in outputs if isinstance(o, Late)), None)
+            if late is not None:  # shed_late: it could no longer meet the SLO (deployments.shed)
+                self.delta.timeouts += n
+                self.delta.shed += n
+                return _error(504, late.detail, shed=True)
             held = next((o for o in outputs if isinstance(o, HeldOverGrant)), None)
             if held is not None:  # its batch was refused before the model, or stopped after an OOM
                 self.delta.held_refusals += n

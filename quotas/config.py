@@ -310,6 +310,10 @@ class ModelSpec(_Strict):
     request_timeout_s: float = Field(
         30.0, gt=0, description="A request queued longer than this gets an explicit timeout."
     )
+    shed_late: bool = Field(
+        False,
+        description="Answer 504 at once to a queued request that can no longer meet slo_p95_ms (its wait plus the replica's last batch time) instead of running it late (deployments/shed.py); kind: batch only.",
+    )
     max_body_bytes: Size = Field(
         1024**2, description="Request bodies over this are refused with 413 before they reach the model."
     )
@@ -336,6 +340,11 @@ class ModelSpec(_Strict):
             )
         if self.kind == "batch" and self.model in LLM_ENGINES:
             raise ValueError(f"model '{self.model}' is an LLM engine; add kind: llm")
+        if self.kind == "llm" and self.shed_late:
+            raise ValueError(
+                "shed_late applies to request batches (kind: batch); an LLM engine admits sequences "
+                "by its TTFT and TPOT objectives (llm:); remove shed_late"
+            )
         return self
 
     @field_validator("model")

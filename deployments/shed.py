@@ -1,0 +1,58 @@
+"""Shedding requests that can no longer answer within their SLO (``models.<name>.shed_late``).
+
+Design note. Under an overload that outlasts the queue, a FIFO replica answers every request
+late: each one waits behind a backlog that never drains, runs, and misses its SLO, so the
+model's goodput falls towards zero while its card is busy all the time. Measured in the
+simulator on ``gpubroker bench lending``'s in-turn load (a burst of 550 req/s on a model whose
+memory holds a batch of 4): with quotas fixed, 19.4 req/s within the SLO without shedding,
+298 req/s with it.
+
+A request held at the lazy gate (``deployments.gate``) is let into a batch only if it can still
+answer within ``slo_p95_ms``: its wait so far plus the replica's last batch time (measured, the
+estimate of how long its own batch will run) must fit. One that cannot is answered 504 at once,
+naming its wait, the batch time and the SLO, and its place goes to a request that can still
+make it. What is not shed: a request already let into a batch (it runs), a request on an idle
+replica (it is let in at once), a model without ``shed_late`` (the default: a late answer is
+still an answer). Shed requests count as timeouts in the report (``timeouts``, the broker's
+misses) and apart in ``shed`` (the ``shed`` outcome on the requests metric).
+
+Pure: the owner passes the waits and batch times. The replica (``deployments.replica``) and the
+simulator (``bench.sim``) run this same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LateShed:
+    """Per replica: the SLO and the last batch's run time."""
+
+    slo_s: float
+    last_batch_s: float = 0.0  # the replica's last batch that ran, start to end (0 before the first)
+
+    def too_late(self, waited_s: float) -> bool:
+        """Would a request that has waited ``waited_s`` answer after the SLO if its batch began now?"""
+        return waited_s + self.last_batch_s > self.slo_s
+
+    def batch_ran(self, seconds: float) -> None:
+        self.last_batch_s = max(0.0, float(seconds))
+
+    def detail(self, model: str, waited_s: float) -> str:
+        """The 504's text: what it waited, what its batch would take, the SLO, what to do."""
+        return (
+            f"shed: waited {waited_s * 1000.0:.0f} ms in model '{model}'; with its batch (~"
+            f"{self.last_batch_s * 1000.0:.0f} ms) it would answer after slo_p95_ms "
+            f"({self.slo_s * 1000.0:g} ms). The replica is overloaded: retry later, or set "
+            "shed_late: false to be answered late instead"
+        )
+
+
+class Late:
+    """What a shed request's item resolves to instead of a model output."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail: str):
+        self.detail = detail
