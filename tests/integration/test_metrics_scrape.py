@@ -1,6 +1,7 @@
 """Integration: the broker's Prometheus endpoint during a real Ray Serve run on CPU.
 
-One Ray instance for the module: a two-model fleet (mlp + a ``profiled`` emulation) with the
+One Ray instance for the module: a three-model fleet (mlp + two ``profiled`` emulations, one of
+them with ``shed_late``: EMULATION, it sleeps a + c*b ms; there is no GPU here) with the
 exporter on a free port, some traffic, then ``/metrics`` is scraped over HTTP, parsed with
 ``prometheus_client.parser`` and checked against the broker's ``status()`` (what
 ``gpubroker status --json`` prints): grant bytes, max batch, config hash; then an ``apply``
@@ -59,6 +60,14 @@ models:
     wait: {{min_ms: 0, max_ms: 20}}
     slo_p95_ms: 1500
     control: {{window_s: 4, idle_hold_s: 2, reclaim_hold_s: 0.5, min_samples: 5}}
+  late:
+    model: profiled
+    options: {{a_ms: 200, c_ms: 0, weights_bytes: 1048576, bytes_per_item: 0}}
+    quota: {{min: 32MiB, base: 64MiB, max: 64MiB}}
+    batch: {{floor: 1, ceiling: 1, initial: 1}}
+    wait: {{min_ms: 0, max_ms: 1}}
+    slo_p95_ms: 450
+    shed_late: true
 """
 
 
@@ -98,7 +107,7 @@ def _traffic(fleet, seconds: float = 4.0, workers: int = 8) -> int:
     deadline = time.time() + seconds
 
     def worker(i: int) -> int:
-        name = ("mlp", "hot")[i % 2]
+        name = ("mlp", "hot", "late")[i % 3]
         n = 0
         with httpx.Client(timeout=30.0) as c:
             while time.time() < deadline:
@@ -148,6 +157,39 @@ def consistent_view(fleet, tries: int = 20):
             return after, st
         time.sleep(0.1)
     raise AssertionError("the broker ticked between every scrape pair")
+
+
+def test_a_late_request_is_shed_over_http_and_counted(fleet):
+    """``late`` runs batches of one that take 200 ms under a 450 ms SLO with shed_late: of 10
+    requests at once, the first two can still make it (200, 400 ms); the others have waited
+    ~400 ms when the second batch ends and get 504 then, through the proxy, counted as shed."""
+    url = f"{fleet['base_url']}/v1/models/late/infer"
+    item = example_inputs(fleet["cfg"])["late"]
+    with httpx.Client(timeout=30.0) as c:
+        assert c.post(url, json={"input": item}).status_code == 200  # a batch ran: the replica knows its time
+
+    def one(_i: int) -> tuple[int, dict]:
+        with httpx.Client(timeout=30.0) as c:
+            r = c.post(url, json={"input": item})
+            return r.status_code, r.json()
+
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(10) as pool:
+        out = list(pool.map(one, range(10)))
+    codes = [code for code, _ in out]
+    assert set(codes) <= {200, 504}, out  # every request answered: served or shed
+    assert codes.count(200) >= 1 and codes.count(504) >= 3, codes
+    assert time.time() - t0 < 10 * 0.2  # the shed ones did not wait their turn
+    for code, body in out:
+        if code == 504:
+            assert body["shed"] is True and body["detail"].startswith("shed: waited"), body
+    deadline = time.time() + 20
+    while time.time() < deadline:  # the replica's next report carries them to the broker's counters
+        shed = sample(scrape(fleet["metrics_url"]), "gpubroker_requests_total", model="late", gpu="cpu", outcome="shed")
+        if shed is not None and shed >= codes.count(504):
+            break
+        time.sleep(0.5)
+    assert shed == codes.count(504)
 
 
 def test_scrape_matches_broker_status(fleet):
