@@ -18,6 +18,10 @@ This module takes the per-model differences apart, in requests, two ways:
 ``OldestWindowSim`` is an experiment, not the replica: the live gate (``deployments.gate``) and
 Ray's batcher open a fresh wait window when a batch's first request is pulled, as the simulator
 emulates. ``python -m bench.lending_gap --seeds 0,1,2 [--out DIR]``.
+
+Since 2026-12-03 the benchmark's broker arms shed late requests (``shed_late``,
+``deployments.shed``), which puts them above the static split on every model-seed; this module
+studies the arms without it, where the difference is the wait's reshuffle measured here.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Design note. Under an overload that outlasts the queue, a FIFO replica answers e
 late: each one waits behind a backlog that never drains, runs, and misses its SLO, so the
 model's goodput falls towards zero while its card is busy all the time. Measured in the
 simulator on ``gpubroker bench lending``'s in-turn load (a burst of 550 req/s on a model whose
-memory holds a batch of 4): with quotas fixed, 19.4 req/s within the SLO without shedding,
-298 req/s with it.
+memory holds a batch of 4), quotas fixed: 19.4 req/s within the SLO without shedding, 300.9
+with it (docs/BENCHMARKS.md, "Where memory binds: lending").
 
 A request held at the lazy gate (``deployments.gate``) is let into a batch only if it can still
 answer within ``slo_p95_ms``: its wait so far plus the replica's last batch time (measured, the
