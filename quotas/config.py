@@ -386,6 +386,14 @@ class FleetConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits(self) -> FleetConfig:
+        for name, spec in self.models.items():  # shedding runs at the lazy gate (deployments/shed.py)
+            if spec.shed_late and (spec.control.strategy == "static" or self.broker.batch_formation != "lazy"):
+                raise ValueError(
+                    f"models.{name}.shed_late: sheds at the replica's lazy gate, which this model does not "
+                    f"run (control.strategy {spec.control.strategy}, broker.batch_formation "
+                    f"{self.broker.batch_formation}); remove shed_late, or use batch_formation: lazy and a "
+                    "strategy other than static"
+                )
         if self.gpus is not None:  # many cards: every model placed, Σ base per card <= usable
             return check_fleet_cards(self)
         capacity = self.gpu.capacity_bytes

@@ -55,6 +55,21 @@ models:
     assert "shed_late" in str(e.value) and "chat" in str(e.value)
 
 
+def test_shed_late_without_the_lazy_gate_is_refused_naming_the_model_and_the_fix():
+    for broker, control in (("batch_formation: eager", "{}"), ("batch_formation: lazy", "{strategy: static}")):
+        text = f"""
+broker: {{{broker}}}
+gpu: {{device: cpu, capacity: 1GiB}}
+models:
+  late: {{model: mlp, quota: {{min: 64MiB, base: 128MiB, max: 128MiB}}, control: {control}, shed_late: true}}
+"""
+        with pytest.raises(ConfigError) as e:
+            parse_config_text(text, "test")
+        assert "models.late.shed_late" in str(e.value) and "batch_formation: lazy" in str(e.value)
+    ok = parse_config_text(text.replace("shed_late: true", "shed_late: false"), "test")
+    assert not ok.models["late"].shed_late
+
+
 def test_shed_requests_are_timeouts_and_a_shed_outcome_of_their_own():
     metrics = BrokerMetrics(CollectorRegistry(), gpu="cpu", clock=lambda: 1.0)
     metrics.observe_report(report(timeouts=5, shed=3))
