@@ -13,7 +13,8 @@ estimate of how long its own batch will run) must fit. One that cannot is answer
 naming its wait, the batch time and the SLO, and its place goes to a request that can still
 make it. What is not shed: a request already let into a batch (it runs), a request on an idle
 replica (it is let in at once), a model without ``shed_late`` (the default: a late answer is
-still an answer). Shed requests count as timeouts in the report (``timeouts``, the broker's
+still an answer). The config refuses ``shed_late`` where there is no gate (``strategy: static``
+or ``broker.batch_formation: eager``). Shed requests count as timeouts in the report (``timeouts``, the broker's
 misses) and apart in ``shed`` (the ``shed`` outcome on the requests metric).
 
 Pure: the owner passes the waits and batch times. The replica (``deployments.replica``) and the
