@@ -46,7 +46,7 @@ from deployments.next_batch import NextBatchStart
 from deployments.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from deployments.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
-from deployments.shed import Late, LateShed
+from deployments.shed import Late, LateShed, wait_items
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -427,7 +427,13 @@ class ModelReplica(ReplicaMemory):
             # asyncio.wait returns at the deadline even when an item sits in a running batch
             # (wait_for would wait for the cancelled batch to finish: a late 504).
             remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))
-            done, pending = await asyncio.wait(tasks, timeout=remaining)
+            done, pending, late = await wait_items(tasks, remaining, self.shed is not None)
+            if late is not None:  # shed_late: it can no longer meet the SLO (deployments.shed)
+                for t in pending:
+                    t.cancel()  # its other items leave the gate, or their batch, before the model
+                self.delta.timeouts += n
+                self.delta.shed += n
+                return _error(504, late.detail, shed=True)
             if pending:
                 for t in pending:
                     t.cancel()
@@ -443,11 +449,6 @@ class ModelReplica(ReplicaMemory):
                 logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
                 return _error(500, f"model '{self.name}' failed: {failed!r}")
             outputs = [t.result() for t in tasks]
-            late = next((o for o in outputs if isinstance(o, Late)), None)
-            if late is not None:  # shed_late: it could no longer meet the SLO (deployments.shed)
-                self.delta.timeouts += n
-                self.delta.shed += n
-                return _error(504, late.detail, shed=True)
             held = next((o for o in outputs if isinstance(o, HeldOverGrant)), None)
             if held is not None:  # its batch was refused before the model, or stopped after an OOM
                 self.delta.held_refusals += n

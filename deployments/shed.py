@@ -17,12 +17,16 @@ still an answer). The config refuses ``shed_late`` where there is no gate (``str
 or ``broker.batch_formation: eager``). Shed requests count as timeouts in the report (``timeouts``, the broker's
 misses) and apart in ``shed`` (the ``shed`` outcome on the requests metric).
 
-Pure: the owner passes the waits and batch times. The replica (``deployments.replica``) and the
-simulator (``bench.sim``) run this same code.
+``LateShed`` is pure: the owner passes the waits and batch times. The replica
+(``deployments.replica``) and the simulator (``bench.sim``) run this same code. ``wait_items``
+is the replica's asyncio glue: a request of several items is answered 504 as soon as one of its
+items is shed, and its other items are cancelled (they leave the gate, or Serve drops them from
+their batch before the model), so a shed request costs no more model time.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 
@@ -57,3 +61,28 @@ class Late:
 
     def __init__(self, detail: str):
         self.detail = detail
+
+
+async def wait_items(
+    tasks: list[asyncio.Future], timeout_s: float, shedding: bool
+) -> tuple[set[asyncio.Future], set[asyncio.Future], Late | None]:
+    """``asyncio.wait(tasks, timeout=timeout_s)``; with ``shedding``, it returns at the first item
+    that resolved to ``Late`` (the third value; the caller cancels what is still pending)."""
+    if not shedding:
+        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        return done, pending, None
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    done: set[asyncio.Future] = set()
+    pending: set[asyncio.Future] = set(tasks)
+    while pending:
+        now_done, pending = await asyncio.wait(
+            pending, timeout=max(0.0, end - loop.time()), return_when=asyncio.FIRST_COMPLETED
+        )
+        if not now_done:
+            break  # the request's timeout
+        done |= now_done
+        for t in now_done:
+            if not t.cancelled() and t.exception() is None and isinstance(t.result(), Late):
+                return done, pending, t.result()
+    return done, pending, None

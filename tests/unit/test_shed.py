@@ -136,3 +136,23 @@ def test_without_shed_late_every_request_is_answered_late(monkeypatch, tmp_path)
     assert [o["status"] for o in out] == [200] * 8
     assert sum(sizes) == 8 and r.delta.shed == 0
     assert elapsed > 8 * 0.15 * 0.9  # all of them ran, one after the other
+
+
+def test_a_request_of_several_items_is_shed_whole_and_its_neighbour_still_runs(monkeypatch, tmp_path):
+    """Four items in one request on batches of one (150 ms, SLO 400 ms): two run, the third has
+    waited ~300 ms when its turn comes, so the request is answered 504 then, and none of its
+    items after that reaches the model; a one-item request sent 250 ms in can still make it."""
+
+    async def main():
+        r, _out, sizes, _ = await _burst(True, monkeypatch, tmp_path, n=0)
+        sizes.clear()
+        a = asyncio.ensure_future(r.infer([{}, {}, {}, {}]))
+        await asyncio.sleep(0.25)
+        b = asyncio.ensure_future(r.infer([{}]))
+        return r, await a, await b, sizes
+
+    r, a, b, sizes = asyncio.run(main())
+    assert a["status"] == 504 and a["shed"] is True, a
+    assert b["status"] == 200, b
+    assert sum(sizes) == 3, sizes  # two items of the shed request, and the neighbour
+    assert r.delta.shed == 4  # counted per item, as arrivals and timeouts are
