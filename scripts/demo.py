@@ -12,9 +12,10 @@
 5. the same burst on a fixed split (every quota pinned at its base: nothing lends), and one
    line per arm for the burst model: attainment within its SLO, P95 of its answers, requests
    shed (504, ``shed_late``: too late for the SLO), OOM answers. The burst model (``prof``, an
-   emulation that holds real memory under the enforced limit) needs about twice the batch its
-   base holds, so only borrowed memory serves its burst within the SLO; both arms shed, so the
-   fixed split serves what its batches can instead of answering the whole burst late.
+   emulation that holds real memory under the enforced limit) gets 1.6x the items/s that the
+   batch its base holds serves on this machine (timed before the load), so only borrowed memory
+   serves its burst within the SLO; both arms shed, so the fixed split serves what its batches
+   can instead of answering the whole burst late.
 
 Runs in under 7 minutes on a 2-core machine (``--no-compare``: half that). The fleet's state file goes to a temporary
 directory, so a fleet you already run is left alone; port 8000 is replaced by a free port if
@@ -179,7 +180,13 @@ def main() -> int:
     ap.add_argument("--burst-s", type=float, default=30.0)
     ap.add_argument("--cool-s", type=float, default=20.0)
     ap.add_argument("--base-rps", type=float, default=1.5, help="requests/s per model outside the burst (4 items each)")
-    ap.add_argument("--burst-rps", type=float, default=12.0, help="requests/s on the burst model (--burst-items each)")
+    ap.add_argument(
+        "--burst-rps",
+        type=float,
+        default=None,
+        help="requests/s on the burst model (--burst-items each); default: BURST_OVER_BASE x what the batch its "
+        "base quota holds serves, measured on this machine before the load",
+    )
     ap.add_argument("--burst-items", type=int, default=16, help="items per request to the burst model (others: 4)")
     ap.add_argument("--no-compare", action="store_true", help="skip the fixed-split run of the same burst")
     args = ap.parse_args()
@@ -206,6 +213,8 @@ def main() -> int:
     code = 0
     try:
         models = list(cfg.models)
+        if args.burst_rps is None:
+            args.burst_rps = calibrated_burst_rps(url, cfg, args.burst, args.burst_items)
         phases = [
             ("warm", args.warm_s, args.base_rps, args.base_rps),
             ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
@@ -283,6 +292,41 @@ def main() -> int:
             console.print(f"  {arm:17s} {line}", highlight=False)
     console.print(f"demo finished in {time.time() - started:.0f}s")
     return code
+
+
+BURST_OVER_BASE = 1.6  # the burst's items/s over what the burst model's base batch serves
+
+
+def base_batch(spec) -> int:  # noqa: ANN001 - a ModelSpec
+    """Items the model's base quota holds as one batch (the memory model keeps 10 % headroom)."""
+    opts = spec.options
+    per_item = int(opts.get("bytes_per_item", 0) or 0)
+    if per_item <= 0:
+        return max(1, spec.batch.initial_cap)
+    return max(1, int((0.9 * spec.quota.base - int(opts.get("weights_bytes", 0) or 0)) // per_item))
+
+
+def calibrated_burst_rps(url: str, cfg, model: str, items: int, probes: int = 5) -> float:  # noqa: ANN001
+    """Requests/s for the burst: BURST_OVER_BASE x the items/s that back-to-back batches of the
+    model's base batch serve, timed here (median of ``probes`` requests of that many items, one
+    at a time, through HTTP), so the burst outruns the fixed split and needs borrowed memory
+    on a fast machine and a slow one alike."""
+    b = base_batch(cfg.models[model])
+    body = {"inputs": [example_inputs(cfg)[model]] * b}
+    times = []
+    with httpx.Client(timeout=30.0) as c:
+        for _ in range(probes):
+            t = time.perf_counter()
+            c.post(f"{url}/v1/models/{model}/infer", json=body).raise_for_status()
+            times.append(time.perf_counter() - t)
+    batch_s = sorted(times)[len(times) // 2]
+    rps = BURST_OVER_BASE * b / batch_s / items
+    console.print(
+        f"{model}: a batch of {b} (what its base holds) takes {batch_s * 1000:.0f} ms here, {b / batch_s:.0f} items/s; "
+        f"burst {rps:.1f} req/s x {items} items = {BURST_OVER_BASE:g}x that",
+        highlight=False,
+    )
+    return rps
 
 
 SHED = "504 shed"  # a 504 with "shed": true (shed_late): an explicit answer, not a failure
