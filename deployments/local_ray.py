@@ -30,6 +30,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> list[int]:
+    """``n`` distinct free ports: every socket stays bound until all are picked (``free_port``
+    called n times can hand out one port twice: `ray start` then refuses two components on it)."""
+    socks: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, 0))
+            p = s.getsockname()[1]
+            if p not in avoid and p not in ports:
+                ports.append(p)
+        return ports
+    finally:
+        for s in socks:
+            s.close()
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
@@ -49,7 +68,7 @@ def start_local_ray(
     joins); ``stop_local_ray(pgid)`` stops exactly it. Token auth is on unless RAY_AUTH_MODE says otherwise.
     """
     port = port if port and port_free(port) else free_port()
-    dash = free_port()
+    dash, client_port, agent_port = free_ports(3, avoid=(port,))
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [
         str(ray_bin) if ray_bin.exists() else "ray",
@@ -64,9 +83,9 @@ def start_local_ray(
         "--dashboard-port",
         str(dash),
         "--ray-client-server-port",
-        str(free_port()),
+        str(client_port),
         "--dashboard-agent-listen-port",
-        str(free_port()),
+        str(agent_port),
         "--num-cpus",
         str(num_cpus or max(2, os.cpu_count() or 2)),
         "--disable-usage-stats",

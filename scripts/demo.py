@@ -285,6 +285,7 @@ def main() -> int:
             )
         except Exception as exc:  # noqa: BLE001
             console.print(f"[red]fixed-split run failed: {exc}[/]")
+            code = 1  # the demo's comparison did not run: not a success
         finally:
             _down()
         console.rule(f"[bold]{args.burst} during its burst: lending against a fixed split")

@@ -54,3 +54,33 @@ def test_fleets_without_listed_cards_are_not_checked():
 def test_the_fix_groups_the_cards_by_node(cluster):
     fix = missing_cards_fix(cluster.gpus[2:], "h:1")
     assert fix.count("ray start") == 1 and "node-b" in fix and "a0" not in fix
+
+
+def test_the_ports_ray_start_gets_are_distinct_and_free(monkeypatch):
+    """``ray start`` refuses two components on one port; picking each port with its own
+    bind-and-close can hand one port out twice (seen live: the GCS and the dashboard agent). The
+    ports are picked with every socket held: never equal to each other, nor to the one avoided."""
+    import socket
+
+    from deployments import local_ray
+
+    handed = iter([40001, 40001, 40002, 40003, 40003, 40004])  # what a racy OS could hand out
+
+    class FakeSocket:
+        def __init__(self) -> None:
+            self.port = next(handed)
+
+        def bind(self, addr) -> None:  # noqa: ANN001
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.1", self.port)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(socket, "socket", FakeSocket)
+    assert local_ray.free_ports(3, avoid=(40002,)) == [40001, 40003, 40004]
+    monkeypatch.undo()
+    real = local_ray.free_ports(5)
+    assert len(set(real)) == 5 and all(local_ray.port_free(p) for p in real)
