@@ -13,18 +13,14 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from broker.core import BrokerCore
 from broker.metrics import BrokerMetrics
 from deployments.broker_link import StatsDelta
 from deployments.replica import ModelReplica
 from deployments.shed import LateShed
 from quotas.config import parse_config_text
 from quotas.config_errors import ConfigError
-from tests.chaos.harness import CoreLink
 from tests.unit.test_metrics import report, value
-from tests.unit.test_reliability_replica import count_predicts
-
-MIB = 1024**2
+from tests.unit.test_replica_lazy_formation import _replica
 
 
 def test_too_late_counts_the_wait_and_the_last_batch():
@@ -85,7 +81,7 @@ CONFIG = """
 broker: {{name: rshed, namespace: rshed, control_interval_s: 5, report_interval_s: 5, metrics_port: 0}}
 gpu: {{device: cpu, capacity: 1GiB, reserve_frac: 0.0}}
 models:
-  late:
+  prof:
     model: profiled
     options: {{a_ms: 150, c_ms: 0, weights_bytes: 1048576, bytes_per_item: 0}}
     quota: {{min: 16MiB, base: 128MiB, max: 128MiB}}
@@ -98,17 +94,9 @@ models:
 
 async def _burst(shed: bool, monkeypatch, tmp_path, n: int = 8) -> tuple[ModelReplica, list[dict], list[int], float]:
     text = CONFIG.format(shed="true" if shed else "false")
-    core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / f"shed-{shed}.json")
-    link = CoreLink(core)
-    monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
-    from ray.serve import batching
-
-    monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
-    r = ModelReplica.__new__(ModelReplica)
-    await r.__init__("late", text)
-    r._report_task.cancel()
+    r, sizes = await _replica(text, monkeypatch, tmp_path / f"shed-{shed}.json")
     assert (await r.infer([{}]))["status"] == 200  # one batch ran alone: the replica knows its batch time
-    sizes = count_predicts(r)
+    sizes.clear()
     t0 = time.monotonic()
     out = await asyncio.gather(*(r.infer([{}]) for _ in range(n)))
     return r, out, sizes, time.monotonic() - t0
@@ -126,7 +114,7 @@ def test_an_overloaded_replica_sheds_what_cannot_meet_the_slo_and_runs_the_rest(
     assert sum(sizes) == ok  # the shed requests never reached the model
     for o in out:
         if o["status"] == 504:
-            assert o["shed"] is True and o["detail"].startswith("shed: waited") and "'late'" in o["detail"]
+            assert o["shed"] is True and o["detail"].startswith("shed: waited") and "'prof'" in o["detail"]
             assert o["detail"].find("slo_p95_ms (400 ms)") > 0
     assert r.delta.shed == shed and r.delta.timeouts >= shed
 
