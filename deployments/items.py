@@ -8,14 +8,14 @@ from typing import Any
 class Item:
     """One input on its way through Serve's batcher."""
 
-    __slots__ = ("value", "cost", "owner", "let_in", "t_in")
+    __slots__ = ("value", "cost", "owner", "let_in", "req")
 
-    def __init__(self, value: Any, cost: int, owner: Any, t_in: float = 0.0):
+    def __init__(self, value: Any, cost: int, owner: Any):
         self.value = value
         self.cost = cost
         self.owner = owner
         self.let_in = False  # counted in the replica's let-in-not-running cost (lazy gate)
-        self.t_in = t_in  # monotonic time its request arrived (deployments.shed: the wait so far)
+        self.req: Any = None  # its request at the gate (deployments.shed.HeldRequest), set by the replica
 
 
 def batch_cost(items: list) -> int:

@@ -46,7 +46,7 @@ from deployments.next_batch import NextBatchStart
 from deployments.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
 from deployments.reclaim import ReplicaReclaim
 from deployments.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
-from deployments.shed import Late, LateShed, wait_items
+from deployments.shed import HeldRequest, Late, LateShed, wait_items
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -328,6 +328,7 @@ class ModelReplica(ReplicaMemory):
         Serve's queue in this event-loop turn and form one batch."""
         for fut, item in self.gate.pump(alive=self._alive):
             item.let_in = True
+            item.req.held_cost -= item.cost
             fut.set_result(None)
 
     def _alive(self, token: tuple[asyncio.Future, _Item]) -> bool:
@@ -335,9 +336,9 @@ class ModelReplica(ReplicaMemory):
         fut, item = token
         if fut.done():
             return False
-        waited = time.monotonic() - item.t_in
-        if self.shed is not None and self.shed.too_late(waited):
-            fut.set_result(Late(self.shed.detail(self.name, waited)))
+        late = None if self.shed is None else self.shed.check(self.name, item.req, time.monotonic(), self.cap)
+        if late is not None:
+            fut.set_result(late)
             return False
         return True
 
@@ -351,6 +352,7 @@ class ModelReplica(ReplicaMemory):
         try:
             if self.gate.admit((fut, item), item.cost):
                 item.let_in = True
+                item.req.held_cost -= item.cost
             elif isinstance(late := await fut, Late):
                 return late  # shed at the gate: never reaches the model
             return await self._batch(item)
@@ -420,9 +422,9 @@ class ModelReplica(ReplicaMemory):
             if isinstance(items_or_error, dict):
                 return items_or_error
             self.delta.arrivals += n
-            t_in = time.monotonic() - (time.time() - t0)
+            req = HeldRequest(time.monotonic() - (time.time() - t0), sum(i.cost for i in items_or_error))
             for item in items_or_error:
-                item.t_in = t_in
+                item.req = req
             tasks = [asyncio.ensure_future(self._admit_to_batcher(item)) for item in items_or_error]
             # asyncio.wait returns at the deadline even when an item sits in a running batch
             # (wait_for would wait for the cancelled batch to finish: a late 504).

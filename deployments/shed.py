@@ -18,10 +18,13 @@ or ``broker.batch_formation: eager``). Shed requests count as timeouts in the re
 misses) and apart in ``shed`` (the ``shed`` outcome on the requests metric).
 
 ``LateShed`` is pure: the owner passes the waits and batch times. The replica
-(``deployments.replica``) and the simulator (``bench.sim``) run this same code. ``wait_items``
-is the replica's asyncio glue: a request of several items is answered 504 as soon as one of its
-items is shed, and its other items are cancelled (they leave the gate, or Serve drops them from
-their batch before the model), so a shed request costs no more model time.
+(``deployments.replica``) and the simulator (``bench.sim``) run this same code. A request of
+several items is judged as a whole: when its first held item is next to leave the gate, it needs
+ceil(cost of its items still held / cap) batches, each counted at the last batch's time
+(``check``, ``HeldRequest``), and the verdict holds for all of its items. ``wait_items`` is the
+replica's asyncio glue: the request is answered 504 as soon as one of its items is shed, and its
+other items are cancelled (they leave the gate, or Serve drops them from their batch before the
+model), so a shed request costs no more model time.
 """
 
 from __future__ import annotations
@@ -37,21 +40,45 @@ class LateShed:
     slo_s: float
     last_batch_s: float = 0.0  # the replica's last batch that ran, start to end (0 before the first)
 
-    def too_late(self, waited_s: float) -> bool:
-        """Would a request that has waited ``waited_s`` answer after the SLO if its batch began now?"""
-        return waited_s + self.last_batch_s > self.slo_s
+    def too_late(self, waited_s: float, batches: int = 1) -> bool:
+        """Would a request that has waited ``waited_s`` answer after the SLO if its first batch
+        began now and it needs ``batches`` of them (a request of more items than one cap)?"""
+        return waited_s + batches * self.last_batch_s > self.slo_s
+
+    def check(self, model: str, req: HeldRequest, now_s: float, cap: int) -> Late | None:
+        """The verdict on a request whose item is next to leave the gate: ``Late`` (then for all
+        of its items still held) or None. Its items still held need ceil(cost / cap) batches."""
+        if req.late is None:
+            waited = now_s - req.t_in
+            batches = max(1, -(-req.held_cost // max(1, cap)))
+            if self.too_late(waited, batches):
+                req.late = Late(self.detail(model, waited, batches))
+        return req.late
 
     def batch_ran(self, seconds: float) -> None:
         self.last_batch_s = max(0.0, float(seconds))
 
-    def detail(self, model: str, waited_s: float) -> str:
+    def detail(self, model: str, waited_s: float, batches: int = 1) -> str:
         """The 504's text: what it waited, what its batch would take, the SLO, what to do."""
+        its = "its batch" if batches == 1 else f"its {batches} batches"
         return (
-            f"shed: waited {waited_s * 1000.0:.0f} ms in model '{model}'; with its batch (~"
-            f"{self.last_batch_s * 1000.0:.0f} ms) it would answer after slo_p95_ms "
+            f"shed: waited {waited_s * 1000.0:.0f} ms in model '{model}'; with {its} (~"
+            f"{self.last_batch_s * 1000.0:.0f} ms each) it would answer after slo_p95_ms "
             f"({self.slo_s * 1000.0:g} ms). The replica is overloaded: retry later, or set "
             "shed_late: false to be answered late instead"
         )
+
+
+class HeldRequest:
+    """One request's items at the replica: when it arrived (monotonic), the cost of its items not
+    let in yet, and its verdict once one of them was found too late."""
+
+    __slots__ = ("t_in", "held_cost", "late")
+
+    def __init__(self, t_in: float, held_cost: int):
+        self.t_in = t_in
+        self.held_cost = held_cost
+        self.late: Late | None = None
 
 
 class Late:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from broker.metrics import BrokerMetrics
 from deployments.broker_link import StatsDelta
 from deployments.replica import ModelReplica
-from deployments.shed import LateShed
+from deployments.shed import HeldRequest, LateShed
 from quotas.config import parse_config_text
 from quotas.config_errors import ConfigError
 from tests.unit.test_metrics import report, value
@@ -31,6 +31,16 @@ def test_too_late_counts_the_wait_and_the_last_batch():
     assert not s.too_late(0.25) and s.too_late(0.26)
     s.batch_ran(-1.0)  # a clock step back is no negative estimate
     assert s.last_batch_s == 0.0
+
+
+def test_a_request_of_more_than_one_cap_counts_every_batch_it_still_needs():
+    s = LateShed(slo_s=0.4, last_batch_s=0.1)
+    req = HeldRequest(t_in=10.0, held_cost=8)
+    assert s.check("m", req, now_s=10.05, cap=8) is None  # one batch: 50 + 100 ms
+    req2 = HeldRequest(t_in=10.0, held_cost=8)
+    late = s.check("m", req2, now_s=10.05, cap=2)  # four batches: 50 + 400 ms
+    assert late is not None and "its 4 batches" in late.detail
+    assert s.check("m", req2, now_s=10.0, cap=100) is late  # the verdict holds for its other items
 
 
 def test_the_504_names_the_wait_the_batch_the_slo_and_the_way_out():
@@ -127,9 +137,10 @@ def test_without_shed_late_every_request_is_answered_late(monkeypatch, tmp_path)
 
 
 def test_a_request_of_several_items_is_shed_whole_and_its_neighbour_still_runs(monkeypatch, tmp_path):
-    """Four items in one request on batches of one (150 ms, SLO 400 ms): two run, the third has
-    waited ~300 ms when its turn comes, so the request is answered 504 then, and none of its
-    items after that reaches the model; a one-item request sent 250 ms in can still make it."""
+    """Four items in one request on batches of one (150 ms, SLO 400 ms): the first starts at
+    once; when it ends the other three still need three batches (150 + 3 x 150 ms > 400), so the
+    request is answered 504 then, and none of them reaches the model; a one-item request sent
+    250 ms in finds the replica idle and is served."""
 
     async def main():
         r, _out, sizes, _ = await _burst(True, monkeypatch, tmp_path, n=0)
@@ -140,7 +151,7 @@ def test_a_request_of_several_items_is_shed_whole_and_its_neighbour_still_runs(m
         return r, await a, await b, sizes
 
     r, a, b, sizes = asyncio.run(main())
-    assert a["status"] == 504 and a["shed"] is True, a
+    assert a["status"] == 504 and a["shed"] is True and "its 3 batches" in a["detail"], a
     assert b["status"] == 200, b
-    assert sum(sizes) == 3, sizes  # two items of the shed request, and the neighbour
+    assert sum(sizes) == 2, sizes  # the shed request's first item, and the neighbour
     assert r.delta.shed == 4  # counted per item, as arrivals and timeouts are
