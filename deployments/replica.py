@@ -328,7 +328,7 @@ class ModelReplica(ReplicaMemory):
         Serve's queue in this event-loop turn and form one batch."""
         for fut, item in self.gate.pump(alive=self._alive):
             item.let_in = True
-            item.req.held_cost -= item.cost
+            item.req.let_in(item.cost)
             fut.set_result(None)
 
     def _alive(self, token: tuple[asyncio.Future, _Item]) -> bool:
@@ -352,7 +352,7 @@ class ModelReplica(ReplicaMemory):
         try:
             if self.gate.admit((fut, item), item.cost):
                 item.let_in = True
-                item.req.held_cost -= item.cost
+                item.req.let_in(item.cost)
             elif isinstance(late := await fut, Late):
                 return late  # shed at the gate: never reaches the model
             return await self._batch(item)
@@ -422,7 +422,7 @@ class ModelReplica(ReplicaMemory):
             if isinstance(items_or_error, dict):
                 return items_or_error
             self.delta.arrivals += n
-            req = HeldRequest(time.monotonic() - (time.time() - t0), sum(i.cost for i in items_or_error))
+            req = HeldRequest(time.monotonic() - (time.time() - t0), [i.cost for i in items_or_error])
             for item in items_or_error:
                 item.req = req
             tasks = [asyncio.ensure_future(self._admit_to_batcher(item)) for item in items_or_error]

@@ -47,10 +47,11 @@ class LateShed:
 
     def check(self, model: str, req: HeldRequest, now_s: float, cap: int) -> Late | None:
         """The verdict on a request whose item is next to leave the gate: ``Late`` (then for all
-        of its items still held) or None. Its items still held need ceil(cost / cap) batches."""
+        of its items still held) or None. Its items still held need ceil(cost / cap) batches, and
+        no more than one each (an item costlier than the cap runs alone, ``deployments.items``)."""
         if req.late is None:
             waited = now_s - req.t_in
-            batches = max(1, -(-req.held_cost // max(1, cap)))
+            batches = max(1, min(req.held_items, -(-req.held_cost // max(1, cap))))
             if self.too_late(waited, batches):
                 req.late = Late(self.detail(model, waited, batches))
         return req.late
@@ -70,15 +71,21 @@ class LateShed:
 
 
 class HeldRequest:
-    """One request's items at the replica: when it arrived (monotonic), the cost of its items not
-    let in yet, and its verdict once one of them was found too late."""
+    """One request's items at the replica: when it arrived (monotonic), the count and cost of its
+    items not let in yet, and its verdict once one of them was found too late."""
 
-    __slots__ = ("t_in", "held_cost", "late")
+    __slots__ = ("t_in", "held_items", "held_cost", "late")
 
-    def __init__(self, t_in: float, held_cost: int):
+    def __init__(self, t_in: float, costs: list[int]):
         self.t_in = t_in
-        self.held_cost = held_cost
+        self.held_items = len(costs)
+        self.held_cost = sum(costs)
         self.late: Late | None = None
+
+    def let_in(self, cost: int) -> None:
+        """One of its items left the gate for a batch."""
+        self.held_items -= 1
+        self.held_cost -= cost
 
 
 class Late:

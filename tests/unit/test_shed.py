@@ -35,12 +35,17 @@ def test_too_late_counts_the_wait_and_the_last_batch():
 
 def test_a_request_of_more_than_one_cap_counts_every_batch_it_still_needs():
     s = LateShed(slo_s=0.4, last_batch_s=0.1)
-    req = HeldRequest(t_in=10.0, held_cost=8)
-    assert s.check("m", req, now_s=10.05, cap=8) is None  # one batch: 50 + 100 ms
-    req2 = HeldRequest(t_in=10.0, held_cost=8)
-    late = s.check("m", req2, now_s=10.05, cap=2)  # four batches: 50 + 400 ms
+    assert s.check("m", HeldRequest(10.0, [1] * 8), now_s=10.05, cap=8) is None  # one batch: 50 + 100 ms
+    req = HeldRequest(10.0, [1] * 8)
+    late = s.check("m", req, now_s=10.05, cap=2)  # four batches: 50 + 400 ms
     assert late is not None and "its 4 batches" in late.detail
-    assert s.check("m", req2, now_s=10.0, cap=100) is late  # the verdict holds for its other items
+    assert s.check("m", req, now_s=10.0, cap=100) is late  # the verdict holds for its other items
+    big = HeldRequest(10.0, [500])  # one item costlier than the cap runs alone: one batch
+    assert s.check("m", big, now_s=10.05, cap=64) is None
+    two = HeldRequest(10.0, [1, 1, 1])
+    two.let_in(1)  # one left for a batch: two still held, two batches of 1: 150 + 200 ms fits ...
+    assert s.check("m", two, now_s=10.15, cap=1) is None
+    assert s.check("m", HeldRequest(10.0, [1, 1, 1]), now_s=10.15, cap=1) is not None  # ... three do not
 
 
 def test_the_504_names_the_wait_the_batch_the_slo_and_the_way_out():
