@@ -299,12 +299,13 @@ BURST_OVER_BASE = 1.6  # the burst's items/s over what the burst model's base ba
 
 
 def base_batch(spec) -> int:  # noqa: ANN001 - a ModelSpec
-    """Items the model's base quota holds as one batch (the memory model keeps 10 % headroom)."""
+    """Items the model's base quota holds as one batch, by the broker's memory model."""
+    from broker.memory_model import MemoryModel
+
     opts = spec.options
-    per_item = int(opts.get("bytes_per_item", 0) or 0)
-    if per_item <= 0:
-        return max(1, spec.batch.initial_cap)
-    return max(1, int((0.9 * spec.quota.base - int(opts.get("weights_bytes", 0) or 0)) // per_item))
+    mem = MemoryModel(int(opts.get("weights_bytes", 0) or 0), float(opts.get("bytes_per_item", 0) or 0))
+    cap = mem.cap_for(spec.quota.base)
+    return max(1, spec.batch.initial_cap if cap is None else cap)
 
 
 def calibrated_burst_rps(url: str, cfg, model: str, items: int, probes: int = 5) -> float:  # noqa: ANN001
