@@ -41,7 +41,7 @@ from collections.abc import Callable
 from broker.batch_inputs import Inputs, RuleContext  # noqa: F401 - RuleContext is part of this module's API
 from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
-from broker.records import build
+from broker.records import build, evolve
 from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
 from broker.vocab import Rule, Trigger
@@ -296,18 +296,31 @@ def model(s: Inputs) -> BatchWant | None:
     rel = abs(new - cap) / max(cap, 1)
     wait_new = wait_for(plan, max(1, round(new)), s.units_per_s, s.u, s.ctx.slo_ms, s.spec, wait_s)
     wait_rel = abs(wait_new - wait_s) / max(wait_s, 1e-3)
-    if not ((rel > 0.1 * s.ctx.band_scale and round(new) != cap) or wait_rel > 0.2 * s.ctx.band_scale):
+    wait_moves = wait_rel > 0.2 * s.ctx.band_scale
+    if not ((rel > 0.1 * s.ctx.band_scale and round(new) != cap) or wait_moves):
         return None
     rho = "overload" if not math.isfinite(plan.rho) else f"{plan.rho:.2f}"
-    return s.want(
-        new,
-        Trigger.ARRIVAL_RATE_RPS,
-        s.rate_rps,
-        Rule.MODEL,
+    head = (
         f"arrival_rate_rps {s.rate_rps:.1f} with L(b)={fit.a_ms:.1f}+{fit.c_ms:.3f}b ms: "
         f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
-        f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms",
+        f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, "
     )
+    want = s.want(new, Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.MODEL, "")
+    if not wait_moves and runs_at(want.cap, s) == cap:
+        # The floor, the ceiling or the grant's memory keeps the cap where it is: the want still
+        # asks for its cap (lending reads it), but the wait moves only past its own dead band, or
+        # a pinned cap would push a new settings version every tick for a wait microseconds off.
+        return evolve(want, wait_s=wait_s, reason=f"{head}wait held at {wait_s * 1000:.1f} ms (inside its dead band)")
+    return evolve(want, reason=f"{head}wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
+
+
+def runs_at(cap: int, s: Inputs) -> int:
+    """The cap the replicas would run for a wanted ``cap``: inside the floor and the ceiling and
+    under the batch the grant holds now (``RuleContext.mem_ceiling``), as the policy's guard
+    clamps it (``broker.policy._guard``; a grant this tick's lending changes moves that one)."""
+    batch = s.spec.batch
+    top = batch.ceiling if s.ctx.mem_ceiling is None else min(batch.ceiling, max(batch.floor, s.ctx.mem_ceiling))
+    return min(top, max(batch.floor, cap))
 
 
 def hold(s: Inputs) -> BatchWant:

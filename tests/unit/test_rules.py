@@ -60,7 +60,8 @@ class Load:
     rate_rps: float = 100.0
     queue: int = 10  # queue depth (waiting or running)
     latency_ms: tuple[float, ...] = (30.0,)  # cycled over the completions
-    fit: bool = True  # report batch timings (L(b) = 20 + 0.5 b)
+    fit: bool = True  # report batch timings (L(b) = fit_a_ms + 0.5 b)
+    fit_a_ms: float = 20.0
     sm: float | None = None  # SM utilisation
     mem_used_bytes: int = 1 * GiB
     emergency_shrinks: int = 0
@@ -86,7 +87,7 @@ class Fleet:
         n = int(load.rate_rps * 0.5)
         lat = tuple(load.latency_ms[(self.sample + k) % len(load.latency_ms)] for k in range(n))
         self.sample += n
-        batches = tuple((float(b), 20.0 + 0.5 * b) for b in SIZES) if load.fit else ()
+        batches = tuple((float(b), load.fit_a_ms + 0.5 * b) for b in SIZES) if load.fit else ()
         rep = StatsReport(
             model="m",
             replica_id="r0",
@@ -145,6 +146,27 @@ def test_hold_inside_the_model_dead_band():
     f.run(1, Load())
     assert f.run(3, Load()) == []  # the plan's cap is the cap: nothing to log
     assert f.cap() == PLAN_CAP
+
+
+@pytest.mark.parametrize("formation", ["eager", "lazy"])
+def test_a_cap_the_grant_pins_keeps_its_wait_inside_the_dead_band(formation):
+    """The plan wants about 60 but the grant holds a batch of 20 (no lending: max = base). The
+    batch timings wiggle (L(b) = 17..23 + 0.5 b): the plan's wait moves 1-4 %, inside its 20 %
+    band, so the settings stay as they are. (The model rule used to read the pinned cap's 60 vs
+    20 as a move and push every wiggle of the wait: a new settings version a tick.) Timings that
+    double L(b)'s intercept move the wait past the band, and that is pushed, once."""
+    f = Fleet(formation=formation)
+    assert f.core.apply(f.core._config_text.replace("max: 6GiB", "max: 3GiB"))["ok"]  # noqa: SLF001
+    # grant 3 GiB x 0.9 headroom - 1 GiB of weights = 1.7 GiB: 20 batch units
+    f.core.register("m", "r0", {"weights_bytes": GiB, "bytes_per_unit": 1.7 * GiB / 20.5})
+    f.run(3, Load())
+    first = f.settings()
+    assert first["max_batch_size"] == 20 and first["batch_wait_timeout_s"] > 0
+    wiggle = [e for a in (22.0, 18.0, 23.0, 17.0, 20.0, 21.0, 19.0) for e in f.run(1, Load(fit_a_ms=a))]
+    assert wiggle == [] and f.settings()["version"] == first["version"]
+    moved = only(f.run(3, Load(fit_a_ms=40.0)))
+    assert moved["rule"] == Rule.MODEL and f.cap() == 20
+    assert abs(f.settings()["batch_wait_timeout_s"] / first["batch_wait_timeout_s"] - 1) > 0.2
 
 
 def test_emergency_halves_with_a_fit():
