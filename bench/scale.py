@@ -99,17 +99,26 @@ def synthetic_config(n_models: int, capacity_bytes: int = CARD_BYTES, cards: int
     )
 
 
-class _Replica:
-    """One synthetic replica: its load phase and the settings it last got."""
+LOADS = {"busy": 40.0, "trickle": 0.5, "idle": 0.0}  # req/s of the three states a replica moves through
 
-    def __init__(self, name: str, rid: str, phase: int, settings: dict[str, Any], card_id: str = "") -> None:
+
+class _Replica:
+    """One synthetic replica: its load phase (or one state of ``LOADS`` it keeps) and the
+    settings it last got."""
+
+    def __init__(
+        self, name: str, rid: str, phase: int, settings: dict[str, Any], card_id: str = "", held: str | None = None
+    ) -> None:
         self.name, self.rid, self.phase, self.seq, self.card_id = name, rid, phase, 0, card_id
-        self.settings = settings
+        self.settings, self.held = settings, held
 
 
 def _report(rep: _Replica, now_s: float, step: int, rng: random.Random) -> StatsReport:
-    busy = ((step // 60) + rep.phase) % 4 == 0  # busy one 30 s phase in four
-    rate = 40.0 if busy else (0.5 if rep.phase % 2 else 0.0)
+    if rep.held is None:
+        busy = ((step // 60) + rep.phase) % 4 == 0  # busy one 30 s phase in four
+        rate = 40.0 if busy else (0.5 if rep.phase % 2 else 0.0)
+    else:
+        busy, rate = rep.held == "busy", LOADS[rep.held]
     arrivals = int(rng.expovariate(1.0) * rate * REPORT_INTERVAL_S) if rate else 0
     cap = int(rep.settings["max_batch_size"])
     batches = tuple(
@@ -150,9 +159,10 @@ class _Cores:
     one card, the fleet broker (``broker.fleet_core.FleetBroker``: one core per card, one tick
     for all) for ``gpus:`` fleets, where every replica names its card."""
 
-    def __init__(self, doc: dict[str, Any], seed: int, live_dir: Path | None = None) -> None:
+    def __init__(self, doc: dict[str, Any], seed: int, live_dir: Path | None = None, held: str | None = None) -> None:
         """``live_dir``: run the broker as the actor does (``FleetBroker`` for one card too), its
-        checkpoints under this directory and Prometheus metrics on a fresh registry."""
+        checkpoints under this directory and Prometheus metrics on a fresh registry. ``held``:
+        every replica keeps that state of ``LOADS`` instead of moving through them."""
         self.t = [1_700_000_000.0]
 
         def clock() -> float:
@@ -182,7 +192,7 @@ class _Cores:
                 "cost_unit": "requests",
             }
             settings = self.broker.register(name, rid, cal, card) if card else self.broker.register(name, rid, cal)
-            self.replicas.append(_Replica(name, rid, i % 4, settings, card))
+            self.replicas.append(_Replica(name, rid, i % 4, settings, card, held))
 
     def run(self, seconds: float) -> dict[str, list[float]]:
         tick_ms: list[float] = []
@@ -277,6 +287,18 @@ def unchanged_share(models: int = 100, cards: int = 16, seconds: float = 120.0, 
     finally:
         bw.ReportWindow._model_load = fold  # type: ignore[method-assign]
     return counts[0] / max(1, counts[1])
+
+
+def by_load(models: int = 100, cards: int = 16, seconds: float = 60.0, seed: int = 0) -> dict[str, float]:
+    """Microseconds per model-tick (median tick / models) with the fleet's load as ``bench_cards``
+    moves it (``mixed``: a quarter busy, the rest idle or a trickle) and with every replica held in
+    one state of ``LOADS``: what a model costs the tick in each, side by side in one run."""
+    out = {}
+    for held in (None, *LOADS):
+        cores = _Cores(synthetic_doc(models, cards=cards), seed, held=held)
+        cores.run(30.0)  # the window fills
+        out[held or "mixed"] = round(statistics.median(cores.run(seconds)["tick_ms"]) * 1000.0 / models, 1)
+    return out
 
 
 def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0.5, seed: int = 0) -> dict[str, Any]:

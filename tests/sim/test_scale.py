@@ -72,3 +72,17 @@ def test_unchanged_share_counts_loads_equal_to_the_last_tick_and_restores_the_wi
     assert bw.ReportWindow._model_load is fold  # put back
     # models busy one 30 s phase in four: some ticks repeat an idle load, busy ones never do
     assert 0.0 < share < 1.0
+
+
+def test_by_load_times_the_mixed_fleet_and_each_held_state():
+    costs = scale.by_load(models=8, cards=2, seconds=4.0)
+    assert list(costs) == ["mixed", "busy", "trickle", "idle"]
+    assert all(v > 0 for v in costs.values())
+
+
+def test_a_held_replica_reports_its_state_every_step():
+    cores = scale._Cores(scale.synthetic_doc(4), seed=0, held="busy")
+    reports = [scale._report(rep, 1.0, step, cores.rng) for rep in cores.replicas for step in (0, 60, 120)]
+    assert all(r.queue_depth == 10 for r in reports)  # busy: rate // 4 queued, in every phase
+    idle = scale._Cores(scale.synthetic_doc(4), seed=0, held="idle")
+    assert all(scale._report(rep, 1.0, 0, idle.rng).arrivals == 0 for rep in idle.replicas)
