@@ -10,7 +10,13 @@ from broker.latency_model import LatencyFit
 from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
 from broker.vocab import Rule, Trigger
-from quotas.config import ModelSpec
+from quotas.config import BatchSpec, ModelSpec
+
+
+def cap_top(batch: BatchSpec, mem_cap: int | None) -> int:
+    """The largest cap a model's replicas may run: its ceiling, or the batch its grant's memory
+    holds (``MemoryModel.cap_for``) where that is lower, never under its floor."""
+    return batch.ceiling if mem_cap is None or mem_cap >= batch.ceiling else max(batch.floor, mem_cap)
 
 
 @dataclass(frozen=True)

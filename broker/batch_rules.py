@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from broker.batch_inputs import Inputs, RuleContext  # noqa: F401 - RuleContext is part of this module's API
+from broker.batch_inputs import Inputs, RuleContext, cap_top  # noqa: F401 - RuleContext is part of this module's API
 from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
 from broker.records import build, evolve
@@ -318,9 +318,7 @@ def runs_at(cap: int, s: Inputs) -> int:
     """The cap the replicas would run for a wanted ``cap``: inside the floor and the ceiling and
     under the batch the grant holds now (``RuleContext.mem_ceiling``), as the policy's guard
     clamps it (``broker.policy._guard``; a grant this tick's lending changes moves that one)."""
-    batch = s.spec.batch
-    top = batch.ceiling if s.ctx.mem_ceiling is None else min(batch.ceiling, max(batch.floor, s.ctx.mem_ceiling))
-    return min(top, max(batch.floor, cap))
+    return min(cap_top(s.spec.batch, s.ctx.mem_ceiling), max(s.spec.batch.floor, cap))
 
 
 def hold(s: Inputs) -> BatchWant:

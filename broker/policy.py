@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from broker.batch_inputs import cap_top
 from broker.batch_rules import RuleContext, decide_batch
 from broker.idle_memo import Entry, IdleMemo, load_key, steady
 from broker.latency_model import fit_for_load
@@ -367,14 +368,12 @@ def _guard(cap: int, spec: ModelSpec, grant_bytes: int, mm: MemoryModel) -> tupl
     """Floor <= cap <= min(ceiling, memory ceiling). Static strategies keep their cap."""
     if spec.control.strategy == "static":
         return cap, ""
-    floor, ceiling = spec.batch.floor, spec.batch.ceiling
+    floor = spec.batch.floor
     note = ""
     mem_cap = mm.cap_for(grant_bytes / max(1, spec.replicas))
-    top = ceiling
-    if mem_cap is not None and mem_cap < top:
-        top = max(floor, mem_cap)
-        if cap > top:
-            note = f"memory ceiling {mem_cap} from grant {grant_bytes >> 20}MiB"
+    top = cap_top(spec.batch, mem_cap)
+    if mem_cap is not None and mem_cap < spec.batch.ceiling and cap > top:
+        note = f"memory ceiling {mem_cap} from grant {grant_bytes >> 20}MiB"
     new = min(top, max(floor, cap))
     if new != cap and not note:
         note = f"clamped into [{floor}, {top}]"
