@@ -226,11 +226,11 @@ def _summary(label: str, runs: dict[str, list[float]], **extra: Any) -> dict[str
 
 
 def _timed(
-    doc: dict[str, Any], seconds: float, seed: int, live_dir: Path | None = None
+    doc: dict[str, Any], seconds: float, seed: int, live_dir: Path | None = None, held: str | None = None
 ) -> tuple[dict[str, list[float]], int]:
     """Run one report window untimed (the window fills, lending starts), then time ``seconds``.
-    Returns the timings and how many per-card cores the broker ran."""
-    cores = _Cores(doc, seed, live_dir)
+    Returns the timings and how many per-card cores the broker ran. ``held``: as ``_Cores``."""
+    cores = _Cores(doc, seed, live_dir, held)
     cores.run(max(float(m.get("control", {}).get("window_s", 30.0)) for m in doc["models"].values()))
     return cores.run(seconds), len(getattr(cores.broker, "cores", {None: None}))
 
@@ -295,9 +295,8 @@ def by_load(models: int = 100, cards: int = 16, seconds: float = 60.0, seed: int
     one state of ``LOADS``: what a model costs the tick in each, side by side in one run."""
     out = {}
     for held in (None, *LOADS):
-        cores = _Cores(synthetic_doc(models, cards=cards), seed, held=held)
-        cores.run(30.0)  # the window fills
-        out[held or "mixed"] = round(statistics.median(cores.run(seconds)["tick_ms"]) * 1000.0 / models, 1)
+        runs, _ = _timed(synthetic_doc(models, cards=cards), seconds, seed, held=held)
+        out[held or "mixed"] = round(statistics.median(runs["tick_ms"]) * 1000.0 / models, 1)
     return out
 
 

@@ -305,13 +305,19 @@ def model(s: Inputs) -> BatchWant | None:
         f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
         f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, "
     )
-    want = s.want(new, Trigger.ARRIVAL_RATE_RPS, s.rate_rps, Rule.MODEL, "")
+    want = s.want(
+        new,
+        Trigger.ARRIVAL_RATE_RPS,
+        s.rate_rps,
+        Rule.MODEL,
+        f"{head}wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms",
+    )
     if not wait_moves and runs_at(want.cap, s) == cap:
         # The floor, the ceiling or the grant's memory keeps the cap where it is: the want still
         # asks for its cap (lending reads it), but the wait moves only past its own dead band, or
         # a pinned cap would push a new settings version every tick for a wait microseconds off.
         return evolve(want, wait_s=wait_s, reason=f"{head}wait held at {wait_s * 1000:.1f} ms (inside its dead band)")
-    return evolve(want, reason=f"{head}wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms")
+    return want
 
 
 def runs_at(cap: int, s: Inputs) -> int:
