@@ -30,6 +30,9 @@ moves to make, and when a move may complete, in this order, each tick:
    from the free pool first, then from borrowers' loans (two-phase);
 5. release: a borrower gone idle hands its loan (grant above base) back to the pool (never
    below its observed working set); a busy borrower keeps it until an owner reclaims. A
+   borrower is idle only if its arrivals would keep it under ``idle_util_frac`` at the batch its
+   base holds as well (its latency fit): at the bigger batches a loan buys, the same requests may
+   keep it under that share, and a loan given back then leaves it behind, borrowing it again. A
    release is two-phase too: the grant drops now, the pool gets the bytes at its confirm;
 6. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
    borrows from models idle (busy share under ``idle_util_frac``, no backlog) for
@@ -58,6 +61,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from broker.batch_inputs import cap_top
 from broker.lending_need import peak_batch, pressed
 from broker.memory_model import MemoryModel
 from broker.object_memo import MISS, ObjectMemo
@@ -279,7 +283,22 @@ def plan_quota(
         # a model whose loans keep coming back soon after it lends waits longer before it lends again
         st = states[name]
         hold = config.models[name].control.idle_hold_s * scale.get(name, 1.0)
-        return st.quiet_since_s is not None and now_s - st.quiet_since_s >= hold
+        if st.quiet_since_s is None or now_s - st.quiet_since_s < hold:
+            return False
+        return not ledger.loan_bytes(name) or not busy_at_base(name)
+
+    def busy_at_base(name: str) -> bool:
+        # A loan can make its borrower look idle: at the bigger batches it buys, the same requests
+        # keep the replicas busy under idle_util_frac. Released or lent on, the memory leaves it at
+        # the batch its base holds, busy again and behind (or missing its SLO on clumps of
+        # requests), and it borrows the memory back: grants flap. So a borrower is idle only if its
+        # arrivals would keep it under idle_util_frac at its base's batch too (its latency fit).
+        load, spec, fit = loads[name], config.models[name], states[name].latency_fit
+        if fit is None or load.arrival_rate_rps <= 0:
+            return False
+        base_cap = cap_top(spec.batch, mm(name).cap_for(spec.quota.base / replicas(name)))
+        units_per_s = load.arrival_rate_rps * max(load.cost_per_request, 1.0) / replicas(name)
+        return units_per_s / fit.saturated_rate(base_cap) >= spec.control.idle_util_frac
 
     def busy_for(name: str) -> float:
         st = states[name]

@@ -168,3 +168,31 @@ def test_a_model_refusing_requests_while_it_holds_over_its_grant_borrows():
     assert [(m.donor, m.recipient) for m in lends] == [("b", "a")]
     assert "refusing requests: it holds 3.1GiB, over its grant" in lends[0].reason
     assert d.grant("a") > 3200 * MiB
+
+
+def test_a_borrower_its_loan_made_efficient_is_idle_only_if_its_base_would_be():
+    """A loan can make its borrower look idle: at the bigger batches it buys, the same requests
+    keep the replica busy under ``idle_util_frac``. ``make demo``'s ``prof`` on 2026-12-03: about
+    10 % busy at cap 48 in its burst, where the batch of 1 its base held was busy and late. Its
+    loan went back as an idle model's; at its base's cap it fell behind, borrowed the memory
+    back, and did so again: its attainment fell to 27 % (100 % the day before). A borrower is
+    idle only if its arrivals would keep it under ``idle_util_frac`` at its base's batch too."""
+    d = _two_models()
+    for _ in range(7):  # lent, then confirmed once b reports under its lowered grant
+        d.step({"a": _calibrated("a", **BUSY), "b": _lender()})
+    assert d.grant("a") == 5 * GiB  # borrowed 2 GiB from the idle b
+    # the same 2,000 req/s at the bigger batches: 5 % busy, no queue. Its base holds a batch of
+    # 35, which runs in 37.5 ms (L(b) = 20 + 0.5b, its timings): 2.1 times busy there
+    efficient = dict(BUSY, queue_depth=0, busy_frac=0.05)
+    fit = LatencyFit(a_ms=20.0, c_ms=0.5, samples=80)
+    assert MM.cap_for(3 * GiB) == 35 and BUSY["arrival_rate_rps"] / fit.saturated_rate(35) > 2
+    for _ in range(12):  # well past its idle hold (5 s)
+        d.step({"a": _calibrated("a", **efficient), "b": _lender()})
+    assert d.grant("a") == 5 * GiB and d.cap("a") > 35
+    # 100 req/s would keep batches of 35 busy 11 % of the time: now it is idle, and the loan goes
+    # back (to the pool, where b, under its base, takes it), though requests still come
+    assert 100 / fit.saturated_rate(35) < SPEC.control.idle_util_frac
+    for _ in range(8):
+        d.step({"a": _calibrated("a", **dict(efficient, arrival_rate_rps=100.0)), "b": _lender()})
+    assert d.grant("a") == 3 * GiB and d.grant("b") == 3 * GiB
+    assert [m.kind for h in d.history for m in h.moves if m.donor == "a"] == ["release", "confirm"]
