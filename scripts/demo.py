@@ -125,8 +125,11 @@ async def run_load(
     total_s: float,
     models: list[str],
     seen: list[tuple[float, str, int, float]] | None = None,
+    watched: tuple[str, list[tuple[float, int, int]]] | None = None,
 ) -> dict[str, Counter]:
-    """Send the schedule; ``seen`` gets (sent at, model, status, latency ms) per request."""
+    """Send the schedule; ``seen`` gets (sent at, model, status, latency ms) per request;
+    ``watched`` = (model, samples): samples gets (elapsed s, batch cap, grant bytes) of that
+    model from each progress line's status read."""
     codes: dict[str, Counter] = {m: Counter() for m in models}
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
@@ -156,6 +159,9 @@ async def run_load(
                 except Exception:  # noqa: BLE001
                     continue
                 el = loop.time() - t0
+                if watched is not None and watched[0] in st["models"]:
+                    w = st["models"][watched[0]]
+                    watched[1].append((el, int(w["max_batch_size"]), int(w["grant_bytes"])))
                 parts = []
                 for name, m in st["models"].items():
                     p95 = "-" if m["p95_ms"] is None else f"{m['p95_ms']:.0f}ms"
@@ -228,8 +234,10 @@ def main() -> int:
             f"(warm {args.warm_s:.0f}s, burst on {args.burst} {args.burst_s:.0f}s, cool-down {args.cool_s:.0f}s)"
         )
         seen: list[tuple[float, str, int, float]] = []
-        codes = asyncio.run(run_load(url, sched, total, models, seen))
-        arms = {"broker (lending)": burst_line(seen, args, cfg, httpx.get(f"{url}/v1/status", timeout=30).json())}
+        watched: list[tuple[float, int, int]] = []
+        codes = asyncio.run(run_load(url, sched, total, models, seen, (args.burst, watched)))
+        st = httpx.get(f"{url}/v1/status", timeout=30).json()
+        arms = {"broker (lending)": burst_line(seen, args, cfg, st, watched)}
         for name, c in codes.items():
             console.print(
                 f"  {name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=str)), highlight=False
@@ -278,11 +286,10 @@ def main() -> int:
         fixed_cfg = parse_config_text(fixed_text, args.config + " (fixed split)")
         try:
             state = up_with_progress(fixed_cfg, fixed_text, args.config, num_cpus=2)
-            seen = []
-            asyncio.run(run_load(state["http_url"], sched, total, models, seen))
-            arms["fixed split"] = burst_line(
-                seen, args, fixed_cfg, httpx.get(f"{state['http_url']}/v1/status", timeout=30).json()
-            )
+            seen, watched = [], []
+            asyncio.run(run_load(state["http_url"], sched, total, models, seen, (args.burst, watched)))
+            st = httpx.get(f"{state['http_url']}/v1/status", timeout=30).json()
+            arms["fixed split"] = burst_line(seen, args, fixed_cfg, st, watched)
         except Exception as exc:  # noqa: BLE001
             console.print(f"[red]fixed-split run failed: {exc}[/]")
             code = 1  # the demo's comparison did not run: not a success
@@ -324,7 +331,8 @@ def calibrated_burst_rps(url: str, cfg, model: str, items: int, probes: int = 5)
     batch_s = sorted(times)[len(times) // 2]
     rps = BURST_OVER_BASE * b / batch_s / items
     console.print(
-        f"{model}: a batch of {b} (what its base holds) takes {batch_s * 1000:.0f} ms here, {b / batch_s:.0f} items/s; "
+        f"{model}: a batch of {b} (what its base holds by the config's memory figures) takes {batch_s * 1000:.0f} ms "
+        f"here, {b / batch_s:.0f} items/s; "
         f"burst {rps:.1f} req/s x {items} items = {BURST_OVER_BASE:g}x that",
         highlight=False,
     )
@@ -352,8 +360,15 @@ def fixed_split(text: str) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
-def burst_line(seen: list[tuple[float, str, int, float]], args: argparse.Namespace, cfg, status: dict) -> str:
-    """Attainment within the SLO, P95 and out-of-memory answers of the burst model in its burst."""
+def burst_line(
+    seen: list[tuple[float, str, int, float]],
+    args: argparse.Namespace,
+    cfg,  # noqa: ANN001 - a FleetConfig
+    status: dict,
+    watched: list[tuple[float, int, int]],
+) -> str:
+    """Attainment within the SLO, P95 and out-of-memory answers of the burst model in its burst,
+    and the batch caps and grants it ran at then (the status reads of the progress lines)."""
     start, end = args.warm_s, args.warm_s + args.burst_s
     rows = [(st, ms) for at, m, st, ms in seen if m == args.burst and start <= at < end]
     slo = cfg.models[args.burst].slo_p95_ms
@@ -362,12 +377,16 @@ def burst_line(seen: list[tuple[float, str, int, float]], args: argparse.Namespa
     p95 = ok[min(len(ok) - 1, int(0.95 * len(ok)))] if ok else float("nan")
     oom = sum(1 for st, _ in rows if st == 507)
     shed = sum(1 for st, _ in rows if st == SHED)
-    grant = status["models"][args.burst]["grant_bytes"]
+    during = [(cap, grant) for el, cap, grant in watched if start <= el < end]
+    ran = (
+        f"caps {min(c for c, _ in during)}-{max(c for c, _ in during)}  grant up to {format_size(max(g for _, g in during))}"
+        if during
+        else "caps -"
+    )
     return (
         f"attainment {met / max(1, len(rows)):6.1%} (SLO {slo:.0f} ms)  P95 {p95:6.0f} ms (answered)  "
         f"shed {shed:3d}  OOM answers {oom}  "
-        f"requests {len(rows)}  oom splits {status['models'][args.burst].get('oom_splits', 0)}  "
-        f"grant now {format_size(grant)}"
+        f"requests {len(rows)}  oom splits {status['models'][args.burst].get('oom_splits', 0)}  {ran}"
     )
 
 
