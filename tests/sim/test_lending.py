@@ -188,8 +188,9 @@ def _demo_prof(seed: int):
 
 def test_a_borrower_keeps_its_loan_through_its_burst_though_the_loan_makes_it_look_idle():
     """At cap 48 on borrowed memory ``prof``'s burst keeps it about 10 % busy, under
-    ``idle_util_frac``; at the batch of 1 its base holds, the same requests keep it 80 % busy and
-    each 16-item request takes 16 batches (490 ms, over its 300 ms SLO). Before the fix its loan
+    ``idle_util_frac``; at the batch of 1 its base holds, the same requests (42 items a second at
+    30.5 ms an item) are more than it can serve, and each 16-item request takes 16 batches (490 ms,
+    over its 300 ms SLO). Before the fix its loan
     went back in the burst one to three times a run on seeds 0-2, each time it fell behind at cap
     1 and borrowed again, and it answered 91-96 % within its SLO (the demo's ``prof``, 27 % on
     2026-12-03); now the loan goes back only after the burst, and 96-99 %."""

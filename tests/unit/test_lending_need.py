@@ -175,7 +175,7 @@ def test_a_borrower_its_loan_made_efficient_is_idle_only_if_its_base_would_be():
     keep the replica busy under ``idle_util_frac``. ``make demo``'s ``prof`` on 2026-12-03: about
     10 % busy at cap 48 in its burst, where the batch of 1 its base held was busy and late. Its
     loan went back as an idle model's; at its base's cap it fell behind, borrowed the memory
-    back, and did so again: its attainment fell to 27 % (100 % the day before). A borrower is
+    back, and did so again: its attainment fell to 27 % (100 % in the runs before that one). A borrower is
     idle only if its arrivals would keep it under ``idle_util_frac`` at its base's batch too."""
     d = _two_models()
     for _ in range(7):  # lent, then confirmed once b reports under its lowered grant
