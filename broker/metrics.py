@@ -88,6 +88,12 @@ def _num(value: Any) -> float:
     return float(value)
 
 
+def _scaled(value: Any, scale: float) -> float:
+    """``_num(value)`` times ``scale``; unknown stays the one ``math.nan`` (ticks compare them)."""
+    v = _num(value)
+    return v if scale == 1.0 or v != v else v * scale
+
+
 class LlmGauges:
     """LLM engine signals per model (``broker.llm_window.LlmControl.status``): TTFT and TPOT
     P50/P95/P99, tokens/s in and out, running and waiting sequences, KV blocks used and free,
@@ -156,16 +162,7 @@ class LlmGauges:
             self.bound.labels(name, gpu, bound).set(_num(e.get(bound)))
 
     def forget(self, name: str, gpu: str) -> None:
-        for gauge in (
-            self.ttft,
-            self.tpot,
-            self.slo,
-            self.tokens,
-            self.seqs,
-            self.blocks,
-            self.preemptions,
-            self.bound,
-        ):
+        for gauge in vars(self).values():  # every attribute of an instance is one of its gauges
             for labels in [k for k in list(gauge._metrics) if k[:2] == (name, gpu)]:
                 gauge.remove(*labels)
 
@@ -186,6 +183,8 @@ class BrokerMetrics:
         self._clock = clock
         self._models: set[str] = set()  # models with per-model gauge series
         self._series: dict[tuple[str, ...], Any] = {}  # (metric, labels) -> child: what ticks and reports set
+        # model -> the gauge values its last tick set: the same values (most models, most ticks) skip the sets
+        self._last: dict[str, tuple[float, ...]] = {}
         self._profile: str | None = None
         r = self.registry
         mg = ("model", "gpu")
@@ -381,6 +380,7 @@ class BrokerMetrics:
         view.gpu = gpu
         view._models = set()
         view._series = {}
+        view._last = {}
         view._profile = None
         return view
 
@@ -400,23 +400,14 @@ class BrokerMetrics:
         g = self.gpu
         models = status.get("models", {})
         child = self._child
+        gauges = self._model_gauges()
         for name, m in models.items():
-            child(self.grant, name, g).set(_num(m.get("grant_bytes")))
-            child(self.base, name, g).set(_num(m.get("base_bytes")))
-            child(self.used, name, g).set(_num(m.get("used_bytes")))
-            child(self.max_batch, name, g).set(_num(m.get("max_batch_size")))
-            child(self.wait, name, g).set(_num(m.get("batch_wait_timeout_s")))
-            child(self.queue, name, g).set(_num(m.get("queue_depth")))
-            p95 = m.get("p95_ms")
-            child(self.p95, name, g).set(math.nan if p95 is None else p95 / 1000.0)
-            slo = m.get("slo_p95_ms")
-            child(self.slo, name, g).set(math.nan if slo is None else slo / 1000.0)
-            child(self.arrival, name, g).set(_num(m.get("arrival_rate_rps")))
-            child(self.attainment, name, g).set(_num(m.get("attainment")))
-            child(self.cost, name, g).set(_num(m.get("cost_per_1k_requests")))
-            child(self.admit, name, g).set(_num(m.get("admit", True)))
-            child(self.replicas, name, g).set(_num(m.get("replicas")))
-            child(self.version, name, g).set(_num(m.get("settings_version")))
+            values = tuple(_scaled(m.get(key, default), scale) for _, key, scale, default in gauges)
+            # a NaN is the one ``math.nan`` (``_scaled``): another would only cost sets not needed
+            if self._last.get(name) != values:
+                for (gauge, *_), v in zip(gauges, values):
+                    child(gauge, name, g).set(v)
+                self._last[name] = values
             if m.get("engine") is not None:
                 self.llm.observe(name, g, m["engine"])
         for gone in self._models - set(models):
@@ -450,29 +441,34 @@ class BrokerMetrics:
         self.ticks.labels(g).inc()
         self.tick_duration.labels(g).observe(max(0.0, tick_s))
 
+    def _model_gauges(self) -> tuple[tuple[Any, str, float, Any], ...]:
+        """(gauge, the status field it shows, scale, default) for each per-model gauge a tick sets."""
+        return (
+            (self.grant, "grant_bytes", 1.0, None),
+            (self.base, "base_bytes", 1.0, None),
+            (self.used, "used_bytes", 1.0, None),
+            (self.max_batch, "max_batch_size", 1.0, None),
+            (self.wait, "batch_wait_timeout_s", 1.0, None),
+            (self.queue, "queue_depth", 1.0, None),
+            (self.p95, "p95_ms", 1e-3, None),  # gauges in seconds
+            (self.slo, "slo_p95_ms", 1e-3, None),
+            (self.arrival, "arrival_rate_rps", 1.0, None),
+            (self.attainment, "attainment", 1.0, None),
+            (self.cost, "cost_per_1k_requests", 1.0, None),
+            (self.admit, "admit", 1.0, True),
+            (self.replicas, "replicas", 1.0, None),
+            (self.version, "settings_version", 1.0, None),
+        )
+
     def _forget_model(self, name: str) -> None:
         """Drop a model's gauge series once it is no longer in the config (counters keep their history)."""
-        for gauge in (
-            self.grant,
-            self.base,
-            self.used,
-            self.max_batch,
-            self.wait,
-            self.queue,
-            self.p95,
-            self.slo,
-            self.arrival,
-            self.attainment,
-            self.cost,
-            self.admit,
-            self.replicas,
-            self.version,
-        ):
+        for gauge, *_ in self._model_gauges():
             try:
                 gauge.remove(name, self.gpu)
             except KeyError:
                 pass
         self._series = {k: v for k, v in self._series.items() if k[1] != name}
+        self._last.pop(name, None)
         self.llm.forget(name, self.gpu)
 
     @_never_raises

@@ -274,6 +274,34 @@ def test_a_model_removed_and_added_again_is_exported_again(metrics):
     assert value(metrics, "gpubroker_quota_granted_bytes", model="hot", gpu="cpu") == 777 << 20
 
 
+def test_a_tick_sets_a_models_gauges_only_when_its_values_changed(metrics):
+    """A model whose status values are those of the last tick (most models, most ticks) keeps
+    the series as they are: the tick does not set them again. The probe: a series changed
+    behind the tick's back stays changed until the model's values change. A model removed and
+    added again with its old values is exported again, and its engine's series go with it."""
+    metrics.observe_tick(decision(), status(), 0.001)
+    lab = {"model": "mlp", "gpu": "cpu"}
+    metrics.grant.labels("mlp", "cpu").set(1.0)  # not the tick's doing
+    metrics.observe_tick(decision(), status(), 0.001)
+    assert value(metrics, "gpubroker_quota_granted_bytes", **lab) == 1.0  # unchanged values: not set
+    moved = status()
+    moved["models"]["mlp"]["queue_depth"] = 7
+    metrics.observe_tick(decision(), moved, 0.001)
+    assert value(metrics, "gpubroker_quota_granted_bytes", **lab) == 1 << 30  # a change: every gauge set
+    assert value(metrics, "gpubroker_queue_depth", **lab) == 7
+    with_engine = status()
+    with_engine["models"]["mlp"]["engine"] = {"running": 3}
+    metrics.observe_tick(decision(), with_engine, 0.001)
+    assert value(metrics, "gpubroker_llm_sequences", model="mlp", gpu="cpu", state="running") == 3
+    gone = status()
+    del gone["models"]["mlp"]
+    metrics.observe_tick(decision(), gone, 0.001)
+    assert value(metrics, "gpubroker_quota_granted_bytes", **lab) is None
+    assert value(metrics, "gpubroker_llm_sequences", model="mlp", gpu="cpu", state="running") is None
+    metrics.observe_tick(decision(), status(), 0.001)  # back, with the values it had
+    assert value(metrics, "gpubroker_quota_granted_bytes", **lab) == 1 << 30
+
+
 def test_observe_reload(metrics):
     assert value(metrics, "gpubroker_config_last_reload_success") == 1  # start-up load
     assert value(metrics, "gpubroker_config_last_reload_timestamp_seconds") == 1234.5
