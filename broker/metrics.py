@@ -88,10 +88,11 @@ def _num(value: Any) -> float:
     return float(value)
 
 
-def _scaled(value: Any, scale: float) -> float:
-    """``_num(value)`` times ``scale``; unknown stays the one ``math.nan`` (ticks compare them)."""
+def _per(value: Any, per: float) -> float:
+    """``_num(value) / per`` (milliseconds out as seconds); unknown stays the one ``math.nan``
+    (ticks compare the values they set)."""
     v = _num(value)
-    return v if scale == 1.0 or v != v else v * scale
+    return v if per == 1.0 or v != v else v / per
 
 
 class LlmGauges:
@@ -402,8 +403,8 @@ class BrokerMetrics:
         child = self._child
         gauges = self._model_gauges()
         for name, m in models.items():
-            values = tuple(_scaled(m.get(key, default), scale) for _, key, scale, default in gauges)
-            # a NaN is the one ``math.nan`` (``_scaled``): another would only cost sets not needed
+            values = tuple(_per(m.get(key, default), per) for _, key, per, default in gauges)
+            # a NaN is the one ``math.nan`` (``_per``): another would only cost sets not needed
             if self._last.get(name) != values:
                 for (gauge, *_), v in zip(gauges, values):
                     child(gauge, name, g).set(v)
@@ -442,7 +443,7 @@ class BrokerMetrics:
         self.tick_duration.labels(g).observe(max(0.0, tick_s))
 
     def _model_gauges(self) -> tuple[tuple[Any, str, float, Any], ...]:
-        """(gauge, the status field it shows, scale, default) for each per-model gauge a tick sets."""
+        """(gauge, the status field it shows, divisor, default) for each per-model gauge a tick sets."""
         return (
             (self.grant, "grant_bytes", 1.0, None),
             (self.base, "base_bytes", 1.0, None),
@@ -450,8 +451,8 @@ class BrokerMetrics:
             (self.max_batch, "max_batch_size", 1.0, None),
             (self.wait, "batch_wait_timeout_s", 1.0, None),
             (self.queue, "queue_depth", 1.0, None),
-            (self.p95, "p95_ms", 1e-3, None),  # gauges in seconds
-            (self.slo, "slo_p95_ms", 1e-3, None),
+            (self.p95, "p95_ms", 1000.0, None),  # gauges in seconds
+            (self.slo, "slo_p95_ms", 1000.0, None),
             (self.arrival, "arrival_rate_rps", 1.0, None),
             (self.attainment, "attainment", 1.0, None),
             (self.cost, "cost_per_1k_requests", 1.0, None),
