@@ -19,7 +19,8 @@ model's version bumps only when its settings change) -> checkpoint (``broker.che
                        "batch_wait_timeout_s", "queue_depth", "p50_ms", "p95_ms", "p99_ms",
                        "slo_p95_ms", "attainment", "arrival_rate_rps", "completion_rate_rps",
                        "settings_version", "replicas", "admit", "cost_per_1k_requests",
-                       "cost_unit", "calibrated", "emergency_shrinks", "oom_splits"}}}
+                       "cost_unit", "calibrated", "emergency_shrinks", "oom_splits",
+                       "memory_ceiling", "fixed_bytes"}}}   # broker.policy.memory_view
 """
 
 from __future__ import annotations
@@ -434,8 +435,7 @@ class BrokerCore:
         for name, spec in self._cfg.models.items():
             s = self._settings[name]
             load = snap.models.get(name) if snap is not None else None
-            window_s = spec.control.window_s
-            tallies = self._tallies[name]
+            window_s, tallies = spec.control.window_s, self._tallies[name]
             tallies.evict_older(now, window_s)
             completions, misses = tallies.completions, tallies.misses
             seen = self._replicas.get(name, {})
@@ -459,14 +459,14 @@ class BrokerCore:
                 "settings_version": s.version,
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
                 "admit": s.admit,
-                # the card-hours its grant holds (broker.cost), over the window it has been up for
-                "cost_per_1k_requests": cost_per_1k_requests(
+                "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (broker.cost) over its window
                     price, s.grant_bytes, self._usable, min(window_s, now - self._started_s), completions
                 ),
                 "cost_unit": self._cost_units.get(name, spec.batch.unit),
                 "calibrated": name in self._memory_models,
                 "emergency_shrinks": self._events[name]["emergency_shrinks"],
                 "oom_splits": self._events[name]["oom_splits"],
+                **policy.memory_view(load, spec, s.grant_bytes),  # memory_ceiling, fixed_bytes: why a cap is low
             }
             models[name].update(self._llm.status(name, now))  # kind: llm: "engine" (bounds, TTFT/TPOT, KV blocks)
         gpu = snap.gpu if snap is not None else None

@@ -432,6 +432,7 @@ class FleetBroker:
                     "replicas": m["replicas"],
                     "replica_target": self._target(cid, name),
                     "cost_per_1k_requests": m.get("cost_per_1k_requests"),  # this card's share, its requests here
+                    "memory_ceiling": m.get("memory_ceiling"),  # the batch this card's grant holds (memory_view)
                 }
                 models.setdefault(name, _merge_start(m)) if name not in models else _merge(models[name], m)
                 models[name].setdefault("cards", []).append(cid)
@@ -482,9 +483,7 @@ def _spent(m: dict[str, Any]) -> float:
 
 
 def _merge_start(m: dict[str, Any]) -> dict[str, Any]:
-    out = dict(m)
-    out["_spent"] = _spent(m)
-    return out
+    return {**m, "_spent": _spent(m)}
 
 
 def _merge(acc: dict[str, Any], m: dict[str, Any]) -> None:

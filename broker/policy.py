@@ -168,6 +168,19 @@ def memory_model(load: ModelLoad) -> MemoryModel:
     return MemoryModel.from_load(load)
 
 
+def memory_view(load: ModelLoad | None, spec: ModelSpec, grant_bytes: int) -> dict[str, Any]:
+    """What status says of a model's memory, as ``_guard`` sees it: ``memory_ceiling``, the batch
+    one replica's share of ``grant_bytes`` holds by the memory model measured from its reports
+    (None: no report yet, a static strategy, or not calibrated and no OOM), and ``fixed_bytes``,
+    that model's fixed part (the calibrated weights, or the larger fixed part measured live), so a
+    user can see why a cap sits below what the config's figures promise."""
+    if load is None or spec.control.strategy == "static":
+        return {"memory_ceiling": None, "fixed_bytes": None}
+    mm = memory_model(load)
+    cap = mm.cap_for(grant_bytes / max(1, spec.replicas))
+    return {"memory_ceiling": cap, "fixed_bytes": mm.weights_bytes if mm.calibrated else None}
+
+
 def decide(
     snapshot: FleetSnapshot,
     config: FleetConfig,

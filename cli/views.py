@@ -113,7 +113,7 @@ def status_table(st: dict[str, Any]) -> Table:
             name,
             grant,
             format_size(m["used_bytes"]),
-            f"{m['max_batch_size']}{unit}",
+            _cap(m, unit),
             f"{m['batch_wait_timeout_s'] * 1000:.1f}",
             f"{m['queue_depth']:.0f}",
             f"{m['arrival_rate_rps']:.1f}",
@@ -127,6 +127,14 @@ def status_table(st: dict[str, Any]) -> Table:
             "-" if cost is None else f"{cost:.4f}",
         )
     return table
+
+
+def _cap(m: dict[str, Any], unit: str) -> str:
+    """The batch cap, marked ``mem`` when the grant's memory holds it there (status' ``memory_ceiling``:
+    the batch the grant holds by the memory the broker measured, broker.policy.memory_view)."""
+    ceiling = m.get("memory_ceiling")
+    held = ceiling is not None and m["max_batch_size"] >= ceiling
+    return f"{m['max_batch_size']}{unit}" + (" [yellow]mem[/]" if held else "")
 
 
 def _target(m: dict[str, Any]) -> str:
