@@ -39,6 +39,7 @@ from broker import policy
 from broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoint, CheckpointFile
 from broker.cost import cost_per_1k_requests
 from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
+from broker.gc_hold import gc_held
 from broker.idle_memo import IdleMemo
 from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics, NullMetrics
@@ -79,11 +80,9 @@ class BrokerCore:
         self._clock = clock
         self._started_s = clock()
         if isinstance(config, FleetConfig):
-            cfg = config
-            config_text = json.dumps(config.model_dump(mode="json"))
+            cfg, config_text = config, json.dumps(config.model_dump(mode="json"))
         else:
-            config_text = config
-            cfg = parse_config_text(config_text, "broker config")
+            cfg, config_text = parse_config_text(config, "broker config"), config
         # Prometheus metrics (broker/metrics.py); a private registry so one process may hold several cores.
         self.metrics = metrics if metrics is not None else BrokerMetrics(CollectorRegistry(), gpu=cfg.gpu.device)
         self._launch_hash = cfg.config_hash()
@@ -271,6 +270,7 @@ class BrokerCore:
             free_frac = min(frees) if frees else measured
         return GpuLoad(self._capacity, self._usable, used, free_frac, max(sms) if sms else None)
 
+    @gc_held  # the collections the tick's allocations call for run after it (broker.gc_hold)
     def tick(self) -> dict[str, Any]:
         """One control step: snapshot -> decide -> settings table -> checkpoint -> decision log."""
         started = time.perf_counter()

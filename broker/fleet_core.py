@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from broker.core import BrokerCore, NullMetrics
 from broker.decision_log import DecisionLog
 from broker.fleet_store import FleetStore
+from broker.gc_hold import gc_held
 from broker.metrics import BrokerMetrics
 from broker.replacement import FleetEntry, Replacement, groups_of, read_placement, replace_fleet, write_placement
 from broker.replica_targets import ReplicaTargets
@@ -112,13 +113,12 @@ class FleetBroker:
     def _make_core(self, card_id: str) -> BrokerCore:
         path, slot = self._store.core_path(), self._store.slot(card_id)
         config: str | FleetConfig = self._text if self.single else card_config(self._cfg, self._placement, card_id)
-        card = self._placement.card(card_id)
         metrics = self.metrics
         if not self.single and isinstance(metrics, BrokerMetrics):
             metrics = metrics.for_gpu(card_id)  # metrics carry gpu=<card id>
         return BrokerCore(
             config,
-            capacity_bytes=int(card.capacity_bytes),
+            capacity_bytes=int(self._placement.card(card_id).capacity_bytes),
             checkpoint_path=path,
             checkpoint=slot,
             clock=self._clock,
@@ -181,6 +181,7 @@ class FleetBroker:
         return {"counted": taken}
 
     # ------------------------------------------------------------------ control
+    @gc_held  # every card's tick, the checkpoint and the metrics with the collector off (broker.gc_hold)
     def tick(self) -> dict[str, Any]:
         now = self._clock()
         out: dict[str, Any] = {"ok": True, "now_s": now, "changed": [], "cards": {}}

@@ -1,0 +1,43 @@
+"""The cyclic garbage collector held off while a control tick runs.
+
+Design note. A tick allocates tens of thousands of short-lived containers (records, sorted
+latency samples, settings dicts), so CPython's cyclic collector, which runs whenever
+allocations pass its thresholds, ran inside the tick: on the 16-card x 100-model fleet of
+``bench.scale`` a young collection every third tick or so (4-11 ms each on the 2-core machines)
+and an older one in about one tick in forty (up to 32 ms), most of the tick's P99 (measured
+with ``gc.callbacks``; docs/BENCHMARKS.md, "The control plane's cost"). The broker's records are
+trees, not cycles, so holding the collector off for a tick's tens of milliseconds leaves
+nothing behind: the collections its allocations called for run at the first allocation after
+it, between ticks, where they delay a replica report's reply by the same milliseconds instead
+of every model's next settings. The work is moved, not saved; ``bench.scale`` reports it per
+tick beside the tick (``gc_ms_per_tick``).
+
+``gc_held`` wraps a function: the collector is disabled for the call and enabled again after
+it, also when the call raises. A call made while it is already off (a ``FleetBroker`` tick
+ticking its cards' cores, or a caller that turned it off itself) leaves it as it found it.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def gc_held(fn: _F) -> _F:
+    """``fn`` with the cyclic collector off while it runs (module note)."""
+
+    @functools.wraps(fn)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return held  # type: ignore[return-value]
