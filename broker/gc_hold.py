@@ -1,11 +1,11 @@
 """The cyclic garbage collector held off while a control tick runs.
 
-Design note. A tick allocates tens of thousands of short-lived containers (records, sorted
-latency samples, settings dicts), so CPython's cyclic collector, which runs whenever
-allocations pass its thresholds, ran inside the tick: on the 16-card x 100-model fleet of
-``bench.scale`` a young collection every third tick or so (4-11 ms each on the 2-core machines)
-and an older one in about one tick in forty (up to 32 ms), most of the tick's P99 (measured
-with ``gc.callbacks``; docs/BENCHMARKS.md, "The control plane's cost"). The broker's records are
+Design note. A tick allocates many short-lived containers (records, sorted latency samples,
+settings dicts), so CPython's cyclic collector, which runs whenever allocations pass its
+thresholds, ran inside the tick: on the 16-card x 100-model fleet of ``bench.scale`` a young
+collection every third tick or so (4 ms on average, up to 11, on the 2-core machines) and an
+older one in about one tick in forty (up to 32 ms), most of the tick's P99 (measured with
+``gc.callbacks``; docs/BENCHMARKS.md, "The control plane's cost"). The broker's records are
 trees, not cycles, so holding the collector off for a tick's tens of milliseconds leaves
 nothing behind: the collections its allocations called for run at the first allocation after
 it, between ticks, where they delay a replica report's reply by the same milliseconds instead

@@ -13,39 +13,16 @@ from rich.console import Console
 from broker.core import BrokerCore
 from broker.fleet_core import FleetBroker
 from cli.views import status_table
-from tests.unit.test_oom import CONFIG, Clock
+from tests.unit.test_oom import CONFIG, Clock, _report
 
 MiB = 1024**2
-
-
-def _busy(core, clock: Clock, seq: int, peak_mib: float) -> None:  # noqa: ANN001
-    cap = core.settings("m")["max_batch_size"]
-    core.report(
-        {
-            "model": "m",
-            "replica_id": "m-r0",
-            "seq": seq,
-            "now_s": clock(),
-            "interval_s": 1.0,
-            "arrivals": 2 * cap,
-            "completions": 2 * cap,
-            "latency_ms": [50.0] * (2 * cap),
-            "batches": [[float(cap), 20.0], [float(cap), 20.0]],
-            "batch_requests": [cap, cap],
-            "busy_s": 0.9,
-            "queue_depth": 4 * cap,
-            "mem_used_bytes": int(peak_mib * MiB),
-            "mem_peak_bytes": int(peak_mib * MiB),
-            "settings_version": core.settings("m")["version"],
-        }
-    )
 
 
 def _run(core, clock: Clock, fixed_mib: float, ticks: int = 4) -> None:  # noqa: ANN001
     for seq in range(ticks):
         clock.t += 1
         cap = core.settings("m")["max_batch_size"]
-        _busy(core, clock, seq, fixed_mib + cap)  # 1 MiB an item on top of the fixed part
+        _report(core, clock, seq, cap, mem_bytes=int((fixed_mib + cap) * MiB))  # 1 MiB an item over the fixed part
         core.tick()
 
 

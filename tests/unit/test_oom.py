@@ -195,8 +195,11 @@ class Clock:
         return float(self.t)
 
 
-def _report(core: BrokerCore, clock: Clock, seq: int, cap: int, oom_costs: tuple[float, ...] = ()) -> None:
-    """A busy replica running full batches at ``cap``, a deep queue, latency far under the SLO."""
+def _report(
+    core: BrokerCore, clock: Clock, seq: int, cap: int, oom_costs: tuple[float, ...] = (), mem_bytes: int = 100 * MiB
+) -> None:
+    """A busy replica running full batches at ``cap``, a deep queue, latency far under the SLO,
+    ``mem_bytes`` used at its peak."""
     core.report(
         {
             "model": "m",
@@ -211,8 +214,8 @@ def _report(core: BrokerCore, clock: Clock, seq: int, cap: int, oom_costs: tuple
             "batch_requests": [cap, cap],
             "busy_s": 0.9,
             "queue_depth": 4 * cap,
-            "mem_used_bytes": 100 * MiB,
-            "mem_peak_bytes": 100 * MiB,
+            "mem_used_bytes": mem_bytes,
+            "mem_peak_bytes": mem_bytes,
             "oom_splits": len(oom_costs),
             "oom_costs": list(oom_costs),
             "settings_version": core.settings("m")["version"],
