@@ -262,6 +262,16 @@ def build_model_app(args: dict[str, Any]) -> Application:
     )
 
 
+def http_options(cfg: FleetConfig, host: str | None = None, port: int | None = None) -> dict[str, Any]:
+    """Serve's HTTP proxy options for the fleet: where it binds (the config's, unless given) and
+    its end-to-end request limit (``broker.proxy_timeout_s``: a request that a dead replica took
+    with it gets a 408 rather than no answer; omitted when the config says null)."""
+    opts: dict[str, Any] = {"host": host or cfg.broker.http_host, "port": port or cfg.broker.http_port}
+    if cfg.broker.proxy_timeout_s is not None:
+        opts["request_timeout_s"] = cfg.broker.proxy_timeout_s
+    return opts
+
+
 def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP) -> dict[str, Any]:
     """A Ray Serve config document (``serve deploy``) with the fleet API and one app per model."""
     apps = [
@@ -293,7 +303,7 @@ def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP)
         )
     return {
         "proxy_location": "EveryNode",
-        "http_options": {"host": cfg.broker.http_host, "port": cfg.broker.http_port},
+        "http_options": http_options(cfg),
         "applications": apps,
     }
 

@@ -64,7 +64,7 @@ def deploy(
     from ray import serve
 
     from broker.actor import start_broker
-    from deployments.app import MODEL_NUM_CPUS, fleet_apps, run_fleet
+    from deployments.app import MODEL_NUM_CPUS, fleet_apps, http_options, run_fleet
 
     notify = on_progress or (lambda stage, info: None)
     cards = None
@@ -77,7 +77,7 @@ def deploy(
     notify("broker-up", {})
     host = http_host or cfg.broker.http_host
     port = http_port or cfg.broker.http_port
-    serve.start(proxy_location=proxy_location(), http_options={"host": host, "port": port})
+    serve.start(proxy_location=proxy_location(), http_options=http_options(cfg, host, port))
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
     apps = fleet_apps(
         cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME, cards=cards

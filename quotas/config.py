@@ -54,6 +54,14 @@ class BrokerSection(_Strict):
     metrics_port: int = Field(9464, ge=0, le=65535, description="Prometheus exporter port; 0 disables the exporter.")
     http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
+    proxy_timeout_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="End-to-end limit Ray Serve's HTTP proxy gives a request (its HTTPOptions.request_timeout_s): "
+        "a request with no answer by then (the replica holding it died and Serve's router lost it) gets a 408 "
+        "instead of hanging until the client gives up. Keep it above every model's request_timeout_s plus its "
+        "longest batch (or an LLM's longest stream); null: no limit. Applied when Serve starts (gpubroker up).",
+    )
     direct_ingress: bool = Field(
         False,
         description="Each batch model's replica also answers HTTP on its own port (Ray Serve's direct ingress, "

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPLICIT_ERRORS = (413, 422, 429, 503, 504)  # answered with a body that says what to do
+# answered with a body that says what to do; 408: Serve's proxy gave up on it at broker.proxy_timeout_s
+EXPLICIT_ERRORS = (408, 413, 422, 429, 503, 504)
 
 
 def results_path() -> Path:

@@ -444,6 +444,8 @@ def test_kill_replica_mid_batch_under_load(fleet):
 
     actors = _mlp_replica_actors()
     assert len(actors) == 2, actors
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    assert ray.get(controller.get_http_config.remote()).request_timeout_s == 20.0  # broker.proxy_timeout_s
     pids0 = set(counting.pids(fleet.count_dir))
     dur = 20.0
     plan = loadgen.merge(
