@@ -262,13 +262,21 @@ def build_model_app(args: dict[str, Any]) -> Application:
     )
 
 
+AUTO_PROXY_ROOM_S = 90.0  # proxy_timeout_s auto: the longest request_timeout_s plus this
+
+
 def http_options(cfg: FleetConfig, host: str | None = None, port: int | None = None) -> dict[str, Any]:
     """Serve's HTTP proxy options for the fleet: where it binds (the config's, unless given) and
     its end-to-end request limit (``broker.proxy_timeout_s``: a request that a dead replica took
-    with it gets a 408 rather than no answer; omitted when the config says null)."""
+    with it gets a 408 rather than no answer; omitted when there is none: null, or auto in a
+    fleet with an LLM, whose streams may run for minutes)."""
     opts: dict[str, Any] = {"host": host or cfg.broker.http_host, "port": port or cfg.broker.http_port}
-    if cfg.broker.proxy_timeout_s is not None:
-        opts["request_timeout_s"] = cfg.broker.proxy_timeout_s
+    limit = cfg.broker.proxy_timeout_s
+    if limit == "auto":  # a queued request's own limit plus room for its batch; streams: none
+        llm = any(m.kind == "llm" for m in cfg.models.values())
+        limit = None if llm else max(m.request_timeout_s for m in cfg.models.values()) + AUTO_PROXY_ROOM_S
+    if limit is not None:
+        opts["request_timeout_s"] = float(limit)
     return opts
 
 

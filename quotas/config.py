@@ -54,14 +54,22 @@ class BrokerSection(_Strict):
     metrics_port: int = Field(9464, ge=0, le=65535, description="Prometheus exporter port; 0 disables the exporter.")
     http_host: str = Field("127.0.0.1", description="Address Ray Serve's HTTP proxy binds.")
     http_port: int = Field(8000, ge=1, le=65535, description="Port of Ray Serve's HTTP proxy.")
-    proxy_timeout_s: float | None = Field(
-        120.0,
-        gt=0,
+    proxy_timeout_s: float | None | Literal["auto"] = Field(
+        "auto",
         description="End-to-end limit Ray Serve's HTTP proxy gives a request (its HTTPOptions.request_timeout_s): "
         "a request with no answer by then (the replica holding it died and Serve's router lost it) gets a 408 "
-        "instead of hanging until the client gives up. Keep it above every model's request_timeout_s plus its "
-        "longest batch (or an LLM's longest stream); null: no limit. Applied when Serve starts (gpubroker up).",
+        "instead of hanging until the client gives up. auto (default): the longest request_timeout_s of the "
+        "fleet's models plus 90 s (120 s with the defaults), and no limit in a fleet with an LLM (a stream may run "
+        "for minutes); a number of seconds; null: no limit. Applied when Serve starts (gpubroker up).",
     )
+
+    @field_validator("proxy_timeout_s")
+    @classmethod
+    def _positive_timeout(cls, v: float | str | None) -> float | str | None:
+        if isinstance(v, (int, float)) and v <= 0:
+            raise ValueError("must be above 0 seconds, null (no limit) or auto")
+        return v
+
     direct_ingress: bool = Field(
         False,
         description="Each batch model's replica also answers HTTP on its own port (Ray Serve's direct ingress, "

@@ -36,11 +36,23 @@ def test_the_proxy_gets_the_fleets_request_limit_and_a_bad_one_is_refused_by_nam
     cfg = load_config(ROOT / "configs/demo.yaml")
     assert http_options(cfg) == {"host": "127.0.0.1", "port": 8000, "request_timeout_s": 120.0}  # the default
     assert http_options(cfg, "127.0.0.1", 9000)["port"] == 9000
-    off = parse_config_text(text.replace("  http_port: 8000", "  http_port: 8000\n  proxy_timeout_s: null"), "t")
-    assert "request_timeout_s" not in http_options(off)  # null: Serve's own default, no limit
-    try:
-        parse_config_text(text.replace("  http_port: 8000", "  http_port: 8000\n  proxy_timeout_s: 0"), "t")
-    except ConfigError as exc:
-        assert "broker.proxy_timeout_s" in str(exc)
-    else:
-        raise AssertionError("proxy_timeout_s: 0 was accepted")
+
+    def with_limit(value: str) -> dict:
+        return http_options(
+            parse_config_text(text.replace("  http_port: 8000", f"  http_port: 8000\n  proxy_timeout_s: {value}"), "t")
+        )
+
+    assert "request_timeout_s" not in with_limit("null")  # no limit: Serve's own default
+    assert with_limit("45")["request_timeout_s"] == 45.0
+    longest = text.replace("slo_p95_ms: 300", "slo_p95_ms: 300\n    request_timeout_s: 200", 1)
+    assert "request_timeout_s: 200" in longest
+    assert http_options(parse_config_text(longest, "t"))["request_timeout_s"] == 290.0  # auto: 200 + 90
+    llm = load_config(ROOT / "configs/llm-demo.yaml")
+    assert llm.broker.proxy_timeout_s == "auto" and "request_timeout_s" not in http_options(llm)  # streams
+    for bad in ("0", "-5", "soon"):
+        try:
+            with_limit(bad)
+        except ConfigError as exc:
+            assert "broker.proxy_timeout_s" in str(exc), exc
+        else:
+            raise AssertionError(f"proxy_timeout_s: {bad} was accepted")
