@@ -67,7 +67,7 @@ def next_up_notes(old: FleetConfig, cfg: FleetConfig) -> list[str]:
                 notes.append(f"models.{name}.{field_name} takes effect on the next `gpubroker up`")
         if cfg.models[name].batch.max_concurrent_batches != old.models[name].batch.max_concurrent_batches:
             notes.append(f"models.{name}.batch.max_concurrent_batches takes effect on the next `gpubroker up`")
-    for field_name in ("http_host", "http_port", "direct_ingress"):  # how Ray and Serve were started
+    for field_name in ("http_host", "http_port", "direct_ingress", "proxy_timeout_s"):  # how Ray and Serve were started
         if getattr(cfg.broker, field_name) != getattr(old.broker, field_name):
             notes.append(f"broker.{field_name} takes effect on the next `gpubroker up`")
     return notes

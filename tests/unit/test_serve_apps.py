@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from deployments.app import fleet_apps, model_app_name, model_route, serve_config
-from quotas.config import load_config
+from quotas.config import load_config, parse_config_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,3 +56,12 @@ def test_the_proxy_gets_the_fleets_request_limit_and_a_bad_one_is_refused_by_nam
             assert "broker.proxy_timeout_s" in str(exc), exc
         else:
             raise AssertionError(f"proxy_timeout_s: {bad} was accepted")
+
+
+def test_changing_the_proxy_limit_by_apply_says_it_takes_the_next_up():
+    from broker.reconfig import next_up_notes
+
+    text = (ROOT / "configs/demo.yaml").read_text()
+    old = load_config(ROOT / "configs/demo.yaml")
+    new = parse_config_text(text.replace("  http_port: 8000", "  http_port: 8000\n  proxy_timeout_s: 45"), "t")
+    assert next_up_notes(old, new) == ["broker.proxy_timeout_s takes effect on the next `gpubroker up`"]
