@@ -17,7 +17,8 @@ import pytest
 
 from tests.integration.conftest import wait_for
 
-pytestmark = pytest.mark.integration
+# slow: a replica restarted by the reclaim escalation; `make chaos` runs it, `make test` does not
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 HEALTH_CHECK_PERIOD_S = 5  # what deployments.app gives every model deployment
 
