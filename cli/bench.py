@@ -51,9 +51,10 @@ def bench(
         "replica's own port, not through the proxy.",
     ),
 ) -> None:
-    """Run one live benchmark scenario on Ray Serve (starts and tears down its own apps), or
-    ``report``: rebuild bench/RESULTS.md's tables from the results under --out (full runs) and
-    --out/quick (``--quick`` runs)."""
+    """Run one benchmark scenario (live ones on Ray Serve; lending, scale, llm without Ray) or report.
+
+    The live scenarios start and tear down their own apps; report rebuilds bench/RESULTS.md's
+    tables from the results under --out (full runs) and --out/quick (--quick runs)."""
     import json
     import sys
     import time
