@@ -139,6 +139,7 @@ class _ModelWindow:
         "met_cost",
         "met_vals",
         "cost_vals",
+        "vals_head",
         "nbatch_sum",
         "requests_sum",
         "timings",
@@ -186,6 +187,7 @@ class _ModelWindow:
         # lines where summing the digests' attributes reads one digest and one float per report
         self.met_vals = array("d")
         self.cost_vals = array("d")
+        self.vals_head = 0  # values before it left with their digests (cut off in bulk: O(1) a report)
         # the rate window's reports and, per replica, their running sums: arrivals, completions,
         # rejects + timeouts, busy_s, interval_s, reports
         self.rate_q: deque[_Digest] = deque()
@@ -361,8 +363,10 @@ class _ModelWindow:
             if not d.active:  # an idle report added nothing to the sums, the samples or the fit
                 continue
             self.acts.popleft()  # d: the oldest active event
-            del self.met_vals[0]
-            del self.cost_vals[0]
+            self.vals_head += 1
+            if self.vals_head >= 64 and 2 * self.vals_head >= len(self.met_vals):
+                del self.met_vals[: self.vals_head], self.cost_vals[: self.vals_head]
+                self.vals_head = 0
             if d.oom_costs:
                 self.oom -= 1
             if d.met or d.cost:
@@ -380,7 +384,8 @@ class _ModelWindow:
         if slo_ms != self.slo_ms:
             for d in self.acts:  # an idle report's met is 0.0 at any cap
                 d.rate(slo_ms)
-            self.met_vals = array("d", map(_MET, self.acts))
+            self.met_vals, self.cost_vals = array("d", map(_MET, self.acts)), array("d", map(_COST, self.acts))
+            self.vals_head = 0
             self.slo_ms = slo_ms
             self.met_cost = None
 
@@ -388,7 +393,11 @@ class _ModelWindow:
         if self.met_cost is None:
             # Over the active events only: an idle one adds met 0.0 and cost 0, which leave a
             # left-to-right float sum as it was, so these are the sums over every event.
-            self.met_cost = (sum(self.met_vals), sum(self.cost_vals))  # the same left-to-right sums
+            head = self.vals_head  # the same left-to-right sums
+            if head:
+                self.met_cost = (sum(self.met_vals[head:]), sum(self.cost_vals[head:]))
+            else:
+                self.met_cost = (sum(self.met_vals), sum(self.cost_vals))
         return self.met_cost
 
     def biggest_fit_cost(self) -> float | None:
@@ -397,4 +406,4 @@ class _ModelWindow:
 
 
 _LAT, _OOM = attrgetter("lat"), attrgetter("oom_costs")
-_MET = attrgetter("met")
+_MET, _COST = attrgetter("met"), attrgetter("cost")

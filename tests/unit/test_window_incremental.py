@@ -240,6 +240,45 @@ def test_met_and_cost_sums_equal_the_sums_over_every_report(seed):
     assert checked > 100  # windows that mix idle and active reports
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_sums_and_latencies_stay_exact_over_a_long_window_and_a_cap_change(seed):
+    """A 120-s window of mostly active reports: the met/cost values kept as arrays are cut off in
+    bulk once enough have left (``vals_head``), and the SLO cap changes after such a cut; the sums
+    still equal the left-to-right sums over the window's digests, and the sorted latencies the
+    sorted samples of the window."""
+    rng = random.Random(seed)
+    mw = window_module._ModelWindow(150.0, FIT_WINDOW)
+    t, cuts, slo = MONDAY_UTC, 0, 150.0
+    for step in range(1200):
+        t += 0.5
+        lat = tuple(round(rng.uniform(1, 300), 1) for _ in range(rng.randint(0, 6)))
+        bt = tuple((float(rng.randint(1, 16)), rng.uniform(1, 80)) for _ in range(rng.randint(0, 2)))
+        r = StatsReport(
+            model="a",
+            replica_id=f"r{step % 3}",
+            seq=step,
+            now_s=t,
+            interval_s=0.5,
+            arrivals=rng.randint(0, 9),
+            completions=len(lat),
+            latency_ms=lat,
+            batches=bt,
+            batch_requests=tuple(int(b) for b, _ in bt),
+        )
+        mw.add(window_module._Digest(t, r, mw.slo_ms))
+        head = mw.vals_head
+        mw.evict(t - 120.0)
+        cuts += mw.vals_head < head
+        if step % 400 == 350:  # after the first cut (about step 480) as well
+            slo = rng.choice([40.0, 150.0, 260.0])
+            mw.recount(slo)
+        got = mw.sums_met_cost()
+        want = (sum(d.met for d in mw.events), sum(d.cost for d in mw.events))
+        assert got == want, (step, got, want)
+        assert list(mw.latencies()) == sorted(v for d in mw.events for v in d.lat), step
+    assert cuts >= 2  # the bulk cut ran, and sums after it were checked
+
+
 def test_tail_percentiles_are_percentile_at_50_95_99():
     from broker.window_fold import tail_percentiles
 
