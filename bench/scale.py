@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.core import BrokerCore, NullMetrics
+from broker.gc_hold import tune_collector
 from broker.types import StatsReport
 from quotas.config import FleetConfig, parse_config
 
@@ -271,10 +272,15 @@ def bench_cards(cards: int, models: int, seconds: float, seed: int = 0) -> dict[
 
 def bench_live(cards: int, models: int, seconds: float, seed: int = 0) -> dict[str, Any]:
     """``models`` models over ``cards`` cards (one card: ``gpu:``) as the broker actor runs them:
-    checkpoints after every tick (a temporary directory, removed after) and Prometheus metrics."""
-    with tempfile.TemporaryDirectory(prefix="gpubroker-scale-") as tmp:
-        runs, cores = _timed(synthetic_doc(models, cards=cards), seconds, seed, Path(tmp))
-        ckpt_bytes = sum(f.stat().st_size for f in Path(tmp).iterdir() if f.suffix == ".json")
+    checkpoints after every tick (a temporary directory, removed after), Prometheus metrics and
+    the actor's collector thresholds (``broker.gc_hold.tune_collector``, restored after)."""
+    was = tune_collector()
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpubroker-scale-") as tmp:
+            runs, cores = _timed(synthetic_doc(models, cards=cards), seconds, seed, Path(tmp))
+            ckpt_bytes = sum(f.stat().st_size for f in Path(tmp).iterdir() if f.suffix == ".json")
+    finally:
+        gc.set_threshold(*was)
     label = f"live: {cards} card{'s' if cards > 1 else ''} x {models} models"
     return _summary(label, runs, cards=cards, models=models, cores=cores, checkpoint_bytes=ckpt_bytes)
 

@@ -15,6 +15,16 @@ tick beside the tick (``gc_ms_per_tick``).
 ``gc_held`` wraps a function: the collector is disabled for the call and enabled again after
 it, also when the call raises. A call made while it is already off (a ``FleetBroker`` tick
 ticking its cards' cores, or a caller that turned it off itself) leaves it as it found it.
+
+``tune_collector`` sets the broker process's collector thresholds (``BROKER_GC_THRESHOLDS``;
+the broker actor calls it when it starts). With CPython's default (700, 10, 10) a young
+collection runs every 700 net allocations of tracked objects, and every hundredth one scans
+the whole heap, which in the broker is every model's report window. With the young threshold at
+10,000 the collector ran 7 times instead of 640 over 90 ticks of ``bench.scale``'s 1-card,
+1000-model fleet, and took 8.4 ms a tick instead of 29.0. On the 16 x 100 fleet it took 0.07 ms a
+tick instead of 1.1-1.7. The garbage that only it can free is cycles, and the broker's records
+are trees, so little waits longer to be freed. The longest single collection stays about the
+same (231 ms against 257 on the 1000-model fleet): it is the full scan, now run less often.
 """
 
 from __future__ import annotations
@@ -25,6 +35,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+BROKER_GC_THRESHOLDS = (10_000, 10, 10)  # young, middle, old (module note); CPython's default: (700, 10, 10)
+
+
+def tune_collector(thresholds: tuple[int, int, int] = BROKER_GC_THRESHOLDS) -> tuple[int, int, int]:
+    """Set this process's collector thresholds (module note); returns the previous ones."""
+    was = gc.get_threshold()
+    gc.set_threshold(*thresholds)
+    return was  # type: ignore[return-value]
 
 
 def gc_held(fn: _F) -> _F:

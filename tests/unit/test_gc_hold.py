@@ -71,3 +71,29 @@ def test_a_broker_tick_decides_with_the_collector_off(monkeypatch, fleet):
         clock.t += 1
         broker.tick()
     assert seen == [False, False, False] and gc.isenabled()
+
+
+def test_tune_collector_sets_the_brokers_thresholds_and_returns_the_previous():
+    from broker.gc_hold import BROKER_GC_THRESHOLDS, tune_collector
+
+    was = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert tune_collector() == (700, 10, 10)
+        assert gc.get_threshold() == BROKER_GC_THRESHOLDS != (700, 10, 10)
+    finally:
+        gc.set_threshold(*was)
+
+
+def test_the_broker_actor_tunes_its_process_collector_when_it_starts(tmp_path):
+    """``BrokerActor`` built in this process (no Ray: its checkpoint under tmp_path, metrics off)."""
+    from broker.actor import BrokerActor
+    from broker.gc_hold import BROKER_GC_THRESHOLDS
+
+    was = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        BrokerActor(CONFIG, checkpoint_path=str(tmp_path / "ckpt.json"))
+        assert gc.get_threshold() == BROKER_GC_THRESHOLDS
+    finally:
+        gc.set_threshold(*was)
