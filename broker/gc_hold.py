@@ -43,7 +43,7 @@ def tune_collector(thresholds: tuple[int, int, int] = BROKER_GC_THRESHOLDS) -> t
     """Set this process's collector thresholds (module note); returns the previous ones."""
     was = gc.get_threshold()
     gc.set_threshold(*thresholds)
-    return was  # type: ignore[return-value]
+    return was
 
 
 def gc_held(fn: _F) -> _F:
