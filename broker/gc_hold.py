@@ -22,10 +22,10 @@ collection runs every 700 net allocations of tracked objects, and at most one in
 scans the whole heap (fewer while the heap grows by less than a quarter), which in the broker
 is every model's report window. With the young threshold at 10,000 the collector ran 7 times
 instead of 640 over 90 ticks of ``bench.scale``'s 1-card, 1000-model fleet, and took 8.4 ms a
-tick instead of 29.0. On the 16 x 100 fleet it took 0.07 ms a
-tick instead of 1.1-1.7. The garbage that only it can free is cycles, and the broker's records
-are trees, so little waits longer to be freed. The longest single collection stays about the
-same (231 ms against 257 on the 1000-model fleet): it is the full scan, now run less often.
+tick instead of 29.0. On the 16 x 100 fleet it took 0.07 ms a tick instead of 1.1-1.7. The
+garbage that only it can free is cycles, and the broker's records are trees, so little waits
+longer to be freed. The longest single collection stays about the same (231 ms against 257 on
+the 1000-model fleet): it is the full scan, now run less often.
 """
 
 from __future__ import annotations

@@ -393,11 +393,10 @@ class _ModelWindow:
         if self.met_cost is None:
             # Over the active events only: an idle one adds met 0.0 and cost 0, which leave a
             # left-to-right float sum as it was, so these are the sums over every event.
-            head = self.vals_head  # the same left-to-right sums
-            if head:
-                self.met_cost = (sum(self.met_vals[head:]), sum(self.cost_vals[head:]))
-            else:
-                self.met_cost = (sum(self.met_vals), sum(self.cost_vals))
+            met, cost, head = self.met_vals, self.cost_vals, self.vals_head
+            if head:  # the values of digests that left, not yet cut off
+                met, cost = met[head:], cost[head:]
+            self.met_cost = (sum(met), sum(cost))  # the same left-to-right sums
         return self.met_cost
 
     def biggest_fit_cost(self) -> float | None:
