@@ -75,12 +75,17 @@ class Inputs:
         admit: bool = True,
     ) -> BatchWant:
         """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
-        new = max(1, round(new_cap))
-        if self.plan is not None and new > self.cap and math.isfinite(self.plan.useful):
-            new = min(new, max(self.cap, math.ceil(self.plan.useful)))  # no rule grows a lazy cap past it
+        new = self.wanted_cap(new_cap)
         backlog = self.qdepth > self.spec.control.band_high
         wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
         return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
+
+    def wanted_cap(self, new_cap: float) -> int:
+        """The cap ``want`` asks for ``new_cap``: rounded, at least 1, grown no further than the plan's useful batch."""
+        new = max(1, round(new_cap))
+        if self.plan is not None and new > self.cap and math.isfinite(self.plan.useful):
+            new = min(new, max(self.cap, math.ceil(self.plan.useful)))  # no rule grows a lazy cap past it
+        return new
 
     def hold(self, trigger: Trigger, value: float, rule: Rule, reason: str) -> BatchWant:
         """Keep the cap and the wait as they are."""

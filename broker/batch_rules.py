@@ -41,7 +41,7 @@ from collections.abc import Callable
 from broker.batch_inputs import Inputs, RuleContext, cap_top  # noqa: F401 - RuleContext is part of this module's API
 from broker.batch_plan import plan_batch, wait_for
 from broker.latency_model import LatencyFit
-from broker.records import build, evolve
+from broker.records import build
 from broker.state import BatchWant
 from broker.types import GpuLoad, ModelLoad
 from broker.vocab import Rule, Trigger
@@ -305,19 +305,21 @@ def model(s: Inputs) -> BatchWant | None:
         f"batch {plan.batch:.1f} at utilisation {rho} fills in {plan.wait_s * 1000:.1f} ms "
         f"(est. P95 {plan.est_ms:.0f} ms): cap {cap}->{round(new)}, "
     )
-    want = s.want(
+    wanted = s.wanted_cap(new)
+    if not wait_moves and runs_at(wanted, s) == cap:
+        # The floor, the ceiling or the grant's memory keeps the cap where it is: the want still
+        # asks for its cap (lending reads it), but the wait moves only past its own dead band, or
+        # a pinned cap would push a new settings version every tick for a wait microseconds off.
+        # (``s.want`` with the wait as it is: its own wait would be dropped.)
+        reason = f"{head}wait held at {wait_s * 1000:.1f} ms (inside its dead band)"
+        return BatchWant(wanted, wait_s, True, Trigger.ARRIVAL_RATE_RPS, float(s.rate_rps), Rule.MODEL, reason)
+    return s.want(
         new,
         Trigger.ARRIVAL_RATE_RPS,
         s.rate_rps,
         Rule.MODEL,
         f"{head}wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms",
     )
-    if not wait_moves and runs_at(want.cap, s) == cap:
-        # The floor, the ceiling or the grant's memory keeps the cap where it is: the want still
-        # asks for its cap (lending reads it), but the wait moves only past its own dead band, or
-        # a pinned cap would push a new settings version every tick for a wait microseconds off.
-        return evolve(want, wait_s=wait_s, reason=f"{head}wait held at {wait_s * 1000:.1f} ms (inside its dead band)")
-    return want
 
 
 def runs_at(cap: int, s: Inputs) -> int:

@@ -126,7 +126,7 @@ class BrokerCore:
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
         self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.idle_memo)
-        self._settings_from: dict[str, tuple[Any, tuple[int, int, int], ModelSettings]] = {}
+        self._settings_from: dict[str, tuple[tuple[Any, ...], ModelSettings]] = {}
         self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.llm_window)
         for name in cfg.models:
             self._tallies.setdefault(name, Tallies())
@@ -141,14 +141,13 @@ class BrokerCore:
         return self._llm.with_engine(policy.settings_for(state, name, self._cfg))
 
     def _tick_settings(self, state: Any, name: str) -> ModelSettings:
-        """``_policy_settings``; the same object while the model's (frozen) state, grant and flags are."""
-        ms, got = state.models[name], self._settings_from.get(name)
-        key = (state.ledger.grant(name), state.reclaim_steps.get(name, 0), state.restart_tokens.get(name, 0))
-        if got is not None and got[0] is ms and got[1] == key:
-            return got[2]
+        """``_policy_settings``; the same object while ``policy.settings_key`` is (states change more often)."""
+        got, key = self._settings_from.get(name), policy.settings_key(state, name)
+        if got is not None and got[0] == key:
+            return got[1]
         new = self._policy_settings(state, name)
         if self._cfg.models[name].kind != "llm":  # an engine's settings carry its bounds: built every tick
-            self._settings_from[name] = (ms, key, new)
+            self._settings_from[name] = (key, new)
         return new
 
     def _restore(self) -> bool:
@@ -226,7 +225,8 @@ class BrokerCore:
         self._replicas[rep.model][rep.replica_id] = now
         self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
         tallies = self._tallies[rep.model]
-        tallies.add(Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors))
+        if rep.completions or rep.rejections or rep.timeouts or rep.errors:  # an idle report adds nothing to the sums
+            tallies.add(Tally(now, rep.completions, rep.rejections + rep.timeouts + rep.errors))
         tallies.evict_older(now, self._cfg.models[rep.model].control.window_s)
         ev = self._events[rep.model]
         ev["emergency_shrinks"] += rep.emergency_shrinks

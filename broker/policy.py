@@ -16,6 +16,7 @@ Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -155,6 +156,16 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
         grant_bytes=state.ledger.grant(model),
         admit=ms.admit,
         **_quota_flags(state, model),
+    )
+
+
+def settings_key(state: PolicyState, model: str) -> tuple[Any, ...]:
+    """Everything ``settings_for`` reads: equal keys, equal settings (the sign of the wait too:
+    0.0 == -0.0, but they are two settings)."""
+    ms = state.models[model]
+    return (
+        (ms.version, ms.max_batch, ms.wait_s, math.copysign(1.0, ms.wait_s), ms.admit),
+        (state.ledger.grant(model), state.reclaim_steps.get(model, 0), state.restart_tokens.get(model, 0)),
     )
 
 
@@ -438,4 +449,5 @@ __all__ = [
     "initial_state",
     "reconfigure_state",
     "settings_for",
+    "settings_key",
 ]
