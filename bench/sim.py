@@ -342,12 +342,8 @@ class Simulator(BatchingMixin):
             for j in jobs:
                 jobs[j] -= step
             self.card_busy += dt
-            seen = set()
-            for j in jobs:
-                r = j.rep
-                if r not in seen:
-                    seen.add(r)
-                    r.busy_acc += dt
+            for r in {j.rep for j in jobs}:  # each replica with a batch on the card, once
+                r.busy_acc += dt
         self.gpu_t = self.now
 
     def _gpu_add(self, b: SimBatch, work_ms: float) -> None:

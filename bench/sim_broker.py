@@ -86,6 +86,9 @@ class SimBroker:
             emergency_shrinks=rep.st_emerg,
             shed=rep.st_shed,
             settings_version=max(0, rep.version),
+            held_refusals=0,  # the defaults, given: with every field named, build() takes its short path
+            card_id="",
+            engine=None,
         )
         rep.seq += 1
         rep.last_report_t = now

@@ -76,12 +76,16 @@ class _Digest:
         self.completions = r.completions
         self.misses = r.rejections + r.timeouts
         self.counted = r.completions + r.rejections + r.timeouts + r.errors
-        self.batches = r.batches
-        paired = r.batches[: len(r.batch_requests)]  # a batch counts toward cost with its request count
-        self.cost = sum(cost for cost, _ in paired)
-        self.requests = sum(r.batch_requests[: len(paired)])
-        self.max_cost = max((cost for cost, _ in paired), default=0.0)
-        self.n_batches = len(r.batches)
+        self.batches = batches = r.batches
+        if batches and r.batch_requests:
+            paired = batches[: len(r.batch_requests)]  # a batch counts toward cost with its request count
+            self.cost = sum(cost for cost, _ in paired)
+            self.requests = sum(r.batch_requests[: len(paired)])
+            self.max_cost = max(cost for cost, _ in paired)
+        else:  # no batch paired with a request count (most reports of an idle replica): what the sums give
+            self.cost = self.requests = 0
+            self.max_cost = 0.0
+        self.n_batches = len(batches)
         self.emergency = r.emergency_shrinks > 0
         self.held = r.held_refusals > 0
         self.oom_splits = r.oom_splits
