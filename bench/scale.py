@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import gc
 import json
+import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -376,6 +378,12 @@ def run(quick: bool = False, out: Path = Path("bench/out"), on_progress: Any = N
     res = {
         "quick": quick,
         "seconds_per_case": seconds,
+        # the interpreter's build is part of the speed (docs/BENCHMARKS.md, "Which CPython runs the broker")
+        "python": {
+            "version": platform.python_version(),
+            "executable": sys.executable,
+            "build": platform.python_build(),
+        },
         "targets": TARGETS,
         "models": rows,
         "cards": cards,
@@ -399,7 +407,10 @@ def table(res: dict[str, Any]) -> str:
             f"{row.get('gc_ms_per_tick', float('nan')):.2f} |"
         )
     sim = res["sim"]
+    py = res.get("python")
     lines.append("")
+    if py:
+        lines.append(f"Python {py['version']} ({py['executable']}, build {' '.join(py['build'])})")
     lines.append(f"{sim['case']}: {sim['wall_s']:.1f} s wall (target under {TARGETS['sim_wall_s']:.0f} s)")
     lines.append(
         "Tick: one control step of the whole broker (a gpus: fleet: FleetBroker.tick, every card's core); "

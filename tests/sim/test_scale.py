@@ -62,6 +62,9 @@ def test_table_names_every_case_and_the_one_card_fallback():
     text = scale.table(res)
     assert "| 16 cards x 100 models | 16 | 3 | 5.00 | 9.00 |" in text
     assert "FleetBroker.tick" in text and "12.0 s wall" in text
+    assert "Python" not in text  # a run recorded before the interpreter was
+    res["python"] = {"version": "3.11.2", "executable": "/usr/bin/python3.11", "build": ["main", "Apr 28 2025"]}
+    assert "Python 3.11.2 (/usr/bin/python3.11, build main Apr 28 2025)" in scale.table(res)
 
 
 def test_unchanged_share_counts_loads_equal_to_the_last_tick_and_restores_the_window():
