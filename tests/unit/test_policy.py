@@ -321,7 +321,8 @@ def test_settings_key_moves_whenever_the_settings_do():
         PolicyState(**{**base.__dict__, "models": {**base.models, "a": evolve(ms, **{k: v})}}) for k, v in other.items()
     ]
     ledger = base.ledger.copy()
-    ledger.grow("a", 1 << 20) if ledger.free_bytes >= 1 << 20 else ledger.shrink("a", 1 << 20)
+    assert ledger.free_bytes >= 1 << 20
+    ledger.grow("a", 1 << 20)
     states += [
         PolicyState(**{**base.__dict__, "ledger": ledger}),
         PolicyState(**{**base.__dict__, "reclaim_steps": {"a": 1}}),
