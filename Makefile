@@ -1,9 +1,8 @@
 # gpubroker: `make demo` runs the main job, `make test` runs the tests. Both set up .venv first.
-# The interpreter the venv is made from (Python 3.11). The distribution's python3.11 comes first
-# where there is one: Debian's build (optimised, libpython linked into the binary) runs the broker's
-# tick in 15% fewer instructions than a default pyenv build (docs/BENCHMARKS.md, "Which CPython runs the
-# broker"). `make test PYTHON=python3.11` picks another; a venv already made keeps its own.
-PYTHON ?= $(firstword $(wildcard /usr/bin/python3.11) $(shell command -v python3.11 2>/dev/null) python3)
+# The interpreter the venv is made from (Python 3.11): scripts/pick-python takes the distribution's
+# python3.11 first where it can make a venv (docs/BENCHMARKS.md, "Which CPython runs the broker").
+# `make test PYTHON=/path/to/python3.11` picks another; a venv already made keeps its own.
+PYTHON ?= $(shell scripts/pick-python)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
