@@ -2,7 +2,7 @@
 # The interpreter the venv is made from (Python 3.11): scripts/pick-python takes the distribution's
 # python3.11 first where it can make a venv (docs/BENCHMARKS.md, "Which CPython runs the broker").
 # `make test PYTHON=/path/to/python3.11` picks another; a venv already made keeps its own.
-PYTHON ?= $(shell scripts/pick-python)
+PYTHON ?= $(shell sh scripts/pick-python)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
