@@ -282,7 +282,7 @@ def bench_live(cards: int, models: int, seconds: float, seed: int = 0) -> dict[s
             runs, cores = _timed(synthetic_doc(models, cards=cards), seconds, seed, Path(tmp))
             ckpt_bytes = sum(f.stat().st_size for f in Path(tmp).iterdir() if f.suffix == ".json")
     finally:
-        gc.set_threshold(*was)
+        tune_collector(was)
     label = f"live: {cards} card{'s' if cards > 1 else ''} x {models} models"
     return _summary(label, runs, cards=cards, models=models, cores=cores, checkpoint_bytes=ckpt_bytes)
 
