@@ -87,7 +87,7 @@ bench-peer-venv:
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"
 
 gpu-check: $(STAMP)
-	$(PY) scripts/gpu-check
+	$(PY) scripts/gpu-check --serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
