@@ -1,33 +1,20 @@
 """A user model that takes what it is sent, on its CUDA device: ``{"mb": N}`` allocates N MiB per
 item (a tensor on the replica's device, every byte written) and holds it for the whole batch.
-The CUDA twin of ``tests.integration.alloc_model``: it does nothing to stay inside its grant,
-so only the replica's limit (``torch.cuda.set_per_process_memory_fraction``) can hold it. Each
-answer carries ``torch.cuda.max_memory_reserved()``: the process's peak so far."""
+The CUDA twin of ``tests.integration.alloc_model`` (its validation and example input): it does
+nothing to stay inside its grant, so only the replica's limit
+(``torch.cuda.set_per_process_memory_fraction``) can hold it. Each answer carries
+``torch.cuda.max_memory_reserved()``: the process's peak so far."""
 
 from __future__ import annotations
 
 import time
 
+from tests.integration.alloc_model import AllocModel
+
 MiB = 1024**2
 
 
-class CudaAllocModel:
-    def __init__(self, hold_ms: float = 50.0, max_mb: int = 8192):
-        self.hold_ms = float(hold_ms)
-        self.max_mb = int(max_mb)
-        self.device = "cpu"
-
-    def load(self, device: str) -> None:
-        self.device = device
-
-    def validate(self, item):
-        from deployments.models import InputError
-
-        mb = item.get("mb") if isinstance(item, dict) else None
-        if isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb <= self.max_mb:
-            raise InputError("mb", f"expected an integer in [0, {self.max_mb}], got {mb!r}")
-        return {"mb": mb}
-
+class CudaAllocModel(AllocModel):
     def predict(self, items):
         import torch
 
@@ -40,6 +27,3 @@ class CudaAllocModel:
             {"mb": item["mb"], "held_bytes": int(t.numel()), "device": str(t.device), "peak_reserved_bytes": peak}
             for item, t in zip(items, held)
         ]
-
-    def example_input(self, cost=None):
-        return {"mb": 1}

@@ -114,48 +114,27 @@ def _deploy(text: str):
     return cfg, broker, url
 
 
-def _replica_status(model: str, app: str) -> dict:
-    from ray import serve
-
-    from deployments.app import model_app_name
-
-    return (
-        serve.get_deployment_handle(model, app_name=model_app_name(model, app))
-        .local_status.remote()
-        .result(timeout_s=60)
-    )
-
-
-async def _burst(url: str, bodies: list[tuple[str, dict]]) -> list[tuple[str, int, dict]]:
-    async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=128)) as client:
-
-        async def one(kind: str, body: dict):
-            r = await client.post(f"{url}/v1/models/hog/infer", json=body)
-            return kind, r.status_code, r.json()
-
-        return await asyncio.gather(*(one(k, b) for k, b in bodies))
-
-
 def test_one_cuda_card_grant_holds_and_neighbour_answers(ray_local):
     from deployments.fleet import APP_NAME, teardown
+    from tests.integration._fleet import burst, replica_status
     from tests.integration._load import open_loop_bg
 
     cfg, broker, url = _deploy(ONE_CARD)
     try:
-        hog = _replica_status("hog", APP_NAME)
+        hog = replica_status(APP_NAME, "hog")
         limit = hog["memory_limit"]
         assert limit["kind"] == "cuda_fraction" and limit["grant_bytes"] == 512 * MiB, limit
 
         mlp_thread, mlp_codes = open_loop_bg(url, "mlp", 8.0, 12.0, {"input": {"x": [0.1] * 64}}, seed=3, timeout_s=60)
         bodies = [("fits", {"input": {"mb": 64}})] * 48 + [("oversize", {"input": {"mb": 1024}})] * 6
-        results = asyncio.run(_burst(url, bodies))
+        results = asyncio.run(burst(url, "hog", bodies))
         mlp_thread.join(timeout=120)
 
         codes = Counter((kind, status) for kind, status, _ in results)
         st = ray_local.get(broker.status.remote(), timeout=30)
         # after the burst: the same process still serves, and says the most its allocator reserved
         again = httpx.post(f"{url}/v1/models/hog/infer", json={"input": {"mb": 8}}, timeout=60)
-        after = _replica_status("hog", APP_NAME)
+        after = replica_status(APP_NAME, "hog")
         peak = again.json()["output"]["peak_reserved_bytes"] if again.status_code == 200 else None
         nvml = _nvml_process_bytes().get(after["pid"])
         summary = (dict(codes), peak, after["memory_limit"], st["models"]["hog"], dict(mlp_codes))

@@ -29,3 +29,31 @@ def local_fleet(config_text: str, *, wait: bool = True) -> Iterator[tuple[str, A
         teardown(cfg, name=cfg.broker.name, namespace=cfg.broker.namespace)
     finally:
         ray.shutdown()
+
+
+def replica_status(app: str, model: str) -> dict:
+    """One replica's ``local_status`` (its pid, memory limit, settings) through its Serve handle."""
+    from ray import serve
+
+    from deployments.app import model_app_name
+
+    return (
+        serve.get_deployment_handle(model, app_name=model_app_name(model, app))
+        .local_status.remote()
+        .result(timeout_s=60)
+    )
+
+
+async def burst(url: str, model: str, bodies: list[tuple[str, dict]]) -> list[tuple[str, int, dict]]:
+    """Every request to ``model`` at once; (kind, status, body) each."""
+    import asyncio
+
+    import httpx
+
+    async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=128)) as client:
+
+        async def one(kind: str, body: dict):
+            r = await client.post(f"{url}/v1/models/{model}/infer", json=body)
+            return kind, r.status_code, r.json()
+
+        return await asyncio.gather(*(one(k, b) for k, b in bodies))

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from deployments.fleet import APP_NAME
-from tests.integration._fleet import local_fleet
+from tests.integration._fleet import burst, local_fleet, replica_status
 from tests.integration._load import open_loop_bg
 from tests.integration.conftest import wait_for
 
@@ -62,33 +62,10 @@ def fleet():
         yield url, broker, APP_NAME
 
 
-def replica_status(app: str, model: str) -> dict:
-    from ray import serve
-
-    from deployments.app import model_app_name
-
-    return (
-        serve.get_deployment_handle(model, app_name=model_app_name(model, app))
-        .local_status.remote()
-        .result(timeout_s=60)
-    )
-
-
 def peak_rss_bytes(pid: int) -> int:
     from broker.probes import proc_status_bytes
 
     return proc_status_bytes(pid)["VmHWM"]
-
-
-async def burst(url: str, bodies: list[tuple[str, dict]]) -> list[tuple[str, int, dict]]:
-    """Every request at once; (kind, status, body) each."""
-    async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=128)) as client:
-
-        async def one(kind: str, body: dict):
-            r = await client.post(f"{url}/v1/models/hog/infer", json=body)
-            return kind, r.status_code, r.json()
-
-        return await asyncio.gather(*(one(k, b) for k, b in bodies))
 
 
 def test_oversize_items_fail_alone_resident_memory_holds_neighbour_keeps_its_slo(fleet):
@@ -105,7 +82,7 @@ def test_oversize_items_fail_alone_resident_memory_holds_neighbour_keeps_its_slo
 
     mlp_thread, mlp_codes = open_loop_bg(url, "mlp", 8.0, 12.0, {"input": {"x": [0.1] * 64}}, seed=3, timeout_s=60)
     bodies = [("fits", {"input": {"mb": 64}})] * 48 + [("oversize", {"input": {"mb": 400}})] * 6
-    results = asyncio.run(burst(url, bodies))
+    results = asyncio.run(burst(url, "hog", bodies))
     mlp_thread.join(timeout=120)
 
     codes = Counter((kind, status) for kind, status, _ in results)
