@@ -9,9 +9,9 @@ Two fleets, one after the other, on one local Ray (the card's GPU counted by Ray
   grant, torch's peak reserved bytes (``max_memory_reserved``, read in the replica) stay within
   the largest grant, the OOMs reach the broker, and the neighbour answers every request meanwhile.
 - **gpus: auto**: the broker finds the card through Ray (its ``GPU`` resource) and NVML on its
-  node (a task pinned by node id), places two mlp replicas on it, which ask for a share of
-  ``num_gpus`` and are pinned to the card's CUDA ordinal; ``status`` shows the card with NVML's
-  capacity and the model's measured use on it.
+  node (a task pinned by node id), places two mlp replicas on it, which hold half of the
+  card's ``num_gpus`` each (Ray's available GPU reads 0 of 1) and run on CUDA (the model's
+  measured use on the card is above 0); ``status`` shows the card with NVML's capacity.
 
 ``scripts/gpu-check --serve`` runs this module; CI has no GPU and skips it.
 """
@@ -181,6 +181,10 @@ def test_gpus_auto_finds_the_card_and_places_replicas_on_it(ray_local):
         assert abs(card["capacity_bytes"] - total) / total < 0.01, (card["capacity_bytes"], total)
         placed = sum(c["models"].get("mlp", {}).get("replicas", 0) for c in cards)
         assert placed == 2, cards
+        # each replica asked Ray for its share of the card's GPU (1000 // 2 units: num_gpus 0.5)
+        held_gpus = ray_local.cluster_resources().get("GPU", 0.0) - ray_local.available_resources().get("GPU", 0.0)
+        print(f"GPU held by the fleet: {held_gpus:g} of {ray_local.cluster_resources().get('GPU', 0.0):g}")
+        assert held_gpus == pytest.approx(1.0), held_gpus
         assert card["granted_bytes"] <= card["usable_bytes"], card
         assert st["models"]["mlp"]["used_bytes"] > 0, st["models"]["mlp"]
     finally:
