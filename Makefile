@@ -76,12 +76,12 @@ bench-setup: $(STAMP)
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"
 
 bench: bench-setup
-	@for s in $(SCENARIOS); do $(PY) -m cli bench $$s --out $(BENCH_OUT) || exit 1; done
-	$(PY) -m cli bench report --out $(BENCH_OUT)
+	@for s in $(SCENARIOS); do $(PY) -m gpubroker bench $$s --out $(BENCH_OUT) || exit 1; done
+	$(PY) -m gpubroker bench report --out $(BENCH_OUT)
 
 bench-quick: bench-setup
-	@for s in $(SCENARIOS); do $(PY) -m cli bench $$s --quick --out $(BENCH_OUT)/quick || exit 1; done
-	$(PY) -m cli bench report --out $(BENCH_OUT)
+	@for s in $(SCENARIOS); do $(PY) -m gpubroker bench $$s --quick --out $(BENCH_OUT)/quick || exit 1; done
+	$(PY) -m gpubroker bench report --out $(BENCH_OUT)
 
 bench-peer-venv:
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"

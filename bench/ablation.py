@@ -3,7 +3,7 @@ replica's lazy gate in front of it) crossed with control (a static setting vs th
 
 For a one-model profile config (``configs/sim-a20-c0.5.yaml``, ``configs/sim-a10-c2.yaml``),
 at the broker's cap 1.2·S (S: static 8's P95 at the reference rate, eager formation, as
-``bench.knee.seed_validation``), four arms:
+``gpubroker.sim.knee.seed_validation``), four arms:
 
 - ``static, Ray's formation``: the best static arm of a grid (batch × wait), eager batching;
 - ``static, lazy gate``: the best static arm of the same grid with the gate (``static:B:W:gate``);
@@ -11,7 +11,7 @@ at the broker's cap 1.2·S (S: static 8's P95 at the reference rate, eager forma
 - ``broker, lazy gate``: the broker as it ships (``batch_formation: lazy``).
 
 Each knee is reported twice: seed 0's, and the knee that holds on every seed (``--seeds``;
-``bench.knee.held_search``). A static arm's grid is searched on seed 0; its winner is then held
+``gpubroker.sim.knee.held_search``). A static arm's grid is searched on seed 0; its winner is then held
 on every seed. Static 8 (eager) at S is the reference row. Run::
 
     .venv/bin/python -m bench.ablation configs/sim-a20-c0.5.yaml --out bench/out/ablation-a20.json
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.knee import RunSettings, bound, cap_s, knee, knee_on_seeds, passes_at, reference_for, with_cap
-from bench.sim_profile import profile_for
+from gpubroker.sim.knee import RunSettings, bound, cap_s, knee, knee_on_seeds, passes_at, reference_for, with_cap
+from gpubroker.sim.profile import profile_for
 from quotas.config import FleetConfig, load_config
 
 GRID_BATCHES = (8, 16, 24, 32, 48, 64, 96, 128)

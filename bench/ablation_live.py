@@ -11,7 +11,7 @@ emulation (a = 200 ms, c = 5 ms at ×10), at one cap:
 The static setting is the simulator's best static arm for that formation
 (``--sim-json``, from ``python -m bench.ablation``; its wait scaled by ``time_scale``). Each
 knee is searched on seed 0 (``bench.scenarios.live_knee``) and then held on every seed
-(``bench.knee.held_search``): both are reported. Run::
+(``gpubroker.sim.knee.held_search``): both are reported. Run::
 
     .venv/bin/python -m bench.ablation_live --sim-json bench/out/ablation-sim-a20.json \
         --cap-ms 697 --out bench/out/ablation-live.json
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import scenarios as sc
-from bench.knee import HELD_BISECT, HOLD_RUNS_PER_SEED, held_search
 from bench.live_runs import Opts, profiled_workload, run_arm, say_row
+from gpubroker.sim.knee import HELD_BISECT, HOLD_RUNS_PER_SEED, held_search
 
 
 def _static_from_sim(doc: dict[str, Any], label: str) -> tuple[int, float]:

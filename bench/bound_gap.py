@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.knee import RunSettings, bound, knee_on_seeds, with_cap
+from gpubroker.sim.knee import RunSettings, bound, knee_on_seeds, with_cap
 from quotas.config import load_config
 
 ARMS = ("broker", "static:128:0:gate")

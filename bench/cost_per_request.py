@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from bench import arrivals as arr
 from bench import loadgen as lg
 from bench import scenarios as sc
+from gpubroker.sim import arrivals as arr
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MODEL = "prof"

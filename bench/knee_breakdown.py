@@ -46,7 +46,7 @@ PARTS = ("lag", "in", "wait", "compute", "out")
 
 
 class HttpModelResultsFirst(HttpModel):
-    """The model deployment with the order before ``deployments.next_batch``: a batch's results
+    """The model deployment with the order before ``deployments.units.next_batch``: a batch's results
     are sent before the next batch starts (arm ``results-first``)."""
 
     START_NEXT_FIRST = False
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--plain-window",
         action="store_true",
         help="draw each run's measured window plainly (its offered rate varies by seed) instead of "
-        "with exactly rate x window arrivals (bench.arrivals.exact_count), as knee runs were drawn before",
+        "with exactly rate x window arrivals (gpubroker.sim.arrivals.exact_count), as knee runs were drawn before",
     )
     ap.add_argument("--out", default="bench/out/breakdown.json")
     ap.add_argument("--report", default=None, help="print the table of a run's JSON and exit")

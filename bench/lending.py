@@ -14,11 +14,11 @@ arms), so formation is not what differs:
 - ``static-split-timeout`` (beside, not in the targets): the static split with
   ``request_timeout_s`` at the SLO, the nearest plain Serve comes to shedding.
 
-Both broker arms shed late requests (``shed_late``, ``deployments.shed``). Without it the
+Both broker arms shed late requests (``shed_late``, ``deployments.units.shed``). Without it the
 quotas-fixed arm's queue collapses under a burst its batches cannot serve (it answers nearly all
 of it late), and a gain over that arm measures the collapse, not the borrowed memory.
 
-Memory is enforced as the simulator enforces it (``bench.sim_batching``): a batch over its
+Memory is enforced as the simulator enforces it (``gpubroker.sim.batching``): a batch over its
 replica's grant runs out of memory, is split in two and retried; an over-grant event is a
 sample (every control interval) at which a model's measured memory is above its grant by more
 than the allocator's granularity. The ablation starts from the static cap with Ray's eager formation,
@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from bench import arrivals as arr
-from bench.sim import Simulator, parse_arm
-from bench.sim_profile import profile_for
-from bench.sim_types import DONE
-from bench.sim_workload import finish
+from gpubroker.sim import arrivals as arr
+from gpubroker.sim.engine import Simulator, parse_arm
+from gpubroker.sim.profile import profile_for
+from gpubroker.sim.types import DONE
+from gpubroker.sim.workload import finish
 from quotas.config import FleetConfig, parse_config
 
 GIB = 1024**3
@@ -60,7 +60,7 @@ A_MS, C_MS = 5.0, 1.0  # each model's batch latency: a + c x items (ms)
 STATIC_RPS = STATIC_CAP / (A_MS + C_MS * STATIC_CAP) * 1000.0  # what back-to-back batches of 4 serve: 444/s
 BURST_OVER_STATIC = 1.5  # the in-turn burst: 1.5 x that (667/s), so memory, not the load, bounds the fixed arms
 SLO_MS = 100.0
-# Every broker arm sheds requests too late for the SLO (shed_late, deployments.shed): without it
+# Every broker arm sheds requests too late for the SLO (shed_late, deployments.units.shed): without it
 # an arm whose burst outruns its batches answers everything late (19 req/s within SLO), and a
 # gain over it measures that collapse, not lending. The static split is Serve's as users run it;
 # beside it (not a target) the static split with request_timeout_s at the SLO, the nearest
@@ -79,7 +79,7 @@ def fleet(
     request_timeout_s: float = 10.0,
 ) -> FleetConfig:
     """The lending card. ``fixed``: quotas pinned at base (min = base = max); ``shed_late``:
-    requests too late for the SLO answered 504 at the gate (``deployments.shed``)."""
+    requests too late for the SLO answered 504 at the gate (``deployments.units.shed``)."""
     models = {}
     for name in MODELS:
         quota = (

@@ -15,12 +15,12 @@ This module takes the per-model differences apart, in requests, two ways:
   request rather than from its release), on several seeds: per model, requests served within
   the SLO minus the static split's.
 
-``OldestWindowSim`` is an experiment, not the replica: the live gate (``deployments.gate``) and
+``OldestWindowSim`` is an experiment, not the replica: the live gate (``deployments.units.gate``) and
 Ray's batcher open a fresh wait window when a batch's first request is pulled, as the simulator
 emulates. ``python -m bench.lending_gap --seeds 0,1,2 [--out DIR]``.
 
 Since 2026-12-03 the benchmark's broker arms shed late requests (``shed_late``,
-``deployments.shed``), which puts them above the static split on every model-seed; this module
+``deployments.units.shed``), which puts them above the static split on every model-seed; this module
 studies the arms without it, where the difference is the wait's reshuffle measured here.
 """
 
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from bench import lending as L
-from bench.sim import Simulator, parse_arm
-from bench.sim_types import DONE, EV_TIMER, SimReplica
+from gpubroker.sim.engine import Simulator, parse_arm
+from gpubroker.sim.types import DONE, EV_TIMER, SimReplica
 from quotas.config import FleetConfig
 
 DURATION_S = 600.0  # bench lending's full independent load

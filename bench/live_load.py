@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from bench import arrivals as arr
 from bench import loadgen as lg
 from bench import scenarios as sc
 from bench.live_runs import Opts, fleet_target, measured_reference, profiled_workload, run_arm, timeouts
+from gpubroker.sim import arrivals as arr
 
 
 def burst(o: Opts) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def screen_grid(w: Workload, cap_ms: float, rates: list[float], top: int, o: Opt
     (Ray 2.60's eager batching, the same L(b) as the emulation, cap less the HTTP path): the
     ``top`` arms by goodput (then P95), one per distinct result, smallest batch first among ties.
     The whole grid live would take hours on 2 cores; the live sweep runs these candidates."""
-    from bench.knee import RunSettings, run_at
+    from gpubroker.sim.knee import RunSettings, run_at
     from quotas.config import parse_config_text
 
     k = o.time_scale
@@ -152,7 +152,7 @@ def screen_knees(w: Workload, cap_ms: float, start_rps: float, top: int, o: Opts
     less the HTTP path): the ``top`` arms with the highest knees, the candidates ``oracle-knee``
     searches live. (Ranking by goodput at one overloaded rate would favour arms whose waits
     alone exceed the cap.)"""
-    from bench.knee import RunSettings, knee
+    from gpubroker.sim.knee import RunSettings, knee
     from quotas.config import parse_config_text
 
     k = o.time_scale

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from bench import arrivals as arr
 from bench import loadgen as lg
 from bench import scenarios as sc
 from bench.tagged import TAGGED
+from gpubroker.sim import arrivals as arr
 
 
 @dataclass

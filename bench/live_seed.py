@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 
 from bench import scenarios as sc
-from bench.knee import HELD_BISECT, HOLD_RUNS_PER_SEED, bound, bound_batch, held_search
 from bench.live_runs import (
     Opts,
     Workload,
@@ -19,10 +18,11 @@ from bench.live_runs import (
     say_row,
     start_peer,
 )
+from gpubroker.sim.knee import HELD_BISECT, HOLD_RUNS_PER_SEED, bound, bound_batch, held_search
 
 
 def hold(doc: dict[str, Any], run: Any, o: Opts, label: str) -> float | None:
-    """The knee that holds on every seed (``bench.knee.held_search``): searched down from seed
+    """The knee that holds on every seed (``gpubroker.sim.knee.held_search``): searched down from seed
     0's (``doc["knee_rps"]``); ``doc`` keeps seed 0's as ``seed0_knee_rps``, the held one as
     ``knee_rps`` and the other seeds' runs as ``seeds_at_knee``. Returns the held knee, or None
     when the budget ran out before a rate held (``held_resolved`` False, ``held_below_rps``:

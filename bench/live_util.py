@@ -19,7 +19,7 @@ from bench import loadgen as lg
 def poisson_schedule(
     model: str, rate: float, duration_s: float, seed: int, body: bytes = b'{"inputs": [{}]}'
 ) -> list[lg.Planned]:
-    from bench import arrivals as arr
+    from gpubroker.sim import arrivals as arr
 
     return lg.plan(model, arr.poisson(rate, duration_s, seed), body)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.arrivals import trace_path
+from gpubroker.sim.arrivals import trace_path
 
 TTFT_SLO_MS, TPOT_SLO_MS = 4000.0, 1000.0  # generous: two shared CPU cores run every arm
 MAX_MODEL_LEN = 128
@@ -91,7 +91,7 @@ def workload(
     prompt, out = scale_lengths(ctx, gen, gen_max=gen_max)
     i = int(np.random.default_rng(seed).integers(0, len(gaps)))
     if poisson:
-        from bench.arrivals import poisson as poisson_times
+        from gpubroker.sim.arrivals import poisson as poisson_times
 
         times = poisson_times(rate, duration_s, seed=seed)
         n = len(gaps)

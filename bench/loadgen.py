@@ -1,6 +1,6 @@
 """Open-loop HTTP load generator and the per-arm summary (BENCHMARK.md, "Load" and "Metrics").
 
-- **Open loop.** Every arrival time is fixed before the run (``bench.arrivals``); a single
+- **Open loop.** Every arrival time is fixed before the run (``gpubroker.sim.arrivals``); a single
   dispatcher sleeps until each one and fires the request as its own task, never waiting for
   a response before sending the next. One ``aiohttp`` session, connection limit
   ``conn_limit`` (0 = unlimited), bodies encoded before the run.
@@ -12,7 +12,7 @@
   count; offered and completed rate, attainment (share of offered that finished 200 within
   the cap: drops, rejections and timeouts are misses), goodput, nearest-rank P50/P95/P99 of
   the completed, rejections (503), timeouts (504 or client), errors, and ``passes``
-  (P95 ≤ cap and completed/offered ≥ 0.99: the knee criterion of ``bench.knee``).
+  (P95 ≤ cap and completed/offered ≥ 0.99: the knee criterion of ``gpubroker.sim.knee``).
 - Optionally polls ``GET /v1/status`` every ``status_every_s`` during the run, for mean
   batch sizes, batch caps and quota over time.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import arrivals as arr
+from gpubroker.sim import arrivals as arr
 
 COMPLETION_MIN = 0.99  # completed/offered at a passing rate (BENCHMARK.md)
 STATUS_OK = 200
@@ -238,7 +238,7 @@ def run(base_url: str, schedule: Sequence[Planned], **kw: Any) -> RunResult:
 
 # ------------------------------------------------------------------------------ summary
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (None when empty), the convention of ``broker.window``."""
+    """Nearest-rank percentile (None when empty), the convention of ``broker.control.window``."""
     if len(values) == 0:
         return None
     s = sorted(values)
@@ -356,7 +356,7 @@ def batch_stats(
 ) -> dict[str, Any]:
     """Mean batch (request-weighted: the batch a request ran in) and the L(b) = a + c·b fit
     from the batch tags of the completed requests scheduled in ``[lo_s, hi_s)``."""
-    from broker.latency_model import fit_latency
+    from broker.control.latency_model import fit_latency
 
     recs = [
         r for r in records if r.batch is not None and (model is None or r.model == model) and lo_s <= r.sched_s < hi_s

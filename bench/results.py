@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bench.numbers import fmt as _fmt
+from gpubroker.sim.numbers import fmt as _fmt
 
 SCENARIOS = ("seed", "oracle", "oracle-knee", "burst", "overhead", "trace")
 FULL_LIMIT_S = 15 * 60

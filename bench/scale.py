@@ -19,8 +19,8 @@ Cases:
   its checkpoints written after every tick (to a temporary directory: temp file, fsync, rename)
   and its Prometheus metrics updated every tick and report (a fresh ``CollectorRegistry``). The
   core cases time the control step; this is what a tick costs the live broker.
-- ``sim``: the simulator (``bench.sim.run_sim``, broker arm) on 100 models x 1 hour of Azure
-  trace arrivals (``bench.arrivals``), wall-clock timed.
+- ``sim``: the simulator (``gpubroker.sim.engine.run_sim``, broker arm) on 100 models x 1 hour of Azure
+  trace arrivals (``gpubroker.sim.arrivals``), wall-clock timed.
 
 The result is printed as a table and written to ``bench/out/scale.json``.
 """
@@ -40,7 +40,7 @@ from typing import Any
 
 from broker.core import BrokerCore, NullMetrics
 from broker.gc_hold import tune_collector
-from broker.types import StatsReport
+from broker.wire import StatsReport
 from quotas.config import FleetConfig, parse_config
 
 GIB = 1024**3
@@ -292,7 +292,7 @@ def unchanged_share(models: int = 100, cards: int = 16, seconds: float = 120.0, 
     aside): an upper bound on what deciding only the models whose load changed could skip."""
     import dataclasses
 
-    import broker.window as bw
+    import broker.control.window as bw
 
     cores = _Cores(synthetic_doc(models, cards=cards), seed)
     cores.run(30.0)
@@ -329,7 +329,7 @@ def by_load(models: int = 100, cards: int = 16, seconds: float = 60.0, seed: int
 
 def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0.5, seed: int = 0) -> dict[str, Any]:
     """The simulator's broker arm on ``models`` x ``duration_s`` of trace arrivals, wall-clock timed."""
-    from bench.sim import run_sim
+    from gpubroker.sim.engine import run_sim
 
     cfg = synthetic_config(models)
     started = time.perf_counter()

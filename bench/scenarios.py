@@ -383,7 +383,7 @@ def live_knee(
             on_row(row)
         return m.passes
 
-    from bench.knee import search_knee
+    from gpubroker.sim.knee import search_knee
 
     return search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate, max_runs=max_runs), rows
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.numbers import fmt as _f  # one number formatter for the simulator and live tables
+from gpubroker.sim.numbers import fmt as _f  # one number formatter for the simulator and live tables
 
 
 def _machine(res: dict[str, Any]) -> str:

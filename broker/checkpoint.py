@@ -40,7 +40,9 @@ class Checkpoint:
     decisions: list[dict[str, Any]] = field(default_factory=list)  # decision log tail
     decision_seq: int = 0  # last decision sequence number handed out
     saved_at_s: float = 0.0  # epoch seconds of the write
-    llm_state: dict[str, Any] = field(default_factory=dict)  # broker.llm_window.LlmControl.to_dict(): LLM rule state
+    llm_state: dict[str, Any] = field(
+        default_factory=dict
+    )  # broker.control.llm_window.LlmControl.to_dict(): LLM rule state
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:

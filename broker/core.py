@@ -1,12 +1,12 @@
 """The broker core: everything the broker does, without Ray.
 
 ``BrokerCore`` takes the clock (and metrics, checkpoint path) as arguments, so the same object runs inside the
-Ray actor (``broker.actor``), in unit tests on a fake clock and in the simulator (``bench.sim``) on its
+Ray actor (``broker.actor``), in unit tests on a fake clock and in the simulator (``gpubroker.sim.engine``) on its
 virtual clock. Replicas (or the simulator's emulated replicas) call ``register`` once and ``report`` every
 report interval, and get their settings back in the reply; ``tick`` runs one slow-loop step; ``apply`` swaps
 the config; ``status`` is the JSON-safe view.
 
-Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.policy.decide`` -> versioned settings table (a
+Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.control.policy.decide`` -> versioned settings table (a
 model's version bumps only when its settings change) -> checkpoint (``broker.checkpoint``) -> decision log
 (bounded; one entry and one log line per change, with its inputs, result and reason).
 
@@ -20,7 +20,7 @@ model's version bumps only when its settings change) -> checkpoint (``broker.che
                        "slo_p95_ms", "attainment", "arrival_rate_rps", "completion_rate_rps",
                        "settings_version", "replicas", "admit", "cost_per_1k_requests",
                        "cost_unit", "calibrated", "emergency_shrinks", "oom_splits",
-                       "memory_ceiling", "fixed_bytes"}}}   # broker.policy.memory_view
+                       "memory_ceiling", "fixed_bytes"}}}   # broker.control.policy.memory_view
 """
 
 from __future__ import annotations
@@ -35,19 +35,19 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from broker import policy
 from broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoint, CheckpointFile
-from broker.cost import cost_per_1k_requests
-from broker.decision_log import DecisionLog, finite, settings_entry, settings_view
+from broker.control import policy
+from broker.control.cost import cost_per_1k_requests
+from broker.control.decision_log import DecisionLog, finite, settings_entry, settings_view
+from broker.control.idle_memo import IdleMemo
+from broker.control.llm_window import LlmControl
+from broker.control.profiles import active_profile
+from broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
+from broker.control.tallies import Tallies, Tally
+from broker.control.window import ReportWindow
 from broker.gc_hold import gc_held
-from broker.idle_memo import IdleMemo
-from broker.llm_window import LlmControl
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.profiles import active_profile
-from broker.reconfig import next_up_notes, redeploy_issues, weights_issues
-from broker.tallies import Tallies, Tally
-from broker.types import EntryKind, FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
-from broker.window import ReportWindow
+from broker.wire import EntryKind, FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
 from quotas.sizes import format_size
@@ -125,9 +125,9 @@ class BrokerCore:
         self._config_text = text
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
-        self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.idle_memo)
+        self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.control.idle_memo)
         self._settings_from: dict[str, tuple[tuple[Any, ...], ModelSettings]] = {}
-        self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.llm_window)
+        self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.control.llm_window)
         for name in cfg.models:
             self._tallies.setdefault(name, Tallies())
             self._replicas.setdefault(name, {})
@@ -451,7 +451,7 @@ class BrokerCore:
                 "p95_ms": finite(load.p95_ms) if load else None,
                 "p99_ms": finite(load.p99_ms) if load else None,
                 "slo_p95_ms": spec.slo_p95_ms * self._profile().latency_slack,
-                "attainment": load.attainment if load else None,  # broker.attainment, as the policy sees it
+                "attainment": load.attainment if load else None,  # broker.control.attainment, as the policy sees it
                 "completions": completions,
                 "misses": misses,
                 "arrival_rate_rps": load.arrival_rate_rps if load else 0.0,
@@ -459,7 +459,7 @@ class BrokerCore:
                 "settings_version": s.version,
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
                 "admit": s.admit,
-                "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (broker.cost) over its window
+                "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (broker.control.cost) over its window
                     price, s.grant_bytes, self._usable, min(window_s, now - self._started_s), completions
                 ),
                 "cost_unit": self._cost_units.get(name, spec.batch.unit),

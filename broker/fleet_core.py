@@ -20,12 +20,12 @@ count toward anything live) and status shows it ``live: false``. Without re-plac
 default) that is all: when its replicas come back they register again and the card is live.
 
 Re-placement (``enable_replacement``, on when the deploying layer gives the actor a reconciler):
-a loss re-places the fleet at once (``broker.replacement``), a join places the unplaced on the
+a loss re-places the fleet at once (``broker.control.replacement``), a join places the unplaced on the
 new cards; cards whose models changed get new cores; docs/DESIGN.md "Node loss and join" has
 the rules. ``card_health`` gives card routers the lost cards and the silent ones.
 
-Replica targets: after the cores tick, ``broker.replica_targets`` runs the replica rule
-(``broker.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
+Replica targets: after the cores tick, ``broker.control.replica_targets`` runs the replica rule
+(``broker.control.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
 carry the load, the configured count otherwise) for every model on every live card; changes go
 to the decision log (``kind: replicas``) and status shows ``replica_target`` (and the card's
 ``cost_per_1k_requests``) per model and per card. ``deployments.scaler`` applies them to Serve.
@@ -40,14 +40,21 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from broker.control.decision_log import DecisionLog
+from broker.control.replacement import (
+    FleetEntry,
+    Replacement,
+    groups_of,
+    read_placement,
+    replace_fleet,
+    write_placement,
+)
+from broker.control.replica_targets import ReplicaTargets
+from broker.control.window import stale_after_s
 from broker.core import BrokerCore, NullMetrics
-from broker.decision_log import DecisionLog
 from broker.fleet_store import FleetStore
 from broker.gc_hold import gc_held
 from broker.metrics import BrokerMetrics
-from broker.replacement import FleetEntry, Replacement, groups_of, read_placement, replace_fleet, write_placement
-from broker.replica_targets import ReplicaTargets
-from broker.window import stale_after_s
 from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -99,7 +106,7 @@ class FleetBroker:
         if log_problem:
             self._event(log_problem)
         self._restore_placement()
-        self.replica_targets = ReplicaTargets()  # per (card, model): broker.replica_rules after each tick
+        self.replica_targets = ReplicaTargets()  # per (card, model): broker.control.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
                 self.cores[plan.card.id] = self._make_core(plan.card.id)
@@ -380,7 +387,7 @@ class FleetBroker:
 
     # ------------------------------------------------------------------ reading
     def _target(self, card_id: str, model: str) -> int:
-        """The replica target of ``model`` on a card (broker.replica_rules; configured before a tick)."""
+        """The replica target of ``model`` on a card (broker.control.replica_rules; configured before a tick)."""
         return self.replica_targets.target(card_id, model, self.cores[card_id].config.models[model].replicas)
 
     @property

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from broker.checkpoint import CHECKPOINT_DECISIONS, CardCheckpoints, CardSlot, DecisionJournal
-from broker.decision_log import DecisionLog
+from broker.control.decision_log import DecisionLog
 
 
 class FleetStore:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from broker.types import FleetDecision, StatsReport
+from broker.wire import FleetDecision, StatsReport
 
 logger = logging.getLogger("gpubroker.metrics")
 
@@ -96,7 +96,7 @@ def _per(value: Any, per: float) -> float:
 
 
 class LlmGauges:
-    """LLM engine signals per model (``broker.llm_window.LlmControl.status``): TTFT and TPOT
+    """LLM engine signals per model (``broker.control.llm_window.LlmControl.status``): TTFT and TPOT
     P50/P95/P99, tokens/s in and out, running and waiting sequences, KV blocks used and free,
     preemptions, and the bounds the broker set."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from broker.types import FleetDecision, StatsReport
+from broker.wire import FleetDecision, StatsReport
 
 logger = logging.getLogger("gpubroker.metrics")
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.types import StatsReport
+from broker.wire import StatsReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -46,8 +46,10 @@ class StatsDelta:
     oom_splits: int = 0
     emergency_shrinks: int = 0
     held_refusals: int = 0  # requests refused: the replica holds over its grant (deployments.enforce)
-    shed: int = 0  # requests answered 504 at the gate: too late for the SLO (deployments.shed); also in timeouts
-    oom_costs: list[float] = field(default_factory=list)  # cost of each batch too big for memory (deployments.oom)
+    shed: int = 0  # requests answered 504 at the gate: too late for the SLO (deployments.units.shed); also in timeouts
+    oom_costs: list[float] = field(
+        default_factory=list
+    )  # cost of each batch too big for memory (deployments.units.oom)
 
     def add_latency(self, ms: float) -> None:
         self.latency_seen += 1

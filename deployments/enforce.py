@@ -3,7 +3,7 @@
 A ``MemoryLimiter`` lives in one replica process. ``start()`` measures the process before the
 model loads; ``set_grant(bytes)`` sets the limit (first before the model loads, then on every
 grant change, up or down, at run time); past it an allocation fails with a catchable
-out-of-memory error -- never a kill -- which ``deployments.oom`` turns into split-and-retry.
+out-of-memory error -- never a kill -- which ``deployments.units.oom`` turns into split-and-retry.
 docs/ENFORCEMENT.md says what each limit counts and what it does not, with measurements.
 
 - ``CpuRlimitLimiter`` (``device: cpu``, Linux): ``setrlimit(RLIMIT_DATA, (soft, hard))`` with

@@ -41,7 +41,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.replacement import groups_of
+from broker.control.replacement import groups_of
 from deployments.app import (
     FLEET_APP,
     INGRESS_NUM_CPUS,

@@ -7,15 +7,15 @@ touches the model; each item then goes through Ray Serve's own ``@serve.batch`` 
 queued after ``request_timeout_s`` gets an explicit timeout (its items leave the queue).
 
 The parts with logic of their own are units with an injected clock, tested without Serve
-and run unchanged by the simulator (``bench.sim``):
+and run unchanged by the simulator (``gpubroker.sim.engine``):
 
-- ``deployments.gate.LazyGate``: lazy batch formation in front of Serve's eager batcher;
-- ``deployments.fast_loop.fast_loop_step``: per batch, memory reading -> local cap, pause;
+- ``deployments.units.gate.LazyGate``: lazy batch formation in front of Serve's eager batcher;
+- ``deployments.units.fast_loop.fast_loop_step``: per batch, memory reading -> local cap, pause;
 - ``deployments.broker_link.BrokerLink``: stats deltas, one report per interval, retry.
 
 A ``deployments.enforce`` limiter holds this replica's share of the grant from before the
 adapter loads; every grant change resets it (a shrink releases caches). The model runs through
-``deployments.oom.run_items``: an OOM splits the batch; an item that cannot run alone fails
+``deployments.units.oom.run_items``: an OOM splits the batch; an item that cannot run alone fails
 alone (507), the rest is answered; a batch too big for memory is reported (``oom_costs``) and
 caps the local batch below it. Settings apply when their version changes; if the broker is
 unreachable the replica keeps serving on its last settings and retries.
@@ -34,19 +34,19 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from broker.types import ModelSettings
+from broker.wire import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
-from deployments.fast_loop import params_for
-from deployments.gate import LazyGate
-from deployments.inline_work import InlineOrThread
-from deployments.items import Item as _Item
-from deployments.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
-from deployments.items import error as _error
-from deployments.next_batch import NextBatchStart
-from deployments.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
-from deployments.reclaim import ReplicaReclaim
-from deployments.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
-from deployments.shed import HeldRequest, Late, LateShed, wait_items
+from deployments.units.fast_loop import params_for
+from deployments.units.gate import LazyGate
+from deployments.units.inline_work import InlineOrThread
+from deployments.units.items import Item as _Item
+from deployments.units.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
+from deployments.units.items import error as _error
+from deployments.units.next_batch import NextBatchStart
+from deployments.units.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
+from deployments.units.reclaim import ReplicaReclaim
+from deployments.units.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
+from deployments.units.shed import HeldRequest, Late, LateShed, wait_items
 from quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -119,11 +119,11 @@ class ModelReplica(ReplicaMemory):
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
         # static, or the config says the runtime's own formation is to be left alone.
         self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
-        # shed_late: a request held at the gate that can no longer meet the SLO gets 504 (deployments.shed)
+        # shed_late: a request held at the gate that can no longer meet the SLO gets 504 (deployments.units.shed)
         self.shed = LateShed(self.spec.slo_p95_ms / 1000.0) if self.spec.shed_late and self.lazy_gate else None
         self.next_start = NextBatchStart(self.lazy_gate and getattr(self, "START_NEXT_FIRST", True))
         # Batches never overlap in one adapter. Validation (in a thread, or inline once measured cheap:
-        # deployments.inline_work) is NOT under this lock: it would keep requests out for a whole
+        # deployments.units.inline_work) is NOT under this lock: it would keep requests out for a whole
         # batch. Adapters make validate/cost safe beside predict (minilm locks its tokenizer only).
         self._model_lock, self.validating = threading.Lock(), InlineOrThread()
         await asyncio.to_thread(self._load)
@@ -258,10 +258,10 @@ class ModelReplica(ReplicaMemory):
                 self._enforce(new)
         if new.admit:
             self.paused = False
-        self.reclaim.on_settings(new)  # a reclaim's escalation (deployments.reclaim): caches, drain, restart
+        self.reclaim.on_settings(new)  # a reclaim's escalation (deployments.units.reclaim): caches, drain, restart
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
-        from deployments.oom import run_items
+        from deployments.units.oom import run_items
 
         self._fast_loop()
         held = self._held_over_grant()
@@ -343,7 +343,7 @@ class ModelReplica(ReplicaMemory):
         return True
 
     async def _admit_to_batcher(self, item: _Item) -> Any:
-        """Lazy batch formation on Ray 2.60's ``@serve.batch`` (``deployments.gate``): a request
+        """Lazy batch formation on Ray 2.60's ``@serve.batch`` (``deployments.units.gate``): a request
         waits at the gate while a batch runs and enters Serve's queue with the others when it
         ends. A request cancelled at the gate (request timeout) never reaches the model."""
         if not self.lazy_gate:
@@ -430,7 +430,7 @@ class ModelReplica(ReplicaMemory):
             # (wait_for would wait for the cancelled batch to finish: a late 504).
             remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))
             done, pending, late = await wait_items(tasks, remaining, self.shed is not None)
-            if late is not None:  # shed_late: it can no longer meet the SLO (deployments.shed)
+            if late is not None:  # shed_late: it can no longer meet the SLO (deployments.units.shed)
                 for t in pending:
                     t.cancel()  # its other items leave the gate, or their batch, before the model
                 self.delta.timeouts += n

@@ -1,6 +1,6 @@
 """Replica targets to Serve: the broker's ``replica_target`` becomes each deployment's replica count.
 
-The broker decides (``broker.replica_rules``: fewer replicas under a ``throughput`` profile when
+The broker decides (``broker.control.replica_rules``: fewer replicas under a ``throughput`` profile when
 larger batches carry the load, the configured count otherwise) and shows the targets in
 ``status`` per card (``cards[].models.<m>.replica_target``); it never calls Serve. This module
 is the thin applier, in the deploying layer.

@@ -5,7 +5,7 @@ adds what the replicas measured. A model may hold ``max(grant + outgoing, used)`
 grant, plus bytes it has given up but not yet been measured to have freed (transfers and
 releases in flight from it), or more if it measured more. The broker checks that the sum over
 models stays within usable after every tick (``broker.core``), raises a grant from the pool
-only into ``measured_free_bytes`` (``broker.lending``), and the tests check it at every step.
+only into ``measured_free_bytes`` (``broker.control.lending``), and the tests check it at every step.
 
 Pure: stdlib only; ``used_bytes`` maps model -> measured bytes (missing: nothing measured, 0).
 """

@@ -1,5 +1,5 @@
 """Price-aware profiles in the config: weekly windows (days, hours, timezone), each with a price
-per GPU-hour and an objective; exactly one default. Validated here, chosen by ``broker.profiles``."""
+per GPU-hour and an objective; exactly one default. Validated here, chosen by ``broker.control.profiles``."""
 
 from __future__ import annotations
 

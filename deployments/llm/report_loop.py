@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker.types import ModelSettings
+from broker.wire import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges
 from deployments.llm.cpu_engine import CpuEngine
 

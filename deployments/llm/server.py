@@ -66,7 +66,7 @@ DONE = "data: [DONE]\n\n"
 def engine_report(engine: CpuEngine, idle_for_s: float, name: str = "") -> dict[str, Any]:
     """Engine stats as a JSON-safe dict: the ``EngineStats`` counters and bounds, TTFT/TPOT
     P50/P95/P99 over the recent completions, the KV cache in bytes, the engine's ceilings and
-    geometry (what ``broker.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
+    geometry (what ``broker.control.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
     s = engine.stats()
     out = asdict(s)
     out.pop("ttft_ms"), out.pop("tpot_ms")

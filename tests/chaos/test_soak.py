@@ -16,7 +16,8 @@ from collections import Counter
 
 import pytest
 
-from bench import arrivals, loadgen
+from bench import loadgen
+from gpubroker.sim import arrivals
 from tests.chaos.fleet import connect, down, up
 from tests.chaos.harness import EXPLICIT_ERRORS, classify, record, rss_bytes, slope_per_min
 

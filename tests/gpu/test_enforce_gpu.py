@@ -119,7 +119,7 @@ def check_nvml_process_memory_vs_torch() -> str:
 
 def check_oversize_item_fails_alone_on_cuda() -> str:
     """Under a real CUDA cap, an item that cannot fit alone fails alone; the rest of its batch runs."""
-    from deployments.oom import run_items
+    from deployments.units.oom import run_items
 
     lim = _limiter()
     lim.set_grant(torch.cuda.memory_reserved(0) + 256 * MiB)

@@ -122,7 +122,7 @@ def check_calibration_minilm() -> str:
 def check_oom_split_retry() -> str:
     """A real CUDA OOM inside a batch is split and retried; every result comes back in order."""
     from broker.probes import TorchCudaProbe
-    from deployments.oom import split_retry
+    from deployments.units.oom import split_retry
 
     item_bytes = 64 * MiB
     probe = TorchCudaProbe(0)

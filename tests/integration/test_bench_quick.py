@@ -10,9 +10,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_loadgen_records_every_request():
-    from bench import arrivals as arr
     from bench import loadgen as lg
     from bench import scenarios as sc
+    from gpubroker.sim import arrivals as arr
 
     with sc.Stack() as stack:
         spec = sc.profiled_spec(2.0, 0.1, 500.0, ceiling=32)

@@ -20,7 +20,7 @@ ROOT = HERE.parent.parent
 
 def gpubroker(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "gpubroker", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -248,7 +248,7 @@ def test_live_views_against_the_running_broker(fleet):
 
     from rich.console import Console
 
-    from cli.live import follow_decisions, watch_status
+    from gpubroker.cli.live import follow_decisions, watch_status
 
     broker = fleet["broker"]
     console = Console(record=True, width=220, file=io.StringIO(), color_system=None)

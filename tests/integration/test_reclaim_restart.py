@@ -1,8 +1,8 @@
 """The last step of a reclaim's escalation on real Ray Serve (CPU): a replica whose settings carry
-a larger ``restart_token`` fails its health check (``deployments.reclaim.ReplicaReclaim``, wired
+a larger ``restart_token`` fails its health check (``deployments.units.reclaim.ReplicaReclaim``, wired
 as in ``deployments.replica``) and Serve replaces it with a fresh process.
 
-This measures the ``restart`` term of the bound in ``broker.lending`` (3 T + restart +
+This measures the ``restart`` term of the bound in ``broker.control.lending`` (3 T + restart +
 stale_after_s + control_interval_s) with the health-check period the fleet deploys with
 (``deployments.app``: 5 s); it prints the figure and asserts only that the process was
 replaced and the replacement keeps running on the same token.
@@ -27,8 +27,8 @@ class Holder:
     """The replica's reclaim glue and nothing else: settings in, check_health out."""
 
     def __init__(self, token: int):
-        from broker.types import ModelSettings
-        from deployments.reclaim import ReplicaReclaim
+        from broker.wire import ModelSettings
+        from deployments.units.reclaim import ReplicaReclaim
 
         self.reclaim = ReplicaReclaim("holder", lambda: None, print)
         self.base = ModelSettings(

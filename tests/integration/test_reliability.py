@@ -99,7 +99,7 @@ def outcome(records) -> dict[str, int]:
 
 
 def poisson_plan(model: str, rate: float, duration_s: float, body: bytes, seed: int) -> list:
-    from bench import arrivals
+    from gpubroker.sim import arrivals
 
     return loadgen.plan(model, arrivals.poisson(rate, duration_s, seed), body)
 

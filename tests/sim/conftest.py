@@ -56,8 +56,8 @@ def a20() -> FleetConfig:
 
 def have_policy() -> bool:
     try:
-        import broker.policy  # noqa: F401
-        import broker.window  # noqa: F401
+        import broker.control.policy  # noqa: F401
+        import broker.control.window  # noqa: F401
     except ModuleNotFoundError:
         return False
     return True

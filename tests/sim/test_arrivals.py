@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import arrivals as arr
+from gpubroker.sim import arrivals as arr
 
 
 def _cv(times: np.ndarray) -> float:

@@ -1,11 +1,11 @@
-"""Knees that hold on every seed (bench.knee.held_search) and the gated static arm of the ablation."""
+"""Knees that hold on every seed (gpubroker.sim.knee.held_search) and the gated static arm of the ablation."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.knee import held_search
-from bench.sim_types import Arm, parse_arm
+from gpubroker.sim.knee import held_search
+from gpubroker.sim.types import Arm, parse_arm
 
 
 def test_held_knee_is_where_every_seed_passes():
@@ -46,7 +46,7 @@ def test_gated_static_arm_parses_and_labels():
 
 
 def test_the_gate_makes_a_static_arm_form_bigger_batches():
-    from bench.sim import run_sim
+    from gpubroker.sim.engine import run_sim
     from quotas.config import load_config
 
     cfg = load_config("configs/sim-a20-c0.5.yaml")

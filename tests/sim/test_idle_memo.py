@@ -1,4 +1,4 @@
-"""The idle models' cache (``broker.idle_memo``) changes no answer: the same ticks with it and
+"""The idle models' cache (``broker.control.idle_memo``) changes no answer: the same ticks with it and
 without it give the same tick results, settings replies, decision log and status, on one card
 and on several, with either batch formation, and the simulator's results are the same too."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 
 from bench.scale import _Cores, synthetic_config, synthetic_doc
-from bench.sim import run_sim
-from broker.idle_memo import IdleMemo
+from broker.control.idle_memo import IdleMemo
+from gpubroker.sim.engine import run_sim
 
 
 def _run(doc: dict, seconds: float) -> tuple[list[str], int]:

@@ -7,9 +7,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bench.knee import RunSettings, bound, bound_batch, knee, oracle, reference_rate, with_cap
-from bench.sim_profile import profile_for
-from cli.main import app
+from gpubroker.cli.main import app
+from gpubroker.sim.knee import RunSettings, bound, bound_batch, knee, oracle, reference_rate, with_cap
+from gpubroker.sim.profile import profile_for
 from tests.sim.conftest import fleet, profiled
 
 
@@ -119,7 +119,7 @@ def test_cli_refuses_auto_capacity(tmp_path):
 
 
 def test_search_knee_climbs_bisects_and_respects_budgets():
-    from bench.knee import search_knee
+    from gpubroker.sim.knee import search_knee
 
     calls: list[float] = []
 

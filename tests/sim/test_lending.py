@@ -11,7 +11,7 @@ model above its grant.
 from __future__ import annotations
 
 from bench import lending as L
-from broker.lending import plan_quota  # noqa: F401 - the policy under test runs inside the simulator
+from broker.control.lending import plan_quota  # noqa: F401 - the policy under test runs inside the simulator
 
 
 def _in_turn(burst_rps: float | None = None):
@@ -82,7 +82,7 @@ def test_a_lender_whose_loans_keep_coming_back_waits_longer_before_it_lends_agai
     """Independent bursts: a model that lends while idle and reclaims soon after, because its
     own burst came, doubles its idle hold (lend regret); the decision log says so."""
     times = L.independent(L.IND_MEAN_RPS, 90.0, seed=0)
-    from bench.sim import Simulator, parse_arm
+    from gpubroker.sim.engine import Simulator, parse_arm
 
     cfg = L.fleet()
     sim = Simulator(cfg, parse_arm("broker"), L._workload(cfg, times), 90.0)
@@ -146,7 +146,7 @@ def _demo_prof(seed: int):
     here) at 2.6 a second for 40 s, beside ``cnn``, which lends."""
     import numpy as np
 
-    from bench.sim_workload import ModelArrivals
+    from gpubroker.sim.workload import ModelArrivals
     from quotas.config import parse_config
 
     mib = 1 << 20
@@ -194,7 +194,7 @@ def test_a_borrower_keeps_its_loan_through_its_burst_though_the_loan_makes_it_lo
     went back in the burst one to three times a run on seeds 0-2, each time it fell behind at cap
     1 and borrowed again, and it answered 91-96 % within its SLO (the demo's ``prof``, 27 % on
     2026-12-03); now the loan goes back only after the burst, and 96-99 %."""
-    from bench.sim import run_sim
+    from gpubroker.sim.engine import run_sim
 
     for seed in range(3):
         config, workload = _demo_prof(seed)

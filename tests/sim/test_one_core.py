@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import yaml
 
-from bench import arrivals as arr
-from bench.sim import Simulator, parse_arm
-from bench.sim_profile import profile_for
-from bench.sim_workload import finish
 from broker.core import BrokerCore
+from gpubroker.sim import arrivals as arr
+from gpubroker.sim.engine import Simulator, parse_arm
+from gpubroker.sim.profile import profile_for
+from gpubroker.sim.workload import finish
 from tests.sim.conftest import GiB, MiB, fleet, profiled
 
 
@@ -68,7 +68,7 @@ def test_the_replicas_waiting_count_matches_the_requests_it_holds():
     checks against ``max_queued``) as a counter; it must equal the requests still pending."""
     import numpy as np
 
-    from bench.sim_types import PENDING
+    from gpubroker.sim.types import PENDING
 
     cfg, w = _fleet_and_workload()
     sim = Simulator(cfg, parse_arm("broker"), w, 70.0, drain_s=0.0)  # stops with requests in flight

@@ -68,7 +68,7 @@ def test_table_names_every_case_and_the_one_card_fallback():
 
 
 def test_unchanged_share_counts_loads_equal_to_the_last_tick_and_restores_the_window():
-    import broker.window as bw
+    import broker.control.window as bw
 
     fold = bw.ReportWindow._model_load
     share = scale.unchanged_share(models=8, cards=1, seconds=40.0)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from bench import scenarios as sc
-from bench.knee import RunSettings, run_at
 from bench.live_oracle import HTTP_MS, screen_grid
 from bench.live_runs import Opts, profiled_workload
+from gpubroker.sim.knee import RunSettings, run_at
 from quotas.config import parse_config_text
 
 

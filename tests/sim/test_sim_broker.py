@@ -1,4 +1,4 @@
-"""The broker arm: the live policy code (broker.policy, broker.window) on the virtual clock."""
+"""The broker arm: the live policy code (broker.control.policy, broker.control.window) on the virtual clock."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from bench import arrivals as arr
-from bench.knee import RunSettings, bound, cap_s, knee, reference_for, reference_rate, with_cap
-from bench.sim import Simulator, parse_arm, run_sim
-from bench.sim_profile import profile_for
-from bench.sim_workload import finish
+from gpubroker.sim import arrivals as arr
+from gpubroker.sim.engine import Simulator, parse_arm, run_sim
+from gpubroker.sim.knee import RunSettings, bound, cap_s, knee, reference_for, reference_rate, with_cap
+from gpubroker.sim.profile import profile_for
+from gpubroker.sim.workload import finish
 from quotas.config import load_config
 from tests.sim.conftest import GiB, MiB, fleet, have_policy, profiled
 
-pytestmark = pytest.mark.skipif(not have_policy(), reason="broker.policy / broker.window not present")
+pytestmark = pytest.mark.skipif(not have_policy(), reason="broker.control.policy / broker.control.window not present")
 
 
 def test_broker_arm_is_deterministic(a20):

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from bench.sim import DONE, Arm, Simulator, parse_arm, run_sim
-from bench.sim_profile import profile_for
-from bench.sim_workload import ModelArrivals, make_workload
+from gpubroker.sim.engine import DONE, Arm, Simulator, parse_arm, run_sim
+from gpubroker.sim.profile import profile_for
+from gpubroker.sim.workload import ModelArrivals, make_workload
 from quotas.config import load_config
 from tests.sim.conftest import GiB, MiB, fleet, profiled
 

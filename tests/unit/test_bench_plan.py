@@ -13,9 +13,9 @@ import json
 import numpy as np
 import pytest
 
-from bench import arrivals as arr
 from bench import results
 from bench.live_runs import Opts, knee_arrivals, run_length
+from gpubroker.sim import arrivals as arr
 
 
 def test_window_holds_min_requests_within_bounds():

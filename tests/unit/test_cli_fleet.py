@@ -1,4 +1,4 @@
-"""cli.fleet draws deployments.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
+"""gpubroker.cli.fleet draws deployments.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from cli import fleet as cli_fleet
 from deployments import fleet, fleet_client
 from deployments.fleet import FleetError, Note, UpEvent, UpStage
+from gpubroker.cli import fleet as cli_fleet
 
 
 def _bars(monkeypatch) -> tuple[cli_fleet.UpBars, Progress, io.StringIO]:

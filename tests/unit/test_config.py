@@ -158,7 +158,7 @@ def test_sizes_round_trip():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run([sys.executable, "-m", "gpubroker", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 
 def test_cli_validate_exit_codes(tmp_path):

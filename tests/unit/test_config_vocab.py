@@ -70,7 +70,7 @@ def test_validate_json_prints_strings(tmp_path: Path):
     path = tmp_path / "fleet.yaml"
     path.write_text(TEXT, encoding="utf-8")
     out = subprocess.run(
-        [sys.executable, "-m", "cli", "validate", str(path), "--json"],
+        [sys.executable, "-m", "gpubroker", "validate", str(path), "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,

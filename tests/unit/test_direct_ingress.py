@@ -110,7 +110,7 @@ def test_start_local_ray_passes_the_variables_only_when_asked(monkeypatch):
 
 
 def test_turning_it_on_by_apply_says_it_takes_the_next_up():
-    from broker.reconfig import next_up_notes
+    from broker.control.reconfig import next_up_notes
 
     base = {
         "gpu": {"device": "cpu", "capacity": "1GiB"},

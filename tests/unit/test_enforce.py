@@ -89,7 +89,7 @@ def test_profiled_emulation_is_refused_by_the_same_limit():
         import json
         from deployments.enforce import CpuRlimitLimiter
         from deployments.models import EmulatedOOM, load_adapter
-        from deployments.oom import run_items
+        from deployments.units.oom import run_items
         MiB = 1024 ** 2
         lim = CpuRlimitLimiter(slack_bytes=0)
         lim.start()

@@ -179,7 +179,7 @@ def test_apply_that_moves_replicas_to_other_cards_is_refused_and_changes_nothing
 def test_status_table_groups_the_fleet_by_card():
     from rich.console import Console
 
-    from cli.views import card_table
+    from gpubroker.cli.views import card_table
 
     _, fb, _, _ = _fleet()
     st = fb.status()

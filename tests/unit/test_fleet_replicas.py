@@ -1,4 +1,4 @@
-"""Replica targets in the fleet broker (``FleetBroker.tick`` -> ``broker.replica_targets``), on a fake clock.
+"""Replica targets in the fleet broker (``FleetBroker.tick`` -> ``broker.control.replica_targets``), on a fake clock.
 
 A model with 3 replicas on one card, the ``profiled`` latency model (a = 20 ms, c = 0.5 ms)
 reported by synthetic replicas (as in ``tests/unit/test_fleet_core.py``). Off-peak (``latency``)
@@ -159,7 +159,7 @@ def test_many_cards_show_a_target_and_a_cost_per_card():
 def test_the_status_tables_and_the_log_line_show_the_target():
     from rich.console import Console
 
-    from cli.views import card_table, describe_decision, status_table
+    from gpubroker.cli.views import card_table, describe_decision, status_table
 
     clock = Clock(TUE_0759_UTC + 61)  # in the peak window
     fb = FleetBroker(CONFIG, clock=clock)

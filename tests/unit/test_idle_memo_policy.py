@@ -1,4 +1,4 @@
-"""``decide`` with the idle models' cache (``broker.idle_memo``) gives what it gives without it, on
+"""``decide`` with the idle models' cache (``broker.control.idle_memo``) gives what it gives without it, on
 random tick sequences built to hit what the cache must not hide: idle loads repeated while the
 clock runs (across idle_hold_s), free memory dipping under the emergency bar and back, replicas
 reporting an emergency shrink, busy spells that start and stop anti-oscillation, a price profile
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from broker.idle_memo import IdleMemo
-from broker.policy import decide, initial_state
-from broker.types import FleetSnapshot
+from broker.control.idle_memo import IdleMemo
+from broker.control.policy import decide, initial_state
+from broker.wire import FleetSnapshot
 from tests.unit.policy_builders import MONDAY_UTC, GiB, gpu, load, make_config, replicas_seen, timings
 
 # calibrated memory (1 GiB of weights, 64 MiB per item): a busy model's plan outgrows its base and borrows

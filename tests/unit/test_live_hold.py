@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from bench.knee import HOLD_RUNS_PER_SEED
 from bench.live_runs import Opts
 from bench.live_seed import hold
 from bench.scenarios_report import _held
+from gpubroker.sim.knee import HOLD_RUNS_PER_SEED
 
 
 class FakeRun:

@@ -20,9 +20,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("transformers")
 
+from broker.control.llm_rules import LlmRule  # noqa: E402
+from broker.control.vocab import EntryKind  # noqa: E402
 from broker.core import BrokerCore  # noqa: E402
-from broker.llm_rules import LlmRule  # noqa: E402
-from broker.vocab import EntryKind  # noqa: E402
 from deployments.llm.report_loop import weights_bytes  # noqa: E402
 from deployments.llm.server import LlmServer  # noqa: E402
 
@@ -128,8 +128,8 @@ def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(t
 
 
 def test_batch_policy_holds_llm_models_and_lending_takes_the_engines_need():
-    from broker.llm_window import LlmControl
-    from broker.policy import LLM_HOLD_REASON
+    from broker.control.llm_window import LlmControl
+    from broker.control.policy import LLM_HOLD_REASON
     from quotas.config import parse_config_text
 
     text = CONFIG.read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""broker.llm_rules driving a real CPU engine: every decision is applied to the running engine.
+"""broker.control.llm_rules driving a real CPU engine: every decision is applied to the running engine.
 
 The loop here is what the broker's tick does for a ``kind: llm`` model: engine report ->
 ``load_from_report`` -> ``decide_llm`` -> ``LlmServer.apply``-style set_bounds and
@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("transformers")
 
-from broker.llm_rules import (
+from broker.control.llm_rules import (
     LlmRule,
     cache_bytes,
     decide_llm,

@@ -1,4 +1,4 @@
-"""Status says why a cap is low: ``memory_ceiling`` and ``fixed_bytes`` (broker.policy.memory_view).
+"""Status says why a cap is low: ``memory_ceiling`` and ``fixed_bytes`` (broker.control.policy.memory_view).
 
 A replica whose runtime turns out heavier than its calibration (the demo's ``prof`` on a CPU
 machine: about 40 MiB fixed against 32 calibrated) gets a batch ceiling below what the config's
@@ -12,7 +12,7 @@ from rich.console import Console
 
 from broker.core import BrokerCore
 from broker.fleet_core import FleetBroker
-from cli.views import status_table
+from gpubroker.cli.views import status_table
 from tests.unit.test_oom import CONFIG, Clock, _report
 
 MiB = 1024**2

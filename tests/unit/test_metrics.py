@@ -1,4 +1,4 @@
-"""Unit tests: broker/metrics.py (exporter), cli/live.py (CLI live views), the Grafana dashboard's queries."""
+"""Unit tests: broker/metrics.py (exporter), gpubroker/cli/live.py (CLI live views), the Grafana dashboard's queries."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from broker.metrics import BrokerMetrics, start_exporter
-from broker.types import FleetDecision, ModelDecision, QuotaMove, StatsReport
-from cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
+from broker.wire import FleetDecision, ModelDecision, QuotaMove, StatsReport
+from gpubroker.cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana" / "gpubroker.json"
@@ -692,8 +692,8 @@ def test_broker_core_feeds_its_metrics():
 def _cli(monkeypatch, answers):
     from typer.testing import CliRunner
 
-    from cli.main import app
     from deployments import fleet_client
+    from gpubroker.cli.main import app
 
     calls = []
 

@@ -405,6 +405,6 @@ def test_models_package_import_is_light():
     import subprocess
     import sys
 
-    code = "import sys, deployments.models, deployments.oom; print('torch' in sys.modules)"
+    code = "import sys, deployments.models, deployments.units.oom; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,8 +1,8 @@
-"""``broker.object_memo.ObjectMemo``: an answer per (object, key), computed only on a miss."""
+"""``broker.control.object_memo.ObjectMemo``: an answer per (object, key), computed only on a miss."""
 
 from __future__ import annotations
 
-from broker.object_memo import MISS, ObjectMemo
+from broker.control.object_memo import MISS, ObjectMemo
 
 
 class Section:  # a config section: equal sections are still different objects

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from broker.control.memory_model import MemoryModel
 from broker.core import BrokerCore
-from broker.memory_model import MemoryModel
-from broker.types import ModelLoad
+from broker.wire import ModelLoad
 from deployments.models import EmulatedOOM
-from deployments.oom import (
+from deployments.units.oom import (
     OOM_STATUS,
     BatchResult,
     HeldOverGrant,
@@ -248,7 +248,7 @@ def test_an_oom_lowers_the_cap_at_the_next_tick_and_it_stays_below():
 
 
 def test_replica_helpers_answer_507_and_hold_the_local_ceiling():
-    from deployments.oom import OomCeiling, need_from_calibration, oom_error
+    from deployments.units.oom import OomCeiling, need_from_calibration, oom_error
 
     item = ItemOOM(0, 1.0, 300 * MiB, None, 256 * MiB, "EmulatedOOM: no")
     err = oom_error(2, item)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from broker.policy import PolicyState, decide, initial_state, settings_for, settings_key
-from broker.records import evolve
-from broker.types import FleetSnapshot
+from broker.control.policy import PolicyState, decide, initial_state, settings_for, settings_key
+from broker.control.records import evolve
+from broker.wire import FleetSnapshot
 from tests.unit.policy_builders import MONDAY_UTC, Driver, FakeClock, GiB, MiB, gpu, load, make_config, timings
 
 NO_FIT: dict = {}  # loads without batch timings exercise the queue band / AIMD rules

@@ -1,4 +1,4 @@
-"""The next batch starts before a finished batch's results are sent (``deployments.next_batch``).
+"""The next batch starts before a finished batch's results are sent (``deployments.units.next_batch``).
 
 In-process, Serve's real batcher, the ``profiled`` EMULATION (it sleeps a + c*b): a request runs
 alone while ten more wait at the lazy gate; when its batch ends, the ten form the next batch. With

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from deployments.broker_link import BrokerLink, ReplicaGauges
-from deployments.fast_loop import FastEvent, FastLoopParams, fast_loop_step
-from deployments.gate import LazyGate
+from deployments.units.fast_loop import FastEvent, FastLoopParams, fast_loop_step
+from deployments.units.gate import LazyGate
 
 
 class Clock:

@@ -56,7 +56,7 @@ def test_the_proxy_gets_the_fleets_request_limit_and_a_bad_one_is_refused_by_nam
 
 
 def test_changing_the_proxy_limit_by_apply_says_it_takes_the_next_up():
-    from broker.reconfig import next_up_notes
+    from broker.control.reconfig import next_up_notes
 
     text = (ROOT / "configs/demo.yaml").read_text()
     old = load_config(ROOT / "configs/demo.yaml")

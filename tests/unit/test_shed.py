@@ -1,6 +1,6 @@
 """shed_late: a request held at the gate that can no longer meet its SLO is answered 504 at once.
 
-The rule (``deployments.shed.LateShed``) is pure; the replica tests run the real
+The rule (``deployments.units.shed.LateShed``) is pure; the replica tests run the real
 ``ModelReplica`` in-process on Serve's real batcher beside an in-process broker core, with a
 ``profiled`` model (EMULATION: it sleeps a + c*b ms; there is no GPU here).
 """
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from broker.metrics import BrokerMetrics
 from deployments.broker_link import StatsDelta
 from deployments.replica import ModelReplica
-from deployments.shed import HeldRequest, LateShed
+from deployments.units.shed import HeldRequest, LateShed
 from quotas.config import parse_config_text
 from quotas.config_errors import ConfigError
 from tests.unit.test_metrics import report, value

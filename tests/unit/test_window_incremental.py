@@ -1,9 +1,9 @@
-"""The report window keeps its sums as reports come and go (``broker.window``): its snapshots
+"""The report window keeps its sums as reports come and go (``broker.control.window``): its snapshots
 must equal a plain re-fold of the reports in the window, on random report streams, with the
 SLO cap changing between snapshots and a fit window short enough to be trimmed.
 
 The reference fold below is written straight from the definitions (window, rate window,
-live replicas, nearest-rank percentiles, ``broker.attainment``), one report at a time."""
+live replicas, nearest-rank percentiles, ``broker.control.attainment``), one report at a time."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import random
 
 import pytest
 
-import broker.window_fold as window_module
-from broker.attainment import met_and_total
-from broker.decision_log import DecisionLog
-from broker.latency_model import fit_from_sums, fit_latency
-from broker.records import evolve
-from broker.state import ModelState
-from broker.types import StatsReport
-from broker.window import ReportWindow, percentile
-from broker.window_fold import MAX_LATENCY_SAMPLES
+import broker.control.window_fold as window_module
+from broker.control.attainment import met_and_total
+from broker.control.decision_log import DecisionLog
+from broker.control.latency_model import fit_from_sums, fit_latency
+from broker.control.records import evolve
+from broker.control.state import ModelState
+from broker.control.window import ReportWindow, percentile
+from broker.control.window_fold import MAX_LATENCY_SAMPLES
+from broker.wire import StatsReport
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 FIT_WINDOW = 12
@@ -183,8 +183,8 @@ def test_decision_log_since_reads_from_the_newest_end():
 
 
 def test_build_is_the_constructor_without_init():
-    from broker.records import build
-    from broker.types import ModelLoad
+    from broker.control.records import build
+    from broker.wire import ModelLoad
 
     assert build(ModelLoad, name="a", queue_depth=3.0) == ModelLoad(name="a", queue_depth=3.0)
     with pytest.raises(TypeError, match="missing"):
@@ -280,7 +280,7 @@ def test_sums_and_latencies_stay_exact_over_a_long_window_and_a_cap_change(seed)
 
 
 def test_tail_percentiles_are_percentile_at_50_95_99():
-    from broker.window_fold import tail_percentiles
+    from broker.control.window_fold import tail_percentiles
 
     rng = random.Random(5)
     for n in list(range(0, 41)) + [99, 100, 101, 1000, 20_000]:

@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-import broker.window as window_module
-from broker.types import StatsReport
-from broker.window import ReportWindow
-from broker.window_fold import _Digest
+import broker.control.window as window_module
+from broker.control.window import ReportWindow
+from broker.control.window_fold import _Digest
+from broker.wire import StatsReport
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 

@@ -1,0 +1,167 @@
+"""The latency model's batch plan: from L(b) = a + c*b and an arrival rate to a batch and wait.
+
+Design note. Ray 2.60's ``@serve.batch`` forms batches eagerly: as soon as a request
+arrives its loop starts a batch, closes it at ``max_batch_size`` or after
+``batch_wait_timeout_s``, and only then queues it for one of ``max_concurrent_batches``
+slots. A batch does not grow while the replica is busy, so with a zero wait timeout every
+request under load becomes a batch of one and the replica saturates at 1/a. The wait timeout,
+not the cap, sets the batch size under load; the cap bounds what a burst may form. With
+``L(b) = a + c*b`` and arrival rate lambda, a batch b runs at utilisation
+``lambda (a + c b) / b``; the plan picks the batch (and the wait that fills it) that keeps the
+estimated P95 lowest. With ``broker.batch_formation: lazy`` (the next batch forms when the
+replica is free) batches size themselves instead, at ``lambda a / (1 - lambda c)``, and the
+plan keeps the wait short.
+
+``wait_for`` turns a plan (or, without one, the queue) into the wait timeout, inside
+[min_ms, max_ms]. Pure: the batch rules (``broker.control.batch_rules``) call these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from broker.control.latency_model import LatencyFit
+from broker.control.profiles import BATCH_HEADROOM, RHO_MAX
+from quotas.config import ModelSpec
+
+LAZY_WAIT_BUDGET_FRAC = {
+    "latency": 0.1,
+    "balanced": 0.25,
+    "throughput": 0.5,
+}  # share of the SLO budget a lazy wait may take, per objective
+# A lazy cap stops where a bigger batch buys under 10 % more throughput (``useful_batch``).
+USEFUL_THROUGHPUT_FRAC = 0.9
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What the latency model says for the current arrival rate (per replica)."""
+
+    batch: float  # batch that keeps utilisation at ``rho`` (the batch the wait timeout fills)
+    wait_s: float  # time to fill that batch at the arrival rate (before the config's clamp)
+    rho: float  # utilisation aimed for (inf: the rate is beyond what any batch serves)
+    b_lat: float  # largest batch with 2 L(b) <= cap (what a burst may form at most, latency-wise)
+    est_ms: float  # estimated P95: wait + L(batch) + queueing
+    cap: float  # batch cap: headroom over ``batch`` for bursts, at least b_lat, within the ceiling
+    useful: float = math.inf  # lazy: the largest cap any rule may grow to (``useful_batch``, at least b_lat)
+
+
+def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
+    """Wait for the executor, Kingman's G/D/1 approximation x 2 as a tail proxy. A batch closes
+    a fixed wait after its first request, and that first request comes after an exponential
+    gap, so batch inter-arrival CV^2 is about 1 / b^2: big batches arrive almost evenly."""
+    ca2 = 1.0 / max(batch, 1.0) ** 2
+    return 2.0 * rho / (1.0 - rho) * ca2 / 2.0 * service_ms
+
+
+def useful_batch(fit: LatencyFit, frac: float = USEFUL_THROUGHPUT_FRAC) -> float:
+    """The smallest batch whose throughput b / L(b) is ``frac`` of the curve's top, 1/c:
+    b = frac / (1 - frac) * a / c. Found live on MiniLM (a 13 ms, c 15 ms a request): with the
+    machine slowing the model, the fit said no batch keeps up and the cap went to the ceiling (128
+    requests); the lazy gate then let in everything waiting, batches of 1-2 s ran past the request
+    timeout, and a load batches of 1-2 served collapsed. Past this batch a lazy batch only grows its
+    latency (a nearly linear curve: 8 requests there; a = 20, c = 0.5 ms: 360, past any ceiling)."""
+    return math.inf if fit.c_ms <= 0 else frac / (1.0 - frac) * fit.a_ms / fit.c_ms
+
+
+def plan_batch(
+    fit: LatencyFit,
+    units_per_s: float,
+    unit_per_request: float,
+    slo_ms: float,
+    objective: str,
+    ceiling: int,
+    rho_cap: float | None = None,
+    formation: str = "eager",
+    run_cap: int | None = None,
+) -> BatchPlan:
+    """Batch and wait timeout for Ray 2.60's @serve.batch.
+
+    Ray forms the next batch as soon as a request arrives (first request + wait timeout, or
+    max_batch_size reached) and only then queues it for a free max_concurrent_batches slot:
+    batches do not grow while the replica is busy. So the wait timeout is what sets the batch
+    size under load: a batch of b at utilisation rho = lambda (a + c b) / b needs
+    b = lambda a / (rho - lambda c), filled in (b - u) / lambda. The utilisation is chosen
+    from a few candidates (up to the objective's ceiling) to minimise the estimated P95:
+    formation wait + L(b) + queueing for the executor.
+    """
+    lam = units_per_s / 1000.0  # units per ms
+    u = max(unit_per_request, 1.0)
+    b_lat = fit.largest_batch_within(slo_ms / 2.0)
+    headroom = BATCH_HEADROOM.get(objective, 2.0)
+    if formation == "lazy":
+        return _plan_lazy(fit, lam, u, b_lat, headroom, slo_ms, objective, ceiling, run_cap)
+    if lam <= 0:
+        return BatchPlan(u, 0.0, 0.0, b_lat, fit.predict_ms(u), min(float(ceiling), max(b_lat, u)))
+    rho_max = RHO_MAX.get(objective, 0.8) if rho_cap is None else min(rho_cap, RHO_MAX.get(objective, 0.8))
+    best: tuple[float, float, float] | None = None  # (est, rho, b)
+    rho = 0.3
+    while rho <= rho_max + 1e-9:
+        if rho > lam * fit.c_ms:
+            b = max(u, lam * fit.a_ms / (rho - lam * fit.c_ms))
+            real_rho = lam * fit.predict_ms(b) / b
+            if real_rho < 1.0:
+                est = (b - u) / lam + fit.predict_ms(b) + _queue_ms(real_rho, fit.predict_ms(b), b / u)
+                if best is None or est < best[0]:
+                    best = (est, real_rho, b)
+        rho += 0.05
+    if best is None:  # beyond what the ceiling's batch can serve: biggest batches, drain
+        b = float(ceiling)
+        return BatchPlan(b, (b - u) / lam / 1000.0, math.inf, b_lat, math.inf, float(ceiling))
+    est, rho, b = best
+    cap = min(float(ceiling), max(b_lat, b * headroom))
+    return BatchPlan(min(b, float(ceiling)), max(0.0, (b - u) / lam) / 1000.0, rho, b_lat, est, cap)
+
+
+def _plan_lazy(
+    fit: LatencyFit,
+    lam: float,
+    u: float,
+    b_lat: float,
+    headroom: float,
+    slo_ms: float,
+    objective: str,
+    ceiling: int,
+    run_cap: int | None = None,
+) -> BatchPlan:
+    """Lazy formation (the next batch forms when the replica is free): batches size themselves
+    to the load at the fixed point b = lambda a / (1 - lambda c), so no wait is needed under
+    load; the cap leaves headroom for bursts, and a short wait (a share of the SLO budget left
+    after two batches) only helps an idle replica gather a few requests."""
+    denom = 1.0 - lam * fit.c_ms
+    b_fp = lam * fit.a_ms / denom if (lam > 0 and denom > 0) else (0.0 if lam <= 0 else math.inf)
+    want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
+    useful = max(b_lat, useful_batch(fit), u)
+    cap = min(float(ceiling), max(b_lat, min(want, useful), u))
+    # the wait is for the batch that will run: the cap, or less where the grant holds less
+    # (``run_cap``); the cap itself stays the load's want, so lending sees what the model needs
+    runs = min(cap, float(run_cap)) if run_cap is not None and run_cap > 0 else cap
+    budget_s = max(0.0, slo_ms - 2.0 * fit.predict_ms(runs)) / 1000.0 * LAZY_WAIT_BUDGET_FRAC.get(objective, 0.25)
+    fill_s = runs / (lam * 1000.0) if lam > 0 else 0.0
+    batch = max(u, b_fp) if math.isfinite(b_fp) else float(ceiling)
+    rho = lam * fit.predict_ms(batch) / batch if math.isfinite(b_fp) and lam > 0 else (0.0 if lam <= 0 else math.inf)
+    return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap, useful)
+
+
+def wait_for(
+    plan: BatchPlan | None,
+    cap: int,
+    units_per_s: float,
+    unit_per_request: float,
+    slo_ms: float,
+    spec: ModelSpec,
+    current_s: float,
+    backlog: bool = False,
+) -> float:
+    """The wait timeout: the plan's fill time; without a latency model, unchanged unless a
+    backlog builds (then the time to fill the cap at the arrival rate, within half the SLO,
+    since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""
+    lo, hi = spec.wait.min_ms / 1000.0, spec.wait.max_ms / 1000.0
+    if plan is not None:
+        w = plan.wait_s
+    elif backlog and units_per_s > 0:
+        w = max(current_s, min(max(0.0, cap - unit_per_request) / units_per_s, slo_ms / 2000.0))
+    else:
+        w = current_s
+    return min(hi, max(lo, w))

@@ -1,0 +1,149 @@
+"""Replica targets of a fleet: the replica rule (``broker.control.replica_rules``) for every model on every card.
+
+Design note. ``FleetBroker.tick`` runs every card's core, then ``ReplicaTargets.step``: per live
+card and model it reads what the core's tick just left (the snapshot's arrival rate, live
+replicas and units per request; the policy state's latency fit and grant; the config's replicas,
+ceiling and SLO, and the active profile's objective and slack), decides the replica target and
+returns one decision-log entry per change (``kind: replicas``, with rule, trigger, value, inputs,
+old and new). A model on several cards has a target per card (each card's group is its own Serve
+deployment); its fleet target is their sum. The targets live here, not in the cores, so the core
+stays as it is; they are not checkpointed: a restarted broker starts from the configured counts
+and lowers again after the hysteresis. The deploying layer (``deployments.scaler``) applies them.
+
+Pure: the cores come in as objects to read (duck-typed, no import of the core), time as ``now_s``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from broker.control.decision_log import finite
+from broker.control.memory_model import MemoryModel
+from broker.control.profiles import active_profile
+from broker.control.replica_rules import (
+    LOWER_AFTER_WINDOWS,
+    THROUGHPUT,
+    ReplicaDecision,
+    ReplicaInputs,
+    ReplicaParams,
+    ReplicaState,
+    decide,
+    initial_state,
+)
+from broker.control.vocab import EntryKind
+
+
+def core_inputs(core: Any, now_s: float, only: Callable[[str, Any], bool] | None = None) -> dict[str, ReplicaInputs]:
+    """The replica rule's inputs for the models of one card's core, after its tick (``only``:
+    the models, by name and spec, whose inputs are wanted; default every one)."""
+    cfg = core.config
+    profile = active_profile(cfg.profiles, now_s)
+    snap = getattr(core, "_last_snapshot", None)
+    state = getattr(core, "_state", None)
+    out: dict[str, ReplicaInputs] = {}
+    for name, spec in cfg.models.items():
+        if only is not None and not only(name, spec):
+            continue
+        load = snap.models.get(name) if snap is not None else None
+        ms = state.models.get(name) if state is not None else None
+        fit = ms.latency_fit if (ms is not None and spec.kind != "llm") else None  # LLM engines: configured count
+        grant = state.ledger.grant(name) if state is not None and name in state.ledger.quotas else spec.quota.base
+        mem_cap = MemoryModel.from_load(load).cap_for(grant / max(1, spec.replicas)) if load is not None else None
+        cap = spec.batch.ceiling if mem_cap is None else max(spec.batch.floor, min(spec.batch.ceiling, mem_cap))
+        out[name] = ReplicaInputs(
+            now_s=now_s,
+            configured=int(spec.replicas),
+            live=int(load.replicas) if load is not None else 0,
+            objective=str(profile.objective),
+            arrival_rate_rps=float(load.arrival_rate_rps) if load is not None else 0.0,
+            unit_per_request=max(float(load.cost_per_request), 1.0) if load is not None else 1.0,
+            fit=fit,
+            batch_cap=int(cap),
+            slo_ms=spec.slo_p95_ms * profile.latency_slack,
+        )
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _params(window_s: float) -> ReplicaParams:
+    return ReplicaParams(lower_after_s=LOWER_AFTER_WINDOWS * window_s)
+
+
+def params_for(core: Any, model: str) -> ReplicaParams:
+    """The hysteresis of one model: a lower waits ``LOWER_AFTER_WINDOWS`` of its rate window."""
+    return _params(float(core.config.models[model].control.window_s))
+
+
+def replicas_entry(
+    inp: ReplicaInputs, d: ReplicaDecision, name: str, card: str, dry: bool
+) -> tuple[dict[str, Any], str]:
+    """One replica-target change for the decision log: the entry and its log line."""
+    entry: dict[str, Any] = {
+        "kind": EntryKind.REPLICAS,
+        "time_s": inp.now_s,
+        "model": name,
+        "trigger": d.trigger,
+        "rule": d.rule,
+        "trigger_value": finite(d.trigger_value),
+        "reason": d.reason,
+        "inputs": {
+            "objective": inp.objective,
+            "arrival_rate_rps": round(inp.arrival_rate_rps, 3),
+            "replicas": inp.live,
+            "configured_replicas": inp.configured,
+            "a_ms": None if inp.fit is None else round(inp.fit.a_ms, 3),
+            "c_ms": None if inp.fit is None else round(inp.fit.c_ms, 4),
+            "batch_cap": inp.batch_cap,
+            "slo_p95_ms": round(inp.slo_ms, 1),
+            "needed": d.needed,
+        },
+        "old": {"replica_target": d.old},
+        "new": {"replica_target": d.target},
+        "dry_run": dry,
+    }
+    if card:
+        entry["card"] = card
+    where = f"{name}@{card}" if card else name
+    line = f"{where}: replica_target {d.old}->{d.target} [{d.trigger}={entry['trigger_value']}] {d.reason}" + (
+        " (dry run)" if dry else ""
+    )
+    return entry, line
+
+
+class ReplicaTargets:
+    """The replica target of every (card, model); ``step`` once per fleet tick."""
+
+    def __init__(self) -> None:
+        self.states: dict[tuple[str, str], ReplicaState] = {}
+
+    def step(
+        self, now_s: float, cores: Mapping[str, Any], *, dry_run: bool, label_cards: bool
+    ) -> list[tuple[dict[str, Any], str]]:
+        """Decide every live card's models; the log entries of the targets that changed.
+        ``label_cards``: entries carry ``card`` (a fleet of many cards)."""
+        changes: list[tuple[dict[str, Any], str]] = []
+        for cid, core in cores.items():
+            only = None
+            if active_profile(core.config.profiles, now_s).objective != THROUGHPUT:
+                # off-peak every target is the configured count: only a model not there yet is decided
+                def only(name: str, spec: Any, cid: str = cid) -> bool:
+                    st = self.states.get((cid, name))
+                    return st is not None and st != initial_state(spec.replicas)
+
+            for name, inp in core_inputs(core, now_s, only).items():
+                key = (cid, name)
+                st = self.states.get(key) or initial_state(inp.configured)
+                d, self.states[key] = decide(inp, st, params_for(core, name))
+                if d.changed:
+                    changes.append(replicas_entry(inp, d, name, cid if label_cards else "", dry_run))
+        return changes
+
+    def target(self, card: str, model: str, configured: int) -> int:
+        """The target of ``model`` on ``card`` (the configured count before its first decision)."""
+        st = self.states.get((card, model))
+        return configured if st is None else st.target
+
+
+__all__ = ["ReplicaTargets", "core_inputs", "params_for", "replicas_entry"]

@@ -1,5 +1,0 @@
-"""``python -m cli``: the ``gpubroker`` command."""
-
-from cli.main import app
-
-app()

@@ -1,0 +1,1 @@
+"""gpubroker: share GPUs between Ray Serve models."""

@@ -1,0 +1,5 @@
+"""``python -m gpubroker``: the ``gpubroker`` command."""
+
+from gpubroker.cli.main import app
+
+app()

@@ -1,0 +1,165 @@
+"""``gpubroker bench SCENARIO``: the live-stack benchmarks (``bench.scenarios_live``).
+
+Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
+
+
+def _require_bench() -> None:
+    """bench/ lives in the repository, not in the wheel: say so instead of a bare ImportError."""
+    try:
+        import bench  # noqa: F401, PLC0415 - only to see whether this is a clone
+    except ImportError:
+        typer.echo(
+            "gpubroker bench: the benchmarks live in the repository's bench/ folder, which pip does not "
+            "install. Run it from a clone: `git clone ... && cd gpubroker && make bench-setup`.",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+
+
+def bench(
+    scenario: str = typer.Argument(
+        ...,
+        help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), lending "
+        "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), or scale "
+        "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
+        "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
+    out: Path = typer.Option(
+        Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
+    time_scale: float = typer.Option(
+        10.0,
+        "--time-scale",
+        help="Slow the profiled emulation by this factor (rates fall by it; ratios do not change).",
+    ),
+    seeds: int = typer.Option(3, "--seeds", min=1, max=5, help="Seeds per point (full runs; --quick uses 1)."),
+    peer: bool | None = typer.Option(
+        None,
+        "--peer/--no-peer",
+        help="seed: run the BentoML peer arm (default: on; off with --quick, which must fit 3 minutes).",
+    ),
+    arrivals: str = typer.Option(
+        "poisson",
+        "--arrivals",
+        help="seed/oracle/oracle-knee/overhead arrivals: poisson, or gamma:CV (bursty; BENCHMARK.md uses CV 2 and 4).",
+    ),
+    models: str = typer.Option(
+        "", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."
+    ),
+    direct: bool = typer.Option(
+        False,
+        "--direct",
+        help="Ray with Serve's direct ingress (broker.direct_ingress): one-model fleets are loaded on their "
+        "replica's own port, not through the proxy.",
+    ),
+) -> None:
+    """Run one benchmark scenario (live ones on Ray Serve; lending, scale, llm without Ray) or report.
+
+    The live scenarios start and tear down their own apps; report rebuilds bench/RESULTS.md's
+    tables from the results under --out (full runs) and --out/quick (--quick runs)."""
+    _require_bench()
+    import json
+    import sys
+    import time
+
+    if scenario == "scale":  # the broker core on a fake clock and the simulator: no Ray (bench/scale.py)
+        from bench import scale
+
+        res = scale.run(quick=quick, out=out, on_progress=lambda m: typer.echo(m, err=True))
+        print(json.dumps(res) if as_json else scale.table(res))
+        typer.echo(f"wrote {out / 'scale.json'}", err=True)
+        return
+    if scenario == "llm":  # LLM engines in process, broker vs static bounds, lending between two (bench/llm_bench.py)
+        from bench import llm_bench
+
+        res = llm_bench.run(quick=quick, out=out, log=lambda msg: typer.echo(msg, err=True))
+        print(json.dumps(res, default=str) if as_json else llm_bench.table(res))
+        typer.echo(f"wrote {out / 'llm.json'}", err=True)
+        return
+    if scenario == "lending":  # where memory binds: static split vs broker with quotas fixed vs lending (simulator)
+        from bench import lending
+
+        # the independent load runs every seed, --quick too (its target must hold on each)
+        res = lending.run(
+            quick=quick, out=out, seeds=tuple(range(seeds)), on_progress=lambda m: typer.echo(m, err=True)
+        )
+        print(json.dumps(res, default=str) if as_json else lending.table(res))
+        typer.echo(f"wrote {out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
+        return
+    if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
+        from bench import results
+
+        if not any((out / f"{s}.json").exists() or (out / "quick" / f"{s}.json").exists() for s in results.SCENARIOS):
+            typer.echo(
+                f"no scenario results under {out} (nor {out / 'quick'}); run `gpubroker bench SCENARIO --out {out}` "
+                f"(and `--quick --out {out / 'quick'}`) first",
+                err=True,
+            )
+            raise typer.Exit(2) from None
+        target = Path("bench/RESULTS.md")
+        results.write(target, results.build(out, plots_dir=target.parent / "results"))
+        typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
+        return
+    if scenario not in SCENARIO_NAMES:
+        typer.echo(
+            f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale, llm)",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    from bench.live_runs import parse_arrivals
+
+    try:
+        parse_arrivals(arrivals)
+    except ValueError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    from bench import plots
+    from bench import scenarios_live as live
+    from bench.scenarios_report import MD
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    o = live.Opts.make(
+        quick,
+        time_scale=time_scale,
+        peer=(not quick) if peer is None else peer,
+        log=log,
+        seed_json=str(out / "seed.json"),
+        arrivals=arrivals,
+        direct=direct,
+    )
+    if not quick:
+        o.seeds = tuple(range(seeds))
+    t0 = time.time()
+    if scenario == "seed" and models:
+        res = live.seed(o, tuple(m.strip() for m in models.split(",") if m.strip()))
+    else:
+        res = live.SCENARIOS[scenario](o)
+    res["runtime_s"] = round(time.time() - t0, 1)
+    res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    res["quick"] = quick
+    res["arrivals"] = arrivals
+    res["direct_ingress"] = direct
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{scenario}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+    md = MD[scenario](res) + f"\n\nRuntime {res['runtime_s']:.0f} s{' (--quick)' if quick else ''}.\n"
+    (out / f"{scenario}.md").write_text(md, encoding="utf-8")
+    pngs = plots.plot(scenario, res, out)
+    if as_json:
+        print(json.dumps(res, default=str))
+    else:
+        print(md)
+        for p in pngs:
+            print(f"plot: {p}")

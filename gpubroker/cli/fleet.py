@@ -1,0 +1,292 @@
+"""Fleet commands: ``gpubroker up | status | apply | decisions | down``.
+
+The lifecycle itself (local Ray, deploy, teardown) is ``deployments.fleet``, the state file and
+the broker's API ``deployments.fleet_client``; this module parses the options, draws ``up``'s
+progress with rich and prints tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+
+from deployments import fleet, fleet_client
+from deployments.fleet import FleetError, Note, UpEvent, UpStage
+from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
+from gpubroker.cli.views import (
+    card_table,
+    describe_decision,
+    engine_table,
+    err_console,
+    print_config_error,
+    status_table,
+)
+from quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
+
+console = Console()
+if not console.is_terminal:  # logs and pipes: wide enough for the status table
+    console = Console(width=170)
+DEFAULT_CONFIG = Path("configs/demo.yaml")
+
+
+def _fail(exc: Exception) -> None:
+    err_console.print(f"[bold red]error[/] {exc}", highlight=False)
+    raise typer.Exit(1)
+
+
+# =============================================================================== up
+class UpBars:
+    """Draws ``up_fleet``'s events: one rich progress bar per stage, added on its first event."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[UpStage, TaskID] = {}
+
+    def __call__(self, event: UpEvent) -> None:
+        if event.stage is UpStage.FAILED:
+            console.print(
+                f"[red]up failed[/]: {event.label}; state kept in {fleet_client.state_path()}, "
+                "run `gpubroker down` to clean up"
+            )
+            return
+        task = self.tasks.get(event.stage)
+        if task is None:
+            self.tasks[event.stage] = self.progress.add_task(
+                event.label or event.stage.value, total=event.total, completed=event.done or 0
+            )
+            return
+        update: dict[str, Any] = {}
+        if event.label is not None:
+            update["description"] = event.label
+        if event.done is not None:
+            update["completed"] = event.done
+        self.progress.update(task, **update)
+
+
+def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) -> dict[str, Any]:
+    """``deployments.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        state = fleet.up_fleet(cfg, text, source, on_event=UpBars(progress), **kwargs)
+    console.print(
+        f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
+        f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
+    )
+    if "direct_urls" in state:  # broker.direct_ingress: each replica's own port, no proxy hop
+        urls = state["direct_urls"]
+        if any(urls.values()):
+            for name, found in urls.items():
+                console.print(f"  {name} direct: {', '.join(found) or '(no replica port yet)'}", highlight=False)
+        else:
+            from deployments.direct_ingress import not_enabled_hint
+
+            console.print(f"[yellow]warning:[/] {state.get('direct_error') or not_enabled_hint()}", highlight=False)
+    if state.get("join"):  # a Ray that up started: token auth and how another node joins it
+        console.print(
+            f"Ray {state['address']} (auth: {state.get('auth_mode')}); {state['join']}", highlight=False, markup=False
+        )
+    return state
+
+
+def up(
+    config: Path = typer.Argument(DEFAULT_CONFIG, help="Fleet config YAML (default configs/demo.yaml)."),
+    address: str = typer.Option(
+        None, "--address", help="Ray cluster to use; default RAY_ADDRESS, else start a local one."
+    ),
+    foreground: bool = typer.Option(False, "--foreground", help="Stay attached, print status, Ctrl-C tears down."),
+    num_cpus: int = typer.Option(None, "--num-cpus", help="CPUs for a local Ray head (default: all)."),
+    ray_port: int = typer.Option(0, "--ray-port", help="GCS port for a local Ray head (0 or taken: a free one)."),
+    timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every model to answer."),
+) -> None:
+    """Start Ray (unless --address), the broker and the Serve app; return when every model answers."""
+    try:
+        text = config.read_text(encoding="utf-8")
+        cfg = load_config(config)
+    except ConfigError as exc:
+        print_config_error(exc)
+        raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:
+        _fail(FleetError(f"cannot read {config}: {exc}"))
+    existing = fleet_client.read_state()
+    if existing and not address:
+        _fail(
+            FleetError(
+                f"a fleet is already recorded in {fleet_client.state_path()} (Ray {existing.get('address')}); "
+                "run `gpubroker down` first"
+            )
+        )
+    try:
+        up_with_progress(
+            cfg,
+            text,
+            str(config),
+            address=address or os.environ.get("RAY_ADDRESS"),
+            num_cpus=num_cpus,
+            ray_port=ray_port,
+            timeout_s=timeout_s,
+        )
+    except FleetError as exc:
+        _fail(exc)
+    if foreground:
+        try:
+            while True:
+                time.sleep(5)
+                st = fleet_client.http_get("/v1/status")
+                if st:
+                    console.print(status_table(st))
+        except KeyboardInterrupt:
+            console.print("stopping...")
+            down(address=None)
+
+
+# =============================================================================== read commands
+def status(
+    as_json: bool = typer.Option(False, "--json", help="Print the broker's status as JSON."),
+    address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Redraw the table every --interval seconds until Ctrl-C."),
+    interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between refreshes with --watch."),
+) -> None:
+    """Per-model grant, used, max batch, wait, queue, P95, attainment and the active profile."""
+    if watch:
+        if as_json:
+            _fail(FleetError("--watch draws a live table; use --json without --watch (e.g. in a loop) for JSON"))
+        watch_status(lambda: fleet_client.fetch_status(address), interval_s=interval, console=console)
+        return
+    try:
+        st = fleet_client.fetch_status(address)
+    except FleetError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    cards = card_table(st)
+    if cards is not None:
+        console.print(cards)
+    console.print(status_table(st))
+    engines = engine_table(st)
+    if engines is not None:
+        console.print(engines)
+
+
+def _follow(
+    first: list[dict[str, Any]], model: str | None, since: int, address: str | None, interval: float, as_json: bool
+) -> None:
+    """Print ``first``, then poll the decision log and print each new entry (JSON lines with --json) until Ctrl-C."""
+
+    def emit(d: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps(d), flush=True)
+        else:
+            console.print(describe_decision(d), highlight=False, markup=False)
+
+    last_error: list[str] = []
+
+    def on_error(exc: Exception) -> None:
+        msg = f"{type(exc).__name__}: {exc}"
+        if last_error[-1:] != [msg]:  # say it once, not every poll
+            err_console.print(
+                f"[yellow]broker unreachable[/] ({msg}); still polling every {interval:g}s", highlight=False
+            )
+        last_error[:] = [msg]
+
+    fresh, seq = new_decisions(first, since)
+    for d in fresh:
+        emit(d)
+    if not as_json:
+        console.print(f"[dim]following the decision log after #{seq} every {interval:g}s, Ctrl-C to stop[/]")
+    follow_decisions(
+        lambda s: fleet_client.fetch_decisions(address, model, s),
+        emit,
+        since_seq=seq,
+        interval_s=interval,
+        on_error=on_error,
+    )
+
+
+def decisions(
+    model: str = typer.Option(None, "--model", help="Only this model's decisions."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decisions as JSON (JSON lines with --follow)."),
+    since: int = typer.Option(0, "--since", help="Only decisions after this sequence number."),
+    address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Keep polling and print new decisions as the broker makes them."
+    ),
+    interval: float = typer.Option(1.0, "--interval", min=0.1, help="Seconds between polls with --follow."),
+) -> None:
+    """Each change the broker made, with its trigger metric and value."""
+    try:
+        out = fleet_client.fetch_decisions(address, model, since)
+    except FleetError as exc:
+        _fail(exc)
+    if follow:
+        _follow(out, model, since, address, interval, as_json)
+        return
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    if not out:
+        console.print("no decisions yet")
+    for d in out:
+        console.print(describe_decision(d), highlight=False, markup=False)
+
+
+# =============================================================================== apply, down
+def apply(
+    config: Path = typer.Argument(..., help="New fleet config YAML."),
+    address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Validate locally, then swap the running broker's config; exit 1 with the issues if refused."""
+    try:
+        text = config.read_text(encoding="utf-8")
+        parse_config_text(text, str(config))
+    except ConfigError as exc:
+        print_config_error(exc)
+        raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:
+        _fail(FleetError(f"cannot read {config}: {exc}"))
+    try:
+        result = fleet_client.apply_config(address, text, str(config))
+    except FleetError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    elif result["ok"]:
+        console.print(f"[green]applied[/] config hash {result['config_hash']}")
+        for note in result.get("notes", []):
+            console.print(f"  note: {note}", highlight=False)
+    else:
+        err_console.print(f"[bold red]refused[/] (running config {result['config_hash']} unchanged):")
+        for issue in result["issues"]:
+            err_console.print(f"  - {issue}", markup=False, highlight=False)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+def _say(line: str, note: Note) -> None:
+    console.print(line if note is Note.DONE else f"[yellow]{line}[/]")
+
+
+def down(
+    address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+) -> None:
+    """Shut Serve down, kill the broker, and stop the local Ray that `up` started."""
+    try:
+        fleet.down_fleet(address, _say)
+    except FleetError as exc:
+        _fail(exc)
+    console.print("[green]fleet down[/]")

@@ -1,0 +1,337 @@
+"""The CLI's rich views: config and fleet-status tables, decision lines, simulator tables, errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpubroker.sim.numbers import fmt
+from quotas.config import ConfigError, FleetConfig
+from quotas.placement import Placement
+from quotas.sizes import format_size
+
+err_console = Console(stderr=True)
+
+
+# =============================================================================== config
+def print_config_error(exc: ConfigError) -> None:
+    err_console.print(f"[bold red]invalid config[/] {exc.source}: {len(exc.issues)} problem(s)")
+    for issue in exc.issues:
+        err_console.print(f"  - {issue}", markup=False, highlight=False)
+
+
+def config_table(cfg: FleetConfig, source: str) -> Table:
+    if cfg.gpus == "auto":
+        where = "cards: every GPU of the Ray cluster (gpus: auto, found and placed at start)"
+    elif cfg.gpus is not None:
+        where = f"{len(cfg.gpus)} card(s) on {len({c.node for c in cfg.gpus})} node(s), placed below"
+    else:
+        cap = cfg.gpu.capacity_bytes
+        usable = format_size(cfg.usable_bytes()) if cap is not None else "auto (measured at start)"
+        where = f"device {cfg.gpu.device}, usable {usable}"
+    table = Table(title=f"{source}: {len(cfg.models)} model(s), {where}")
+    for col in ("model", "ref", "quota min/base/max", "batch", "wait ms", "P95 SLO ms", "prio", "replicas", "strategy"):
+        table.add_column(col)
+    for name, m in cfg.models.items():
+        table.add_row(
+            name,
+            m.model,
+            f"{format_size(m.quota.min)} / {format_size(m.quota.base)} / {format_size(m.quota.max)}",
+            f"{m.batch.floor}..{m.batch.ceiling} {m.batch.unit}",
+            f"{m.wait.min_ms:g}..{m.wait.max_ms:g}",
+            f"{m.slo_p95_ms:g}",
+            str(m.priority),
+            str(m.replicas),
+            m.control.strategy,
+        )
+    return table
+
+
+def placement_table(placement: Placement) -> Table:
+    """Where ``gpubroker up`` will put every replica of a listed ``gpus:`` fleet (``quotas.placement``)."""
+    table = Table(title="placement (quotas/placement.py): each card holds the base of every model on it")
+    for col in ("card", "node", "device", "capacity", "usable", "Σ base", "free", "models (replicas)"):
+        table.add_column(col, justify="left" if col in ("card", "node", "device", "models (replicas)") else "right")
+    for plan in placement.cards:
+        card = plan.card
+        table.add_row(
+            card.id,
+            card.node,
+            str(card.device),
+            format_size(card.capacity_bytes),
+            format_size(plan.usable_bytes),
+            format_size(plan.base_bytes),
+            format_size(plan.free_bytes),
+            ", ".join(f"{m} x{n}" if n > 1 else m for m, n in plan.models.items()) or "-",
+        )
+    return table
+
+
+# =============================================================================== fleet
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def status_table(st: dict[str, Any]) -> Table:
+    title = (
+        f"gpubroker {st.get('config_hash')}  profile {st.get('profile')} (${st.get('price_per_gpu_hour', 0):g}/h)"
+        f"{'  DRY RUN' if st.get('dry_run') else ''}  granted {format_size(st.get('granted_bytes'))} of usable "
+        f"{format_size(st.get('usable_bytes'))}  ticks {st.get('ticks')}"
+    )
+    table = Table(title=title)
+    for col in (
+        "model",
+        "grant",
+        "used",
+        "max batch",
+        "wait ms",
+        "queue",
+        "rps",
+        "P95 ms",
+        "SLO ms",
+        "attain",
+        "ver",
+        "repl",
+        "target",
+        "admit",
+        "$/1k",
+    ):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for name, m in st.get("models", {}).items():
+        unit = " tok" if m.get("batch_unit") == "tokens" else ""
+        grant = format_size(m["grant_bytes"])
+        if m["grant_bytes"] > m.get("base_bytes", m["grant_bytes"]):
+            grant = f"[green]{grant}[/]"
+        elif m["grant_bytes"] < m.get("base_bytes", m["grant_bytes"]):
+            grant = f"[yellow]{grant}[/]"
+        att = m.get("attainment")
+        cost = m.get("cost_per_1k_requests")
+        table.add_row(
+            name,
+            grant,
+            format_size(m["used_bytes"]),
+            _cap(m, unit),
+            f"{m['batch_wait_timeout_s'] * 1000:.1f}",
+            f"{m['queue_depth']:.0f}",
+            f"{m['arrival_rate_rps']:.1f}",
+            _ms(m.get("p95_ms")),
+            _ms(m.get("slo_p95_ms")),
+            "-" if att is None else f"{att:.1%}",
+            str(m["settings_version"]),
+            str(m["replicas"]),
+            _target(m),
+            "yes" if m["admit"] else "[red]PAUSED[/]",
+            "-" if cost is None else f"{cost:.4f}",
+        )
+    return table
+
+
+def _cap(m: dict[str, Any], unit: str) -> str:
+    """The batch cap, marked ``mem`` when the grant's memory holds it there (status' ``memory_ceiling``:
+    the batch the grant holds by the memory the broker measured, broker.control.policy.memory_view)."""
+    ceiling = m.get("memory_ceiling")
+    held = ceiling is not None and m["max_batch_size"] >= ceiling
+    return f"{m['max_batch_size']}{unit}" + (" [yellow]mem[/]" if held else "")
+
+
+def _target(m: dict[str, Any]) -> str:
+    """The replica target (broker.control.replica_rules), marked when it is under the live replicas' count."""
+    target = m.get("replica_target")
+    if target is None:
+        return "-"
+    return f"[cyan]{target}[/]" if target < m.get("replicas", target) else str(target)
+
+
+def card_table(st: dict[str, Any]) -> Table | None:
+    """The fleet by card (a many-card fleet; None for one card): each card's memory and its models."""
+    cards = st.get("cards") or []
+    if len(cards) < 2:
+        return None
+    table = Table(title=f"cards ({sum(1 for c in cards if c.get('live', True))} of {len(cards)} live)")
+    for col in (
+        "card",
+        "node",
+        "device",
+        "capacity",
+        "usable",
+        "granted",
+        "used",
+        "models: grant / used (replicas, target) $/1k",
+    ):
+        table.add_column(
+            col, justify="left" if col in ("card", "node", "device") or col.startswith("models") else "right"
+        )
+    for c in cards:
+        models = (
+            "; ".join(
+                f"{n} {format_size(m['grant_bytes'])} / {format_size(m['used_bytes'])} ({m['replicas']}, {_target(m)})"
+                + ("" if m.get("cost_per_1k_requests") is None else f" ${m['cost_per_1k_requests']:.4f}")
+                for n, m in c.get("models", {}).items()
+            )
+            or "-"
+        )
+        card = c["id"] if c.get("live", True) else f"[red]{c['id']} LOST[/]"
+        table.add_row(
+            card,
+            str(c.get("node", "")),
+            str(c.get("device", "")),
+            format_size(c["capacity_bytes"]),
+            format_size(c["usable_bytes"]),
+            format_size(c["granted_bytes"]),
+            format_size(c["used_bytes"]),
+            models,
+        )
+    return table
+
+
+def engine_table(st: dict[str, Any]) -> Table | None:
+    """The LLM engines' bounds as the broker set them, and what their engines report (None: no LLMs)."""
+    engines = {n: m["engine"] for n, m in st.get("models", {}).items() if m.get("engine") is not None}
+    if not engines:
+        return None
+    table = Table(title="LLM engines (bounds set by the broker's llm rules)")
+    for col in (
+        "model",
+        "max seqs",
+        "batch tok",
+        "KV blocks",
+        "KV used/free",
+        "prefill",
+        "run/wait",
+        "TTFT P95",
+        "TPOT P95",
+        "SLO ms",
+        "tok/s in/out",
+        "rule",
+    ):
+        table.add_column(col, justify="left" if col in ("model", "rule") else "right")
+    for name, e in engines.items():
+        ok = [
+            e.get("ttft_p95_ms") is None or e["ttft_p95_ms"] <= e["ttft_slo_ms"],
+            e.get("tpot_p95_ms") is None or e["tpot_p95_ms"] <= e["tpot_slo_ms"],
+        ]
+        ttft = _ms(e.get("ttft_p95_ms")) if ok[0] else f"[red]{_ms(e.get('ttft_p95_ms'))}[/]"
+        tpot = _ms(e.get("tpot_p95_ms")) if ok[1] else f"[red]{_ms(e.get('tpot_p95_ms'))}[/]"
+
+        def g(key: str, e: dict[str, Any] = e) -> str:
+            return "-" if e.get(key) is None else str(e[key])
+
+        table.add_row(
+            name,
+            g("max_num_seqs"),
+            g("max_batched_tokens"),
+            f"{g('kv_blocks')} ({g('kv_blocks_total')} now)",
+            f"{g('kv_blocks_used')}/{g('kv_blocks_free')}",
+            "[red]PAUSED[/]" if e.get("prefill_paused") else "on",
+            f"{g('running')}/{g('waiting')}",
+            ttft,
+            tpot,
+            f"{e['ttft_slo_ms']:g}/{e['tpot_slo_ms']:g}",
+            f"{e.get('tokens_in_per_s', 0):.0f}/{e.get('tokens_out_per_s', 0):.0f}",
+            str(e.get("rule", "-")),
+        )
+    return table
+
+
+def describe_decision(d: dict[str, Any]) -> str:
+    t = time.strftime("%H:%M:%S", time.localtime(d.get("time_s", 0))) + f".{int((d.get('time_s', 0) % 1) * 1000):03d}"
+    kind = d.get("kind")
+    if kind == "settings":
+        old, new = d["old"], d["new"]
+        parts = []
+        for key, label in (
+            ("max_batch_size", "batch"),
+            ("batch_wait_timeout_s", "wait_s"),
+            ("grant_bytes", "grant"),
+            ("admit", "admit"),
+        ):
+            if old[key] != new[key]:
+                a, b = old[key], new[key]
+                if key == "grant_bytes":
+                    a, b = format_size(a), format_size(b)
+                parts.append(f"{label} {a}->{b}")
+        tv = d.get("trigger_value")
+        trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
+        return f"#{d['seq']} {t} {d['model']}: {', '.join(parts) or 'no change'}  [{trig}]  {d.get('reason', '')}" + (
+            " (dry run)" if d.get("dry_run") else ""
+        )
+    if kind == "replicas":
+        where = f"{d['model']}@{d['card']}" if d.get("card") else d["model"]
+        tv = d.get("trigger_value")
+        trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
+        return (
+            f"#{d['seq']} {t} {where}: replicas {d['old']['replica_target']}->{d['new']['replica_target']}  "
+            f"[{trig}]  {d.get('reason', '')}" + (" (dry run)" if d.get("dry_run") else "")
+        )
+    if kind == "move":
+        return (
+            f"#{d['seq']} {t} quota {d['move']}: {d.get('donor') or 'pool'} -> {d.get('recipient') or 'pool'} "
+            f"{format_size(d['amount_bytes'])}  {d.get('reason', '')}"
+        )
+    return f"#{d['seq']} {t} [{kind}] {d.get('reason', '')}"
+
+
+# =============================================================================== simulator
+def result_table(result: Any, title: str) -> Table:
+    table = Table(title=title)
+    for col in (
+        "model",
+        "offered/s",
+        "completed/s",
+        "attain",
+        "goodput/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "cap ms",
+        "mean batch",
+        "ooms",
+        "rejects",
+        "timeouts",
+    ):
+        table.add_column(col, justify="right" if col != "model" else "left")
+    for name, m in result.models.items():
+        table.add_row(
+            name,
+            fmt(m.offered_rps),
+            fmt(m.completed_rps),
+            fmt(m.attainment, 3),
+            fmt(m.goodput_rps),
+            fmt(m.p50_ms),
+            fmt(m.p95_ms),
+            fmt(m.p99_ms),
+            fmt(m.cap_ms),
+            fmt(m.mean_batch),
+            str(m.ooms),
+            str(m.rejects),
+            str(m.timeouts),
+        )
+    return table
+
+
+def validation_table(v: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms, {v.get('batching', 'eager')} batching; reference {v['reference_rps']:.1f}/s, "
+        f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms"
+    )
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("static 8 saturation /s", v["static8_saturation_rps"]),
+        ("static 8 saturation, lazy 8/(a+8c) /s", v.get("static8_saturation_lazy_rps")),
+        ("static 8 knee at S /s", v["static8_knee_rps"]),
+        ("broker knee at 1.2·S /s", v["broker_knee_rps"]),
+        ("oracle knee at 1.2·S /s", v.get("oracle_knee_rps")),
+        ("oracle arm", v.get("oracle_arm")),
+        ("bound (1-2a/C)/c /s", v["bound_rps"]),
+        ("knee gain broker/static 8", v["gain"]),
+        ("oracle gain", v.get("oracle_gain")),
+        ("broker / oracle", v.get("broker_vs_oracle")),
+        ("broker / bound", v["broker_vs_bound"]),
+    ]
+    for k, x in rows:
+        t.add_row(k, fmt(x, 2 if isinstance(x, float) and x < 10 else 1))
+    return t

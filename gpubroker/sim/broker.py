@@ -1,0 +1,151 @@
+"""The broker arm of the simulator: the live ``BrokerCore`` on the virtual clock.
+
+Design note. The simulator does not wire the policy itself: it holds one
+``broker.core.BrokerCore`` (the object the Ray actor holds), on a clock that reads the
+simulator's virtual time, and talks to it exactly as replicas do:
+
+- each emulated replica calls ``register`` once with its calibration (the profile's weights
+  and bytes per unit, as ``deployments.calibration`` would measure them);
+- every ``report_interval_s`` it sends one ``StatsReport`` delta through ``report`` and applies
+  the settings in the reply when their version changed;
+- every ``control_interval_s`` the simulator calls ``tick``.
+
+So the report window, ``decide``, dry-run, the settings table and the decision log are the
+live ones. Prometheus metrics and checkpoints are off (``NullMetrics``, no path): they observe
+the broker, they do not steer it. ``trace`` (when asked for) records every call in order, so
+a test can replay the same sequence into a second core and compare decisions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.control.records import build
+from broker.core import BrokerCore, NullMetrics
+from broker.wire import ModelSettings, StatsReport
+from gpubroker.sim.types import LATENCY_SAMPLES_PER_REPORT, SimReplica
+
+
+class SimBroker:
+    """The simulator's side of the report/reply path."""
+
+    def __init__(
+        self, sim: Any, *, record: bool = False
+    ) -> None:  # sim: gpubroker.sim.engine.Simulator (no import: no cycle)
+        self.sim = sim
+        self.core = BrokerCore(
+            sim.config, capacity_bytes=sim.capacity, clock=lambda: sim.epoch0 + sim.now, metrics=NullMetrics()
+        )
+        self.trace: list[tuple[str, float, Any]] | None = [] if record else None
+        self._seen_seq = 0
+        self._replies: dict[str, tuple[dict[str, Any], ModelSettings]] = {}  # replica -> its last reply, parsed
+
+    def calibration(self, rep: SimReplica) -> dict[str, Any]:
+        p = rep.prof
+        return {"weights_bytes": int(p.weights_bytes), "bytes_per_unit": float(p.bytes_per_item), "cost_unit": p.unit}
+
+    def register(self, rep: SimReplica) -> ModelSettings:
+        cal = self.calibration(rep)
+        if self.trace is not None:
+            self.trace.append(("register", self.sim.epoch0 + self.sim.now, (rep.name, rep.rid, cal)))
+        return ModelSettings.from_dict(self.core.register(rep.name, rep.rid, cal))
+
+    def report(self, rep: SimReplica) -> ModelSettings:
+        """Build the replica's delta since its last report, send it, return the reply."""
+        sim = self.sim
+        sim._gpu_advance()
+        now = sim.now
+        interval = now - rep.last_report_t
+        card_share = (sim.card_busy - rep.card_busy_mark) / interval if interval > 0 else 0.0
+        lat = rep.st_lat
+        if len(lat) > LATENCY_SAMPLES_PER_REPORT:
+            step = len(lat) / LATENCY_SAMPLES_PER_REPORT
+            lat = [lat[int(k * step)] for k in range(LATENCY_SAMPLES_PER_REPORT)]
+        used = sim.mem_pool.total
+        report = build(  # StatsReport(...) without the frozen __init__ (broker.control.records)
+            StatsReport,
+            model=rep.name,
+            replica_id=rep.rid,
+            seq=rep.seq,
+            now_s=sim.epoch0 + now,
+            interval_s=interval,
+            arrivals=rep.st_arr,
+            completions=rep.st_done,
+            rejections=rep.st_rej,
+            timeouts=rep.st_to,
+            errors=rep.st_err,
+            latency_ms=tuple(lat),
+            batches=tuple(rep.st_batches),
+            batch_requests=tuple(rep.st_breq),
+            busy_s=rep.busy_acc,
+            queue_depth=sim.held_requests(rep),
+            mem_used_bytes=int(rep.mem_now),
+            mem_peak_bytes=int(rep.st_peak),
+            device_free_frac=max(0.0, 1.0 - used / sim.capacity),
+            sm_util_frac=min(1.0, card_share),
+            oom_splits=rep.st_oom,
+            oom_costs=tuple(rep.st_oom_costs),
+            emergency_shrinks=rep.st_emerg,
+            shed=rep.st_shed,
+            settings_version=max(0, rep.version),
+            held_refusals=0,  # the defaults, given: with every field named, build() takes its short path
+            card_id="",
+            engine=None,
+        )
+        rep.seq += 1
+        rep.last_report_t = now
+        rep.card_busy_mark = sim.card_busy
+        rep.busy_acc = 0.0
+        rep._reset_stats()
+        if self.trace is not None:
+            self.trace.append(("report", sim.epoch0 + now, report))
+        reply = self.core.report(report)
+        last = self._replies.get(rep.rid)
+        if last is not None and last[0] == reply:
+            return last[1]  # the same settings as last time: the object the replica already has
+        settings = ModelSettings.from_dict(reply)
+        self._replies[rep.rid] = (reply, settings)
+        return settings
+
+    def tick(self) -> None:
+        if self.trace is not None:
+            self.trace.append(("tick", self.sim.epoch0 + self.sim.now, None))
+        self.core.tick()
+        self._collect()
+
+    def _collect(self) -> None:
+        """The decision log's new entries, in the simulator's compact form."""
+        sim = self.sim
+        new = self.core.decisions(since_seq=self._seen_seq)
+        if new:
+            self._seen_seq = new[-1]["seq"]
+        t = round(sim.now, 3)
+        for e in new:
+            if len(sim.decisions) >= sim.keep_decisions:
+                return
+            if e["kind"] == "settings":
+                n = e["new"]
+                sim.decisions.append(
+                    {
+                        "t": t,
+                        "model": e["model"],
+                        "max_batch": n["max_batch_size"],
+                        "wait_ms": round(n["batch_wait_timeout_s"] * 1000, 3),
+                        "grant_bytes": n["grant_bytes"],
+                        "admit": n["admit"],
+                        "trigger": e["trigger"],
+                        "value": e["trigger_value"],
+                        "reason": e["reason"],
+                    }
+                )
+            elif e["kind"] == "move":
+                sim.decisions.append(
+                    {
+                        "t": t,
+                        "move": e["move"],
+                        "donor": e["donor"],
+                        "recipient": e["recipient"],
+                        "amount_bytes": e["amount_bytes"],
+                        "reason": e["reason"],
+                    }
+                )
