@@ -1,15 +1,20 @@
-"""Shared pieces of the reliability tests: results file, fake broker link, listeners, RSS.
+"""Shared pieces of the reliability tests: results file, fault counting, fake broker link, listeners, RSS.
 
-Every reliability test records one JSON line per fault scenario with ``record(...)``::
+A reliability test counts its faults with ``Faults``: one ``check(what, survived)`` per fault
+injected, where ``survived`` is what the test observed after it (requests answered or refused
+explicitly, grants and ledger as expected, the process back). The row it writes takes its
+injected and survived counts from those checks, never from a constant::
 
-    {"test", "fault", "faults_injected", "faults_survived", "sent", "answered",
-     "rejected", "lost", "figure", "ok"}
+    {"test", "nodeid", "fault", "kind", "faults_injected", "faults_survived", "checks",
+     "sent", "answered", "rejected", "lost", "figure", "ok"}
 
 ``answered`` = HTTP 200; ``rejected`` = an explicit, retriable error with a body (413/422 for
 bad input count here too: the client was told why); ``lost`` = anything else (no response,
-a connection error, a client-side timeout, a 5xx without a body). ``tests/chaos/report.py``
-prints the table after ``make chaos``. Rows are written only when ``$GPUBROKER_CHAOS_RESULTS``
-names the file (``make chaos`` sets it), so ``make test`` leaves no files behind.
+a connection error, a client-side timeout, a 5xx without a body). Each such test carries
+``@pytest.mark.chaos``: ``tests/conftest.py`` writes what it expects at collection and a failing
+row when one fails, and ``tests/chaos/report.py`` fails on a failed or missing row. Rows are
+written only when ``$GPUBROKER_CHAOS_RESULTS`` names the file (``make chaos`` sets it), so
+``make test`` leaves no files behind.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -38,35 +44,27 @@ def recording() -> bool:
     return bool(os.environ.get("GPUBROKER_CHAOS_RESULTS"))
 
 
-def record(
-    test: str,
-    fault: str,
-    *,
-    faults_injected: int = 0,
-    faults_survived: int = 0,
-    sent: int = 0,
-    answered: int = 0,
-    rejected: int = 0,
-    lost: int = 0,
-    figure: str = "",
-    ok: bool = True,
-    **extra: Any,
-) -> dict[str, Any]:
-    """Append one result line (never fails the test because of the file)."""
-    row = {
-        "time_s": round(time.time(), 3),
-        "test": test,
-        "fault": fault,
-        "faults_injected": faults_injected,
-        "faults_survived": faults_survived,
-        "sent": sent,
-        "answered": answered,
-        "rejected": rejected,
-        "lost": lost,
-        "figure": figure,
-        "ok": bool(ok),
-        **extra,
-    }
+class FaultKind(StrEnum):
+    """What a fault is, so that the table never lets one kind hide another."""
+
+    MALFORMED_INPUT = "malformed input"
+    BAD_CONFIG = "bad config"
+    OVERLOAD = "overload"
+    PROCESS_KILLED = "process killed"
+    NODE_KILLED = "node killed"
+    BROKER_RESTARTED = "broker restarted"
+    NETWORK = "network"
+    MEMORY = "memory"
+    NONE = "no fault"  # a check with nothing injected (listeners bind loopback)
+
+
+def current_test() -> str:
+    """The running pytest node id (pytest sets PYTEST_CURRENT_TEST), or '' outside pytest."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+
+def write_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Append one JSON line to the results file under ``make chaos`` (never fails the test)."""
     if not recording():
         return row
     try:
@@ -77,6 +75,63 @@ def record(
     except OSError:
         pass
     return row
+
+
+class Faults:
+    """The faults one scenario injects, each with what was observed after it."""
+
+    def __init__(self, test: str, fault: str, kind: FaultKind):
+        self.test, self.fault, self.kind = test, fault, kind
+        self.observed: list[tuple[str, bool]] = []
+
+    def check(self, what: str, survived: bool) -> bool:
+        """One fault injected; ``survived`` is the state the test checked after it."""
+        self.observed.append((what, bool(survived)))
+        return bool(survived)
+
+    def failures(self) -> list[str]:
+        return [what for what, ok in self.observed if not ok]
+
+    def record(self, *, ok: bool = True, figure: str = "", **traffic: Any) -> dict[str, Any]:
+        """Write the row: injected and survived are counted from the checks; no check is a failure."""
+        survived = sum(1 for _, good in self.observed if good)
+        lost = int(traffic.get("lost", 0) or 0)
+        row = {
+            "time_s": round(time.time(), 3),
+            "test": self.test,
+            "nodeid": current_test(),
+            "fault": self.fault,
+            "kind": str(self.kind),
+            "faults_injected": len(self.observed),
+            "faults_survived": survived,
+            "checks": [what for what, _ in self.observed][:8],
+            "failed_checks": self.failures()[:8],
+            "sent": 0,
+            "answered": 0,
+            "rejected": 0,
+            **traffic,
+            "lost": lost,
+            "figure": figure,
+            "ok": bool(ok) and bool(self.observed) and survived == len(self.observed) and lost == 0,
+        }
+        return write_row(row)
+
+
+def observation(test: str, what: str, *, ok: bool, figure: str = "", **extra: Any) -> dict[str, Any]:
+    """A row with no fault injected (a property checked once, such as loopback listeners)."""
+    row = {
+        "time_s": round(time.time(), 3),
+        "test": test,
+        "nodeid": current_test(),
+        "fault": what,
+        "kind": str(FaultKind.NONE),
+        "faults_injected": 0,
+        "faults_survived": 0,
+        "figure": figure,
+        "ok": bool(ok),
+        **extra,
+    }
+    return write_row(row)
 
 
 def classify(statuses: Iterable[int], bodies_ok: Iterable[bool] | None = None) -> dict[str, int]:
