@@ -24,12 +24,14 @@ from tests.chaos import counting
 from tests.chaos.fleet import connect, down, up
 from tests.chaos.harness import (
     EXPLICIT_ERRORS,
+    FaultKind,
+    Faults,
     classify,
     is_loopback,
     listeners,
     metric_label_values,
+    observation,
     pids_in_group,
-    record,
     rss_bytes,
     wait_for,
 )
@@ -105,6 +107,7 @@ def poisson_plan(model: str, rate: float, duration_s: float, body: bytes, seed: 
 
 
 # ------------------------------------------------------------------------------- 9 listeners
+@pytest.mark.chaos
 def test_every_listener_binds_loopback(fleet):
     pgid = fleet.state["pgid"]
     assert pgid, "up did not record the Ray process group"
@@ -121,9 +124,10 @@ def test_every_listener_binds_loopback(fleet):
             assert is_loopback(s["host"]), f"{what} binds {s['host']}:{port} (pid {s['pid']} {s['comm']})"
         found[what] = hits[0]["host"]
     others = sorted({(s["comm"], s["host"]) for s in socks if not is_loopback(s["host"])})
-    record(
+    observation(
         T,
-        "listeners (HTTP proxy, metrics, dashboard)",
+        "listeners (HTTP proxy, metrics, dashboard) bind loopback",
+        ok=True,
         figure=f"{found}; not loopback (Ray internals): "
         f"{len([s for s in socks if not is_loopback(s['host'])])} sockets of {sorted({c for c, _ in others})}",
         non_loopback=[f"{s['comm']}@{s['host']}:{s['port']}" for s in socks if not is_loopback(s["host"])],
@@ -131,32 +135,38 @@ def test_every_listener_binds_loopback(fleet):
 
 
 # ------------------------------------------------------------------------------- 3 driver exits
+@pytest.mark.chaos
 def test_status_after_driver_exit_finds_same_broker(fleet):
     mine = fleet.status()
-    proc = fleet.cli("status", "--json", check=True)
-    st = json.loads(proc.stdout)
-    assert st["pid"] == mine["pid"] and st["started_s"] == mine["started_s"]
-    assert st["config_hash"] == fleet.state["config_hash"] == mine["config_hash"]
-    assert set(st["models"]) == {"mlp", "hot", "slow"}
+    faults = Faults(T, "driver exits (up, apply), a new `gpubroker status` attaches", FaultKind.PROCESS_KILLED)
+    st = json.loads(fleet.cli("status", "--json", check=True).stdout)  # `up`'s driver has exited
+    faults.check(
+        "after up exited: same broker pid, start time and config",
+        st["pid"] == mine["pid"]
+        and st["started_s"] == mine["started_s"]
+        and st["config_hash"] == fleet.state["config_hash"] == mine["config_hash"]
+        and set(st["models"]) == {"mlp", "hot", "slow"},
+    )
     # a second driver changes the state and exits; a third one sees the change
     new = fleet.config_path.with_name("fleet-slo.yaml")
     new.write_text(fleet.text.replace("slo_p95_ms: 5000", "slo_p95_ms: 4900"))
     applied = json.loads(fleet.cli("apply", str(new), "--json", check=True).stdout)
     st2 = json.loads(fleet.cli("status", "--json", "--address", fleet.state["address"], check=True).stdout)
-    assert st2["config_hash"] == applied["config_hash"] != st["config_hash"]
-    assert st2["pid"] == mine["pid"]
-    back = json.loads(fleet.cli("apply", str(fleet.config_path), "--json", check=True).stdout)
-    assert back["ok"] and back["config_hash"] == st["config_hash"]
-    record(
-        T,
-        "driver exits (up, apply), new `gpubroker status` attaches",
-        faults_injected=3,
-        faults_survived=3,
-        figure=f"broker pid {mine['pid']} and hash {st['config_hash']} seen by 3 later drivers",
+    faults.check(
+        "after apply exited: a third driver sees the applied config on the same broker",
+        st2["config_hash"] == applied["config_hash"] != st["config_hash"] and st2["pid"] == mine["pid"],
     )
+    back = json.loads(fleet.cli("apply", str(fleet.config_path), "--json", check=True).stdout)
+    faults.check(
+        "after a second apply exited: the original config is back",
+        back["ok"] and back["config_hash"] == st["config_hash"],
+    )
+    faults.record(figure=f"broker pid {mine['pid']} and hash {st['config_hash']} seen by 3 later drivers")
+    assert not faults.failures(), (faults.failures(), mine, st, st2, back)
 
 
 # ------------------------------------------------------------------------------- 7 bad requests
+@pytest.mark.chaos
 def test_bad_requests_refused_before_the_model(fleet):
     for _ in range(3):
         assert post(fleet, "mlp", {"input": X}).status_code == 200
@@ -178,6 +188,7 @@ def test_bad_requests_refused_before_the_model(fleet):
     ]
     codes = []
     rounds = 20
+    faults = Faults(T, "bad requests over HTTP (413/422)", FaultKind.MALFORMED_INPUT)
     with httpx.Client(timeout=30) as client:
         for _ in range(rounds):
             for content, want, fld in bad:
@@ -185,11 +196,14 @@ def test_bad_requests_refused_before_the_model(fleet):
                     f"{fleet.url}/v1/models/mlp/infer", content=content, headers={"Content-Type": "application/json"}
                 )
                 codes.append(r.status_code)
-                assert r.status_code == want, (content[:60], r.status_code, r.text[:300])
-                body = r.json()
-                assert body.get("detail")
-                if fld is not None:
-                    assert str(body.get("field", "")).startswith(fld), (content[:60], body)
+                body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                faults.check(
+                    f"{content[:40]!r}: {want} naming {fld}",
+                    r.status_code == want
+                    and bool(body.get("detail"))
+                    and (fld is None or str(body.get("field", "")).startswith(fld)),
+                )
+    assert not faults.failures(), faults.failures()[:5]
     time.sleep(1.0)
     calls1 = {pid: len(c) for pid, c in counting.calls(fleet.count_dir).items()}
     assert calls1 == calls0, f"bad requests reached the model: {calls0} -> {calls1}"
@@ -197,11 +211,7 @@ def test_bad_requests_refused_before_the_model(fleet):
     assert max(grew.values()) < 16, f"replica RSS grew {grew} MiB"
     c = classify(codes)
     assert c["lost"] == 0
-    record(
-        T,
-        "bad requests over HTTP (413/422)",
-        faults_injected=len(codes),
-        faults_survived=len(codes),
+    faults.record(
         **c,
         figure=f"{len(codes)} refused naming the field; predict calls +0; replica RSS "
         f"{', '.join(f'{v:+.1f}' for v in grew.values())} MiB",
@@ -209,19 +219,22 @@ def test_bad_requests_refused_before_the_model(fleet):
 
 
 # ------------------------------------------------------------------------------- 9 metric labels
+@pytest.mark.chaos
 def test_metric_labels_only_from_config(fleet):
     weird = ["mlp%00", "../../etc/passwd", "x" * 300, "MLP", "hot;drop", "{{7*7}}", "%F0%9F%92%A9", "a b"]
+    answers: list[tuple[str, int, tuple[int, ...]]] = []
     with httpx.Client(timeout=30) as client:
         for name in weird:
             r = client.post(f"{fleet.url}/v1/models/{name}/infer", json={"input": {"label": name}})
-            assert r.status_code in (404, 422), (name, r.status_code)
+            answers.append((f"model name {name[:20]!r}", r.status_code, (404, 422)))
         for body in (
             {"input": {"model": "evil", "x": [0.1] * 64}},
             {"input": {"tokens": 'model="x"'}},
             {"inputs": [{"tokens": 2}, {"tokens": "}"}]},
         ):
             for model in ("mlp", "hot"):
-                assert client.post(f"{fleet.url}/v1/models/{model}/infer", json=body).status_code in (200, 422)
+                code = client.post(f"{fleet.url}/v1/models/{model}/infer", json=body).status_code
+                answers.append((f"{model} payload {str(body)[:30]}", code, (200, 422)))
     time.sleep(1.5)
     labels = metric_label_values(scrape(fleet))
     from broker import metrics as m
@@ -246,17 +259,18 @@ def test_metric_labels_only_from_config(fleet):
         extra = values - allowed.get(key, set())
         if extra:
             bad[key] = extra
-    assert not bad, f"label values not from the config or a fixed enumeration: {bad}"
-    record(
-        T,
-        "metric labels vs weird model names/payloads",
-        faults_injected=len(weird) + 6,
-        faults_survived=len(weird) + 6,
+    faults = Faults(T, "metric labels vs weird model names/payloads", FaultKind.MALFORMED_INPUT)
+    for what, code, allowed_codes in answers:
+        faults.check(f"{what}: answered {code}; no new label value", code in allowed_codes and not bad)
+    faults.record(
         figure=f"labels {sorted(labels)}; model values {sorted(labels.get('model', []))}",
     )
+    assert not bad, f"label values not from the config or a fixed enumeration: {bad}"
+    assert not faults.failures(), faults.failures()
 
 
 # ------------------------------------------------------------------------------- 4 overload
+@pytest.mark.chaos
 def test_overload_backpressure_counted_others_unaffected(fleet):
     before = fleet.status()["models"]["slow"]
     miss0 = before["misses"]
@@ -283,36 +297,36 @@ def test_overload_backpressure_counted_others_unaffected(fleet):
     except AssertionError:
         st = fleet.status()["models"]["slow"]
     counted_n = st["misses"] - miss0
-    record(
-        T,
-        "overload: rejections counted by the broker",
-        figure=f"client {dict(codes)}; broker misses +{counted_n}",
-        ok=counted_n == c["rejected"],
+    o = outcome(out["r"].records)
+    summ = loadgen.summarize(out["r"].records, 8.0, {"mlp": 2000.0})["mlp"]
+    faults = Faults(T, "overload: 40 at once into slow (max_queued 6)", FaultKind.OVERLOAD)
+    faults.check(
+        "burst into slow: refused with Retry-After, each refusal counted by the broker, nothing lost",
+        bool(rej) and c["lost"] == 0 and counted_n == c["rejected"],
+    )
+    faults.check(
+        "neighbour mlp at 8 req/s: every request 200 within its 2 s SLO",
+        o["lost"] == 0 and o["rejected"] == 0 and summ.p95_ms is not None and summ.p95_ms <= 2000.0,
+    )
+    faults.record(
+        sent=c["sent"] + o["sent"],
+        answered=c["answered"] + o["answered"],
+        rejected=c["rejected"],
+        lost=c["lost"] + o["lost"],
+        figure=f"slow {dict(codes)}; broker counted {counted_n}/{c['rejected']}; mlp P95 "
+        f"{summ.p95_ms if summ.p95_ms is not None else float('nan'):.0f} ms, {o['answered']}/{o['sent']} ok",
         sample_errors=sorted({(r.status, (r.error or "")[:120]) for r in res.records if r.status != 200})[:6],
     )
     assert counted_n == c["rejected"], (
         f"client saw {c['rejected']} explicit rejections {dict(codes)}, broker counted "
         f"{counted_n}; bodies: {sorted({(r.status, (r.error or '')[:100]) for r in rej})[:4]}"
     )
-    o = outcome(out["r"].records)
-    summ = loadgen.summarize(out["r"].records, 8.0, {"mlp": 2000.0})["mlp"]
     assert o["lost"] == 0 and o["rejected"] == 0, Counter(r.status for r in out["r"].records)
     assert summ.p95_ms is not None and summ.p95_ms <= 2000.0
-    record(
-        T,
-        "overload: 40 at once into slow (max_queued 6)",
-        faults_injected=1,
-        faults_survived=1,
-        sent=c["sent"] + o["sent"],
-        answered=c["answered"] + o["answered"],
-        rejected=c["rejected"],
-        lost=c["lost"] + o["lost"],
-        figure=f"slow {dict(codes)}; broker counted {counted_n}/{c['rejected']}; mlp P95 {summ.p95_ms:.0f} ms, "
-        f"{o['answered']}/{o['sent']} ok",
-    )
 
 
 # ------------------------------------------------------------------------------- 5 deadline
+@pytest.mark.chaos
 def test_deadline_gets_prompt_504(fleet):
     time.sleep(2.0)  # the previous burst drains
     res = load(fleet, loadgen.plan("slow", [0.0] * 6, b'{"input": {}}'), timeout_s=30)
@@ -327,13 +341,14 @@ def test_deadline_gets_prompt_504(fleet):
     path_ms = max(0.0, min(ok) - 400.0) if ok else 0.0
     over = max(r.latency_ms for r in late) - deadline_ms
     c = outcome(res.records)
-    record(
-        T,
-        "queued past request_timeout_s (1 s)",
-        faults_injected=len(late),
-        faults_survived=len(late),
+    faults = Faults(T, "queued past request_timeout_s (1 s)", FaultKind.OVERLOAD)
+    for r in late:
+        faults.check(
+            f"504 {r.latency_ms:.0f} ms after sending, naming request_timeout_s",
+            deadline_ms - 20 <= r.latency_ms < deadline_ms + path_ms + 250 and "request_timeout_s" in (r.error or ""),
+        )
+    faults.record(
         **c,
-        ok=over - path_ms < 250,
         figure=f"{dict(codes)}; 504 at most {over:.0f} ms after the 1 s deadline, of which HTTP path "
         f"{path_ms:.0f} ms (fastest 200 - 400 ms)",
     )
@@ -343,6 +358,7 @@ def test_deadline_gets_prompt_504(fleet):
 
 
 # ------------------------------------------------------------------------------- 6 bad configs
+@pytest.mark.chaos
 def test_bad_configs_refused_by_cli_and_actor(fleet):
     import ray
 
@@ -375,21 +391,29 @@ def test_bad_configs_refused_by_cli_and_actor(fleet):
         "under calibrated weights": "models.hot.quota.min",
         "overlapping windows": "profiles",
     }
-    actor_refusals = 0
+    faults = Faults(T, "bad configs via `gpubroker apply` and the actor", FaultKind.BAD_CONFIG)
     for what, text in bad.items():
         path = fleet.config_path.with_name(f"bad-{what.replace(' ', '-')}.yaml")
         path.write_text(text)
         proc = fleet.cli("apply", str(path))
-        assert proc.returncode != 0, f"{what}: CLI accepted it"
-        assert fields[what] in proc.stderr + proc.stdout, f"{what}: {proc.stderr[-600:]}"
+        faults.check(
+            f"{what} via the CLI: refused naming {fields[what]}",
+            proc.returncode != 0 and fields[what] in proc.stderr + proc.stdout,
+        )
         out = ray.get(fleet.broker().apply.remote(text), timeout=30)  # the actor refuses it too
-        assert out["ok"] is False and out["config_hash"] == h0, (what, out)
-        assert any(fields[what] in i for i in out["issues"]), (what, out["issues"])
-        actor_refusals += 1
-        assert fleet.status()["config_hash"] == h0
+        faults.check(
+            f"{what} via the actor: refused naming {fields[what]}, hash kept",
+            out["ok"] is False
+            and out["config_hash"] == h0
+            and any(fields[what] in i for i in out["issues"])
+            and fleet.status()["config_hash"] == h0,
+        )
+    assert not faults.failures(), faults.failures()
+    actor_refusals = len(bad)
     fails1 = metric_value(scrape(fleet), "gpubroker_config_reload_failures_total")
     assert fails1 - fails0 >= actor_refusals, (fails0, fails1)
-    # two applies racing: exactly one consistent result, the hash is one of the two
+    # two applies at once from two CLIs: the actor runs them one after the other (its apply has
+    # no await inside), so this checks consistency, not a race: not counted as faults
     a = fleet.config_path.with_name("race-a.yaml")
     b = fleet.config_path.with_name("race-b.yaml")
     a.write_text(t.replace("slo_p95_ms: 5000", "slo_p95_ms: 4000"))
@@ -418,13 +442,9 @@ def test_bad_configs_refused_by_cli_and_actor(fleet):
     assert back["config_hash"] == h0
     assert post(fleet, "slow", {"input": {}}).status_code == 200
     n = len(bad)
-    record(
-        T,
-        "bad configs via `gpubroker apply` and the actor; 2 racing applies",
-        faults_injected=2 * n + 2,
-        faults_survived=2 * n + 2,
+    faults.record(
         figure=f"{n} refused by CLI and actor naming the field; hash {h0} kept; reload failures "
-        f"+{fails1 - fails0:.0f}; race -> {final} (one of the two)",
+        f"+{fails1 - fails0:.0f}; two concurrent applies -> {final} (one of the two)",
     )
 
 
@@ -439,6 +459,7 @@ def _mlp_replica_actors() -> list[str]:
     )
 
 
+@pytest.mark.chaos
 def test_kill_replica_mid_batch_under_load(fleet):
     import ray
 
@@ -482,16 +503,21 @@ def test_kill_replica_mid_batch_under_load(fleet):
         time.sleep(1.0)
     replace_s = time.time() - t_kill
     hot_sum = loadgen.summarize(hot_recs, dur, {"hot": 2000.0})["hot"]
-    record(
-        T,
-        "kill an mlp replica mid-batch at 50 req/s",
-        faults_injected=1,
-        faults_survived=int(bool(new_pids)),
+    faults = Faults(T, "kill an mlp replica mid-batch at 50 req/s", FaultKind.PROCESS_KILLED)
+    faults.check(
+        "replica killed: every request answered or refused explicitly; a replacement serves; hot within SLO",
+        not bad
+        and c["lost"] == 0
+        and bool(new_pids)
+        and ch["lost"] == 0
+        and hot_sum.p95_ms is not None
+        and hot_sum.p95_ms <= 2000.0,
+    )
+    faults.record(
         sent=c["sent"] + ch["sent"],
         answered=c["answered"] + ch["answered"],
         rejected=c["rejected"] + ch["rejected"],
         lost=c["lost"] + ch["lost"],
-        ok=c["lost"] == 0 and bool(new_pids),
         figure=f"mlp {dict(codes)}; replacement serving after {replace_s:.0f}s; hot P95 {hot_sum.p95_ms:.0f} ms "
         f"(SLO 2000) {ch['answered']}/{ch['sent']} ok",
         non_explicit=bad[:5],
@@ -503,6 +529,7 @@ def test_kill_replica_mid_batch_under_load(fleet):
 
 
 # ------------------------------------------------------------------------------- 2 broker kill
+@pytest.mark.chaos
 def test_kill_broker_models_keep_serving_ledger_restored(fleet):
     import ray
     from ray import serve
@@ -516,10 +543,10 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
     )
     th, out = load_bg(fleet, plan)
     time.sleep(2.0)
-    saved = json.loads(Path(before["checkpoint_path"]).read_text())
     ray.kill(fleet.broker(), no_restart=False)
+    # the checkpoint as the killed broker left it (the restarted one restores from this file)
+    saved = json.loads(Path(before["checkpoint_path"]).read_text())
     during = hot.local_status.remote().result(timeout_s=30)
-    assert during["settings"] == settings0  # serving on its last settings
 
     def restarted():
         try:
@@ -531,27 +558,47 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
     after = wait_for(restarted, 60, interval_s=0.5, what="broker restart")
     th.join(timeout=60)
     c = outcome(out["r"].records)
+    ledger = saved["policy_state"]["ledger"]
+    grants = {n: m["grant_bytes"] for n, m in after["models"].items()}
+    # a grant may differ from the checkpoint only through a quota move the restarted broker logged
+    moved = {
+        d.get("model")
+        for d in ray.get(fleet.broker().decisions.remote(), timeout=30)
+        if d.get("kind") == "move" and float(d.get("time_s", 0)) >= after["started_s"]
+    }
+    unexplained = {
+        n: (g, ledger["grants"].get(n)) for n, g in grants.items() if g != ledger["grants"].get(n) and n not in moved
+    }
+    faults = Faults(T, "broker killed (ray.kill, restart) under load", FaultKind.BROKER_RESTARTED)
+    faults.check(
+        "broker restarted: replicas served on their last settings, nothing refused or lost, "
+        "grants restored from the checkpoint, within usable",
+        during["settings"] == settings0
+        and c["lost"] == 0
+        and c["rejected"] == 0
+        and after["restored"] is True
+        and after["config_hash"] == before["config_hash"]
+        and not unexplained
+        and sum(grants.values()) <= after["usable_bytes"],
+    )
+    faults.record(
+        **c,
+        figure=f"restored={after['restored']} grants {dict((k, v // MIB) for k, v in grants.items())} MiB; "
+        f"differing from the checkpoint without a logged move: {unexplained or 'none'}; "
+        f"replicas served on settings v{settings0['version']}",
+    )
+    assert during["settings"] == settings0  # serving on its last settings
     assert c["lost"] == 0 and c["rejected"] == 0, (
         Counter((r.model, r.status) for r in out["r"].records),
         sorted({(r.model, (r.error or "")[:120]) for r in out["r"].records if r.status != 200})[:4],
     )
     assert after["restored"] is True and after["config_hash"] == before["config_hash"]
-    ledger = saved["policy_state"]["ledger"]
-    grants = {n: m["grant_bytes"] for n, m in after["models"].items()}
-    assert grants == ledger["grants"] or not ledger["pending"] and sum(grants.values()) <= ledger["usable_bytes"]
+    assert not unexplained, f"grants differ from the checkpoint with no move logged since the restart: {unexplained}"
     assert sum(grants.values()) <= after["usable_bytes"]
-    record(
-        T,
-        "broker killed (ray.kill, restart) under load",
-        faults_injected=1,
-        faults_survived=1,
-        **c,
-        figure=f"restored={after['restored']} grants {dict((k, v // MIB) for k, v in grants.items())} MiB "
-        f"== checkpoint; replicas served on settings v{settings0['version']}",
-    )
 
 
 # ------------------------------------------------------------------------------- 8 squeeze
+@pytest.mark.chaos
 def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     import ray
 
@@ -620,12 +667,9 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     except AssertionError:
         m = fleet.status()["models"]["hot"]
         local = hot.local_status.remote().result(timeout_s=30)
-        record(
-            T,
-            "memory squeeze: hot grant under its use",
-            faults_injected=1,
-            faults_survived=0,
-            ok=False,
+        faults = Faults(T, "memory squeeze: hot grant under its use", FaultKind.MEMORY)
+        faults.check("hot recovers within 30 s after the squeeze is reverted", False)
+        faults.record(
             figure=f"shrink after {shrunk_after} request(s); NOT recovered 30 s after reverting: grant "
             f"{m['grant_bytes'] / MIB:.0f}MiB (base 256MiB), used {m['used_bytes'] / MIB:.1f}MiB, admit "
             f"{m['admit']}, replica paused {local['paused']} cap {local['cap']}/{local['settings']['max_batch_size']} "
@@ -636,13 +680,11 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
         ) from None
     rec_s = time.time() - t1
     c = classify(list(codes.elements()))
-    assert c["lost"] == 0 and 500 not in codes
-    record(
-        T,
-        "memory squeeze: hot grant under its use",
-        faults_injected=1,
-        faults_survived=1,
+    faults = Faults(T, "memory squeeze: hot grant under its use", FaultKind.MEMORY)
+    faults.check("shrunk under the squeeze, recovered after it, no 5xx", 500 not in codes and c["lost"] == 0)
+    faults.record(
         **c,
         figure=f"grant {squeeze / MIB:.1f}MiB vs used {used / MIB:.1f}MiB: shrink after {shrunk_after} request(s); recovered in "
         f"{rec_s:.1f}s (cap {m['max_batch_size']}, was {normal_cap}); no 5xx",
     )
+    assert c["lost"] == 0 and 500 not in codes
