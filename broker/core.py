@@ -39,7 +39,6 @@ from broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoint, Checkp
 from broker.control import policy
 from broker.control.cost import cost_per_1k_requests
 from broker.control.decision_log import DecisionLog, finite, settings_entry, settings_view
-from broker.control.idle_memo import IdleMemo
 from broker.control.llm_window import LlmControl
 from broker.control.profiles import active_profile
 from broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
@@ -47,7 +46,9 @@ from broker.control.tallies import Tallies, Tally
 from broker.control.window import ReportWindow
 from broker.gc_hold import gc_held
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.wire import EntryKind, FleetDecision, FleetSnapshot, GpuLoad, ModelSettings, StatsReport
+from broker.control.vocab import EntryKind
+from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
+from broker.wire import ModelSettings, StatsReport
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
 from quotas.sizes import format_size
@@ -125,7 +126,7 @@ class BrokerCore:
         self._config_text = text
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
-        self._window, self._memo = ReportWindow(cfg), IdleMemo()  # memo: idle models' steps (broker.control.idle_memo)
+        self._window = ReportWindow(cfg)
         self._settings_from: dict[str, tuple[tuple[Any, ...], ModelSettings]] = {}
         self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.control.llm_window)
         for name in cfg.models:
@@ -284,7 +285,7 @@ class BrokerCore:
         if used != gpu.used_bytes:
             gpu = replace(gpu, used_bytes=used)
             snap = replace(snap, gpu=gpu)
-        decision, new_state = policy.decide(snap, self._cfg, self._state, self._llm.need_bytes(), self._memo)
+        decision, new_state = policy.decide(snap, self._cfg, self._state, self._llm.need_bytes())
         self._state = new_state
         for entry, line in self._llm.step(now, gpu.free_frac, new_state.ledger.grants, self._cfg.broker.dry_run):
             self._append(entry, line)  # engine bounds inside the new grants, before the settings table

@@ -41,10 +41,9 @@ from collections.abc import Callable
 from broker.control.batch_inputs import Inputs, RuleContext, cap_top  # noqa: F401 - RuleContext is part of this module's API
 from broker.control.batch_plan import plan_batch, wait_for
 from broker.control.latency_model import LatencyFit
-from broker.control.records import build
 from broker.control.state import BatchWant
 from broker.control.vocab import Rule, Trigger
-from broker.wire import GpuLoad, ModelLoad
+from broker.control.types import GpuLoad, ModelLoad
 from quotas.config import ModelSpec
 
 
@@ -138,7 +137,7 @@ def idle(s: Inputs) -> BatchWant | None:
     at the floor would meet the next burst with batches of the floor until the next tick. What an
     idle model lends follows its measured use either way (``broker.control.lending``), and a lowered grant
     clamps the cap through the memory ceiling. The answer names the hold, not how long the model
-    has been idle: it stays the same while the model stays idle (``broker.control.idle_memo`` keeps it)."""
+    has been idle: it stays the same while the model stays idle."""
     if s.ctx.idle_for_s < s.spec.control.idle_hold_s or s.load.queue_depth > 0:
         return None
     floor, rate = s.spec.batch.floor, s.load.arrival_rate_rps
@@ -421,8 +420,7 @@ def inputs_for(
     # backlog: more than a batch queued, a queue over the band's top, or arrivals beyond this cap's rate
     overloaded = fit is not None and units_per_s > 0.95 * fit.saturated_rate(cap)
     backlog = queued_units > cap or qdepth > ctl.band_high or overloaded
-    return build(  # Inputs(...) without the frozen __init__ (broker.control.records)
-        Inputs,
+    return Inputs(
         load=load,
         spec=spec,
         ctx=ctx,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.wire import ModelLoad
+    from broker.control.types import ModelLoad
 
 C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or token)
 FIT_DECIMALS = 9  # a and c are kept to a nanosecond of a millisecond
@@ -64,10 +64,8 @@ def fit_sums(timings: Iterable[tuple[float, float]]) -> FitSums:
 
 
 def fit_for_load(load: ModelLoad, prior: LatencyFit | None) -> LatencyFit | None:
-    """The fit over a snapshot's recent batches: from the sums the report window kept as
-    batches came and went (``ModelLoad.fit_sums``), or from ``batch_timings`` without them."""
-    sums = load.fit_sums if load.fit_sums is not None else fit_sums(load.batch_timings)
-    return fit_from_sums(sums, prior)
+    """The fit over a snapshot's recent batches (``ModelLoad.batch_timings``)."""
+    return fit_from_sums(fit_sums(load.batch_timings), prior)
 
 
 def fit_from_sums(sums: FitSums, prior: LatencyFit | None = None) -> LatencyFit | None:

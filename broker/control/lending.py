@@ -64,10 +64,9 @@ from dataclasses import dataclass, field
 from broker.control.batch_inputs import cap_top
 from broker.control.lending_need import peak_batch, pressed
 from broker.control.memory_model import MemoryModel
-from broker.control.object_memo import MISS, ObjectMemo
 from broker.control.state import BatchWant, ModelState
 from broker.control.vocab import MoveKind
-from broker.wire import FleetSnapshot, ModelLoad, QuotaMove
+from broker.control.types import FleetSnapshot, ModelLoad, QuotaMove
 from quotas.config import FleetConfig, ModelSpec
 from quotas.holding import measured_free_bytes
 from quotas.ledger import LedgerError, QuotaLedger, Transfer
@@ -139,26 +138,16 @@ def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float)
     return ConfirmGate(True, used, min(r.last_report_s for r in seen), f"{len(seen)} replicas reported on v{version}")
 
 
-# Per config, the models in the planner's orders: they change only with the config, and a tick of a
-# fleet of many cards asks them of every card's config.
 _Order = tuple[tuple[str, ModelSpec], ...]
-_ORDERS: ObjectMemo[tuple[_Order, _Order]] = ObjectMemo()
 
 
 def _orders(config: FleetConfig) -> tuple[_Order, _Order]:
     """The models by priority (ties in config order), and by priority then name."""
-    found = _ORDERS.get(config, None)
-    if found is MISS:
-        items = list(config.models.items())
-        found = _ORDERS.put(
-            config,
-            None,
-            (
-                tuple(sorted(items, key=lambda kv: -kv[1].priority)),
-                tuple(sorted(items, key=lambda kv: (-kv[1].priority, kv[0]))),
-            ),
-        )
-    return found
+    items = list(config.models.items())
+    return (
+        tuple(sorted(items, key=lambda kv: -kv[1].priority)),
+        tuple(sorted(items, key=lambda kv: (-kv[1].priority, kv[0]))),
+    )
 
 
 def plan_quota(

@@ -19,7 +19,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.wire import ModelLoad
+    from broker.control.types import ModelLoad
 
 HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, the rest is allocator slack
 
@@ -42,9 +42,7 @@ class MemoryModel:
         if per_unit > 0 and load.mem_peak_bytes > 0 and load.replicas > 0:
             # the biggest batch over the same window as the peak (the fit's recent batches may
             # all be smaller than the one that set the peak: that would inflate the fixed part)
-            fit_max = load.fit_max_cost
-            if fit_max is None:
-                fit_max = max(map(itemgetter(0), load.batch_timings), default=load.mean_batch)
+            fit_max = max(map(itemgetter(0), load.batch_timings), default=load.mean_batch)
             biggest = max(load.max_batch, fit_max)
             observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
             if observed > weights:

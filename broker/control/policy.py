@@ -23,16 +23,15 @@ from typing import Any
 
 from broker.control.batch_inputs import cap_top
 from broker.control.batch_rules import RuleContext, decide_batch
-from broker.control.idle_memo import Entry, IdleMemo, load_key, steady
 from broker.control.latency_model import fit_for_load
-from broker.control.lending import plan_quota
+from broker.control.lending import QuotaPlan, plan_quota
 from broker.control.memory_model import MemoryModel
 from broker.control.profiles import active_profile
-from broker.control.records import build, evolve
 from broker.control.state import BatchWant, ModelState
 from broker.control.vocab import Rule, Trigger
-from broker.wire import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, ModelSettings, QuotaMove
-from quotas.config import FleetConfig, ModelSpec
+from broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
+from broker.wire import ModelSettings
+from quotas.config import FleetConfig, ModelSpec, ProfileSpec
 from quotas.ledger import ModelQuota, QuotaLedger
 
 # The anti-oscillation's caps (control.band_scale_max, control.hold_max_intervals), the
@@ -149,8 +148,7 @@ def reconfigure_state(
 
 def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSettings:
     ms = state.models[model]
-    return build(
-        ModelSettings,
+    return ModelSettings(
         model=model,
         version=ms.version,
         max_batch_size=ms.max_batch,
@@ -194,190 +192,78 @@ def memory_view(load: ModelLoad | None, spec: ModelSpec, grant_bytes: int) -> di
     return {"memory_ceiling": cap, "fixed_bytes": mm.weights_bytes if mm.calibrated else None}
 
 
+@dataclass(frozen=True)
+class _TickView:
+    """What every model's step of one tick reads: the tick's inputs and its price profile."""
+
+    snapshot: FleetSnapshot
+    config: FleetConfig
+    state: PolicyState
+    profile: ProfileSpec
+
+    @property
+    def now(self) -> float:
+        return self.snapshot.now_s
+
+    @property
+    def interval(self) -> float:
+        return self.config.broker.control_interval_s
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """One model's first pass of a tick: what its batch rules want, before the quota plan."""
+
+    want: BatchWant  # after anti-oscillation, before guard-rails
+    state: ModelState  # its state with the tick's spells, fit and reversals
+    memory: MemoryModel  # its memory model from this tick's load
+    note: str  # anti-oscillation's remark ("" for none)
+
+
 def decide(
     snapshot: FleetSnapshot,
     config: FleetConfig,
     state: PolicyState,
     need_bytes: Mapping[str, int] | None = None,
-    memo: IdleMemo | None = None,
 ) -> tuple[FleetDecision, PolicyState]:
-    """``need_bytes``: models whose need the lending planner takes as given (LLM engines, broker.control.llm_window).
-    ``memo``: idle models' steps kept from tick to tick (``broker.control.idle_memo``); the answers are the same without it."""
-    now = snapshot.now_s
-    interval = config.broker.control_interval_s
-    profile = active_profile(config.profiles, now)
+    """One tick for the fleet: each model's step, the quota plan over them all, then each model's
+    settings inside its new grant. ``need_bytes``: models whose need the lending planner takes as
+    given (LLM engines, broker.control.llm_window)."""
+    view = _TickView(snapshot, config, state, active_profile(config.profiles, snapshot.now_s))
     notes: list[str] = []
-    if state.profile and state.profile != profile.name:
-        notes.append(
-            f"profile {state.profile} -> {profile.name} (objective {profile.objective}, slack {profile.latency_slack:g})"
-        )
-
-    wants: dict[str, BatchWant] = {}
-    new_states: dict[str, ModelState] = {}
-    mms: dict[str, MemoryModel] = {}  # each model's memory model, once per tick
-    entries: dict[str, Entry] = {}  # idle models' cached steps, this tick (broker.control.idle_memo)
-    for name, spec in config.models.items():
-        old = state.models.get(name) or _initial_model_state(spec, interval)
-        load = snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
-        active = load.arrival_rate_rps > 0 or load.queue_depth > 0
-        # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog; a
-        # replica refusing requests because it holds over its grant is not quiet (it wants memory)
-        quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1 and not load.held_over
-        key = None
-        if (
-            memo is not None
-            and not active
-            and spec.kind != "llm"
-            and name in state.models
-            and steady(old)
-            and (old.quiet_since_s if quiet else old.loaded_since_s) is not None
-        ):
-            key = (
-                load_key(load),
-                old,
-                state.ledger.grant(name) if name in state.ledger.quotas else None,
-                profile.latency_slack,
-                profile.objective,
-                snapshot.gpu.free_frac < config.gpu.emergency_free_frac,
-                now - old.last_arrival_s >= spec.control.idle_hold_s,  # type: ignore[operator]
-                now - old.emergency_s < spec.control.emergency_recovery_intervals * interval,
-            )
-            hit = memo.get(name, config, spec, key)
-            if hit is not None:
-                wants[name], new_states[name], mms[name] = hit.want, hit.ms, hit.mm
-                entries[name] = hit
-                continue
-        fit = fit_for_load(load, old.latency_fit)
-        mms[name] = memory_model(load)
-        # a model is idle from its last arrival, or from the first tick it was seen
-        last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s
-        idle_for = 0.0 if active else now - last_arrival
-        quiet_since = (old.quiet_since_s if old.quiet_since_s is not None else now) if quiet else None
-        loaded_since = None if quiet else (old.loaded_since_s if old.loaded_since_s is not None else now)
-        ctx = build(
-            RuleContext,
-            now_s=now,
-            slo_ms=spec.slo_p95_ms * profile.latency_slack,
-            objective=profile.objective,
-            emergency_free_frac=config.gpu.emergency_free_frac,
-            band_scale=old.band_scale,
-            idle_for_s=idle_for,
-            recovering=now - old.emergency_s < spec.control.emergency_recovery_intervals * interval,
-            formation=config.broker.batch_formation,
-            paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
-            max_pause_s=spec.control.max_pause_intervals * interval,
-            mem_ceiling=(
-                mms[name].cap_for(state.ledger.grant(name) / max(1, spec.replicas))
-                if name in state.ledger.quotas
-                else None
-            ),
-        )
-        want = (
-            decide_batch(load, spec, old.max_batch, old.wait_s, fit, snapshot.gpu, ctx)
-            if spec.kind != "llm"
-            else BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON)
-        )
-        ms = evolve(
-            old,
-            last_arrival_s=last_arrival,
-            loaded_since_s=loaded_since,
-            quiet_since_s=quiet_since,
-            fit=None if fit is None else (fit.a_ms, fit.c_ms, fit.samples),
-            emergency_s=now if want.rule == Rule.EMERGENCY else old.emergency_s,
-        )
-        want, ms, note = _anti_oscillation(want, ms, spec, now, interval)
-        if note:
-            notes.append(f"{name}: {note}")
-        wants[name] = want
-        new_states[name] = ms
-        if memo is not None and key is not None:  # an answer the clock does not move on its own
-            keep = want.rule == Rule.IDLE and want.cap == old.max_batch and not note
-            entry = Entry(config, spec, key, want, ms, mms[name]) if keep else None
-            memo.put(name, entry)
-            if entry is not None:
-                entries[name] = entry
-
+    if state.profile and state.profile != view.profile.name:
+        p = view.profile
+        notes.append(f"profile {state.profile} -> {p.name} (objective {p.objective}, slack {p.latency_slack:g})")
+    steps = {name: model_step(view, name, spec) for name, spec in config.models.items()}
+    notes.extend(f"{name}: {step.note}" for name, step in steps.items() if step.note)
     plan = plan_quota(
         snapshot,
         config,
         state.ledger,
-        new_states,
-        wants,
+        {name: step.state for name, step in steps.items()},
+        {name: step.want for name, step in steps.items()},
         state.confirm_after,
-        now,
+        snapshot.now_s,
         state.reclaim_steps,
         state.restart_tokens,
         need_bytes,
         state.lend_scale,
         state.lent_at,
-        mms,
+        {name: step.memory for name, step in steps.items()},
     )
-    ledger, moves = plan.ledger, plan.moves
     notes.extend(plan.notes)
-    # each model's reclaim flags before and after this tick as (step up to 2, restart token): the
-    # same facts as _quota_flags' settings (steps 2 and 3 both release caches and drain)
-    steps_was, tokens_was = state.reclaim_steps, state.restart_tokens
-    steps_now, tokens_now = plan.reclaim_steps, plan.restart_tokens
-
     decisions: dict[str, ModelDecision] = {}
+    new_states: dict[str, ModelState] = {}
     for name, spec in config.models.items():
-        ms, want = new_states[name], wants[name]
-        grant = ledger.grant(name)
-        known = name in state.ledger.quotas
-        flags_was = (min(2, steps_was.get(name, 0)), tokens_was.get(name, 0))
-        flags = (min(2, steps_now.get(name, 0)), tokens_now.get(name, 0))
-        entry = entries.get(name)
-        after = (grant, state.ledger.grant(name), flags_was, flags) if entry is not None and known else None
-        if entry is not None and after is not None and entry.after == after and entry.final is not None:
-            decisions[name], new_states[name] = entry.final
-            continue
-        cap, clamp_note = _guard(want.cap, spec, grant, mms[name])
-        old = state.models.get(name)
-        prev = (
-            (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, flags_was)
-            if old and known
-            else None
-        )
-        now_settings = (cap, round(want.wait_s, 6), grant, want.admit, flags)
-        changed = prev != now_settings
-        version = ms.version + (1 if changed and old is not None else 0)
-        direction = (cap > ms.max_batch) - (cap < ms.max_batch)
-        reason = want.reason + (f"; {clamp_note}" if clamp_note else "")
-        old_grant = state.ledger.grant(name) if name in state.ledger.quotas else grant
-        if grant != old_grant:
-            kinds = sorted({m.kind for m in moves if name in (m.donor, m.recipient)})
-            reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
-        if cap != ms.max_batch:
-            ms = evolve(ms, last_dir=direction, last_change_s=now)
-        paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
-        new_states[name] = evolve(
-            ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since
-        )
-        decisions[name] = build(
-            ModelDecision,
-            max_batch_size=cap,
-            batch_wait_timeout_s=want.wait_s,
-            grant_bytes=grant,
-            admit=want.admit,
-            reason=reason,
-            trigger=want.trigger,
-            trigger_value=want.value,
-            changed=changed,
-            rule=want.rule,
-        )
-        if entry is not None and after is not None:  # the second pass kept too when the clock does not move it
-            steady_after = not changed and cap == ms.max_batch and grant == after[1] and want.admit
-            entry.after = after if steady_after else None
-            entry.final = (decisions[name], new_states[name]) if steady_after else None
-
+        decisions[name], new_states[name] = settle_model(view, name, spec, steps[name], plan)
     # a donor whose grant was lowered this tick must run the new version before it can confirm
     confirm_after = dict(plan.confirm_after)
     for donor in plan.new_donors:
         confirm_after[donor] = new_states[donor].version
     new_state = PolicyState(
         models=new_states,
-        ledger=ledger,
-        profile=profile.name,
+        ledger=plan.ledger,
+        profile=view.profile.name,
         tick=state.tick + 1,
         confirm_after=confirm_after,
         reclaim_steps=plan.reclaim_steps,
@@ -385,9 +271,103 @@ def decide(
         lend_scale=plan.lend_scale,
         lent_at=plan.lent_at,
     )
-    return FleetDecision(
-        now_s=now, profile=profile.name, models=decisions, moves=tuple(moves), notes=tuple(notes)
-    ), new_state
+    decision = FleetDecision(
+        now_s=view.now, profile=view.profile.name, models=decisions, moves=plan.moves, notes=tuple(notes)
+    )
+    return decision, new_state
+
+
+def model_step(view: _TickView, name: str, spec: ModelSpec) -> ModelStep:
+    """One model's batch rules and anti-oscillation on this tick's load (the quota plan comes after)."""
+    now, interval, state = view.now, view.interval, view.state
+    old = state.models.get(name) or _initial_model_state(spec, interval)
+    load = view.snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
+    active = load.arrival_rate_rps > 0 or load.queue_depth > 0
+    # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog; a
+    # replica refusing requests because it holds over its grant is not quiet (it wants memory)
+    quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1 and not load.held_over
+    fit = fit_for_load(load, old.latency_fit)
+    mm = memory_model(load)
+    # a model is idle from its last arrival, or from the first tick it was seen
+    last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s
+    if spec.kind == "llm":
+        want = BatchWant(old.max_batch, old.wait_s, True, Trigger.HOLD, 0.0, Rule.HOLD, LLM_HOLD_REASON)
+    else:
+        ctx = _rule_context(view, spec, old, 0.0 if active else now - last_arrival, mm, name)
+        want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, view.snapshot.gpu, ctx)
+    ms = replace(
+        old,
+        last_arrival_s=last_arrival,
+        loaded_since_s=None if quiet else (old.loaded_since_s if old.loaded_since_s is not None else now),
+        quiet_since_s=(old.quiet_since_s if old.quiet_since_s is not None else now) if quiet else None,
+        fit=None if fit is None else (fit.a_ms, fit.c_ms, fit.samples),
+        emergency_s=now if want.rule == Rule.EMERGENCY else old.emergency_s,
+    )
+    want, ms, note = _anti_oscillation(want, ms, spec, now, interval)
+    return ModelStep(want, ms, mm, note)
+
+
+def _rule_context(
+    view: _TickView, spec: ModelSpec, old: ModelState, idle_for_s: float, mm: MemoryModel, name: str
+) -> RuleContext:
+    """What the batch rules read besides the load: the profile's cap and objective, the clock's spells."""
+    now, interval, config, ledger = view.now, view.interval, view.config, view.state.ledger
+    return RuleContext(
+        now_s=now,
+        slo_ms=spec.slo_p95_ms * view.profile.latency_slack,
+        objective=view.profile.objective,
+        emergency_free_frac=config.gpu.emergency_free_frac,
+        band_scale=old.band_scale,
+        idle_for_s=idle_for_s,
+        recovering=now - old.emergency_s < spec.control.emergency_recovery_intervals * interval,
+        formation=config.broker.batch_formation,
+        paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
+        max_pause_s=spec.control.max_pause_intervals * interval,
+        mem_ceiling=mm.cap_for(ledger.grant(name) / max(1, spec.replicas)) if name in ledger.quotas else None,
+    )
+
+
+def settle_model(
+    view: _TickView, name: str, spec: ModelSpec, step: ModelStep, plan: QuotaPlan
+) -> tuple[ModelDecision, ModelState]:
+    """One model's settings after the quota plan: guard-rails inside its new grant, the version
+    bumped when a setting changed, and the reason with the grant's move."""
+    state, now = view.state, view.now
+    ms, want = step.state, step.want
+    grant = plan.ledger.grant(name)
+    known = name in state.ledger.quotas
+    # the reclaim flags before and after this tick as (step up to 2, restart token): the same
+    # facts as _quota_flags' settings (steps 2 and 3 both release caches and drain)
+    flags_was = (min(2, state.reclaim_steps.get(name, 0)), state.restart_tokens.get(name, 0))
+    flags = (min(2, plan.reclaim_steps.get(name, 0)), plan.restart_tokens.get(name, 0))
+    cap, clamp_note = _guard(want.cap, spec, grant, step.memory)
+    old = state.models.get(name)
+    prev = (
+        (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, flags_was) if old and known else None
+    )
+    changed = prev != (cap, round(want.wait_s, 6), grant, want.admit, flags)
+    version = ms.version + (1 if changed and old is not None else 0)
+    reason = want.reason + (f"; {clamp_note}" if clamp_note else "")
+    old_grant = state.ledger.grant(name) if known else grant
+    if grant != old_grant:
+        kinds = sorted({m.kind for m in plan.moves if name in (m.donor, m.recipient)})
+        reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
+    if cap != ms.max_batch:
+        ms = replace(ms, last_dir=(cap > ms.max_batch) - (cap < ms.max_batch), last_change_s=now)
+    paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
+    ms = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since)
+    decision = ModelDecision(
+        max_batch_size=cap,
+        batch_wait_timeout_s=want.wait_s,
+        grant_bytes=grant,
+        admit=want.admit,
+        reason=reason,
+        trigger=want.trigger,
+        trigger_value=want.value,
+        changed=changed,
+        rule=want.rule,
+    )
+    return decision, ms
 
 
 def _guard(cap: int, spec: ModelSpec, grant_bytes: int, mm: MemoryModel) -> tuple[int, str]:
@@ -417,22 +397,22 @@ def _anti_oscillation(
         reversals = tuple(t for t in reversals if t > now - ctl.reversal_window_s)
     # relax after a quiet spell
     if ms.band_scale > 1.0 and now - ms.last_reversal_s > 2 * ctl.reversal_window_s:
-        ms = evolve(
+        ms = replace(
             ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now
         )
         note = f"no oscillation for {2 * ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
     if direction != 0 and not want.safety and now - ms.last_change_s < ms.hold_s - 1e-9:
-        held = evolve(
+        held = replace(
             want,
             cap=ms.max_batch,
             rule=Rule.HELD,
             reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)",
         )
-        return held, (ms if reversals is ms.reversals else evolve(ms, reversals=reversals)), note
+        return held, (ms if reversals is ms.reversals else replace(ms, reversals=reversals)), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
-            ms = evolve(
+            ms = replace(
                 ms,
                 band_scale=min(ctl.band_scale_max, ms.band_scale * 1.5),
                 hold_s=min(ctl.hold_max_intervals * interval, ms.hold_s * 2),
@@ -440,7 +420,7 @@ def _anti_oscillation(
             )
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
-    return want, (ms if reversals is ms.reversals else evolve(ms, reversals=reversals)), note
+    return want, (ms if reversals is ms.reversals else replace(ms, reversals=reversals)), note
 
 
 __all__ = [

@@ -8,7 +8,6 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from broker.control.object_memo import MISS, ObjectMemo
 from quotas.config import ProfileSpec, ProfilesSection
 
 
@@ -17,18 +16,8 @@ def minute_of_week(now_s: float, timezone: str) -> int:
     return local.weekday() * 1440 + local.hour * 60 + local.minute
 
 
-# A tick asks for the same (section, time) a few times per card (the core, the policy, the replica
-# targets), and a fleet of many cards asks once per card.
-_LAST: ObjectMemo[ProfileSpec] = ObjectMemo()
-
-
 def active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
     """The window containing now (windows never overlap: the config refuses it), else the default."""
-    found = _LAST.get(profiles, now_s)
-    return _LAST.put(profiles, now_s, _active_profile(profiles, now_s)) if found is MISS else found
-
-
-def _active_profile(profiles: ProfilesSection, now_s: float) -> ProfileSpec:
     minute = minute_of_week(now_s, profiles.timezone)
     for profile in profiles.schedule:
         for start, end in profile.weekly_minutes():

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from itertools import chain
 
 from broker.control.attainment import attainment
-from broker.control.records import build
 from broker.control.window_fold import _OOM, _Digest, _ModelWindow, percentile, tail_percentiles
-from broker.wire import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen, StatsReport
+from broker.control.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
+from broker.wire import StatsReport
 from quotas.config import FleetConfig
 
 MIN_INTERVAL_S = 1e-9  # a replica's reports covering less than this say nothing about its rates
@@ -180,8 +180,7 @@ class ReportWindow:
                 busy += acc[3] / iv
                 rated += 1
         p50, p95, p99 = tail_percentiles(latencies)
-        return build(  # ModelLoad(...) without the frozen __init__ (broker.control.records)
-            ModelLoad,
+        return ModelLoad(
             name=name,
             replicas=len(seen),
             queue_depth=float(queue),
@@ -238,8 +237,7 @@ class ReportWindow:
             if acc[4] > MIN_INTERVAL_S:
                 busy += acc[3] / acc[4]
                 rated += 1
-        return build(
-            ModelLoad,
+        return ModelLoad(
             name=name,
             replicas=len(seen),
             queue_depth=float(queue),

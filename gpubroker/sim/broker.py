@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.control.records import build
 from broker.core import BrokerCore, NullMetrics
 from broker.wire import ModelSettings, StatsReport
 from gpubroker.sim.types import LATENCY_SAMPLES_PER_REPORT, SimReplica
@@ -62,8 +61,7 @@ class SimBroker:
             step = len(lat) / LATENCY_SAMPLES_PER_REPORT
             lat = [lat[int(k * step)] for k in range(LATENCY_SAMPLES_PER_REPORT)]
         used = sim.mem_pool.total
-        report = build(  # StatsReport(...) without the frozen __init__ (broker.control.records)
-            StatsReport,
+        report = StatsReport(
             model=rep.name,
             replica_id=rep.rid,
             seq=rep.seq,
@@ -88,9 +86,6 @@ class SimBroker:
             emergency_shrinks=rep.st_emerg,
             shed=rep.st_shed,
             settings_version=max(0, rep.version),
-            held_refusals=0,  # the defaults, given: with every field named, build() takes its short path
-            card_id="",
-            engine=None,
         )
         rep.seq += 1
         rep.last_report_t = now

@@ -7,7 +7,6 @@ live replicas, nearest-rank percentiles, ``broker.control.attainment``), one rep
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -17,8 +16,6 @@ import broker.control.window_fold as window_module
 from broker.control.attainment import met_and_total
 from broker.control.decision_log import DecisionLog
 from broker.control.latency_model import fit_from_sums, fit_latency
-from broker.control.records import evolve
-from broker.control.state import ModelState
 from broker.control.window import ReportWindow, percentile
 from broker.control.window_fold import MAX_LATENCY_SAMPLES
 from broker.wire import StatsReport
@@ -163,15 +160,6 @@ def test_fit_from_sums_matches_the_two_pass_fit():
     assert math.isclose(fit_latency([(1, 1), (2, 50), (3, 100)]).a_ms, 0.0)
 
 
-def test_evolve_is_replace_without_init_and_refuses_unknown_fields():
-    ms = ModelState(max_batch=8, wait_s=0.01)
-    new = evolve(ms, max_batch=16, version=3)
-    assert (new.max_batch, new.version, new.wait_s) == (16, 3, 0.01) and ms.max_batch == 8
-    assert new == ModelState(max_batch=16, wait_s=0.01, version=3)
-    with pytest.raises(TypeError, match="no field"):
-        evolve(ms, max_bach=4)
-
-
 def test_decision_log_since_reads_from_the_newest_end():
     log = DecisionLog(50)
     for i in range(80):
@@ -180,29 +168,6 @@ def test_decision_log_since_reads_from_the_newest_end():
     assert seqs == sorted(seqs) and seqs[0] == 71 and seqs[-1] == log.seq
     assert all(e["model"] == "a" for e in log.since("a", since_seq=60))
     assert len(log.since()) == 50
-
-
-def test_build_is_the_constructor_without_init():
-    from broker.control.records import build
-    from broker.wire import ModelLoad
-
-    assert build(ModelLoad, name="a", queue_depth=3.0) == ModelLoad(name="a", queue_depth=3.0)
-    with pytest.raises(TypeError, match="missing"):
-        build(ModelLoad, queue_depth=3.0)
-    with pytest.raises(TypeError, match="unknown"):
-        build(ModelLoad, name="a", queue_dept=3.0)
-    with pytest.raises(AttributeError):  # still frozen
-        build(ModelLoad, name="a").name = "b"
-    # every field given (the tick's records): the same object, frozen; a misspelt field of the
-    # same count is still refused
-    every = {f.name: f.default if f.default is not dataclasses.MISSING else "a" for f in dataclasses.fields(ModelLoad)}
-    full, made = build(ModelLoad, **{**every, "queue_depth": 2.0}), ModelLoad(**{**every, "queue_depth": 2.0})
-    assert full == made and hash(full) == hash(made) and full.queue_depth == 2.0
-    with pytest.raises(AttributeError):
-        full.queue_depth = 1.0
-    misspelt = {("queue_dept" if k == "queue_depth" else k): v for k, v in every.items()}
-    with pytest.raises(TypeError, match="unknown"):
-        build(ModelLoad, **misspelt)
 
 
 @pytest.mark.parametrize("seed", range(4))
