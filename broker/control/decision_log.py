@@ -8,7 +8,8 @@ from collections import deque
 from typing import Any
 
 from broker.control.vocab import EntryKind
-from broker.wire import ModelDecision, ModelLoad, ModelSettings
+from broker.control.types import ModelDecision, ModelLoad
+from broker.wire import ModelSettings
 
 logger = logging.getLogger("gpubroker.broker")
 

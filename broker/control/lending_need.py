@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from broker.control.latency_model import LatencyFit
-from broker.wire import ModelLoad
+from broker.control.types import ModelLoad
 from quotas.config import ModelSpec
 
 # a lender keeps its peak memory x control.working_set_margin (a config tuning constant)

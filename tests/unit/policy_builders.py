@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from broker.control.policy import PolicyState, decide, initial_state
-from broker.wire import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
+from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
 from quotas.config import FleetConfig, parse_config
 
 MiB = 1024**2

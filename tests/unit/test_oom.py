@@ -8,7 +8,7 @@ import pytest
 
 from broker.control.memory_model import MemoryModel
 from broker.core import BrokerCore
-from broker.wire import ModelLoad
+from broker.control.types import ModelLoad
 from deployments.models import EmulatedOOM
 from deployments.units.oom import (
     OOM_STATUS,

@@ -141,7 +141,7 @@ def test_profile_default_outside_windows():
 
 
 def test_memory_model_refined_from_live_peak():
-    from broker.wire import ModelLoad
+    from broker.control.types import ModelLoad
 
     calibrated = ModelLoad(
         name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=2.0, mem_peak_bytes=20 * MiB
