@@ -109,6 +109,7 @@ def model_deployment(
     from ray.serve.config import BackpressureConfig
 
     def one(dep_name: str, replicas: int, actor_options: dict[str, Any], *args: Any) -> Application:
+        actor_options = with_job_modules(actor_options)
         version = deployment_version(
             model_cls, dep_name, replicas, actor_options, (name, config_text, *args), code_digest(spec.model)
         )
@@ -151,6 +152,20 @@ def model_deployment(
         )
         .bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
     )
+
+
+def with_job_modules(actor_options: dict[str, Any]) -> dict[str, Any]:
+    """``actor_options`` with the job's ``py_modules`` (the user's packages ``gpubroker up`` ships:
+    ``deployments.user_code``) added to a runtime_env of its own: Serve gives the job's runtime_env
+    only to deployments without one (a placed replica has its card in ``env_vars``)."""
+    env = actor_options.get("runtime_env")
+    if not env or "py_modules" in env:
+        return actor_options
+    import ray
+
+    job_env = ray.get_runtime_context().runtime_env if ray.is_initialized() else {}
+    modules = (job_env or {}).get("py_modules")
+    return {**actor_options, "runtime_env": {**env, "py_modules": list(modules)}} if modules else actor_options
 
 
 def fleet_api(config_text: str, app_names: dict[str, str] | None = None) -> Application:

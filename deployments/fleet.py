@@ -123,7 +123,9 @@ def deploy(
 
 
 def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
-    """Per model: (has an ``example_input``, the input, why not); no weights loaded."""
+    """Per model: (has an ``example_input``, the input, why not); no weights loaded. A model
+    whose class cannot be imported or constructed with its options here is a ``FleetError``
+    naming it: its replicas would fail the same way, and `up` must not report the fleet up."""
     from deployments.first_requests import example_of
     from deployments.models import resolve_model
 
@@ -133,9 +135,14 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
             out[name] = (False, None, "an LLM: POST /openai/v1/completions with model: " + name)
             continue
         try:
-            out[name] = example_of(resolve_model(spec.model)(**spec.options))
-        except Exception as exc:  # noqa: BLE001
-            out[name] = (False, None, f"adapter did not build here: {exc!r}")
+            adapter = resolve_model(spec.model)(**spec.options)
+        except Exception as exc:  # noqa: BLE001 - any failure to build is the user's to fix, named
+            raise FleetError(
+                f"model '{name}' ({spec.model}) cannot be built: {exc}. Fix models.{name}.model or "
+                f"models.{name}.options; a class in your own package needs `gpubroker up` run from the "
+                "directory that holds the package, or the package installed (pip install -e .)"
+            ) from exc
+        out[name] = example_of(adapter)
     return out
 
 
@@ -145,16 +152,21 @@ def wait_serving(
     timeout_s: float = 300.0,
     on_model: Callable[[str, int, float], None] | None = None,
     on_answer: Callable[[Any], None] | None = None,
+    *,
+    wait_s: float | None = None,
+    examples: dict[str, tuple[bool, Any, str]] | None = None,
 ) -> dict[str, float]:
     """POST one real request (its ``example_input``) to every model until each answers 200;
-    returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing
-    stops the wait with the answer and the fix (``deployments.first_requests``). ``on_answer``
-    gets the ``FirstRequests`` record after every answer (each model's last answer)."""
+    returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing,
+    or has no 200 within ``wait_s`` (default ``first_requests.WAIT_S``), stops the wait with its
+    last answer and the fix (``deployments.first_requests``). ``on_answer`` gets the
+    ``FirstRequests`` record after every answer (each model's last answer); ``examples``:
+    ``first_examples(cfg)`` when the caller already has it."""
     import httpx
 
-    from deployments.first_requests import FirstRequests
+    from deployments.first_requests import WAIT_S, FirstRequests
 
-    first = FirstRequests.for_examples(first_examples(cfg))
+    first = FirstRequests.for_examples(examples or first_examples(cfg), WAIT_S if wait_s is None else wait_s)
     done: dict[str, float] = {}
     deadline = time.time() + timeout_s
     if on_answer:
@@ -238,19 +250,32 @@ def up_fleet(
     num_cpus: int | None = None,
     ray_port: int = 0,
     timeout_s: float = 600.0,
+    wait_s: float | None = None,
     on_event: Callable[[UpEvent], None] | None = None,
+    project_dir: str | None = None,
 ) -> dict[str, Any]:
     """Ray (local unless ``address``), broker, Serve app, one answered request per model; returns the state.
 
+    Before Ray starts, every model is built here (``first_examples``) from ``project_dir`` (default:
+    the current directory; ``deployments.user_code``): a model that cannot be built, or a project
+    folder that shadows one of gpubroker's packages under a model path, stops ``up`` at once. The
+    user's packages found there are shipped to the replicas (Ray ``py_modules``). ``wait_s``: how
+    long a model may go without a 200 on its first request (``first_requests.WAIT_S``).
     The state file is written as soon as a local Ray is up, so ``down_fleet`` can clean up
     after a failure; a failure after that emits ``UpStage.FAILED`` with the error and re-raises.
     """
     import ray
 
     from broker.actor import start_broker
+    from deployments.user_code import check_project, on_sys_path
 
     emit = on_event or (lambda event: None)
     t0 = time.time()
+    project = check_project(((n, m.model) for n, m in cfg.models.items() if m.kind != "llm"), project_dir)
+    if project.errors:
+        raise FleetError("; ".join(project.errors))
+    on_sys_path(project.project_dir)
+    examples = first_examples(cfg)  # every model builds here, or up stops naming it
     state: dict[str, Any] = {
         "config": source,
         "config_text": text,
@@ -261,6 +286,8 @@ def up_fleet(
         "started_ray": False,
         "pgid": None,
         "address": address,
+        "shipped": list(project.py_modules),  # the user's packages sent to the replicas
+        "project_warnings": list(project.warnings),
     }
     n = len(cfg.models)
     emit(UpEvent(UpStage.RAY, "Starting Ray", 0, 1))
@@ -283,7 +310,7 @@ def up_fleet(
         )
         write_state(state)  # so `down` can clean up even if the rest fails
     try:
-        connect(state["address"])
+        connect(state["address"], runtime_env=project.runtime_env())  # the user's packages, to every replica
     except FleetError:
         if state["started_ray"]:
             stop_local_ray(state["pgid"])
@@ -324,7 +351,7 @@ def up_fleet(
         emit(UpEvent(UpStage.MODELS, "Models loaded", n, n))
         st = ray.get(broker_ref[0].status.remote(), timeout=10)
         emit(UpEvent(UpStage.CALIBRATION, done=sum(1 for m in st["models"].values() if m.get("calibrated")), total=n))
-        wait_serving(cfg, state["http_url"], timeout_s=timeout_s, on_answer=on_answer)
+        wait_serving(cfg, state["http_url"], timeout_s=timeout_s, on_answer=on_answer, wait_s=wait_s, examples=examples)
         emit(UpEvent(UpStage.CALIBRATION, done=n, total=n))
         if cfg.broker.direct_ingress:  # each replica's own port (deployments.direct_ingress)
             from deployments.app import model_app_name

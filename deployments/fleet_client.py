@@ -51,8 +51,9 @@ def clear_state() -> None:
 
 
 # =============================================================================== Ray
-def connect(address: str | None) -> None:
-    """ray.init to a running cluster, quietly."""
+def connect(address: str | None, runtime_env: dict[str, Any] | None = None) -> None:
+    """ray.init to a running cluster, quietly; ``runtime_env``: the job's (Serve gives it to
+    every deployment: ``deployments.user_code`` ships the user's packages with it)."""
     import ray
 
     if ray.is_initialized():
@@ -61,7 +62,13 @@ def connect(address: str | None) -> None:
     if state and state.get("started_ray") and address == state.get("address"):
         adopt_auth_mode(state.get("auth_mode") or "token")  # as start_local_ray started it
     try:
-        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False, namespace=APP_NAME)
+        ray.init(
+            address=address or "auto",
+            logging_level="ERROR",
+            log_to_driver=False,
+            namespace=APP_NAME,
+            runtime_env=runtime_env,
+        )
     except Exception as exc:  # noqa: BLE001
         raise FleetError(
             f"cannot connect to Ray at {address or 'auto'} ({exc}); is a fleet running? start one with `gpubroker up`"

@@ -8,14 +8,23 @@ process) reads the request and calls these; unit tests call them directly.
     413 body over the model's ``max_body_bytes`` (Content-Length, then the bytes read, both
         checked before any JSON parsing)
     422 bad input: the detail names the field (``inputs[2].text``, ``input.image``, ``body``)
+    500 the model failed, or returned what JSON cannot hold (NaN or infinity, an object of
+        no JSON shape): the detail names the item and the field (``outputs[1].score``)
     503 + ``Retry-After`` on back-pressure (queue full, admission paused)
     504 when a request waited past the model's ``request_timeout_s``
     507 an input that cannot run even alone under the model's memory grant
+
+A model's outputs may be what ordinary PyTorch code returns: numpy scalars and arrays, torch
+tensors, tuples, dataclasses, enums (``json_safe`` turns them into JSON values).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,15 +99,75 @@ def parse_body(body: bytes) -> ParsedBody | HttpAnswer:
     return _field_error("inputs", 'inputs: required field is missing; send {"inputs": [...]} or {"input": ...}')
 
 
+class OutputError(ValueError):
+    """A model output JSON cannot hold: ``where`` names the item and the field (``outputs[1].score``)."""
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        self.message = message
+        super().__init__(f"{where}: {message}")
+
+
+def json_safe(value: Any, where: str = "output") -> Any:
+    """``value`` as plain JSON data: numpy scalars and arrays and torch tensors (anything with
+    ``tolist()``), tuples and sets as lists, dataclasses and pydantic models as objects, enums
+    as their value. NaN, infinity, or an object of none of these shapes raises ``OutputError``
+    naming ``where`` and the path below it."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise OutputError(where, f"{value} is not a JSON number; return a finite value or null")
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, enum.Enum):
+        return json_safe(value.value, where)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: json_safe(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
+    for method in ("tolist", "model_dump"):  # numpy and torch; pydantic
+        fn = getattr(value, method, None)
+        if callable(fn):
+            data = fn() if method == "model_dump" else _tolist(value)
+            return json_safe(data, where)
+    raise OutputError(
+        where,
+        f"a {type(value).__name__} is not JSON; return numbers, strings, lists, dicts, numpy arrays, "
+        "torch tensors or dataclasses",
+    )
+
+
+def _tolist(value: Any) -> Any:
+    detach = getattr(value, "detach", None)  # a torch tensor that needs grad refuses tolist()
+    return (detach() if callable(detach) else value).tolist()
+
+
+def _outputs_json(outputs: list) -> list:
+    """The outputs unchanged when JSON holds them as they are (the fast path), else converted."""
+    try:
+        json.dumps(outputs, allow_nan=False)
+        return outputs
+    except (TypeError, ValueError):
+        return [json_safe(out, f"outputs[{i}]") for i, out in enumerate(outputs)]
+
+
 def answer_for(name: str, result: dict[str, Any], single: bool, retry_after_s: int) -> HttpAnswer:
     """The replica's ``infer`` result (a dict with an HTTP-like ``status``) as an HTTP answer."""
     status = int(result.get("status", 500))
     if status == 200:
-        if single:
+        try:
+            outputs = _outputs_json(list(result["outputs"]))
+        except OutputError as exc:
+            where = exc.where.replace("outputs[0]", "output", 1) if single else exc.where
             return HttpAnswer(
-                200, {"model": name, "output": result["outputs"][0], "latency_ms": result.get("latency_ms")}
+                500,
+                {"detail": f"model '{name}' returned {where}: {exc.message} (fix the model's predict)", "field": where},
             )
-        return HttpAnswer(200, {"model": name, "outputs": result["outputs"], "latency_ms": result.get("latency_ms")})
+        if single:
+            return HttpAnswer(200, {"model": name, "output": outputs[0], "latency_ms": result.get("latency_ms")})
+        return HttpAnswer(200, {"model": name, "outputs": outputs, "latency_ms": result.get("latency_ms")})
     body = {k: v for k, v in result.items() if k not in ("status", "retry_after_s")}
     if single and "field" in body:
         body["field"] = str(body["field"]).replace("inputs[0]", "input")

@@ -55,7 +55,12 @@ async def read_infer_request(request: Request, name: str, limit: int) -> tuple[P
 
 
 def _response(answer: HttpAnswer) -> Response:
-    return Response(answer.encoded(), status_code=answer.status, headers=answer.headers or None, media_type=JSON_TYPE)
+    try:
+        body = answer.encoded()
+    except (TypeError, ValueError) as exc:  # never Serve's plain-text 500: say what could not be encoded
+        answer = HttpAnswer(500, {"detail": f"the answer could not be encoded as JSON: {exc}"})
+        body = answer.encoded()
+    return Response(body, status_code=answer.status, headers=answer.headers or None, media_type=JSON_TYPE)
 
 
 class HttpModel(ModelReplica):

@@ -9,8 +9,10 @@ Built-ins are imported lazily, so importing this package does not import torch.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,11 @@ from deployments.models.base import (
     EmulatedOOM,
     InputError,
     ModelAdapter,
+    attribute_module,
     is_oom,
     module_bytes,
 )
+from deployments.models.protocol import Model
 
 
 def _minilm() -> type:
@@ -55,6 +59,7 @@ __all__ = [
     "BUILTINS",
     "EmulatedOOM",
     "InputError",
+    "Model",
     "ModelAdapter",
     "ModelRefError",
     "is_oom",
@@ -79,6 +84,7 @@ class DuckAdapter(ModelAdapter):
         self.options = dict(options)
         self.device = "cpu"
         self.memory_limit_bytes = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # runs the user's ``async def`` methods
         self.inner = self.user_class(**options)  # Python's TypeError names an unexpected keyword
         unit = getattr(self.inner, "cost_unit", "requests")
         if unit not in ("requests", "tokens"):
@@ -89,7 +95,16 @@ class DuckAdapter(ModelAdapter):
         fn = getattr(self.inner, method, None)
         if fn is None or not callable(fn):
             return False, None
-        return True, fn(*args)
+        return True, self._settle(fn(*args))
+
+    def _settle(self, out: Any) -> Any:
+        """The result of an ``async def`` method awaited on this adapter's own event loop (the
+        replica calls the model from a worker thread, where no loop runs); others as they are."""
+        if not inspect.isawaitable(out):
+            return out
+        if self.loop is None or self.loop.is_closed():
+            self.loop = asyncio.new_event_loop()
+        return self.loop.run_until_complete(out)
 
     def load(self, device: str) -> None:
         super().load(device)
@@ -108,7 +123,7 @@ class DuckAdapter(ModelAdapter):
         return int(out) if found else 1
 
     def predict(self, items: list) -> list:
-        out = list(self.inner.predict(list(items)))
+        out = list(self._settle(self.inner.predict(list(items))))
         if len(out) != len(items):
             raise RuntimeError(f"model '{self.name}': predict returned {len(out)} outputs for {len(items)} inputs")
         return out
@@ -117,21 +132,17 @@ class DuckAdapter(ModelAdapter):
         fn = getattr(self.inner, "example_input", None)
         if fn is None:
             raise NotImplementedError(f"model '{self.name}' has no example_input(); calibration cannot run it")
-        return fn(cost)
+        return self._settle(fn(cost))
 
     def torch_module(self) -> Any:
         found, out = self._call("torch_module")
-        if found:
+        if found and out is not None:
             return out
-        for attr in ("module", "model", "net"):
-            candidate = getattr(self.inner, attr, None)
-            if module_bytes(candidate) > 0:
-                return candidate
-        return None
+        return attribute_module(self.inner)  # every nn.Module attribute, whatever it is called
 
     def weights_bytes(self) -> int:
         found, out = self._call("weights_bytes")
-        return int(out or 0) if found else module_bytes(self.torch_module())
+        return int(out or 0) if found and out else module_bytes(self.torch_module())
 
     def declared_memory(self) -> tuple[int, float] | None:
         found, out = self._call("declared_memory")
@@ -178,6 +189,31 @@ def model_source(ref: str) -> bytes | None:
         return Path(spec.origin).read_bytes() if spec is not None and spec.origin else None
     except (ImportError, ValueError, OSError):
         return None
+
+
+def module_locations(name: str, without: Path | None = None) -> list[Path] | None:
+    """Where Python would import top-level module ``name`` from (its package folders, or its
+    file), looked up without importing it and with ``without`` left off ``sys.path``; None when
+    it cannot be found. ``deployments.user_code`` tells an installed package from a project's."""
+    import sys
+
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        where = list(getattr(loaded, "__path__", [])) or [getattr(loaded, "__file__", "") or ""]
+        return [Path(w).resolve() for w in where if w]
+    saved = list(sys.path)
+    try:
+        if without is not None:
+            sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != without.resolve()]
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        return None
+    where = list(spec.submodule_search_locations or []) or [spec.origin or ""]
+    return [Path(w).resolve() for w in where if w]
 
 
 def resolve_model(ref: str) -> type[ModelAdapter]:

@@ -100,9 +100,9 @@ class ModelAdapter:
 
     # -- memory ----------------------------------------------------------------------------
     def torch_module(self) -> Any:
-        """The torch.nn.Module behind the adapter, or None (used by calibration hooks)."""
-        module = getattr(self, "module", None)
-        return module if _is_torch_module(module) else None
+        """The torch.nn.Module behind the adapter (every module among its attributes, whatever
+        they are called), or None (used by calibration hooks)."""
+        return attribute_module(self)
 
     def weights_bytes(self) -> int:
         """Bytes of parameters and buffers; 0 when unknown."""
@@ -120,6 +120,26 @@ class ModelAdapter:
 def _is_torch_module(obj: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and obj is not None and isinstance(obj, torch.nn.Module)
+
+
+def attribute_module(obj: Any) -> Any:
+    """The torch modules among ``obj``'s attributes (directly, or in a list, tuple or dict), as
+    one module: the module itself when there is one, an ``nn.ModuleList`` of them when there
+    are several, None when there is none. Names do not matter: ``self.encoder`` counts as much
+    as ``self.model``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    found: dict[int, Any] = {}
+    for value in list(vars(obj).values()) if hasattr(obj, "__dict__") else []:
+        members = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for member in members:
+            if _is_torch_module(member):
+                found.setdefault(id(member), member)
+    modules = list(found.values())
+    if len(modules) <= 1:
+        return modules[0] if modules else None
+    return torch.nn.ModuleList(modules)
 
 
 def module_bytes(module: Any) -> int:

@@ -18,7 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from deployments import fleet, fleet_client
+from deployments.first_requests import WAIT_S
 from deployments.fleet import FleetError, Note, UpEvent, UpStage
+from deployments.user_code import check_project
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import (
     card_table,
@@ -86,6 +88,8 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) ->
         f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
         f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
     )
+    if state.get("shipped"):
+        console.print(f"  shipped to the replicas: {', '.join(state['shipped'])}", highlight=False)
     if "direct_urls" in state:  # broker.direct_ingress: each replica's own port, no proxy hop
         urls = state["direct_urls"]
         if any(urls.values()):
@@ -111,8 +115,17 @@ def up(
     num_cpus: int = typer.Option(None, "--num-cpus", help="CPUs for a local Ray head (default: all)."),
     ray_port: int = typer.Option(0, "--ray-port", help="GCS port for a local Ray head (0 or taken: a free one)."),
     timeout_s: float = typer.Option(600.0, "--timeout", help="Seconds to wait for every model to answer."),
+    wait_s: float = typer.Option(
+        WAIT_S,
+        "--wait",
+        min=1.0,
+        help="Seconds a model may go without a 200 on its first request before `up` stops, naming it.",
+    ),
 ) -> None:
-    """Start Ray (unless --address), the broker and the Serve app; return when every model answers."""
+    """Start Ray (unless --address), the broker and the Serve app; return when every model answers.
+
+    Run it from your project's directory: a model `mypkg.models:MyModel` is imported from there,
+    and `mypkg/` is shipped to the replicas."""
     try:
         text = config.read_text(encoding="utf-8")
         cfg = load_config(config)
@@ -129,6 +142,8 @@ def up(
                 "run `gpubroker down` first"
             )
         )
+    for warning in check_project((n, m.model) for n, m in cfg.models.items() if m.kind != "llm").warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     try:
         up_with_progress(
             cfg,
@@ -138,6 +153,7 @@ def up(
             num_cpus=num_cpus,
             ray_port=ray_port,
             timeout_s=timeout_s,
+            wait_s=wait_s,
         )
     except FleetError as exc:
         _fail(exc)

@@ -62,3 +62,29 @@ def test_a_503_between_refusals_restarts_the_count():
     first.record("m", 503, "restarting", 20.0)
     first.record("m", 422, "no", 30.0)
     assert first.record("m", 422, "no", 40.0) is FirstState.ASKING  # 2 in a row, not 3
+
+
+def test_a_model_without_a_200_for_wait_s_stops_with_its_last_answer_and_what_to_do():
+    from deployments.first_requests import WAIT_S
+
+    first = FirstRequests.for_examples({"lifter": (True, {}, ""), "ok": (True, {}, "")}, wait_s=WAIT_S)
+    first.record("ok", 200, "{}", 0.0)
+    emergency = '{"detail": "model \'lifter\' paused admission (memory emergency); retry later"}'
+    t = 0.0
+    while t < WAIT_S:
+        assert first.record("lifter", 503, emergency, t) is FirstState.ASKING
+        assert first.refused() is None
+        t += 10.0
+    assert first.record("lifter", 503, emergency, t) is FirstState.STUCK
+    msg = first.refused()
+    assert "model 'lifter'" in msg and "HTTP 503" in msg and "memory emergency" in msg, msg
+    assert "models.lifter.quota" in msg and "--wait SECONDS" in msg, msg
+
+
+def test_wait_s_sets_the_bound_and_no_answer_says_so():
+    first = FirstRequests.for_examples({"m": (True, {}, "")}, wait_s=5.0)
+    assert first.record("m", 0, "ConnectError()", 100.0) is FirstState.ASKING
+    assert first.record("m", 0, "ConnectError()", 104.0) is FirstState.ASKING
+    assert first.record("m", 0, "ConnectError()", 105.0) is FirstState.STUCK
+    msg = first.refused()
+    assert "in 5s" in msg and "no answer" in msg and "ray status" in msg, msg

@@ -45,3 +45,70 @@ def test_answers_follow_the_replica_result():
     assert answer_for("m", {"status": 503, "detail": "paused"}, False, 2).headers == {"Retry-After": "2"}
     assert answer_for("m", {"status": 504, "detail": "late"}, False, 2).headers == {}
     assert json.loads(ok.encoded()) == ok.body
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs as ordinary PyTorch code returns them (numpy, torch, tuples, dataclasses), and NaN.
+
+
+def test_numpy_torch_tuples_and_dataclasses_become_json():
+    import dataclasses
+    import enum
+
+    import numpy as np
+    import torch
+
+    class Kind(enum.Enum):
+        CAT = "cat"
+
+    @dataclasses.dataclass
+    class Scored:
+        label: np.int64
+        score: np.float32
+        kind: Kind
+
+    outputs = [
+        {"score": np.float32(0.5), "vec": np.arange(3, dtype=np.float64), "label": np.int64(7)},
+        (torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor(3)),
+        Scored(np.int64(2), np.float32(0.25), Kind.CAT),
+        np.bool_(True),
+    ]
+    answer = answer_for("m", {"status": 200, "outputs": outputs, "latency_ms": 1.0}, False, 1)
+    assert answer.status == 200, answer.body
+    assert json.loads(answer.encoded())["outputs"] == [
+        {"score": 0.5, "vec": [0.0, 1.0, 2.0], "label": 7},
+        [[1.0, 2.0], 3],
+        {"label": 2, "score": 0.25, "kind": "cat"},
+        True,
+    ]
+
+
+def test_plain_outputs_pass_unchanged():
+    outputs = [{"y": [1.0, 2.0]}, 3, "s", None]
+    answer = answer_for("m", {"status": 200, "outputs": outputs}, False, 1)
+    assert answer.status == 200 and answer.body["outputs"] is not None
+    assert json.loads(answer.encoded())["outputs"] == outputs
+
+
+def test_nan_or_infinity_is_a_json_500_naming_the_item_and_the_field():
+    import numpy as np
+
+    outputs = [{"score": 1.0}, {"scores": [0.0, float("nan")]}]
+    answer = answer_for("scorer", {"status": 200, "outputs": outputs}, False, 1)
+    assert answer.status == 500
+    assert answer.body["field"] == "outputs[1].scores[1]", answer.body
+    assert "model 'scorer'" in answer.body["detail"] and "nan" in answer.body["detail"]
+    json.loads(answer.encoded())  # the refusal itself is JSON
+
+    single = answer_for("scorer", {"status": 200, "outputs": [{"score": np.float32("inf")}]}, True, 1)
+    assert single.status == 500 and single.body["field"] == "output.score", single.body
+    assert "inf" in single.body["detail"]
+
+
+def test_an_output_of_no_json_shape_is_a_500_naming_it():
+    class Opaque:
+        pass
+
+    answer = answer_for("m", {"status": 200, "outputs": [{"x": Opaque()}]}, False, 1)
+    assert answer.status == 500 and answer.body["field"] == "outputs[0].x"
+    assert "Opaque is not JSON" in answer.body["detail"], answer.body

@@ -408,3 +408,34 @@ def test_models_package_import_is_light():
     code = "import sys, deployments.models, deployments.units.oom; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# Ordinary PyTorch code: async predict, weights under any attribute name, the public protocol.
+
+
+def test_async_predict_and_load_run():
+    adapter = load_adapter(f"{FIXTURE}:AsyncModel", {}, "cpu")
+    assert adapter.predict([{"x": 1}, {"x": 2}]) == [{"y": 2, "loaded": True}, {"y": 3, "loaded": True}]
+    assert adapter.predict([{"x": 5}]) == [{"y": 6, "loaded": True}]  # the adapter's loop runs again
+
+
+def test_weights_count_whatever_the_attribute_is_called():
+    adapter = load_adapter(f"{FIXTURE}:EncoderModel", {}, "cpu")
+    assert adapter.weights_bytes() == (64 * 32 + 32 + 32 * 2 + 2) * 4
+    assert adapter.torch_module() is not None
+    outs = adapter.predict([{}, {}])
+    assert len(outs) == 2 and tuple(outs[0].shape) == (2,)  # tensors: the HTTP layer makes them JSON
+
+
+def test_a_subclass_of_the_public_model_protocol_inherits_the_defaults():
+    from tests.unit.user_model_fixture import protocol_subclass
+
+    cls = protocol_subclass()
+    model = cls(k=3)
+    assert model.predict([1, 2]) == [3, 6] and model.validate({"a": 1}) == {"a": 1} and model.cost("x") == 1
+    with pytest.raises(NotImplementedError):
+        model.example_input()
+    import gpubroker
+
+    assert gpubroker.InputError is InputError and gpubroker.__version__
