@@ -22,10 +22,11 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from quotas import sizes
 from quotas.config import FleetConfig
-from quotas.sizes import format_size, parse_size
 
 TOP = "(top level)"
+SIZES_MODULE = sizes.__name__
 COMMAND = "python -m gpubroker.docs_config > docs/configuration.md"
 
 # Units read from a field name's suffix (STYLE: units in names). A Size field is bytes whatever its name.
@@ -57,6 +58,11 @@ NAMED_EXAMPLES: dict[str, Any] = {
     "QuotaSpec.base": "1GiB",
     "QuotaSpec.max": "2GiB",
     "BatchSpec.initial": 8,
+    "ModelProfile.a_ms": 20.0,
+    "ModelProfile.c_ms": 0.5,
+    "ModelProfile.weights_bytes": "2GiB",
+    "ModelProfile.bytes_per_item": "16MiB",
+    "ModelProfile.unit": "requests",
     "WaitSpec.initial_ms": 5.0,
     "PlacementSpec.cards": ["a0", "a1"],
     "PlacementSpec.node_label": {"zone": "east"},
@@ -136,8 +142,8 @@ def _members(annotation: Any) -> list[Any]:
 
 def _is_size_meta(metadata: list[Any]) -> bool:
     for meta in metadata:
-        func = getattr(meta, "func", None)
-        if func is not None and (func is format_size or func is parse_size or func.__name__ == "_size"):
+        func = getattr(meta, "func", None)  # a size's parser or serializer lives in quotas.sizes
+        if func is not None and getattr(func, "__module__", "") == SIZES_MODULE:
             return True
     return False
 
@@ -256,6 +262,9 @@ def _default_example(field: FieldInfo) -> Any:
             return "512MiB"
         if members and typing.get_origin(members[0]) is Literal:
             return typing.get_args(members[0])[0]
+        if members and members[0] in (int, float):  # a required number: its lower bound, else 1
+            low = [getattr(m, "ge", getattr(m, "gt", None)) for m in field.metadata]
+            return members[0](next((v for v in low if v is not None), 1))
         return None
     value = field.default_factory() if field.default_factory is not None else field.default
     if isinstance(value, BaseModel) or value in (None, {}, []):
