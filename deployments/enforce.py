@@ -96,6 +96,10 @@ class MemoryLimiter(Protocol):
         """Cheap, per batch: keep the limit right as the runtime changes (cpu: thread stacks);
         ``after_oom``: the model was just refused, measure whether the process holds over its grant."""
 
+    def reassert(self) -> str:
+        """At every report: read the limit back and set it again; "" when it was as set, else one
+        line saying what it was found at (a limit found lifted is a violation: ``deployments.watch``)."""
+
     def release_caches(self) -> None:
         """Give freed memory back to the OS / the device (after a shrink or an OOM)."""
 
@@ -149,6 +153,7 @@ class CpuRlimitLimiter:
         self.thread_stack_bytes = DEFAULT_THREAD_STACK_BYTES
         self.held_floor_bytes: int | None = None  # soft's floor while the process holds over its grant
         self.held_over: int | None = None  # bytes held over the grant, as last measured (None: under it)
+        self._lock = threading.Lock()  # set (batch thread) and read back (report) one at a time
 
     def start(self) -> None:
         st = self._status()
@@ -214,8 +219,9 @@ class CpuRlimitLimiter:
             hard = self.original[1]
             soft = self.held_floor_bytes if hard == self._res.RLIM_INFINITY else min(self.held_floor_bytes, hard)
         if force or soft != self.limit_bytes:
-            self._res.setrlimit(self._res.RLIMIT_DATA, (soft, self.original[1]))
-            self.limit_bytes = None if self.grant_bytes is None else soft
+            with self._lock:
+                self._res.setrlimit(self._res.RLIMIT_DATA, (soft, self.original[1]))
+                self.limit_bytes = None if self.grant_bytes is None else soft
 
     def set_grant(self, grant_bytes: int | None) -> LimitReading:
         if grant_bytes is not None and grant_bytes < 0:
@@ -235,6 +241,27 @@ class CpuRlimitLimiter:
             if after_oom or self.held_floor_bytes is not None:
                 self._update_held()
             self._apply()
+
+    def reassert(self) -> str:
+        """Read the soft RLIMIT_DATA back (getrlimit) and set it again. Any code in the process can
+        raise its own soft limit up to hard: one found above what was set is reported ("lifted"),
+        one found elsewhere (lowered, hard changed) is only set again."""
+        with self._lock:
+            limit = self.limit_bytes
+            if self.original is None or self.grant_bytes is None or limit is None:
+                return ""
+            soft, hard = self._res.getrlimit(self._res.RLIMIT_DATA)
+            if soft == limit and hard == self.original[1]:
+                return ""
+            try:
+                self._res.setrlimit(self._res.RLIMIT_DATA, (limit, hard))
+            except (ValueError, OSError) as exc:  # hard lowered under it by the process: keep what the kernel allows
+                logger.warning("gpubroker: RLIMIT_DATA could not be set again to %d: %r", limit, exc)
+        found = "unlimited" if soft == self._res.RLIM_INFINITY else f"{soft / MiB:.1f} MiB"
+        lifted = soft == self._res.RLIM_INFINITY or soft > limit
+        what = f"soft RLIMIT_DATA found at {found}, set at {limit / MiB:.1f} MiB: set again"
+        logger.warning("gpubroker: %s", what)
+        return f"the limit was lifted ({what})" if lifted else ""
 
     def release_caches(self) -> None:
         gc.collect()
@@ -322,6 +349,12 @@ class CudaFractionLimiter:
     def refresh(self, after_oom: bool = False) -> None:
         return None
 
+    def reassert(self) -> str:
+        """Set the fraction again (torch has no getter to compare with: nothing is reported)."""
+        if self.started and self.fraction is not None:
+            self.cuda.set_per_process_memory_fraction(self.fraction, self.index)
+        return ""
+
     def release_caches(self) -> None:
         gc.collect()  # tensors only the garbage collector still holds
         self.cuda.empty_cache()
@@ -363,6 +396,9 @@ class UnenforcedLimiter:
 
     def refresh(self, after_oom: bool = False) -> None:
         return None
+
+    def reassert(self) -> str:
+        return ""
 
     def release_caches(self) -> None:
         gc.collect()

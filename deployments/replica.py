@@ -142,11 +142,13 @@ class ModelReplica(ReplicaMemory):
         from broker.probes import detect_capacity, detect_device, make_probe
         from deployments.enforce import make_limiter
         from deployments.models import load_adapter
+        from deployments.watch import set_mps_memory_limit
 
         try:
             import torch  # noqa: F401 - the runtime is per-process overhead, not the model's
         except ImportError:
             pass
+        set_mps_memory_limit(self.cfg.gpu.device, self.spec.quota.max // max(1, self.card_replicas))
         self.device = detect_device(self.cfg.gpu.device)
         capacity = self.cfg.gpu.capacity_bytes or detect_capacity(self.device)
         self.probe = make_probe(self.device, capacity)
@@ -154,7 +156,9 @@ class ModelReplica(ReplicaMemory):
         # On cpu, memory is host RSS: what this process held before the model counts like a
         # CUDA context (overhead), not against the model's quota.
         self.baseline_bytes = 0 if self.on_cuda else self.probe.read().process_bytes
-        # The limit holds from before the model loads (its weights and calibration count).
+        # The limit holds from before the model loads (its weights and calibration count); the
+        # watchers (deployments.watch) from before the limit, which the watchdog must not inherit.
+        self._start_watch()
         self.limiter = make_limiter(self.device, own_process=self.in_serve)
         self.limiter.start()
         self.limiter.set_grant(self._grant_per_replica(self.settings))
@@ -163,6 +167,7 @@ class ModelReplica(ReplicaMemory):
             getattr(self.adapter, "cost_unit", "requests") == "tokens" or self.spec.batch.unit == "tokens"
         )
         self.calibration = self._calibrate()
+        self.calibration["enforcement"] = self.enforcement()  # gpubroker status shows it per model
         self._read_memory()
         if not self.on_cuda:
             # Host quota: what is measured against the grant is this process's resident memory
@@ -227,6 +232,7 @@ class ModelReplica(ReplicaMemory):
             await self._register()
             if not self.link.registered:
                 return False
+        self._reassert()  # the in-process limit read back and set again; lifted: a violation
         self._read_memory()
         gauges = ReplicaGauges(
             self.waiting, self.mem_used_bytes, self.device_free_frac, self.sm_util_frac, self.settings.version
@@ -400,6 +406,9 @@ class ModelReplica(ReplicaMemory):
         retry_after = max(1, int(round(self.cfg.broker.control_interval_s)))
         if body_bytes > spec.max_body_bytes:
             return self._reject(n, 413, f"body of {body_bytes} bytes is over max_body_bytes ({spec.max_body_bytes})")
+        if violation := self.violation():  # over grant + slack past the grace (deployments.watch): drain
+            self.delta.held_refusals += n
+            return self._reject(n, 503, violation, retry_after_s=retry_after)
         if self.paused or not self.settings.admit or self.reclaim.actions.pause_admission:
             return self._reject(
                 n,
@@ -484,6 +493,9 @@ class ModelReplica(ReplicaMemory):
             "calibration": self.calibration,
             "pid": os.getpid(),
             "memory_limit": asdict(self.limiter.read()),
+            "enforcement": self.enforcement(),
+            "cgroup": getattr(self.watchdog, "cgroup", ""),
+            "violation": self.violation(),
             "batcher": {
                 "max_batch_size": self._batch._get_max_batch_size(),
                 "batch_wait_timeout_s": self._batch._get_batch_wait_timeout_s(),
@@ -494,5 +506,7 @@ class ModelReplica(ReplicaMemory):
         self.reclaim.check_health()  # raises once the broker asked for a restart: Serve replaces us
         if self.held_restart:
             raise RuntimeError(self.held_restart)
+        if violation := self.violation():
+            raise RuntimeError(violation)
         if self._report_task.done():  # restart the loop rather than fail the replica
             self._report_task = asyncio.get_running_loop().create_task(self._report_loop())

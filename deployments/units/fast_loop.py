@@ -11,6 +11,11 @@ the replica guards each batch itself. Before every batch it reads the free share
 - headroom back: admit again and widen the local cap toward the broker's cap by
   ``recover_step_frac`` of it per batch (event ``recover``).
 
+Blame goes to the model over its grant: where the reading is the card's (CUDA) and this replica
+holds no more than its grant (``within_grant``), the card is short because of someone else (a
+neighbour over its grant, which the watchers of ``deployments.watch`` stop): this replica neither
+shrinks nor pauses.
+
 No reading, no decision: the cap and the pause stay as they are. The replica
 (``deployments.replica``) and the simulator (``gpubroker.sim.engine``) both call ``fast_loop_step``.
 """
@@ -59,12 +64,13 @@ def params_for(spec: ModelSpec, config: FleetConfig) -> FastLoopParams:
 
 
 def fast_loop_step(
-    free_frac: float | None, cap: int, broker_cap: int, paused: bool, p: FastLoopParams
+    free_frac: float | None, cap: int, broker_cap: int, paused: bool, p: FastLoopParams, within_grant: bool = False
 ) -> FastLoopResult:
-    """One step before a batch: ``cap`` is the local cap now, ``broker_cap`` the broker's."""
+    """One step before a batch: ``cap`` is the local cap now, ``broker_cap`` the broker's;
+    ``within_grant``: ``free_frac`` is the card's and this replica holds no more than its grant."""
     if free_frac is None:
         return FastLoopResult(cap, paused, FastEvent.NONE, False)
-    if free_frac < p.emergency_free_frac:
+    if free_frac < p.emergency_free_frac and not within_grant:
         new_cap = max(p.floor, cap // 2)
         if new_cap < cap:
             return FastLoopResult(new_cap, paused, FastEvent.SHRINK, True)

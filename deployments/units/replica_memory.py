@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from broker.control.violation import WATCH_SLACK_BYTES, WatchLimits
 from broker.wire import ModelSettings
 from deployments.units.fast_loop import FastEvent, fast_loop_step
 from deployments.units.oom import HeldOverGrant
@@ -35,6 +36,7 @@ class ReplicaMemory:
 
     def _enforce(self, settings: ModelSettings) -> None:
         grant = self._grant_per_replica(settings)
+        self._note_grant(grant)
         try:
             # CUDA: set_per_process_memory_fraction (+ empty_cache on a shrink); cpu: RLIMIT_DATA.
             reading = self.limiter.set_grant(grant)
@@ -45,6 +47,100 @@ class ReplicaMemory:
             self.adapter.set_memory_limit(grant)
         except Exception as exc:  # noqa: BLE001
             logger.warning("gpubroker replica %s: set_memory_limit(%d) failed: %r", self.name, grant, exc)
+        self._sync_watchdog()
+
+    # ------------------------------------------------------------------ the measurement layer
+    def _start_watch(self) -> None:
+        """The layer the model cannot lift (``deployments.watch``): the watchdog process (and its
+        cgroup where the node allows) and the watcher thread. Started before the limiter, so the
+        watchdog does not inherit the replica's soft limit; not for a replica outside Serve."""
+        from deployments.watch import ReplicaWatch, WatchdogHandle, end_own_process
+
+        self.watch = self.watchdog = None
+        self.lifted = ""  # set when the in-process limit is found lifted (``_reassert``)
+        self._grant_floor: tuple[int, float] | None = None
+        self._watch_sent: WatchLimits | None = None
+        if not self.in_serve:
+            return
+        overhead = self.cfg.gpu.context_overhead_bytes(1, True) if self.on_cuda else 0
+        self.watch_baseline_bytes = overhead if self.on_cuda else self.baseline_bytes
+        try:
+            self.watchdog = WatchdogHandle(self.name, self.device, self.watch_baseline_bytes)
+        except OSError as exc:
+            logger.warning("gpubroker replica %s: no watchdog process (%r): the watcher thread holds", self.name, exc)
+        if self.watchdog is not None and not self.watchdog.cgroup:
+            logger.warning(
+                "gpubroker replica %s: no kernel memory limit (%s): the measurement layer holds",
+                self.name,
+                self.watchdog.why_not,
+            )
+        self._sync_watchdog()
+        self.watch = ReplicaWatch(
+            self.name, self._watch_used, self._watch_limits, lifted=lambda: self.lifted, on_end=end_own_process
+        )
+        self.watch.start()
+
+    def _watch_used(self) -> int | None:
+        """What the watchers measure: resident memory over the pre-model baseline on the host;
+        NVML's bytes for this pid over the CUDA context on a card."""
+        from deployments.watch import host_used_bytes
+
+        if not self.on_cuda:
+            return host_used_bytes(None, self.watch_baseline_bytes)
+        return max(0, self.limiter.read().resident_bytes - self.watch_baseline_bytes)
+
+    def _note_grant(self, grant: int) -> None:
+        """A lowered grant binds the watchers only after the broker's reclaim escalation had its
+        time (``HELD_RESTART_T`` + 1 transfer timeouts): until then they hold the old one."""
+        last = getattr(self, "_watched_grant", None)
+        if last is not None and grant < last:
+            bound_s = (HELD_RESTART_T + 1) * self.cfg.broker.transfer_timeout_s
+            self._grant_floor = (last, time.monotonic() + bound_s)
+        self._watched_grant = grant
+
+    def _watch_limits(self) -> WatchLimits:
+        grant = self._grant_per_replica(self.settings)
+        floor = getattr(self, "_grant_floor", None)
+        if floor is not None and time.monotonic() < floor[1]:
+            grant = max(grant, floor[0])
+        return WatchLimits(grant, WATCH_SLACK_BYTES)
+
+    def _sync_watchdog(self) -> None:
+        """Tell the watchdog the limits now (its cgroup limit follows), when they changed."""
+        if getattr(self, "watchdog", None) is None:
+            return
+        limits = self._watch_limits()
+        if limits != self._watch_sent:
+            self.watchdog.send(limits)
+            self._watch_sent = limits
+
+    def _reassert(self) -> None:
+        """At every report: the in-process limit read back and set again; found lifted, the
+        watcher declares a violation at its next reading."""
+        try:
+            lifted = self.limiter.reassert()
+        except Exception as exc:  # noqa: BLE001 - a reading, never a failure
+            logger.warning("gpubroker replica %s: limit re-assert failed: %r", self.name, exc)
+            return
+        if lifted and not self.lifted:
+            self.lifted = lifted
+            logger.warning("gpubroker replica %s: %s", self.name, lifted)
+        self._sync_watchdog()
+
+    def enforcement(self) -> str:
+        """Which layers hold this replica: ``cgroup`` (a kernel limit, plus the others),
+        ``rlimit+watch``, ``fraction+watch``, ``watch``; ``unenforced`` outside Serve."""
+        if getattr(self, "watch", None) is None:
+            return "unenforced"
+        if self.watchdog is not None and self.watchdog.cgroup:
+            return "cgroup"
+        kind = str(getattr(self.limiter, "kind", ""))
+        return {"rlimit_data": "rlimit+watch", "cuda_fraction": "fraction+watch"}.get(kind, "watch")
+
+    def violation(self) -> str:
+        """The watcher's declared violation ("" when none): new work is refused with it."""
+        watch = getattr(self, "watch", None)
+        return "" if watch is None else watch.violation
 
     # ------------------------------------------------------------------ fast loop
     def _read_memory(self) -> float | None:
@@ -69,7 +165,9 @@ class ReplicaMemory:
         free = self._read_memory()
         self.limiter.refresh()
         target = self.oom_ceiling.target(self.settings.max_batch_size)
-        out = fast_loop_step(free, self.cap, target, self.paused, self.fast)
+        # on a card the reading is the card's: a replica within its grant is not the one to stop
+        within = self.on_cuda and self.mem_used_bytes <= self._grant_per_replica(self.settings)
+        out = fast_loop_step(free, self.cap, target, self.paused, self.fast, within_grant=within)
         if out.cap != self.cap:
             self.cap = out.cap
             self._batch.set_max_batch_size(out.cap)

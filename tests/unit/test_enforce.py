@@ -154,6 +154,27 @@ def test_cpu_limiter_soft_over_baseline_hard_kept_threads_credited():
         lim.set_grant(-1)
 
 
+def test_a_soft_limit_lifted_by_the_model_is_found_at_the_next_report_and_set_again():
+    """Any code in the process can raise its own soft RLIMIT_DATA up to hard (issue 37): the
+    limiter reads it back at every report (getrlimit), sets it again, and says it was lifted."""
+    res = FakeResource(hard=10_000 * MiB)
+    status = {"VmData": 300 * MiB, "VmRSS": 200 * MiB}
+    lim = CpuRlimitLimiter(8 * MiB, resource_mod=res, status=lambda: dict(status), threads=lambda: 1, trim=lambda: None)
+    lim.set_grant(256 * MiB)
+    limit = lim.limit_bytes
+    assert lim.reassert() == ""  # as set: nothing to say, nothing set
+    calls = len(res.calls)
+    res.limits[res.RLIMIT_DATA] = (10_000 * MiB, 10_000 * MiB)  # the model: setrlimit(soft=hard)
+    lifted = lim.reassert()
+    assert lifted.startswith("the limit was lifted") and "found at 10000.0 MiB" in lifted, lifted
+    assert res.calls[calls:] == [(limit, 10_000 * MiB)] and res.limits[res.RLIMIT_DATA][0] == limit
+    res.limits[res.RLIMIT_DATA] = (res.RLIM_INFINITY, 10_000 * MiB)
+    assert "found at unlimited" in lim.reassert()
+    res.limits[res.RLIMIT_DATA] = (limit - MiB, 10_000 * MiB)  # lowered: set again, not a violation
+    assert lim.reassert() == "" and res.limits[res.RLIMIT_DATA][0] == limit
+    assert UnenforcedLimiter("test").reassert() == ""
+
+
 def test_cpu_limiter_never_sets_soft_under_what_is_held():
     """A process over its grant (grown into the slack, or a grant lowered under what it holds):
     soft stays at what is held + slack (else every allocation of the process fails, the runtime's
