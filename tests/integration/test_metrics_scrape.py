@@ -16,6 +16,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -71,13 +74,15 @@ models:
 """
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+@contextmanager
+def running_fleet(config: str, workdir: Path) -> Iterator[dict]:
+    """``config`` (a template of this module's CONFIG's fields) deployed on a local Ray of its own, the
+    exporter on a free port: ``cfg``, ``text(mlp_slo)``, ``broker``, ``base_url``, ``metrics_url``."""
     ports = {"metrics_port": free_port(), "http_port": free_port()}
-    ckpt = tmp_path_factory.mktemp("broker") / "ckpt.json"
+    ckpt = workdir / "ckpt.json"
 
     def text(mlp_slo: int = 2000) -> str:
-        return CONFIG.format(checkpoint=ckpt, mlp_slo=mlp_slo, **ports)
+        return config.format(checkpoint=ckpt, mlp_slo=mlp_slo, **ports)
 
     cfg = parse_config_text(text(), "test")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -102,7 +107,14 @@ def fleet(tmp_path_factory):
             ray.shutdown()
 
 
-def _traffic(fleet, seconds: float = 4.0, workers: int = 8) -> int:
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    with running_fleet(CONFIG, tmp_path_factory.mktemp("broker")) as f:
+        yield f
+
+
+def traffic(fleet, seconds: float = 4.0, workers: int = 8) -> int:
+    """Requests to mlp, hot and late from ``workers`` threads for ``seconds``; how many were answered 200."""
     inputs = example_inputs(fleet["cfg"])
     deadline = time.time() + seconds
 
@@ -137,7 +149,7 @@ def _fields(m, models) -> dict:
     return {
         n: (
             sample(m, "gpubroker_quota_granted_bytes", model=n, gpu="cpu"),
-            sample(m, "gpubroker_max_batch_size", model=n, gpu="cpu"),
+            sample(m, "gpubroker_max_batch_requests", model=n, gpu="cpu"),
         )
         for n in models
     }
@@ -193,7 +205,7 @@ def test_a_late_request_is_shed_over_http_and_counted(fleet):
 
 
 def test_scrape_matches_broker_status(fleet):
-    served = _traffic(fleet)
+    served = traffic(fleet)
     assert served > 20
     time.sleep(1.5)  # let reports land and a few ticks pass
     m, st = consistent_view(fleet)
@@ -201,7 +213,7 @@ def test_scrape_matches_broker_status(fleet):
     assert st["ticks"] >= 3
     for name, ms in st["models"].items():
         assert sample(m, "gpubroker_quota_granted_bytes", model=name, gpu="cpu") == ms["grant_bytes"], name
-        assert sample(m, "gpubroker_max_batch_size", model=name, gpu="cpu") == ms["max_batch_size"], name
+        assert sample(m, "gpubroker_max_batch_requests", model=name, gpu="cpu") == ms["max_batch_size"], name
         assert sample(m, "gpubroker_quota_base_bytes", model=name, gpu="cpu") == ms["base_bytes"], name
         assert sample(m, "gpubroker_settings_version", model=name, gpu="cpu") == ms["settings_version"], name
         assert sample(m, "gpubroker_batch_wait_timeout_seconds", model=name, gpu="cpu") == pytest.approx(
@@ -210,6 +222,7 @@ def test_scrape_matches_broker_status(fleet):
         assert sample(m, "gpubroker_requests_total", model=name, gpu="cpu", outcome="ok") > 0, name
         assert sample(m, "gpubroker_request_latency_seconds_count", model=name, gpu="cpu") > 0, name
         assert sample(m, "gpubroker_reports_total", model=name, gpu="cpu") > 0, name
+        assert sample(m, "gpubroker_arrivals_total", model=name, gpu="cpu") > 0, name
     assert sample(m, "gpubroker_config_info", config_hash=st["config_hash"]) == 1
     assert sample(m, "gpubroker_card_capacity_bytes", gpu="cpu") == st["capacity_bytes"]
     assert sample(m, "gpubroker_card_usable_bytes", gpu="cpu") == st["usable_bytes"]

@@ -1,4 +1,5 @@
-"""Unit tests: broker/metrics.py (exporter), gpubroker/cli/live.py (CLI live views), the Grafana dashboard's queries."""
+"""Unit tests: broker/metrics.py (metrics, their Prometheus types, the exporter), gpubroker/cli/live.py (CLI live
+views), the Grafana dashboard's queries (tests/integration/test_prometheus_dashboard.py runs them in a real Prometheus)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from broker.control.types import FleetDecision, ModelDecision, QuotaMove
 from broker.metrics import BrokerMetrics, start_exporter
-from broker.wire import FleetDecision, ModelDecision, QuotaMove, StatsReport
+from broker.wire import StatsReport
 from gpubroker.cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +139,29 @@ def status(**over) -> dict:
     return base
 
 
+ENGINE_STATUS = {  # an LLM model's status "engine" part (broker.control.llm_window.LlmControl.status)
+    "running": 3,
+    "waiting": 1,
+    "kv_blocks_used": 20,
+    "kv_blocks_free": 12,
+    "preemptions": 2,
+    "ttft_p50_ms": 100.0,
+    "ttft_p95_ms": 400.0,
+    "ttft_p99_ms": 900.0,
+    "tpot_p50_ms": 10.0,
+    "tpot_p95_ms": 40.0,
+    "tpot_p99_ms": None,
+    "tokens_in_per_s": 50.0,
+    "tokens_out_per_s": 20.0,
+    "ttft_slo_ms": 1500,
+    "tpot_slo_ms": 150,
+    "max_num_seqs": 6,
+    "max_batched_tokens": 256,
+    "kv_blocks": 32,
+    "prefill_paused": False,
+}
+
+
 def value(m: BrokerMetrics, name: str, **labels) -> float | None:
     return m.registry.get_sample_value(name, labels)
 
@@ -177,13 +202,26 @@ def test_observe_report_counts_outcomes_histograms_and_events(metrics):
     assert value(metrics, "gpubroker_emergency_shrinks_total", **lab) == 2
     assert value(metrics, "gpubroker_reports_total", **lab) == 2
     assert value(metrics, "gpubroker_busy_seconds_total", **lab) == pytest.approx(0.014)
+    assert value(metrics, "gpubroker_arrivals_total", **lab) == 24
+
+
+def test_an_engines_running_counts_become_counters(metrics):
+    """An LLM engine reports tokens and preemptions since it started: the counters add what grew,
+    per replica, and a restarted engine (counts that fell) adds its new count whole."""
+    lab = {"model": "chat", "gpu": "cpu"}
+    for replica, tokens_in, preemptions in (("a", 100, 1), ("b", 40, 0), ("a", 150, 3), ("a", 20, 0)):
+        engine = {"tokens_in": tokens_in, "tokens_out": 2 * tokens_in, "preemptions": preemptions}
+        metrics.observe_report(report("chat", replica_id=replica, engine=engine))
+    assert value(metrics, "gpubroker_llm_prompt_tokens_total", **lab) == 100 + 40 + 50 + 20
+    assert value(metrics, "gpubroker_llm_generation_tokens_total", **lab) == 2 * (100 + 40 + 50 + 20)
+    assert value(metrics, "gpubroker_llm_preemptions_total", **lab) == 3
 
 
 def test_no_label_comes_from_a_request(metrics):
     metrics.observe_report(report(replica_id="SECRET-replica"))
     metrics.observe_tick(decision(), status(), 0.002)
     metrics.observe_reload(True, "abc123def456")
-    allowed = {"model", "gpu", "outcome", "kind", "trigger", "profile", "le", "config_hash"}
+    allowed = {"model", "gpu", "outcome", "kind", "trigger", "profile", "le", "quantile", "config_hash"}
     for fam in metrics.registry.collect():
         for s in fam.samples:
             assert set(s.labels) <= allowed, (s.name, s.labels)
@@ -197,16 +235,20 @@ def test_observe_tick_sets_gauges_from_status(metrics):
     assert value(metrics, "gpubroker_quota_granted_bytes", **lab) == 1 << 30
     assert value(metrics, "gpubroker_quota_used_bytes", **lab) == 200 << 20
     assert value(metrics, "gpubroker_quota_base_bytes", **lab) == 1 << 30
-    assert value(metrics, "gpubroker_max_batch_size", **lab) == 8
+    assert value(metrics, "gpubroker_max_batch_requests", **lab) == 8
+    assert value(metrics, "gpubroker_max_batch_tokens", **lab) is None  # a requests model: no token cap series
     assert value(metrics, "gpubroker_batch_wait_timeout_seconds", **lab) == 0.01
     assert value(metrics, "gpubroker_queue_depth", **lab) == 3
-    assert value(metrics, "gpubroker_latency_p95_seconds", **lab) == pytest.approx(0.25)
-    assert value(metrics, "gpubroker_slo_p95_seconds", **lab) == pytest.approx(0.4)
+    assert value(metrics, "gpubroker_window_latency_seconds", quantile="0.5", **lab) == pytest.approx(0.01)
+    assert value(metrics, "gpubroker_window_latency_seconds", quantile="0.95", **lab) == pytest.approx(0.25)
+    assert value(metrics, "gpubroker_window_latency_seconds", quantile="0.99", **lab) == pytest.approx(0.3)
+    assert value(metrics, "gpubroker_latency_slo_seconds", quantile="0.95", **lab) == pytest.approx(0.4)
+    assert value(metrics, "gpubroker_slo_attainment_ratio", **lab) == pytest.approx(0.9)
     assert value(metrics, "gpubroker_cost_per_1k_requests", **lab) == pytest.approx(0.0123)
     assert value(metrics, "gpubroker_admit", **lab) == 1
     assert value(metrics, "gpubroker_settings_version", **lab) == 3
     hot = {"model": "hot", "gpu": "cpu"}
-    assert math.isnan(value(metrics, "gpubroker_latency_p95_seconds", **hot))  # no samples: NaN, not 0
+    assert math.isnan(value(metrics, "gpubroker_window_latency_seconds", quantile="0.95", **hot))  # NaN, not 0
     assert math.isnan(value(metrics, "gpubroker_cost_per_1k_requests", **hot))
     assert value(metrics, "gpubroker_admit", **hot) == 0
     assert value(metrics, "gpubroker_card_capacity_bytes", gpu="cpu") == 6 << 30
@@ -252,8 +294,8 @@ def test_profile_switch_and_removed_model(metrics):
     metrics.observe_tick(decision(profile="peak"), s, 0.001)
     assert value(metrics, "gpubroker_active_profile", gpu="cpu", profile="peak") == 1
     assert value(metrics, "gpubroker_active_profile", gpu="cpu", profile="offpeak") == 0
-    assert value(metrics, "gpubroker_max_batch_size", model="hot", gpu="cpu") is None
-    assert value(metrics, "gpubroker_max_batch_size", model="mlp", gpu="cpu") == 8
+    assert value(metrics, "gpubroker_max_batch_requests", model="hot", gpu="cpu") is None
+    assert value(metrics, "gpubroker_max_batch_requests", model="mlp", gpu="cpu") == 8
 
 
 def test_a_model_removed_and_added_again_is_exported_again(metrics):
@@ -281,7 +323,7 @@ def test_a_tick_sets_a_models_gauges_only_when_its_values_changed(metrics):
     added again with its old values is exported again, and its engine's series go with it."""
     metrics.observe_tick(decision(), status(), 0.001)
     lab = {"model": "mlp", "gpu": "cpu"}
-    metrics.grant.labels("mlp", "cpu").set(1.0)  # not the tick's doing
+    metrics.m["quota_granted_bytes"].labels("mlp", "cpu").set(1.0)  # not the tick's doing
     metrics.observe_tick(decision(), status(), 0.001)
     assert value(metrics, "gpubroker_quota_granted_bytes", **lab) == 1.0  # unchanged values: not set
     moved = status()
@@ -300,6 +342,81 @@ def test_a_tick_sets_a_models_gauges_only_when_its_values_changed(metrics):
     assert value(metrics, "gpubroker_llm_sequences", model="mlp", gpu="cpu", state="running") is None
     metrics.observe_tick(decision(), status(), 0.001)  # back, with the values it had
     assert value(metrics, "gpubroker_quota_granted_bytes", **lab) == 1 << 30
+
+
+def test_a_token_models_batch_cap_has_its_own_metric(metrics):
+    """One unit per metric: a cap in tokens is not exported beside caps in requests."""
+    s = status()
+    s["models"]["hot"].update(batch_unit="tokens", max_batch_size=2048)
+    metrics.observe_tick(decision(), s, 0.001)
+    assert value(metrics, "gpubroker_max_batch_tokens", model="hot", gpu="cpu") == 2048
+    assert value(metrics, "gpubroker_max_batch_requests", model="hot", gpu="cpu") is None
+    assert value(metrics, "gpubroker_max_batch_requests", model="mlp", gpu="cpu") == 8
+
+
+def test_an_engines_status_sets_its_gauges_one_unit_each(metrics):
+    metrics.observe_tick(decision(), status(models={"chat": model_status(engine=ENGINE_STATUS)}), 0.001)
+    lab = {"model": "chat", "gpu": "cpu"}
+    assert value(metrics, "gpubroker_llm_ttft_seconds", quantile="0.95", **lab) == pytest.approx(0.4)
+    assert value(metrics, "gpubroker_llm_tpot_seconds", quantile="0.5", **lab) == pytest.approx(0.01)
+    assert math.isnan(value(metrics, "gpubroker_llm_tpot_seconds", quantile="0.99", **lab))
+    assert value(metrics, "gpubroker_llm_slo_seconds", metric="ttft", quantile="0.95", **lab) == pytest.approx(1.5)
+    assert value(metrics, "gpubroker_llm_sequences", state="waiting", **lab) == 1
+    assert value(metrics, "gpubroker_llm_kv_blocks", state="free", **lab) == 12
+    assert value(metrics, "gpubroker_llm_max_num_seqs", **lab) == 6
+    assert value(metrics, "gpubroker_llm_max_batched_tokens", **lab) == 256
+    assert value(metrics, "gpubroker_llm_kv_blocks_limit", **lab) == 32
+    assert value(metrics, "gpubroker_llm_prefill_paused", **lab) == 0
+
+
+def families(m: BrokerMetrics) -> dict[str, str]:
+    """Exported family name (as Prometheus sees it, ``_total`` included) -> its type."""
+    out = {}
+    for fam in m.registry.collect():
+        out[fam.name + ("_total" if fam.type == "counter" else "")] = fam.type
+    return out
+
+
+def test_metric_types_follow_prometheus_conventions(exported_metrics):
+    """Counts are counters, latencies are histograms in seconds, one unit per name, no quantile
+    in a name, no rate exported as a gauge."""
+    types = families(exported_metrics)
+    for name in (
+        "gpubroker_requests_total",
+        "gpubroker_arrivals_total",
+        "gpubroker_reports_total",
+        "gpubroker_decisions_total",
+        "gpubroker_quota_transfers_total",
+        "gpubroker_llm_prompt_tokens_total",
+        "gpubroker_llm_generation_tokens_total",
+        "gpubroker_llm_preemptions_total",
+        "gpubroker_config_reload_failures_total",
+    ):
+        assert types.get(name) == "counter", (name, types.get(name))
+    for name in (
+        "gpubroker_request_latency_seconds",
+        "gpubroker_batch_execution_seconds",
+        "gpubroker_tick_duration_seconds",
+        "gpubroker_batch_size",
+    ):
+        assert types.get(name) == "histogram", (name, types.get(name))
+    for name, kind in types.items():
+        assert not re.search(r"p\d\d|_rps\b|per_second|_ms\b", name), name  # no quantile, rate or ms in a name
+        assert name.endswith("_total") == (kind == "counter"), (name, kind)
+    for gone in ("gpubroker_arrival_rate_rps", "gpubroker_latency_p95_seconds", "gpubroker_llm_bound"):
+        assert gone not in types
+    for fam in exported_metrics.registry.collect():  # a ratio is a share, 0..1
+        if fam.name.endswith("_ratio"):
+            assert all(0 <= s.value <= 1 for s in fam.samples), fam.samples
+
+
+def test_histogram_buckets_fit_model_serving_latencies():
+    from broker.metrics import LATENCY_BUCKETS_S
+
+    assert LATENCY_BUCKETS_S == tuple(sorted(LATENCY_BUCKETS_S))
+    assert LATENCY_BUCKETS_S[0] <= 0.001 and LATENCY_BUCKETS_S[-1] >= 60  # a small net to a long generation
+    usual_slos = [b for b in LATENCY_BUCKETS_S if 0.05 <= b <= 2.0]  # fine where the usual caps are
+    assert len(usual_slos) >= 10
 
 
 def test_observe_reload(metrics):
@@ -474,12 +591,20 @@ def missing_metrics(exprs: list[tuple[str, str]], exported: set[str]) -> list[st
 
 
 @pytest.fixture
-def exported() -> set[str]:
+def exported_metrics() -> BrokerMetrics:
+    """A registry with every series the broker exports: a batch model's, an LLM engine's, a move's."""
     m = BrokerMetrics(CollectorRegistry(), gpu="cpu")
     m.observe_report(report())
     m.observe_tick(decision(moves=[QuotaMove("lend", "cold", "hot", 1 << 20, "idle")]), status(), 0.001)
-    m.llm.observe("chat", "cpu", {})  # an LLM engine's series (broker.metrics.LlmGauges)
-    return m.sample_names()
+    m.observe_report(report("chat", engine={"tokens_in": 10, "tokens_out": 20, "preemptions": 0}))
+    more = {"chat": model_status(engine=ENGINE_STATUS), "tok": model_status(batch_unit="tokens")}
+    m.observe_tick(decision(), status(models=more), 0.001)
+    return m
+
+
+@pytest.fixture
+def exported(exported_metrics) -> set[str]:
+    return exported_metrics.sample_names()
 
 
 def test_every_dashboard_query_reads_an_exported_metric(exported):
@@ -488,7 +613,7 @@ def test_every_dashboard_query_reads_an_exported_metric(exported):
     assert len(exprs) >= 15
     names = set().union(*(promql_metric_names(e) for _, e in exprs))
     assert {
-        "gpubroker_max_batch_size",
+        "gpubroker_max_batch_requests",
         "gpubroker_quota_granted_bytes",
         "gpubroker_card_capacity_bytes",
         "gpubroker_cost_per_1k_requests",
@@ -496,6 +621,31 @@ def test_every_dashboard_query_reads_an_exported_metric(exported):
         "gpubroker_queue_depth",
     } <= names
     assert missing_metrics(exprs, exported) == []
+
+
+RATED = re.compile(r"\b(?:rate|irate|increase)\(\s*([A-Za-z_:][\w:]*)")
+
+
+def unrated_counts(exprs: list[tuple[str, str]], types: dict[str, str]) -> list[str]:
+    """Counters and histogram buckets a query reads raw, and gauges it takes a rate of."""
+    bad = []
+    for where, expr in exprs:
+        rated = set(RATED.findall(expr))
+        for name in promql_metric_names(expr):
+            is_count = types.get(name) == "counter" or name.endswith("_bucket")
+            if is_count != (name in rated):
+                bad.append(f"{where}: {name} ({'raw counter' if is_count else 'rate of a gauge'})")
+    return bad
+
+
+def test_dashboard_takes_rates_of_counters_and_reads_gauges_raw(exported_metrics):
+    exprs = dashboard_exprs(json.loads(DASHBOARD.read_text()))
+    types = families(exported_metrics)
+    assert unrated_counts(exprs, types) == []
+    assert unrated_counts([("p", "gpubroker_requests_total"), ("q", "rate(gpubroker_queue_depth[1m])")], types) == [
+        "p: gpubroker_requests_total (raw counter)",
+        "q: gpubroker_queue_depth (rate of a gauge)",
+    ]
 
 
 def test_dashboard_check_catches_a_missing_metric(exported):
@@ -511,8 +661,8 @@ def test_dashboard_check_catches_a_missing_metric(exported):
 
 
 def test_promql_parser_pieces():
-    assert promql_metric_names('label_values(gpubroker_max_batch_size{gpu=~"$gpu"}, model)') == {
-        "gpubroker_max_batch_size"
+    assert promql_metric_names('label_values(gpubroker_quota_granted_bytes{gpu=~"$gpu"}, model)') == {
+        "gpubroker_quota_granted_bytes"
     }
     assert promql_metric_names("gpubroker_a / on (model) group_left gpubroker_b > 0") == {"gpubroker_a", "gpubroker_b"}
     assert promql_metric_names('max(gpubroker_card_usable_bytes{gpu=~"$gpu"}) * 1e3') == {"gpubroker_card_usable_bytes"}
@@ -673,7 +823,7 @@ def test_broker_core_feeds_its_metrics():
     st = core.status()
     for name, ms in st["models"].items():
         assert value(m, "gpubroker_quota_granted_bytes", model=name, gpu="cpu") == ms["grant_bytes"]
-        assert value(m, "gpubroker_max_batch_size", model=name, gpu="cpu") == ms["max_batch_size"]
+        assert value(m, "gpubroker_max_batch_requests", model=name, gpu="cpu") == ms["max_batch_size"]
     assert value(m, "gpubroker_requests_total", model="mlp", gpu="cpu", outcome="ok") == 36
     assert value(m, "gpubroker_config_info", config_hash=st["config_hash"]) == 1
     assert value(m, "gpubroker_ticks_total", gpu="cpu") == 1
