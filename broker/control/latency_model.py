@@ -69,7 +69,7 @@ def fit_for_load(load: ModelLoad, prior: LatencyFit | None) -> LatencyFit | None
 
 
 def fit_from_sums(sums: FitSums, prior: LatencyFit | None = None) -> LatencyFit | None:
-    """``fit_latency`` from its sums (what the report window keeps up to date incrementally)."""
+    """``fit_latency`` from its sums (``fit_sums``)."""
     n, sb, sl, sbb, sbl = sums
     if n == 0:
         return prior

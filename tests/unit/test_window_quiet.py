@@ -9,13 +9,12 @@ import random
 import pytest
 
 import broker.control.window as window_module
-from broker.control.window import ReportWindow
-from broker.control.window_fold import _Digest
+from broker.control.window import Digest, ReportWindow
 from broker.wire import StatsReport
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 
-class _AlwaysActive(_Digest):
+class _AlwaysActive(Digest):
     """A digest the window takes as active whatever it carries: the window always runs the full fold."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -71,9 +70,9 @@ def test_quiet_fold_equals_the_full_fold(seed, monkeypatch):
         t += 0.5
         for r in _reports(rng, t, step):
             quiet.add(r, t)
-            monkeypatch.setattr(window_module, "_Digest", _AlwaysActive)
+            monkeypatch.setattr(window_module, "Digest", _AlwaysActive)
             full.add(r, t)
-            monkeypatch.setattr(window_module, "_Digest", _Digest)
+            monkeypatch.setattr(window_module, "Digest", Digest)
         if step in (120, 121):  # refusals at the ingress: the window is not quiet while they are in it
             quiet.add_rejections("a", 3, t)
             full.add_rejections("a", 3, t)
