@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from broker.control.batch_plan import BatchPlan, wait_for
 from broker.control.latency_model import LatencyFit
 from broker.control.state import BatchWant
-from broker.control.vocab import Rule, Trigger
 from broker.control.types import GpuLoad, ModelLoad
+from broker.control.vocab import Rule, Trigger
 from quotas.config import BatchSpec, ModelSpec
 
 

@@ -42,8 +42,8 @@ from broker.control.batch_inputs import Inputs, RuleContext, cap_top  # noqa: F4
 from broker.control.batch_plan import plan_batch, wait_for
 from broker.control.latency_model import LatencyFit
 from broker.control.state import BatchWant
-from broker.control.vocab import Rule, Trigger
 from broker.control.types import GpuLoad, ModelLoad
+from broker.control.vocab import Rule, Trigger
 from quotas.config import ModelSpec
 
 

@@ -7,8 +7,8 @@ import math
 from collections import deque
 from typing import Any
 
-from broker.control.vocab import EntryKind
 from broker.control.types import ModelDecision, ModelLoad
+from broker.control.vocab import EntryKind
 from broker.wire import ModelSettings
 
 logger = logging.getLogger("gpubroker.broker")

@@ -65,8 +65,8 @@ from broker.control.batch_inputs import cap_top
 from broker.control.lending_need import peak_batch, pressed
 from broker.control.memory_model import MemoryModel
 from broker.control.state import BatchWant, ModelState
-from broker.control.vocab import MoveKind
 from broker.control.types import FleetSnapshot, ModelLoad, QuotaMove
+from broker.control.vocab import MoveKind
 from quotas.config import FleetConfig, ModelSpec
 from quotas.holding import measured_free_bytes
 from quotas.ledger import LedgerError, QuotaLedger, Transfer

@@ -28,8 +28,8 @@ from broker.control.lending import QuotaPlan, plan_quota
 from broker.control.memory_model import MemoryModel
 from broker.control.profiles import active_profile
 from broker.control.state import BatchWant, ModelState
-from broker.control.vocab import Rule, Trigger
 from broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
+from broker.control.vocab import Rule, Trigger
 from broker.wire import ModelSettings
 from quotas.config import FleetConfig, ModelSpec, ProfileSpec
 from quotas.ledger import ModelQuota, QuotaLedger

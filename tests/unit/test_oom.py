@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from broker.control.memory_model import MemoryModel
-from broker.core import BrokerCore
 from broker.control.types import ModelLoad
+from broker.core import BrokerCore
 from deployments.models import EmulatedOOM
 from deployments.units.oom import (
     OOM_STATUS,
