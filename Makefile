@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv lint test test-fast test-integration chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
+.PHONY: venv lint prometheus test test-fast test-integration chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,10 +30,22 @@ lint: $(STAMP)
 # Lint, then pure and simulator tests, then real Ray Serve in a process of its own (a Ray
 # session torn down in a process can leave Serve's batching metrics hanging in later tests),
 # then a 2-node Ray cluster of emulated cards (ray.cluster_utils.Cluster), in its own process too.
-test: lint
+test: lint prometheus
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 300 tests/unit tests/sim tests/gpu
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/integration
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/cluster
+
+# Debian's Prometheus for tests/integration/test_prometheus_dashboard.py, which runs the binary
+# itself on a free port (it skips with a message where there is none): installed where apt-get
+# is there and make runs as root; the package's own service is stopped and disabled.
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ]; then \
+	  echo "make: no apt-get or not root: Prometheus not installed, the dashboard test will skip"; exit 0; fi; \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus || exit 1; \
+	if [ -d /run/systemd/system ]; then systemctl disable --now prometheus >/dev/null 2>&1 || true; \
+	elif [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1 || true; \
+	  update-rc.d prometheus disable >/dev/null 2>&1 || true; fi
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/sim
