@@ -817,7 +817,7 @@ def test_broker_core_feeds_its_metrics():
     core = BrokerCore(CORE_CONFIG, clock=lambda: t[0], metrics=m)
     for i in range(4):
         t[0] += 0.25
-        core.report(report(seq=i, now_s=t[0]).to_dict())
+        core.report(report(seq=i, now_s=t[0]))
     t[0] += 0.25
     core.tick()
     st = core.status()
