@@ -19,23 +19,31 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
+    BaseModel,
+    ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from quotas.cards import GpusSection, PlacementSpec
-from quotas.config_base import DAY_NAMES, Size, _size, _Strict  # noqa: F401 - re-exported
-from quotas.config_errors import _MISSING, ConfigError, ConfigIssue, _issue_from_pydantic  # noqa: F401 - re-exported
+from quotas.config_errors import MISSING, ConfigError, ConfigIssue, duplicate_keys, issue_from_pydantic
 from quotas.llm_spec import LLM_ENGINES, LlmSpec
 from quotas.placement import check_fleet_cards
 from quotas.schedule import ProfileSpec, ProfilesSection  # noqa: F401 - re-exported
-from quotas.sizes import format_size
+from quotas.sizes import UNITS_REQUIRED, ExactSize, Size, format_size
 from quotas.vocab import BatchFormation, Strategy
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2
+DIRECT_INGRESS_PORTS = (30000, 31000)  # Serve's direct ingress: a replica's own port in this range
+EMULATED_FIGURES = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "unit")  # profiled's options
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class BrokerSection(_Strict):
@@ -297,6 +305,34 @@ class ControlSpec(_Strict):
         return self
 
 
+class ModelProfile(_Strict):
+    """A model's latency L(b) = a + c*b (+ token_ms per token) and memory weights + bytes_per_item*b."""
+
+    a_ms: float = Field(ge=0, le=600_000, description="Fixed cost of one batch (launches, transfers), ms.")
+    c_ms: float = Field(ge=0, le=600_000, description="Cost per batch unit (a request, or a token), ms.")
+    token_ms: float = Field(0.0, ge=0, le=60_000, description="Extra cost per token whatever the unit, ms.")
+    weights_bytes: ExactSize | None = Field(
+        None, description="Memory held by the weights, e.g. 2GiB; default: half of quota.min."
+    )
+    bytes_per_item: ExactSize | None = Field(
+        None,
+        description="Memory per batch unit, e.g. 16MiB; default: what fills quota.base at batch.ceiling.",
+    )
+    unit: Literal["requests", "tokens"] | None = Field(
+        None, description="What c_ms and bytes_per_item count: requests or tokens; default: batch.unit."
+    )
+    mean_tokens: float = Field(
+        128.0, gt=0, description="Token models: mean request length when the arrivals carry none."
+    )
+    tokens_cv: float = Field(0.5, ge=0, le=10, description="Token models: CV of request lengths without a trace.")
+
+    @model_validator(mode="after")
+    def _some_cost(self) -> ModelProfile:
+        if self.a_ms + self.c_ms + self.token_ms <= 0:
+            raise ValueError("a_ms, c_ms and token_ms are all 0; give the batch some cost (e.g. a_ms: 5)")
+        return self
+
+
 class ModelSpec(_Strict):
     kind: Literal["batch", "llm"] = Field(
         "batch",
@@ -310,6 +346,12 @@ class ModelSpec(_Strict):
         description="Built-in model (minilm, mlp, cnn, profiled), an LLM engine (tiny-llama, kind: llm) or a user class as 'pkg.module:Class'."
     )
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the model class.")
+    profile: ModelProfile | None = Field(
+        None,
+        exclude_if=lambda value: value is None,  # configs without one keep their hash
+        description="Latency and memory figures of the model (gpubroker calibrate writes them): what simulate "
+        "emulates and quota suggestions start from; a profiled model emulates them when it serves.",
+    )
     quota: QuotaSpec = Field(description="Memory quota: min <= base <= max.")
     batch: BatchSpec = Field(default_factory=BatchSpec, description="Batch cap floor/ceiling and their unit.")
     wait: WaitSpec = Field(default_factory=WaitSpec, description="Batch wait timeout range.")
@@ -331,7 +373,7 @@ class ModelSpec(_Strict):
         description="Answer 504 at once to a queued request that can no longer meet slo_p95_ms (its wait plus the replica's last batch time) instead of running it late (deployments/units/shed.py); kind: batch only.",
     )
     max_body_bytes: Size = Field(
-        1024**2, description="Request bodies over this are refused with 413 before they reach the model."
+        "1MiB", description="Request bodies over this are refused with 413 before they reach the model."
     )
     control: ControlSpec = Field(
         default_factory=ControlSpec, description="Control loop parameters (defaults from DESIGN.md)."
@@ -347,6 +389,29 @@ class ModelSpec(_Strict):
             max(self.batch.ceiling * self.batch.max_concurrent_batches, self.max_queued)
             + self.batch.max_concurrent_batches
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _emulate_profile(cls, data: Any, info: ValidationInfo) -> Any:
+        """A profiled model serves what its profile says: the profile's figures become the
+        emulation's options (deployments/models/profiled.py), so the replica sleeps and allocates
+        what the simulator emulates. In a file, options that say otherwise are refused."""
+        if not (isinstance(data, dict) and data.get("model") == "profiled" and isinstance(data.get("profile"), dict)):
+            return data
+        options = dict(data.get("options") or {})
+        try:
+            profile = ModelProfile.model_validate(data["profile"])
+        except ValidationError:
+            return data  # the profile's own validation names what is wrong
+        figures = {k: getattr(profile, k) for k in EMULATED_FIGURES if getattr(profile, k) is not None}
+        differ = sorted(k for k, v in figures.items() if k in options and options[k] != v)
+        if differ and info.context and info.context.get(UNITS_REQUIRED):
+            key = differ[0]
+            raise ValueError(
+                f"options.{key}: {options[key]!r} differs from profile.{key} ({figures[key]!r}); a profiled "
+                "model emulates its profile: remove it from options"
+            )
+        return {**data, "options": {**options, **figures}}
 
     @model_validator(mode="after")
     def _kind(self) -> ModelSpec:
@@ -401,6 +466,23 @@ class FleetConfig(_Strict):
         return value
 
     @model_validator(mode="after")
+    def _ports(self) -> FleetConfig:
+        b = self.broker
+        if b.metrics_port and b.metrics_port == b.http_port:
+            raise ValueError(
+                f"broker.metrics_port: {b.metrics_port} is also broker.http_port; the Prometheus exporter and "
+                "Serve's HTTP proxy cannot share a port: pick another metrics_port (e.g. 9464), or 0 for no exporter"
+            )
+        low, high = DIRECT_INGRESS_PORTS
+        for key, port in (("http_port", b.http_port), ("metrics_port", b.metrics_port)):
+            if b.direct_ingress and low <= port <= high:
+                raise ValueError(
+                    f"broker.{key}: {port} is in {low}-{high}, the ports broker.direct_ingress gives replicas; "
+                    f"pick a port outside that range"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _fits(self) -> FleetConfig:
         for name, spec in self.models.items():  # shedding runs at the lazy gate (deployments/units/shed.py)
             if spec.shed_late and (spec.control.strategy == "static" or self.broker.batch_formation != "lazy"):
@@ -451,43 +533,49 @@ class FleetConfig(_Strict):
 # Loading, with errors that name the field, the bad value and the fix.
 
 
-def parse_config(data: Any, source: str = "config") -> FleetConfig:
-    """Validate an already-parsed YAML document."""
+def parse_config(data: Any, source: str = "config", *, units_required: bool = False) -> FleetConfig:
+    """Validate an already-parsed YAML document. ``units_required``: a size written as a bare
+    number is an error (what a file an operator wrote gets; code may pass integer bytes)."""
     if not isinstance(data, dict):
         raise ConfigError(
-            [ConfigIssue("", _MISSING, "the file must be a mapping with broker/gpu/models/profiles sections")], source
+            [ConfigIssue("", MISSING, "the file must be a mapping with broker/gpu/models/profiles sections")], source
         )
     try:
-        return FleetConfig.model_validate(data)
+        return FleetConfig.model_validate(data, context={UNITS_REQUIRED: units_required})
     except ValidationError as exc:
-        raise ConfigError([_issue_from_pydantic(e) for e in exc.errors()], source) from None
+        raise ConfigError([issue_from_pydantic(e) for e in exc.errors()], source) from None
 
 
-def parse_config_text(text: str, source: str = "config") -> FleetConfig:
+def parse_config_text(text: str, source: str = "config", *, units_required: bool = False) -> FleetConfig:
+    """Validate YAML text; a key written twice in one mapping is an error naming both lines."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError(
-            [ConfigIssue("", _MISSING, f"not valid YAML{where}: {getattr(exc, 'problem', exc)}; fix the syntax")],
+            [ConfigIssue("", MISSING, f"not valid YAML{where}: {getattr(exc, 'problem', exc)}; fix the syntax")],
             source,
             exit_code=2,
         ) from None
     if data is None:
         raise ConfigError(
-            [ConfigIssue("", _MISSING, "the file is empty; write a fleet config (see configs/demo.yaml)")],
+            [ConfigIssue("", MISSING, "the file is empty; write a fleet config (see configs/demo.yaml)")],
             source,
             exit_code=2,
         )
-    return parse_config(data, source)
+    twice = duplicate_keys(text)
+    if twice:
+        raise ConfigError(twice, source)
+    return parse_config(data, source, units_required=units_required)
 
 
 def load_config(path: str | Path) -> FleetConfig:
-    """Read and validate a config file. Raises ConfigError (exit_code 2 when unreadable)."""
+    """Read and validate a config file, sizes with their units. Raises ConfigError (exit_code 2
+    when unreadable or not YAML)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([ConfigIssue("", _MISSING, f"cannot read {p}: {exc}")], str(p), exit_code=2) from None
-    return parse_config_text(text, str(p))
+        raise ConfigError([ConfigIssue("", MISSING, f"cannot read {p}: {exc}")], str(p), exit_code=2) from None
+    return parse_config_text(text, str(p), units_required=True)

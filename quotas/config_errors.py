@@ -1,10 +1,13 @@
-"""Config errors that name the field path, the bad value and the fix (from pydantic's errors)."""
+"""Config errors that name the field path, the bad value and the fix (from pydantic's errors),
+and the YAML reader that refuses what PyYAML would let pass silently (a key written twice)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import yaml
 
 
 @dataclass(frozen=True)
@@ -14,11 +17,11 @@ class ConfigIssue:
     message: str  # what is wrong and how to fix it
 
     def __str__(self) -> str:
-        shown = "" if self.value is _MISSING else f" (got {self.value!r})"
+        shown = "" if self.value is MISSING else f" (got {self.value!r})"
         return f"{self.path or '<root>'}{shown}: {self.message}"
 
 
-_MISSING = object()
+MISSING = object()
 
 
 class ConfigError(ValueError):
@@ -38,7 +41,7 @@ _FIXES = {
 }
 
 
-def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
+def issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
     loc = [str(part) for part in err.get("loc", ())]
     # Pydantic adds the union branch / validator names to locs; drop the noise.
     loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]
@@ -59,7 +62,41 @@ def _issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
         msg = f"unknown key '{loc[-1] if loc else ''}'; {fix}"
     elif kind == "missing":
         msg = f"required field is missing; {fix}"
-    value = err.get("input", _MISSING) if kind != "missing" else _MISSING
+    value = err.get("input", MISSING) if kind != "missing" else MISSING
     if kind != "extra_forbidden" and (isinstance(value, dict) or (isinstance(value, list) and len(repr(value)) > 80)):
-        value = _MISSING  # whole-section (or long list) errors: the message names the fields
+        value = MISSING  # whole-section (or long list) errors: the message names the fields
     return ConfigIssue(path=path, value=value, message=msg)
+
+
+def duplicate_keys(text: str) -> list[ConfigIssue]:
+    """Every key written twice in one mapping of the YAML ``text``, with its path and both lines
+    (PyYAML keeps the last one silently: two models of one name and one of them disappears).
+    The text must already parse."""
+    issues: list[ConfigIssue] = []
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                key = str(key_node.value)
+                line = key_node.start_mark.line + 1
+                where = f"{path}.{key}" if path else key
+                if key in seen:
+                    issues.append(
+                        ConfigIssue(
+                            where,
+                            key,
+                            f"written twice (lines {seen[key]} and {line}); YAML would keep only the second: "
+                            "rename one or remove one",
+                        )
+                    )
+                seen.setdefault(key, line)
+                walk(value_node, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, f"{path}.{i}")
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
+    return issues

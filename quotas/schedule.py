@@ -6,12 +6,29 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from quotas.config_base import DAY_NAMES, _Strict
 from quotas.vocab import Objective
 
+DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_FULL_DAY_NAMES = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 _HOURS_RE = re.compile(r"^(\d{1,2}):(\d{2})-(\d{1,2}):(\d{2})$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _day(name: str, item: str) -> int:
+    """'mon' or 'monday' (any case) -> 0; anything else is refused, never read by its first letters."""
+    word = name.strip().lower()
+    for names in (DAY_NAMES, _FULL_DAY_NAMES):
+        if word in names:
+            return names.index(word)
+    raise ValueError(
+        f"'{name.strip()}' in '{item}' is not a day name; use mon, tue, wed, thu, fri, sat, sun (or the full "
+        "names), a range such as mon-fri, a list such as sat,sun, or daily"
+    )
 
 
 def _parse_days(value: Any) -> tuple[int, ...]:
@@ -21,19 +38,13 @@ def _parse_days(value: Any) -> tuple[int, ...]:
     items = value.split(",") if isinstance(value, str) else list(value)
     days: set[int] = set()
     for item in items:
-        item = str(item).strip().lower()
+        item = str(item).strip()
         if "-" in item:
-            start, end = (part.strip()[:3] for part in item.split("-", 1))
-            if start not in DAY_NAMES or end not in DAY_NAMES:
-                raise ValueError(f"'{item}' is not a day range; write e.g. mon-fri")
-            i, j = DAY_NAMES.index(start), DAY_NAMES.index(end)
+            start, end = item.split("-", 1)
+            i, j = _day(start, item), _day(end, item)
             days.update(range(i, j + 1) if i <= j else [*range(i, 7), *range(0, j + 1)])
         else:
-            if item[:3] not in DAY_NAMES:
-                raise ValueError(
-                    f"'{item}' is not a day; use mon, tue, wed, thu, fri, sat, sun, a range such as mon-fri, or daily"
-                )
-            days.add(DAY_NAMES.index(item[:3]))
+            days.add(_day(item, item))
     return tuple(sorted(days))
 
 
@@ -71,6 +82,20 @@ class ProfileSpec(_Strict):
         None, description="Hours of the window, HH:MM-HH:MM in the schedule's timezone. Not set on the default."
     )
 
+    @field_validator("days")
+    @classmethod
+    def _days(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is not None:
+            _parse_days(value)
+        return value
+
+    @field_validator("hours")
+    @classmethod
+    def _hours(cls, value: str | None) -> str | None:
+        if value is not None:
+            _parse_hours(value)
+        return value
+
     @model_validator(mode="after")
     def _window(self) -> ProfileSpec:
         if self.default:
@@ -79,8 +104,6 @@ class ProfileSpec(_Strict):
             return self
         if self.days is None or self.hours is None:
             raise ValueError("a non-default profile needs both days and hours (e.g. days: mon-fri, hours: 08:00-20:00)")
-        _parse_days(self.days)
-        _parse_hours(self.hours)
         return self
 
     def weekly_minutes(self) -> list[tuple[int, int]]:

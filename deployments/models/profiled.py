@@ -1,5 +1,7 @@
 """``profiled``: an EMULATION of the simulator's model, for demos and tests without a real model.
 
+Its options are the model's ``profile:`` figures (``quotas.config`` copies them in, sizes in
+bytes), so it serves the latency and memory that ``simulate`` emulates for it.
 It does no real compute. A batch of cost ``b`` (requests, or tokens when ``unit: tokens``)
 sleeps ``a_ms + c_ms * b + token_ms * tokens`` milliseconds (time.sleep), holds
 ``weights_bytes`` of touched memory from load, and allocates ``bytes_per_item * b`` of touched

@@ -269,7 +269,7 @@ def apply(
     """Validate locally, then swap the running broker's config; exit 1 with the issues if refused."""
     try:
         text = config.read_text(encoding="utf-8")
-        parse_config_text(text, str(config))
+        parse_config_text(text, str(config), units_required=True)  # as `up` reads a file: sizes with units
     except ConfigError as exc:
         print_config_error(exc)
         raise typer.Exit(exc.exit_code) from None

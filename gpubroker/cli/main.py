@@ -1,8 +1,10 @@
 """``gpubroker`` command line (Typer + rich): the top of the import graph.
 
 Every command is imported here statically; each lives in the module of what it drives
-(``gpubroker.cli.fleet``, ``gpubroker.cli.simulate``, ``gpubroker.cli.bench``). Heavy imports (ray, torch) stay inside the
-command bodies so ``gpubroker validate`` answers in well under a second.
+(``gpubroker.cli.fleet``, ``gpubroker.cli.simulate``, ``gpubroker.cli.calibrate``,
+``gpubroker.cli.bench``). Heavy imports (ray, torch) stay inside the command bodies so
+``gpubroker validate --no-import`` answers in well under a second. Habits of other CLIs hold:
+``-h``, ``--version``, shell completion, flags without values, the config file as an argument.
 """
 
 from __future__ import annotations
@@ -13,73 +15,126 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from gpubroker.cli import bench, fleet, simulate
-from gpubroker.cli.views import config_table, placement_table, print_config_error
-from quotas.config import ConfigError, load_config
+from gpubroker import __version__
+from gpubroker.cli import bench, calibrate, fleet, simulate
+from gpubroker.cli.views import budget_table, config_table, placement_table, print_config_error
+from gpubroker.validate import budget, build_models
+from quotas.config import ConfigError, FleetConfig, load_config
+from quotas.config_errors import MISSING, ConfigIssue
 from quotas.placement import place_fleet
 
 app = typer.Typer(
     name="gpubroker",
     help="Share one GPU between several Ray Serve models: quota lending and load-following batching.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
+    rich_markup_mode=None,  # click's plain help: a flag shows no value (Typer's rich help shows <bool>)
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console()
 
 
+def _version(value: bool) -> None:
+    if value:
+        print(f"gpubroker {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     """Share one GPU between several Ray Serve models."""
+
+
+def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[list[ConfigIssue], list[str]]:
+    """What the schema cannot see: the project shadowing our packages, and each model built in a child."""
+    from deployments.user_code import check_project  # noqa: PLC0415 - reads the file tree only
+
+    project = check_project((n, s.model) for n, s in cfg.models.items())
+    issues = [ConfigIssue("models", MISSING, message) for message in project.errors]
+    if not no_import and not project.errors:
+        issues += build_models(cfg, timeout_s=timeout_s)
+    return issues, list(project.warnings)
 
 
 @app.command()
 def validate(
-    config: Path = typer.Argument(..., help="Fleet config YAML to check."),
+    config: Path = typer.Argument(..., metavar="CONFIG", help="Fleet config YAML to check."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of a table."),
+    explain: bool = typer.Option(
+        False,
+        "--explain",
+        help="Show the card's budget: capacity, reserve, per-process CUDA context, usable, each model's "
+        "min/base/max, in bytes.",
+    ),
+    no_import: bool = typer.Option(
+        False, "--no-import", help="Do not import and build each model class (checks the file alone)."
+    ),
+    import_timeout_s: float = typer.Option(
+        60.0, "--import-timeout", min=1, help="Seconds the import-and-build check may take, all models together."
+    ),
 ) -> None:
-    """Check a fleet config: exit 0 valid, 1 invalid (every problem listed), 2 unreadable or not YAML."""
+    """Check a fleet config: exit 0 valid, 1 invalid (every problem listed), 2 unreadable or not YAML.
+
+    Beyond the file, each model class is imported and built with its options in a child process
+    (no Ray), from the current directory as `gpubroker up` runs it."""
     try:
         cfg = load_config(config)
+        issues, warnings = _deep_issues(cfg, no_import, import_timeout_s)
+        if issues:
+            raise ConfigError(issues, str(config))
     except ConfigError as exc:
         if as_json:
-            print(
-                json.dumps(
-                    {
-                        "valid": False,
-                        "source": exc.source,
-                        "issues": [{"path": i.path, "message": i.message, "text": str(i)} for i in exc.issues],
-                    },
-                    indent=2,
-                )
-            )
+            doc = {"valid": False, "source": exc.source, "issues": [_issue_json(i) for i in exc.issues]}
+            print(json.dumps(doc, indent=2))
         else:
             print_config_error(exc)
         raise typer.Exit(exc.exit_code) from None
     placement = place_fleet(cfg) if isinstance(cfg.gpus, list) else None  # gpus: auto is placed at start
     if as_json:
-        doc = {
-            "valid": True,
-            "source": str(config),
-            "config_hash": cfg.config_hash(),
-            "config": cfg.model_dump(mode="json"),
-        }
-        if placement is not None:
-            doc["placement"] = placement.to_dict()
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(_valid_json(cfg, config, placement, explain, warnings), indent=2))
         return
+    for warning in warnings:
+        console.print(f"[yellow]warning[/] {warning}", highlight=False)
     console.print(config_table(cfg, str(config)))
     if placement is not None:
         console.print(placement_table(placement))
+    if explain and cfg.gpus is None:
+        console.print(budget_table(budget(cfg)))
     profiles = ", ".join(
         f"{p.name}{' (default)' if p.default else f' {p.days} {p.hours}'}: {p.objective}, ${p.price_per_gpu_hour:g}/h"
         for p in cfg.profiles.schedule
     )
     console.print(f"profiles ({cfg.profiles.timezone}): {profiles}")
-    console.print(f"[green]valid[/] - config hash {cfg.config_hash()}")
+    checked = "file only (--no-import)" if no_import else "every model class imported and built"
+    console.print(f"[green]valid[/] - config hash {cfg.config_hash()} ({checked})")
+
+
+def _issue_json(issue: ConfigIssue) -> dict[str, str]:
+    return {"path": issue.path, "message": issue.message, "text": str(issue)}
+
+
+def _valid_json(cfg: FleetConfig, config: Path, placement, explain: bool, warnings: list[str]) -> dict:  # noqa: ANN001
+    doc = {
+        "valid": True,
+        "source": str(config),
+        "config_hash": cfg.config_hash(),
+        "config": cfg.model_dump(mode="json"),
+        "warnings": warnings,
+    }
+    if placement is not None:
+        doc["placement"] = placement.to_dict()
+    if explain and cfg.gpus is None:
+        doc["budget"] = budget(cfg).to_dict()
+    return doc
 
 
 # In the order `gpubroker --help` lists them.
 app.command(name="simulate")(simulate.simulate)
+app.command(name="calibrate")(calibrate.calibrate)
 for _name, _command in (
     ("up", fleet.up),
     ("status", fleet.status),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from gpubroker.cli.views import print_config_error, result_table, validation_table
+from gpubroker.cli.views import knee_check_table, print_config_error, result_table
 from quotas.config import FleetConfig
 
 
@@ -32,8 +32,10 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def simulate(
-    config: Path = typer.Option(
-        ..., "--config", help="Fleet config YAML (gpu.capacity an explicit size, or listed gpus: with --card)."
+    config: Path = typer.Argument(
+        ...,
+        metavar="CONFIG",
+        help="Fleet config YAML (gpu.capacity an explicit size, or listed gpus: with --card).",
     ),
     card: str | None = typer.Option(
         None,
@@ -58,14 +60,17 @@ def simulate(
     ),
     split: str = typer.Option("even", "--split", help="How --rate is split over models: even or powerlaw."),
     warmup_s: float = typer.Option(
-        0.0, "--warmup-s", help="Seconds at the start left out of the metrics (sweep/validate default 30)."
+        0.0, "--warmup-s", help="Seconds at the start left out of the metrics (--sweep/--knee-check default 30)."
     ),
-    validate: bool = typer.Option(
+    knee_check: bool = typer.Option(
         False,
-        "--validate",
-        help="Headline figures of a one-model profile: static 8 at S, broker at 1.2·S, oracle, bound.",
+        "--knee-check",
+        help="Benchmark a one-model profile: the knees of static 8 at S, the broker at 1.2·S and the oracle, "
+        "against the bound (BENCHMARK.md's headline figures).",
     ),
-    no_oracle: bool = typer.Option(False, "--no-oracle", help="With --validate: skip the static-grid oracle (faster)."),
+    no_oracle: bool = typer.Option(
+        False, "--no-oracle", help="With --knee-check: skip the static-grid oracle (faster)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     series: bool = typer.Option(
         False, "--series", help="With --json: include the per-interval time series and decisions."
@@ -126,10 +131,10 @@ def simulate(
     except ValueError as exc:
         _fail(str(exc))
 
-    if validate:
+    if knee_check:
         if len(cfg.models) != 1:
             _fail(
-                f"--validate takes a one-model profile config; {config} has {len(cfg.models)} models "
+                f"--knee-check takes a one-model profile config; {config} has {len(cfg.models)} models "
                 "(use configs/sim-a20-c0.5.yaml or configs/sim-a10-c2.yaml)"
             )
         rs = RunSettings(
@@ -144,7 +149,7 @@ def simulate(
         if as_json:
             print(json.dumps(v, indent=2, default=str))
         else:
-            console.print(validation_table(v))
+            console.print(knee_check_table(v))
         return
 
     total = rate if rate is not None else sum(default_rates(cfg).values())

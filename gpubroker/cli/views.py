@@ -11,7 +11,7 @@ from rich.table import Table
 from gpubroker.sim.numbers import fmt
 from quotas.config import ConfigError, FleetConfig
 from quotas.placement import Placement
-from quotas.sizes import format_size
+from quotas.sizes import exact_size, format_size
 
 err_console = Console(stderr=True)
 
@@ -66,6 +66,35 @@ def placement_table(placement: Placement) -> Table:
             format_size(plan.base_bytes),
             format_size(plan.free_bytes),
             ", ".join(f"{m} x{n}" if n > 1 else m for m, n in plan.models.items()) or "-",
+        )
+    return table
+
+
+def budget_table(b: Any) -> Table:
+    """``validate --explain``: the card's budget (``gpubroker.validate.CardBudget``), sizes with their bytes."""
+
+    def size(n: int | None, unknown: str = "auto (measured at start)") -> str:
+        return unknown if n is None else exact_size(n)
+
+    title = f"card budget ({b.device}): usable = capacity x (1 - reserve_frac) - CUDA context per process"
+    table = Table(title=title, show_header=False)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("capacity", size(b.capacity_bytes))
+    table.add_row(f"reserve ({b.reserve_frac:g} of capacity)", size(b.reserve_bytes))
+    context = b.context_bytes_each * b.processes
+    table.add_row(
+        f"CUDA context: {b.processes} process(es) x {format_size(b.context_bytes_each)} ({b.context_note})",
+        exact_size(context),
+    )
+    table.add_row("usable", size(b.usable_bytes))
+    table.add_row("sum of base quotas", exact_size(b.base_sum_bytes))
+    table.add_row("usable - sum of base (lent and borrowed beyond the bases)", size(b.free_bytes, "-"))
+    for m in b.models:
+        replicas = f" x{m.replicas} replicas" if m.replicas > 1 else ""
+        table.add_row(
+            f"{m.name}{replicas}: min / base / max",
+            f"{exact_size(m.min_bytes)} / {exact_size(m.base_bytes)} / {exact_size(m.max_bytes)}",
         )
     return table
 
@@ -312,7 +341,7 @@ def result_table(result: Any, title: str) -> Table:
     return table
 
 
-def validation_table(v: dict[str, Any]) -> Table:
+def knee_check_table(v: dict[str, Any]) -> Table:
     t = Table(
         title=f"{v['model']}: a={v['a_ms']:g} ms, c={v['c_ms']:g} ms, {v.get('batching', 'eager')} batching; reference {v['reference_rps']:.1f}/s, "
         f"S = {v['S_ms']:.1f} ms, broker cap 1.2·S = {v['cap_ms']:.1f} ms"

@@ -1,12 +1,14 @@
 """Latency and memory profiles of the models the simulator emulates.
 
-A model whose ``model`` is ``profiled`` reads its profile from ``options``:
+A model reads its profile from its ``profile:`` key (``quotas.config.ModelProfile``;
+``gpubroker calibrate`` measures and writes it); a ``profiled`` model without one, from its
+emulation's ``options``:
 
 - ``a_ms``: fixed cost of one batch (kernel launches, transfers), ms
 - ``c_ms``: cost per batch unit (request, or token for token models), ms
 - ``token_ms``: extra cost per token whatever the unit, ms (default 0; a request without a
   length counts 1 token, as in the adapter)
-- ``weights_bytes``: memory held by the weights (a size: "2GiB" or bytes)
+- ``weights_bytes``: memory held by the weights (a size: "2GiB")
 - ``bytes_per_item``: memory per batch unit (per request, or per token for token models)
 - ``unit``: "requests" or "tokens" (default: the model's ``batch.unit``)
 
@@ -15,13 +17,13 @@ so one batch of cost ``b`` (requests, or tokens) holding ``tokens`` tokens runs 
 ``weights_bytes + bytes_per_item·b`` bytes -- the same model ``deployments/models/profiled.py``
 sleeps and allocates, so the broker sees the same behaviour live as in simulation.
 
-Any other model (minilm, mlp, cnn, a user class) gets the DEFAULT profile: a_ms 5,
-c_ms 1 (token models: c_ms 0.01 per token), weights = half of ``quota.min``, and
-``bytes_per_item`` such that a batch at ``batch.ceiling`` fills ``quota.base``. Options of
-the same names override it. It is a placeholder to exercise the policy, not a measurement.
+Any other model without a ``profile:`` (minilm, mlp, cnn, a user class) gets the DEFAULT
+profile: a_ms 5, c_ms 1 (token models: c_ms 0.01 per token), weights = half of ``quota.min``,
+and ``bytes_per_item`` such that a batch at ``batch.ceiling`` fills ``quota.base`` (also the
+memory a profile leaves out). It is a placeholder to exercise the policy, not a measurement.
 
 Token models also need request lengths when the arrivals carry none (Poisson, gamma):
-``mean_tokens`` (option, default 128) and lognormal lengths with CV ``tokens_cv`` (default
+``mean_tokens`` (default 128) and lognormal lengths with CV ``tokens_cv`` (default
 0.5), clipped to [1, 8·mean]. The trace carries its own lengths (ContextTokens).
 """
 
@@ -68,30 +70,39 @@ class Profile:
         return 1000.0 * batch / self.latency_ms(batch * per, batch * per)
 
 
-def _num(options: dict[str, Any], key: str, default: float, name: str) -> float:
+def _num(options: dict[str, Any], key: str, default: float, where: str) -> float:
     value = options.get(key, default)
     try:
         out = float(value)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"models.{name}.options.{key} ({value!r}) is not a number; write e.g. {key}: {default:g}"
-        ) from None
+        raise ValueError(f"{where}.{key} ({value!r}) is not a number; write e.g. {key}: {default:g}") from None
     if out < 0:
-        raise ValueError(f"models.{name}.options.{key} ({value!r}) is negative; it must be >= 0")
+        raise ValueError(f"{where}.{key} ({value!r}) is negative; it must be >= 0")
     return out
 
 
+def _figures(spec: ModelSpec) -> tuple[dict[str, Any], str]:
+    """The figures that define the profile and the key they are under in the config."""
+    if spec.profile is not None:  # validated, sizes in bytes
+        figures = {k: getattr(spec.profile, k) for k in type(spec.profile).model_fields}
+        return {k: v for k, v in figures.items() if v is not None}, "profile"
+    if spec.model == "profiled":  # the emulation's own options
+        return dict(spec.options), "options"
+    return {}, "profile"
+
+
 def profile_for(name: str, spec: ModelSpec) -> Profile:
-    """The profile of one model: its options if ``profiled``, the documented default otherwise."""
-    opts = dict(spec.options)
+    """The profile of one model: its ``profile:`` (or a profiled model's options), else the documented default."""
+    opts, key = _figures(spec)
     unit = str(opts.get("unit", spec.batch.unit))
     if unit not in ("requests", "tokens"):
-        raise ValueError(f"models.{name}.options.unit ({unit!r}) is not a unit; use requests or tokens")
-    profiled = spec.model == "profiled"
+        raise ValueError(f"models.{name}.{key}.unit ({unit!r}) is not a unit; use requests or tokens")
+    profiled = spec.profile is not None or spec.model == "profiled"
     tokens = unit == "tokens"
-    a_ms = _num(opts, "a_ms", DEFAULT_A_MS, name)
-    c_ms = _num(opts, "c_ms", DEFAULT_TOKEN_C_MS if tokens else DEFAULT_C_MS, name)
-    token_ms = _num(opts, "token_ms", 0.0, name)
+    where = f"models.{name}.{key}"
+    a_ms = _num(opts, "a_ms", DEFAULT_A_MS, where)
+    c_ms = _num(opts, "c_ms", DEFAULT_TOKEN_C_MS if tokens else DEFAULT_C_MS, where)
+    token_ms = _num(opts, "token_ms", 0.0, where)
     if "weights_bytes" in opts:
         weights = parse_size(opts["weights_bytes"])
     else:
@@ -100,8 +111,8 @@ def profile_for(name: str, spec: ModelSpec) -> Profile:
         per = float(parse_size(opts["bytes_per_item"]))
     else:
         per = max(0.0, (spec.quota.base - weights) / max(1, spec.batch.ceiling))
-    mean_tokens = _num(opts, "mean_tokens", DEFAULT_MEAN_TOKENS, name) or DEFAULT_MEAN_TOKENS
-    tokens_cv = _num(opts, "tokens_cv", DEFAULT_TOKENS_CV, name)
+    mean_tokens = _num(opts, "mean_tokens", DEFAULT_MEAN_TOKENS, where) or DEFAULT_MEAN_TOKENS
+    tokens_cv = _num(opts, "tokens_cv", DEFAULT_TOKENS_CV, where)
     if a_ms + c_ms + token_ms <= 0:
         raise ValueError(f"models.{name}: a_ms, c_ms and token_ms are all 0; give the batch some cost (e.g. a_ms: 5)")
     return Profile(

@@ -62,7 +62,6 @@ def test_cli_simulate_json():
         app,
         [
             "simulate",
-            "--config",
             "configs/sim-a20-c0.5.yaml",
             "--policy",
             "static:8",
@@ -79,16 +78,13 @@ def test_cli_simulate_json():
 
 
 def test_cli_table_and_sweep():
-    r = runner.invoke(
-        app, ["simulate", "--config", "configs/sim-three.yaml", "--policy", "static:8", "--duration-s", "5"]
-    )
+    r = runner.invoke(app, ["simulate", "configs/sim-three.yaml", "--policy", "static:8", "--duration-s", "5"])
     assert r.exit_code == 0, r.output
     assert "alpha" in r.output and "p95" in r.output
     r = runner.invoke(
         app,
         [
             "simulate",
-            "--config",
             "configs/sim-a20-c0.5.yaml",
             "--policy",
             "static:8",
@@ -105,7 +101,7 @@ def test_cli_table_and_sweep():
 
 
 def test_cli_bad_policy_names_accepted_forms():
-    r = runner.invoke(app, ["simulate", "--config", "configs/sim-a20-c0.5.yaml", "--policy", "fixed"])
+    r = runner.invoke(app, ["simulate", "configs/sim-a20-c0.5.yaml", "--policy", "fixed"])
     assert r.exit_code == 2
     assert "static:B:WAIT_MS" in r.output and "broker" in r.output
 
@@ -113,7 +109,7 @@ def test_cli_bad_policy_names_accepted_forms():
 def test_cli_refuses_auto_capacity(tmp_path):
     p = tmp_path / "auto.yaml"
     p.write_text("models:\n  m:\n    model: profiled\n    quota: {min: 1GiB, base: 2GiB, max: 4GiB}\n")
-    r = runner.invoke(app, ["simulate", "--config", str(p)])
+    r = runner.invoke(app, ["simulate", str(p)])
     assert r.exit_code == 1
     assert "gpu.capacity" in r.output and "explicit size" in r.output
 
@@ -140,14 +136,27 @@ def test_search_knee_climbs_bisects_and_respects_budgets():
 def test_cli_simulates_one_card_of_a_cluster_fleet():
     """A gpus: fleet runs one card at a time (lending is per card): the models placement puts on
     it, with the card's capacity; without --card the error names the cards to choose from."""
-    r = runner.invoke(app, ["simulate", "--config", "configs/cluster-demo.yaml", "--duration-s", "5"])
+    r = runner.invoke(app, ["simulate", "configs/cluster-demo.yaml", "--duration-s", "5"])
     assert r.exit_code == 1 and "--card" in r.output and "a0, a1, b0, b1" in " ".join(r.output.split())
-    r = runner.invoke(
-        app, ["simulate", "--config", "configs/cluster-demo.yaml", "--card", "a1", "--duration-s", "10", "--json"]
-    )
+    r = runner.invoke(app, ["simulate", "configs/cluster-demo.yaml", "--card", "a1", "--duration-s", "10", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert set(out["models"]) == {"cnn", "profiled"}  # a1's models (README's placement), not the fleet's four
     assert all(m["offered"] > 0 for m in out["models"].values())
-    r = runner.invoke(app, ["simulate", "--config", "configs/cluster-demo.yaml", "--card", "c9"])
+    r = runner.invoke(app, ["simulate", "configs/cluster-demo.yaml", "--card", "c9"])
     assert r.exit_code == 1 and "use one of a0, a1, b0, b1" in " ".join(r.output.split())
+
+
+def test_cli_simulate_takes_the_config_as_an_argument_and_names_the_knee_check():
+    """The config is positional, as in every command; the headline benchmark is --knee-check, and
+    the old flags are gone (click refuses them)."""
+    r = runner.invoke(app, ["simulate", "configs/sim-a20-c0.5.yaml", "--duration-s", "5", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["models"]["prof"]["offered"] > 0
+    for old in (["--config", "configs/sim-a20-c0.5.yaml"], ["configs/sim-a20-c0.5.yaml", "--validate"]):
+        r = runner.invoke(app, ["simulate", *old])
+        assert r.exit_code == 2 and "No such option" in r.output, r.output
+    r = runner.invoke(app, ["simulate", "configs/sim-three.yaml", "--knee-check"])
+    assert r.exit_code == 2 and "--knee-check takes a one-model profile config" in " ".join(r.output.split())
+    r = runner.invoke(app, ["simulate", "-h"])
+    assert r.exit_code == 0 and "--knee-check" in r.output and "--validate" not in r.output

@@ -1,0 +1,214 @@
+"""``gpubroker calibrate CONFIG MODEL``: measure a model's profile on this machine and write it.
+
+The model is built with its options and run in this process (no Ray): its memory model
+(weights + bytes per item) by ``deployments.calibration.calibrate``, the replica's own start-up
+calibration, and its latency L(b) = a + c*b by timing batches of its example input (median of
+a few runs per size, a least-squares line through them). The result goes under the model's
+``profile:`` key, which ``simulate`` emulates and the quota suggestion below starts from: into
+a copy of the config (``CONFIG.calibrated.yaml``), or into CONFIG itself with ``--write``; the
+rest of the file, comments included, is kept as written.
+
+The quota suggestion follows BENCHMARK.md's limit: a request waits at most one batch and runs
+in the next, so the largest batch within the P95 cap C is b* = (C/2 - a)/c; base holds b*,
+min the batch floor, max the largest batch that runs within C alone, (C - a)/c.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import typer
+
+from gpubroker.cli.views import print_config_error
+from quotas.config import ConfigError, ModelSpec, load_config, parse_config_text
+from quotas.sizes import exact_size, format_size, parse_size
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What calibrate measured: the profile figures and the points behind them."""
+
+    a_ms: float  # fixed cost of a batch
+    c_ms: float  # cost per batch unit
+    weights_bytes: int
+    bytes_per_item: int  # per batch unit, rounded up
+    unit: str  # requests or tokens
+    memory_method: str  # deployments.calibration's method: hooks, cuda, probe, declared, none
+    latency_points: tuple[tuple[float, float], ...]  # (batch cost, median ms)
+    memory_points: tuple[tuple[float, float], ...]  # (batch cost, bytes)
+
+
+@dataclass(frozen=True)
+class QuotaSuggestion:
+    slo_p95_ms: float
+    batch_at_slo: int  # b* = (C/2 - a)/c within [floor, ceiling]
+    batch_alone: int  # (C - a)/c within [floor, ceiling]
+    min_bytes: int
+    base_bytes: int
+    max_bytes: int
+
+
+def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) -> Measured:
+    """Build the model with its options, load it on ``device`` and measure memory and latency."""
+    from deployments.calibration import calibrate as memory_fit  # noqa: PLC0415 - torch behind it
+    from deployments.calibration import fit_line  # noqa: PLC0415
+    from deployments.models import resolve_model  # noqa: PLC0415
+    from deployments.user_code import on_sys_path  # noqa: PLC0415
+
+    on_sys_path()
+    adapter = resolve_model(spec.model)(**spec.options)
+    adapter.load(device)
+    memory = memory_fit(adapter, costs=sizes, device=device)
+    try:
+        example = adapter.validate(adapter.example_input())
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"model {spec.model} has no example_input(); calibrate runs the model on it: add example_input() "
+            "returning one valid input"
+        ) from exc
+    points = []
+    for size in sizes:
+        batch = [example] * size
+        adapter.predict(batch)  # warm-up at this size (allocator, kernels)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            adapter.predict(batch)
+            times.append((time.perf_counter() - started) * 1000.0)
+        points.append((float(sum(adapter.cost(item) for item in batch)), statistics.median(times)))
+    a_ms, c_ms = fit_line(points)
+    return Measured(
+        a_ms=round(a_ms, 3),
+        c_ms=round(c_ms, 4),
+        weights_bytes=int(memory.weights_bytes),
+        bytes_per_item=int(math.ceil(memory.bytes_per_unit)),
+        unit=memory.unit,
+        memory_method=memory.method,
+        latency_points=tuple((x, round(y, 3)) for x, y in points),
+        memory_points=memory.points,
+    )
+
+
+def suggest_quota(m: Measured, spec: ModelSpec, slo_ms: float) -> QuotaSuggestion:
+    """min: the floor's batch; base: b*, the batch within the SLO at load; max: the batch within it alone."""
+    floor, ceiling = spec.batch.floor, spec.batch.ceiling
+    per = max(m.c_ms, 1e-9)
+    at_slo = int(min(ceiling, max(floor, (slo_ms / 2 - m.a_ms) / per)))
+    alone = int(min(ceiling, max(at_slo, (slo_ms - m.a_ms) / per)))
+
+    def mem(batch: int) -> int:
+        return _round_up_mib(m.weights_bytes + m.bytes_per_item * batch)
+
+    return QuotaSuggestion(slo_ms, at_slo, alone, mem(floor), mem(at_slo), mem(alone))
+
+
+def _round_up_mib(n: int) -> int:
+    return int(math.ceil(n / 1024**2)) * 1024**2
+
+
+def size_text(n: int) -> str:
+    """A size the config reads back exactly: the human form when exact, else KiB rounded up."""
+    text = format_size(n)
+    return text if parse_size(text) == n else f"{math.ceil(n / 1024)}KiB"
+
+
+def profile_line(m: Measured) -> str:
+    return (
+        f"profile: {{a_ms: {m.a_ms:g}, c_ms: {m.c_ms:g}, weights_bytes: {size_text(m.weights_bytes)}, "
+        f"bytes_per_item: {size_text(m.bytes_per_item)}, unit: {m.unit}}}"
+    )
+
+
+def with_profile(text: str, model: str, line: str) -> str:
+    """``text`` with the model's ``profile:`` entry replaced by (or, if none, added as) ``line``,
+    everything else as written. Raises ValueError when the model's block is not found."""
+    lines = text.splitlines(keepends=True)
+    head = next((i for i, t in enumerate(lines) if re.match(rf"^(\s+){re.escape(model)}:\s*(#.*)?$", t)), None)
+    if head is None:
+        raise ValueError(f"no block 'models.{model}:' found to write into (flow style?); add the line by hand")
+    indent = len(lines[head]) - len(lines[head].lstrip())
+    end = head + 1
+    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > indent):
+        end += 1
+    body = lines[head + 1 : end]
+    child = min((_indent(t) for t in body if t.strip() and not t.lstrip().startswith("#")), default=indent + 2)
+    keep: list[str] = []
+    skipping = False
+    for t in body:
+        if _indent(t) == child and t.strip():
+            skipping = t.lstrip().startswith("profile:")
+        if not skipping:
+            keep.append(t)
+    new = " " * child + line + "\n"
+    return "".join(lines[: head + 1] + [new] + keep + lines[end:])
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def calibrate(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="Fleet config YAML holding the model."),
+    model: str = typer.Argument(..., metavar="MODEL", help="Name of the model under models:."),
+    write: bool = typer.Option(False, "--write", help="Write the profile into CONFIG itself (default: a copy)."),
+    out: Path = typer.Option(None, "--out", help="Where the copy goes (default CONFIG's name + .calibrated.yaml)."),
+    slo_ms: float = typer.Option(None, "--slo-ms", help="P95 cap for the quota suggestion (default: slo_p95_ms)."),
+    sizes: str = typer.Option("1,2,4,8,16", "--sizes", help="Batch sizes to time and measure, comma-separated."),
+    repeats: int = typer.Option(5, "--repeats", min=1, max=100, help="Timed runs per batch size (median)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
+    as_json: bool = typer.Option(False, "--json", help="Print the measurement as JSON."),
+) -> None:
+    """Measure a model's latency and memory profile here and write it under its profile: key."""
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        print_config_error(exc)
+        raise typer.Exit(exc.exit_code) from None
+    spec = cfg.models.get(model)
+    if spec is None or spec.kind != "batch":
+        why = "is an LLM engine (kind: llm); calibrate measures batch models" if spec else "is not in it"
+        _fail(f"{config}: model '{model}' {why}; models: {', '.join(cfg.models)}")
+    try:
+        batch_sizes = tuple(int(s) for s in sizes.split(",") if s.strip())
+        if len(batch_sizes) < 2 or min(batch_sizes) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(f"--sizes {sizes!r}: give at least two batch sizes >= 1, e.g. 1,2,4,8,16")
+    measured = measure(spec, batch_sizes, repeats, device)
+    quota = suggest_quota(measured, spec, slo_ms or spec.slo_p95_ms)
+    target = config if write else (out or config.with_name(config.stem + ".calibrated.yaml"))
+    text = with_profile(config.read_text(encoding="utf-8"), model, profile_line(measured))
+    try:
+        parse_config_text(text, str(target), units_required=True)
+    except ConfigError as exc:  # e.g. a profiled model whose options say otherwise
+        print_config_error(exc)
+        raise typer.Exit(1) from None
+    target.write_text(text, encoding="utf-8")
+    if as_json:
+        print(json.dumps({"model": model, "measured": asdict(measured), "quota": asdict(quota), "wrote": str(target)}))
+        return
+    _report(model, measured, quota, target)
+
+
+def _report(model: str, m: Measured, q: QuotaSuggestion, target: Path) -> None:
+    print(f"{model}: L(b) = {m.a_ms:g} ms + {m.c_ms:g} ms x b ({m.unit}); points (cost, ms): {list(m.latency_points)}")
+    print(
+        f"{model}: memory = {exact_size(m.weights_bytes)} + {exact_size(m.bytes_per_item)} per "
+        f"{m.unit[:-1]} (method {m.memory_method})"
+    )
+    print(f"wrote {target}: models.{model}.{profile_line(m)}")
+    print(
+        f"suggested for P95 <= {q.slo_p95_ms:g} ms (batch {q.batch_at_slo} at load, {q.batch_alone} alone): "
+        f"quota: {{min: {size_text(q.min_bytes)}, base: {size_text(q.base_bytes)}, max: {size_text(q.max_bytes)}}}"
+    )
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)

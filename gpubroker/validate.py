@@ -1,0 +1,216 @@
+"""What ``gpubroker validate`` checks beyond the schema, and the card's budget it explains.
+
+The schema (``quotas.config``) cannot see whether ``model: acme.models:Scorer`` imports, or
+whether the class takes the options written under it: ``up`` would find out minutes later on a
+replica. ``build_models`` imports every batch model's class and builds it with its options in a
+child process (no Ray; the project directory appended to its path, as ``up`` imports it), under a
+timeout, so a model that hangs or crashes in its constructor cannot take the command with it.
+``budget`` is the arithmetic of DESIGN.md's quotas (capacity, reserve, per-process CUDA context,
+usable, each model's min/base/max) for ``validate --explain``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from quotas.config import FleetConfig
+from quotas.config_errors import MISSING, ConfigIssue
+
+PROFILE_KEYS = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "mean_tokens", "tokens_cv")
+
+# The child: our packages first on the path, the project directory last (as `up` imports it).
+_CHILD = """
+import json, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())] + [os.getcwd()]
+from gpubroker.validate import build_each
+print(json.dumps(build_each(json.load(sys.stdin))))
+"""
+
+
+def build_each(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, str] | None]:
+    """In the child: model name -> None when its class imports and builds with its options, else
+    {"field", "message"} (the field under ``models.<name>``: ``model`` or ``options.<key>``)."""
+    from deployments.models import ModelRefError, resolve_model  # noqa: PLC0415 - the child's import
+
+    out: dict[str, dict[str, str] | None] = {}
+    for name, spec in models.items():
+        ref, options = spec["model"], spec["options"]
+        try:
+            cls = resolve_model(ref)
+        except ModelRefError as exc:
+            out[name] = {"field": "model", "message": f"{exc}"}
+            continue
+        except Exception as exc:  # noqa: BLE001 - whatever the user's module raises on import
+            out[name] = {"field": "model", "message": f"importing it raised {type(exc).__name__}: {exc}"}
+            continue
+        try:
+            cls(**options)
+            out[name] = None
+        except TypeError as exc:
+            out[name] = _option_error(ref, cls, options, exc)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {
+                "field": "options",
+                "message": f"building {ref} with these options raised {type(exc).__name__}: {exc}; "
+                "fix the option values (or the class's __init__)",
+            }
+    return out
+
+
+def _option_error(ref: str, cls: type, options: dict[str, Any], exc: TypeError) -> dict[str, str]:
+    """An option the class does not take, named with what it takes instead."""
+    found = re.search(r"unexpected keyword argument '(\w+)'|unknown option\(s\) '(\w+)'", str(exc))
+    key = next((g for g in (found.groups() if found else ()) if g), None)
+    if key is None or key not in options:
+        return {"field": "options", "message": f"building {ref} raised TypeError: {exc}; fix the options"}
+    takes = ", ".join(_takes(cls)) or "no options"
+    hint = (
+        "; latency and memory figures for simulate go under the model's profile: key, not options"
+        if key in PROFILE_KEYS
+        else ""
+    )
+    return {
+        "field": f"options.{key}",
+        "message": f"{ref} takes no option '{key}' (it takes: {takes}); remove it or correct its spelling{hint}",
+    }
+
+
+def _takes(cls: type) -> list[str]:
+    """The keyword options a model class takes: a built-in's OPTIONS, else its __init__'s parameters."""
+    import inspect  # noqa: PLC0415
+
+    known = getattr(cls, "OPTIONS", None)
+    inner = getattr(cls, "user_class", None)
+    if inner is not None and inner is not object:
+        cls, known = inner, None
+    if known:
+        return sorted(known)
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def build_models(cfg: FleetConfig, timeout_s: float = 60.0, cwd: Path | None = None) -> list[ConfigIssue]:
+    """Import and build every batch model (``kind: llm`` engines are built-in) in a child
+    process; one issue per model that fails, naming the field, the value and the fix."""
+    models = {n: {"model": s.model, "options": s.options} for n, s in cfg.models.items() if s.kind == "batch"}
+    if not models:
+        return []
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD],
+            input=json.dumps(models),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=cwd,
+            env={**os.environ, "PYTHONPATH": _our_root() + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        )
+    except subprocess.TimeoutExpired:
+        return [
+            ConfigIssue(
+                "models",
+                MISSING,
+                f"importing and building the models took over {timeout_s:g} s (a constructor that loads "
+                "weights or waits on the network?); raise --import-timeout, or skip this check with --no-import",
+            )
+        ]
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return [
+            ConfigIssue(
+                "models",
+                MISSING,
+                f"the process importing the models failed (exit {proc.returncode}): {' | '.join(tail)}; "
+                "fix the error, or skip this check with --no-import",
+            )
+        ]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    issues = []
+    for name, bad in results.items():
+        if bad is not None:
+            field = bad["field"]
+            value = _value_at(cfg.models[name], field)
+            issues.append(ConfigIssue(f"models.{name}.{field}", value, bad["message"]))
+    return issues
+
+
+def _our_root() -> str:
+    """The directory holding gpubroker's packages, so the child imports ours from a clone too."""
+    return str(Path(__file__).resolve().parents[1])
+
+
+def _value_at(spec: Any, field: str) -> Any:
+    if field == "model":
+        return spec.model
+    if field.startswith("options."):
+        return spec.options.get(field.partition(".")[2], MISSING)
+    return MISSING
+
+
+# ============================================================================ budget (--explain)
+@dataclass(frozen=True)
+class ModelBudget:
+    name: str
+    replicas: int
+    min_bytes: int
+    base_bytes: int
+    max_bytes: int
+
+
+@dataclass(frozen=True)
+class CardBudget:
+    """One card's memory as the ledger sees it: usable = capacity x (1 - reserve) - contexts."""
+
+    device: str
+    capacity_bytes: int | None  # None: gpu.capacity auto, measured at start
+    reserve_frac: float
+    reserve_bytes: int | None
+    processes: int  # replica processes on the card, each with its own CUDA context
+    context_bytes_each: int  # per process (0 on cpu)
+    context_note: str  # where that figure comes from
+    usable_bytes: int | None
+    base_sum_bytes: int
+    free_bytes: int | None  # usable - sum of base: what lending moves around beyond the bases
+    models: tuple[ModelBudget, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def budget(cfg: FleetConfig) -> CardBudget:
+    """The card's budget of a one-card fleet (a ``gpus:`` fleet's cards: ``quotas.placement``)."""
+    gpu = cfg.gpu
+    on_cuda = gpu.device.startswith("cuda")
+    each = gpu.context_overhead_bytes(1, on_cuda)
+    if gpu.context_overhead != "auto":
+        note = "gpu.context_overhead"
+    elif on_cuda:
+        note = "auto: 512MiB a process on CUDA"
+    else:
+        note = "auto: 0 on cpu" + (" (512MiB a process if device auto finds CUDA)" if gpu.device == "auto" else "")
+    cap = gpu.capacity_bytes
+    usable = None if cap is None else cfg.usable_bytes(cap)
+    base_sum = sum(m.quota.base for m in cfg.models.values())
+    return CardBudget(
+        device=gpu.device,
+        capacity_bytes=cap,
+        reserve_frac=gpu.reserve_frac,
+        reserve_bytes=None if cap is None else cap - int(cap * (1.0 - gpu.reserve_frac)),
+        processes=cfg.processes,
+        context_bytes_each=each,
+        context_note=note,
+        usable_bytes=usable,
+        base_sum_bytes=base_sum,
+        free_bytes=None if usable is None else usable - base_sum,
+        models=tuple(ModelBudget(n, m.replicas, m.quota.min, m.quota.base, m.quota.max) for n, m in cfg.models.items()),
+    )
