@@ -58,11 +58,12 @@ base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from broker.control.batch_inputs import cap_top
-from broker.control.lending_need import peak_batch, pressed
+from broker.control.batch_rules import cap_top
+from broker.control.latency_model import LatencyFit
 from broker.control.memory_model import MemoryModel
 from broker.control.state import BatchWant, ModelState
 from broker.control.types import FleetSnapshot, ModelLoad, QuotaMove
@@ -150,318 +151,448 @@ def _orders(config: FleetConfig) -> tuple[_Order, _Order]:
     )
 
 
-def plan_quota(
-    snapshot: FleetSnapshot,
-    config: FleetConfig,
-    ledger: QuotaLedger,
-    states: Mapping[str, ModelState],
-    wants: Mapping[str, BatchWant],
-    confirm_after: Mapping[str, int],
-    now_s: float,
-    reclaim_steps: Mapping[str, int] | None = None,
-    restart_tokens: Mapping[str, int] | None = None,
-    need_bytes: Mapping[str, int] | None = None,
-    lend_scale: Mapping[str, float] | None = None,
-    lent_at: Mapping[str, float] | None = None,
-    memory_models: Mapping[str, MemoryModel] | None = None,
-) -> QuotaPlan:
-    """One tick of quota moves (module docstring); returns a ``QuotaPlan``, changes nothing it is given.
-    ``memory_models``: each model's ``MemoryModel.from_load`` of this snapshot, when the caller has them."""
-    ledger = ledger.copy()
-    scale = dict(lend_scale or {})
-    lent = dict(lent_at or {})
-    moves: list[QuotaMove] = []
-    notes: list[str] = []
-    new_donors: set[str] = set()
-    tokens = dict(restart_tokens or {})
-    timeout_s = config.broker.transfer_timeout_s
-    dust = min_move_bytes(ledger)
-    loads = {n: snapshot.models.get(n) or ModelLoad(name=n, replicas=0) for n in config.models}
-    used = {n: load.mem_used_bytes for n, load in loads.items()}
+# ------------------------------------------------------------------ what a model needs
+# a lender lowered to batch b must keep its window's P99, scaled to b, within this share of its SLO:
+# the window is a sample, and the tail the lender has not seen yet needs room too
+LEND_TAIL_FRAC = 0.7
 
-    # 1. abort stale lends (reclaims and releases escalate instead)
-    for t in ledger.pending:
-        if t.kind == "lend" and now_s - t.started_s > timeout_s:
-            ledger.abort(t.id)
-            gate = confirm_gate(
-                loads[t.donor], config.models[t.donor].replicas, confirm_after.get(t.donor, 0), t.started_s
-            )
-            reason = (
-                f"transfer {t.id} {t.kind} {t.donor}->{t.recipient or 'pool'} {format_size(t.amount_bytes)} not "
-                f"confirmed in {timeout_s:g}s (donor used {format_size(gate.used_bytes)}; {gate.why}): aborted"
-            )
-            moves.append(QuotaMove(MoveKind.ABORT, t.donor, t.recipient or None, t.amount_bytes, reason))
 
-    # 2. confirm donors measured under their grant on every live replica
-    for donor in sorted({t.donor for t in ledger.pending}):
-        oldest = min(t.started_s for t in ledger.pending if t.donor == donor)
-        gate = confirm_gate(loads[donor], config.models[donor].replicas, confirm_after.get(donor, 0), oldest)
-        if not gate.ok:
-            continue
-        for t in ledger.confirm(donor, gate.used_bytes, gate.measured_s):
-            to = (
-                f"{t.recipient} +{format_size(t.amount_bytes)}"
-                if t.recipient
-                else f"pool +{format_size(t.amount_bytes)}"
-            )
-            moves.append(
-                QuotaMove(
-                    MoveKind.CONFIRM,
-                    t.donor,
-                    t.recipient or None,
-                    t.amount_bytes,
-                    f"{donor} used {format_size(gate.used_bytes)} <= grant {format_size(ledger.grant(donor))} "
-                    f"({gate.why}): {to}",
-                )
-            )
-    pending_donors = {t.donor for t in ledger.pending}
-    after = {d: v for d, v in confirm_after.items() if d in pending_donors}
+def peak_batch(load: ModelLoad, spec: ModelSpec, fit: LatencyFit | None) -> int:
+    """The smallest batch a lender may be lowered to: what its own demand at the window's peak
+    needs within its SLO (a lender keeps the memory for it, up to its base).
 
-    # 3. escalate reclaims and releases their borrowers have not honoured
-    steps: dict[str, int] = {}
-    for borrower in sorted({t.donor for t in ledger.pending if t.kind in ESCALATING}):
-        mine = [t for t in ledger.pending if t.kind in ESCALATING and t.donor == borrower]
-        first = min(mine, key=lambda t: t.started_s)
-        reached = min(len(RECLAIM_STEPS), int((now_s - first.started_s) // timeout_s)) if timeout_s > 0 else 0
-        before = (reclaim_steps or {}).get(borrower, 0)
-        steps[borrower] = max(before, reached)
-        gate = confirm_gate(loads[borrower], config.models[borrower].replicas, after.get(borrower, 0), first.started_s)
-        for step in range(before + 1, reached + 1):
-            if step >= 3:
-                tokens[borrower] = tokens.get(borrower, 0) + 1
-            moves.append(
-                _escalation(step, borrower, mine, ledger.grant(borrower), gate, now_s, tokens.get(borrower, 0))
-            )
+    The window's peak ran batches of up to ``max_batch`` (``peak``). A model that missed its SLO
+    in the window (attainment under 1) needed all of them. Otherwise a smaller batch ``b`` is
+    enough when the window's P99 stays within the SLO at the rate ``b`` drains a queue: a queue
+    of requests takes ``L(b) / b`` per request instead of ``L(peak) / peak`` (the latency fit;
+    with none, ``1 / b``: no fixed cost to share, the largest slowdown), so the P99 scales by
+    their ratio. No latency samples in the window: the floor."""
+    floor = max(1, spec.batch.floor)
+    peak = max(floor, math.ceil(load.max_batch))
+    if load.attainment is not None and load.attainment < 1.0:
+        return peak
+    if load.p99_ms is None or load.latency_samples == 0:
+        return floor
 
-    memory: dict[str, MemoryModel] = dict(memory_models or {})
+    def per_request_ms(b: int) -> float:
+        return (fit.predict_ms(b) if fit is not None else 1.0) / b
 
-    def mm(name: str) -> MemoryModel:  # one per model per tick: the steps below ask it several times
-        if name not in memory:
-            memory[name] = MemoryModel.from_load(loads[name])
-        return memory[name]
+    for b in range(floor, peak):
+        if load.p99_ms * per_request_ms(b) / per_request_ms(peak) <= LEND_TAIL_FRAC * spec.slo_p95_ms:
+            return b
+    return peak
 
-    def replicas(name: str) -> int:
-        return max(1, loads[name].replicas or config.models[name].replicas)
 
-    def need(name: str) -> int | None:
-        if need_bytes is not None and name in need_bytes:  # an LLM engine's wanted grant (broker.control.llm_window)
-            q = config.models[name].quota
-            return min(q.max, max(q.min, int(need_bytes[name])))
-        model = mm(name)
+NOT_PRESSED = "not pressed"  # ``pressed(..., explain=False)``'s answer for every reason
+
+
+def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None, explain: bool = True) -> str | None:
+    """Why a model that wants more memory should not borrow it (None: it should).
+
+    A batch cap that wants more than the grant holds is not a need by itself (with lazy
+    formation every model wants a large cap). A borrower must be held back by its memory now:
+    its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
+    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or it
+    refuses requests because it holds over its grant (``held_over``: it runs no batch).
+    ``explain=False``: the same answer, with ``NOT_PRESSED`` for every reason (nothing formatted)."""
+    if ceiling is None:  # memory does not limit its batch
+        return "memory does not limit its batch" if explain else NOT_PRESSED
+    if load.held_over:
+        return None
+    if load.max_batch < ceiling:
+        if not explain:
+            return NOT_PRESSED
+        return f"its biggest batch in the window ({load.max_batch:.0f}) is under its memory ceiling {ceiling}"
+    backlog = load.queue_depth > ceiling * max(1, load.replicas)
+    late = load.recent_p95_ms is not None and load.recent_p95_ms > spec.slo_p95_ms
+    if not (backlog or late):
+        if not explain:
+            return NOT_PRESSED
+        return (
+            f"not behind (queue {load.queue_depth:.0f}, recent P95 "
+            f"{0.0 if load.recent_p95_ms is None else load.recent_p95_ms:.0f} ms within its SLO {spec.slo_p95_ms:g} ms)"
+        )
+    return None
+
+
+# ------------------------------------------------------------------ one tick's plan
+@dataclass(frozen=True)
+class QuotaInputs:
+    """What one tick's quota plan reads of the tick: the load and each model's batch step."""
+
+    snapshot: FleetSnapshot
+    config: FleetConfig
+    states: Mapping[str, ModelState]  # each model's state after its batch step this tick
+    wants: Mapping[str, BatchWant]  # each model's wanted cap after anti-oscillation
+    memory: Mapping[str, MemoryModel]  # each model's ``MemoryModel.from_load`` of this snapshot
+    need_bytes: Mapping[str, int] = field(default_factory=dict)  # LLM engines' wanted grants (llm_window)
+
+
+@dataclass(frozen=True)
+class LendingBook:
+    """What the quota plan carries from tick to tick (``broker.control.policy.PolicyState`` keeps it)."""
+
+    ledger: QuotaLedger
+    confirm_after: Mapping[str, int] = field(default_factory=dict)  # donor -> version its confirm waits for
+    reclaim_steps: Mapping[str, int] = field(default_factory=dict)  # borrower -> escalation step reached
+    restart_tokens: Mapping[str, int] = field(default_factory=dict)  # model -> restart token
+    lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
+    lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent
+
+
+def plan_quota(inputs: QuotaInputs, book: LendingBook) -> QuotaPlan:
+    """One tick of quota moves: the seven steps of the module docstring, in order, on a copy of
+    the ledger; returns a ``QuotaPlan`` and changes nothing it is given."""
+    r = QuotaRound(inputs, book)
+    abort_stale_lends(r)
+    confirm_donors(r)
+    escalate_reclaims(r)
+    by_priority, by_priority_name = _orders(inputs.config)
+    reclaim_base(r, by_priority)
+    release_idle_loans(r)
+    for name, _spec in by_priority_name:
+        lend_to(r, name)
+    restore_base(r, by_priority_name)
+    return QuotaPlan(
+        ledger=r.ledger,
+        moves=tuple(r.moves),
+        confirm_after=r.confirm_after,
+        notes=tuple(r.notes),
+        new_donors=frozenset(r.new_donors),
+        reclaim_steps=r.reclaim_steps,
+        restart_tokens=r.tokens,
+        lend_scale=r.scale,
+        lent_at=r.lent,
+    )
+
+
+class QuotaRound:
+    """One tick's planning: the inputs, the ledger copy the steps move, what they record, and the
+    questions every step asks of a model (its need, its working set, whether it is idle)."""
+
+    def __init__(self, inputs: QuotaInputs, book: LendingBook) -> None:
+        self.inputs, self.book = inputs, book
+        self.config = config = inputs.config
+        self.now_s = inputs.snapshot.now_s
+        self.ledger = book.ledger.copy()
+        self.scale = dict(book.lend_scale)
+        self.lent = dict(book.lent_at)
+        self.tokens = dict(book.restart_tokens)
+        self.moves: list[QuotaMove] = []
+        self.notes: list[str] = []
+        self.new_donors: set[str] = set()
+        self.confirm_after: dict[str, int] = {}  # the book's, for donors still pending after the confirms
+        self.reclaim_steps: dict[str, int] = {}
+        self.timeout_s = config.broker.transfer_timeout_s
+        self.dust = min_move_bytes(self.ledger)
+        self.loads = {n: inputs.snapshot.models.get(n) or ModelLoad(name=n, replicas=0) for n in config.models}
+        self.used = {n: load.mem_used_bytes for n, load in self.loads.items()}
+        self.memory: dict[str, MemoryModel] = dict(inputs.memory)
+
+    def mm(self, name: str) -> MemoryModel:
+        if name not in self.memory:
+            self.memory[name] = MemoryModel.from_load(self.loads[name])
+        return self.memory[name]
+
+    def replicas(self, name: str) -> int:
+        return max(1, self.loads[name].replicas or self.config.models[name].replicas)
+
+    def gate(self, donor: str, version: int, started_s: float) -> ConfirmGate:
+        return confirm_gate(self.loads[donor], self.config.models[donor].replicas, version, started_s)
+
+    def need(self, name: str) -> int | None:
+        """The grant ``name`` wants for its wanted cap (None: not calibrated, it keeps its base)."""
+        q = self.config.models[name].quota
+        if name in self.inputs.need_bytes:  # an LLM engine's wanted grant (broker.control.llm_window)
+            return min(q.max, max(q.min, int(self.inputs.need_bytes[name])))
+        model = self.mm(name)
         if not model.calibrated:
             return None
-        q = config.models[name].quota
-        return min(q.max, max(q.min, replicas(name) * model.grant_for(wants[name].cap)))
+        return min(q.max, max(q.min, self.replicas(name) * model.grant_for(self.inputs.wants[name].cap)))
 
-    def working_set(name: str) -> int:
-        # What an idle lender keeps: its memory in use now (latest reports, not the window's peak
-        # memory: a burst that ended 20 s ago, served on borrowed memory, must not pin it for the
-        # next model's burst) times the margin, its min, the memory for a floor batch, and up to
-        # its base what its own demand at the window's peak needs (peak_batch). A lender still
-        # above a lowered grant is not confirmed until it is measured under it (two-phase).
-        spec = config.models[name]
-        ws = max(int(loads[name].mem_used_bytes * spec.control.working_set_margin), spec.quota.min)
-        if mm(name).calibrated:
-            ws = max(ws, replicas(name) * mm(name).grant_for(spec.batch.floor))
-            # never below what its own demand at the window's peak needs (up to its base)
-            peak = replicas(name) * mm(name).grant_for(peak_batch(loads[name], spec, states[name].latency_fit))
+    def working_set(self, name: str) -> int:
+        """What an idle lender keeps: its memory in use now (latest reports, not the window's peak
+        memory: a burst that ended 20 s ago, served on borrowed memory, must not pin it for the
+        next model's burst) times the margin, its min, the memory for a floor batch, and up to
+        its base what its own demand at the window's peak needs (peak_batch). A lender still
+        above a lowered grant is not confirmed until it is measured under it (two-phase)."""
+        spec, load, mm = self.config.models[name], self.loads[name], self.mm(name)
+        ws = max(int(load.mem_used_bytes * spec.control.working_set_margin), spec.quota.min)
+        if mm.calibrated:
+            ws = max(ws, self.replicas(name) * mm.grant_for(spec.batch.floor))
+            peak = self.replicas(name) * mm.grant_for(peak_batch(load, spec, self.inputs.states[name].latency_fit))
             ws = max(ws, min(spec.quota.base, peak))
         return ws
 
-    def idle(name: str) -> bool:
-        # a model whose loans keep coming back soon after it lends waits longer before it lends again
-        st = states[name]
-        hold = config.models[name].control.idle_hold_s * scale.get(name, 1.0)
-        if st.quiet_since_s is None or now_s - st.quiet_since_s < hold:
+    def idle(self, name: str) -> bool:
+        """Quiet for its idle hold (longer for a model whose loans keep coming back soon after it
+        lends), and, if it borrows, idle at the batch its base holds too (``busy_at_base``)."""
+        st = self.inputs.states[name]
+        hold = self.config.models[name].control.idle_hold_s * self.scale.get(name, 1.0)
+        if st.quiet_since_s is None or self.now_s - st.quiet_since_s < hold:
             return False
-        return not ledger.loan_bytes(name) or not busy_at_base(name)
+        return not self.ledger.loan_bytes(name) or not self.busy_at_base(name)
 
-    def busy_at_base(name: str) -> bool:
-        # A loan can make its borrower look idle: at the bigger batches it buys, the same requests
-        # keep the replicas busy under idle_util_frac. Released or lent on, the memory leaves it at
-        # the batch its base holds, busy again and behind (or missing its SLO on clumps of
-        # requests), and it borrows the memory back: grants flap. So a borrower is idle only if its
-        # arrivals would keep it under idle_util_frac at its base's batch too (its latency fit).
-        load, spec, fit = loads[name], config.models[name], states[name].latency_fit
+    def busy_at_base(self, name: str) -> bool:
+        """A loan can make its borrower look idle: at the bigger batches it buys, the same requests
+        keep the replicas busy under idle_util_frac. Released or lent on, the memory leaves it at
+        the batch its base holds, busy again and behind (or missing its SLO on clumps of
+        requests), and it borrows the memory back: grants flap. So a borrower is idle only if its
+        arrivals would keep it under idle_util_frac at its base's batch too (its latency fit)."""
+        load, spec, fit = self.loads[name], self.config.models[name], self.inputs.states[name].latency_fit
         if fit is None or load.arrival_rate_rps <= 0:
             return False
-        base_cap = cap_top(spec.batch, mm(name).cap_for(spec.quota.base / replicas(name)))
-        units_per_s = load.arrival_rate_rps * max(load.cost_per_request, 1.0) / replicas(name)
+        base_cap = cap_top(spec.batch, self.mm(name).cap_for(spec.quota.base / self.replicas(name)))
+        units_per_s = load.arrival_rate_rps * max(load.cost_per_request, 1.0) / self.replicas(name)
         return units_per_s / fit.saturated_rate(base_cap) >= spec.control.idle_util_frac
 
-    def busy_for(name: str) -> float:
-        st = states[name]
-        return 0.0 if st.loaded_since_s is None else now_s - st.loaded_since_s
+    def busy_for(self, name: str) -> float:
+        st = self.inputs.states[name]
+        return 0.0 if st.loaded_since_s is None else self.now_s - st.loaded_since_s
 
-    def transfer(donor: str, recipient: str, amount: int, kind: str, why: str) -> None:
+    def holds(self, name: str) -> int:
+        """Its grant and what is on its way to it."""
+        return self.ledger.grant(name) + self.ledger.incoming_bytes(name)
+
+    def transfer(self, donor: str, recipient: str, amount: int, kind: str, why: str) -> None:
+        """A two-phase move from ``donor`` (a refusal is noted, not raised)."""
         try:
-            t = ledger.begin_transfer(donor, recipient, amount, now_s, kind)
+            t = self.ledger.begin_transfer(donor, recipient, amount, self.now_s, kind)
         except LedgerError as exc:
-            notes.append(f"{kind} {donor}->{recipient} refused: {exc}")
+            self.notes.append(f"{kind} {donor}->{recipient} refused: {exc}")
             return
-        new_donors.add(donor)
+        self.new_donors.add(donor)
         if kind == MoveKind.LEND:
-            lent[donor] = now_s
-        moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
+            self.lent[donor] = self.now_s
+        self.moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
-    def grow(name: str, amount: int, kind: str, why: str | Callable[[], str]) -> int:
-        """``why``: the move's reason, or a function that writes it (called only when there is a move)."""
+    def grow(self, name: str, amount: int, kind: str, why: str | Callable[[], str]) -> int:
+        """Grow ``name`` from the free pool, within its headroom and the measured free bytes.
+        ``why``: the move's reason, or a function that writes it (called only when there is a move)."""
+        ledger = self.ledger
         amount = min(amount, ledger.free_bytes)
         if amount > 0:
             amount = min(amount, ledger.headroom_bytes(name))
         if amount > 0:  # the measured bound last: it sums over every model
-            amount = min(amount, measured_free_bytes(ledger, used))
+            amount = min(amount, measured_free_bytes(ledger, self.used))
         if amount <= 0:
             return 0
         try:
             ledger.grow(name, amount)
         except LedgerError as exc:
-            notes.append(f"grow {name} refused: {exc}")
+            self.notes.append(f"grow {name} refused: {exc}")
             return 0
-        moves.append(QuotaMove(kind, None, name, amount, why if isinstance(why, str) else why()))
+        self.moves.append(QuotaMove(kind, None, name, amount, why if isinstance(why, str) else why()))
         return amount
 
-    # 4. reclaim base for owners whose load is back
-    by_priority, by_priority_name = _orders(config)
-    for owner, spec in by_priority:
-        short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
-        if short < dust or idle(owner) or busy_for(owner) < spec.control.reclaim_hold_s:
+
+def abort_stale_lends(r: QuotaRound) -> None:
+    """Step 1: lends whose donor was not confirmed in ``transfer_timeout_s`` are aborted (reclaims
+    and releases escalate instead)."""
+    for t in r.ledger.pending:
+        if t.kind == "lend" and r.now_s - t.started_s > r.timeout_s:
+            r.ledger.abort(t.id)
+            gate = r.gate(t.donor, r.book.confirm_after.get(t.donor, 0), t.started_s)
+            reason = (
+                f"transfer {t.id} {t.kind} {t.donor}->{t.recipient or 'pool'} {format_size(t.amount_bytes)} not "
+                f"confirmed in {r.timeout_s:g}s (donor used {format_size(gate.used_bytes)}; {gate.why}): aborted"
+            )
+            r.moves.append(QuotaMove(MoveKind.ABORT, t.donor, t.recipient or None, t.amount_bytes, reason))
+
+
+def confirm_donors(r: QuotaRound) -> None:
+    """Step 2: donors measured under their grant on every live replica complete their transfers."""
+    ledger = r.ledger
+    for donor in sorted({t.donor for t in ledger.pending}):
+        oldest = min(t.started_s for t in ledger.pending if t.donor == donor)
+        gate = r.gate(donor, r.book.confirm_after.get(donor, 0), oldest)
+        if not gate.ok:
             continue
-        load = loads[owner]
+        for t in ledger.confirm(donor, gate.used_bytes, gate.measured_s):
+            to = f"{t.recipient or 'pool'} +{format_size(t.amount_bytes)}"
+            why = f"{donor} used {format_size(gate.used_bytes)} <= grant {format_size(ledger.grant(donor))} "
+            r.moves.append(
+                QuotaMove(MoveKind.CONFIRM, t.donor, t.recipient or None, t.amount_bytes, f"{why}({gate.why}): {to}")
+            )
+    pending_donors = {t.donor for t in ledger.pending}
+    r.confirm_after = {d: v for d, v in r.book.confirm_after.items() if d in pending_donors}
+
+
+def escalate_reclaims(r: QuotaRound) -> None:
+    """Step 3: a reclaim or release its borrower has not honoured climbs ``RECLAIM_STEPS``, one
+    per ``transfer_timeout_s``; the restart step bumps the borrower's restart token."""
+    pending = r.ledger.pending
+    for borrower in sorted({t.donor for t in pending if t.kind in ESCALATING}):
+        mine = [t for t in pending if t.kind in ESCALATING and t.donor == borrower]
+        first = min(mine, key=lambda t: t.started_s)
+        reached = min(len(RECLAIM_STEPS), int((r.now_s - first.started_s) // r.timeout_s)) if r.timeout_s > 0 else 0
+        before = r.book.reclaim_steps.get(borrower, 0)
+        r.reclaim_steps[borrower] = max(before, reached)
+        gate = r.gate(borrower, r.confirm_after.get(borrower, 0), first.started_s)
+        for step in range(before + 1, reached + 1):
+            if step >= 3:
+                r.tokens[borrower] = r.tokens.get(borrower, 0) + 1
+            grant, token = r.ledger.grant(borrower), r.tokens.get(borrower, 0)
+            r.moves.append(_escalation(step, borrower, mine, grant, gate, r.now_s, token))
+
+
+def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
+    """Step 4: an owner under its base whose load has been back for ``reclaim_hold_s`` takes its
+    whole base back: from the free pool first, then from borrowers' loans (two-phase)."""
+    ledger = r.ledger
+    for owner, spec in by_priority:
+        short = spec.quota.base - r.holds(owner)
+        if short < r.dust or r.idle(owner) or r.busy_for(owner) < spec.control.reclaim_hold_s:
+            continue
+        load = r.loads[owner]
         why = (
-            f"{owner} load back for {busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
+            f"{owner} load back for {r.busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
             f"queue {load.queue_depth:.0f}): reclaim toward base {format_size(spec.quota.base)}"
         )
-        if owner in lent:  # lend regret: a loan that had to come back soon doubles the owner's idle hold
-            ctl, since = spec.control, now_s - lent.pop(owner)
-            old = scale.get(owner, 1.0)
-            new = min(ctl.lend_backoff_max, old * 2.0) if since < ctl.lend_regret_s else max(1.0, old / 2.0)
-            if new != old:
-                scale[owner] = new
-                why += (
-                    f"; its loan came back {since:.0f}s after it lent: lends again only after "
-                    f"{ctl.idle_hold_s * new:.0f}s idle"
-                )
+        if owner in r.lent:
+            why += _lend_regret(r, owner, spec)
         for borrower, amount in ledger.reclaim_plan(owner):
             take = min(amount, short)
             if take <= 0:
                 break
             if borrower == "":
-                short -= grow(owner, take, MoveKind.RECLAIM, why + " from the free pool")
+                short -= r.grow(owner, take, MoveKind.RECLAIM, why + " from the free pool")
             else:
-                transfer(borrower, owner, take, MoveKind.RECLAIM, why + f" from {borrower}'s loan")
+                r.transfer(borrower, owner, take, MoveKind.RECLAIM, why + f" from {borrower}'s loan")
                 short -= take
 
-    # 5. release loans of borrowers gone idle, two-phase (a busy borrower keeps its loan until an
-    #    owner reclaims it: releasing on every dip of its need would make the grant flap)
-    for name, spec in config.models.items():
+
+def _lend_regret(r: QuotaRound, owner: str, spec: ModelSpec) -> str:
+    """A loan that had to come back soon doubles the owner's idle hold (one that stayed out halves
+    it); the reclaim's reason says so when it changes."""
+    ctl, since = spec.control, r.now_s - r.lent.pop(owner)
+    old = r.scale.get(owner, 1.0)
+    new = min(ctl.lend_backoff_max, old * 2.0) if since < ctl.lend_regret_s else max(1.0, old / 2.0)
+    if new == old:
+        return ""
+    r.scale[owner] = new
+    return f"; its loan came back {since:.0f}s after it lent: lends again only after {ctl.idle_hold_s * new:.0f}s idle"
+
+
+def release_idle_loans(r: QuotaRound) -> None:
+    """Step 5: a borrower gone idle hands back its loan above its working set, two-phase (a busy
+    borrower keeps its loan until an owner reclaims it: releasing on every dip of its need would
+    make the grant flap)."""
+    ledger = r.ledger
+    for name, spec in r.config.models.items():
         loan = ledger.loan_bytes(name)
-        if loan < dust or not idle(name) or ledger.outgoing_bytes(name):
+        if loan < r.dust or not r.idle(name) or ledger.outgoing_bytes(name):
             continue
-        keep = max(spec.quota.base, working_set(name))
+        keep = max(spec.quota.base, r.working_set(name))
         excess = min(loan, ledger.grant(name) - keep)
-        if excess >= dust:
-            try:
-                ledger.begin_release(name, excess, now_s)
-            except LedgerError as exc:
-                notes.append(f"release {name} refused: {exc}")
-                continue
-            new_donors.add(name)
-            moves.append(
-                QuotaMove(
-                    MoveKind.RELEASE,
-                    name,
-                    None,
-                    excess,
-                    f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of "
-                    f"{format_size(excess)} back to the pool once {name} is measured under {format_size(keep)}",
-                )
-            )
-
-    # 6. lend to memory-bound busy models
-    for name, _spec in by_priority_name:
-        wanted = need(name)
-        if wanted is None or idle(name):
+        if excess < r.dust:
             continue
-        if held := loads[name].held_over:  # refusing requests, it holds over its grant: that + its batch
-            wanted = min(config.models[name].quota.max, loads[name].mem_used_bytes + wanted)
-        deficit = wanted - ledger.grant(name) - ledger.incoming_bytes(name)
-        if deficit < dust:
+        try:
+            ledger.begin_release(name, excess, r.now_s)
+        except LedgerError as exc:
+            r.notes.append(f"release {name} refused: {exc}")
             continue
-        want = wants[name]
-
-        def wants_why(
-            name: str = name, want: BatchWant = want, wanted: int = wanted, grant: int = ledger.grant(name)
-        ) -> str:  # written only when a move needs it
-            if name in (need_bytes or {}):
-                return f"{name} engine wants {format_size(wanted)}, grant {format_size(grant)}"
-            return (
-                f"{name} wants batch {want.cap} ({want.trigger} {want.value:.1f}) needing {format_size(wanted)}, "
-                f"grant {format_size(grant)}"
-            )
-
-        deficit -= grow(name, deficit, MoveKind.GROW, lambda: wants_why() + ": from the free pool")
-        if deficit < dust:
-            continue
-        if name not in (need_bytes or {}):
-            holds = ledger.grant(name) + ledger.incoming_bytes(name)
-            ceiling = mm(name).cap_for(holds / replicas(name))
-            if pressed(loads[name], config.models[name], ceiling, explain=False) is not None:
-                continue  # not logged: with lazy formation this is most ticks of most models
-            why = wants_why() + (
-                f", refusing requests: it holds {format_size(loads[name].mem_used_bytes)}, over its grant"
-                if loads[name].held_over
-                else f", behind at its memory ceiling {ceiling} (queue {loads[name].queue_depth:.0f}, recent P95 "
-                f"{loads[name].recent_p95_ms or 0.0:.0f} ms)"
-            )
-        else:
-            why = wants_why()
-        donors = sorted(
-            (n for n in config.models if n != name and idle(n)),
-            key=lambda n: (-(ledger.grant(n) - working_set(n)), n),
+        r.new_donors.add(name)
+        why = (
+            f"{name} needs {format_size(keep)} of its {format_size(keep + excess)}: loan of "
+            f"{format_size(excess)} back to the pool once {name} is measured under {format_size(keep)}"
         )
-        offers: list[tuple[str, int]] = []
-        for donor in donors:
-            surplus = min(ledger.grant(donor) - working_set(donor), ledger.headroom_bytes(name))
-            amount = min(deficit - sum(a for _, a in offers), surplus)
-            if amount >= dust:
-                offers.append((donor, amount))
-        if name not in (need_bytes or {}) and offers and not held:
-            holds = ledger.grant(name) + ledger.incoming_bytes(name)
-            ceiling = mm(name).cap_for(holds / replicas(name))
-            lifted = mm(name).cap_for((holds + sum(a for _, a in offers)) / replicas(name))
-            if ceiling is not None and lifted is not None and lifted <= ceiling:
-                continue  # what the idle models can spare would not raise its batch: a move that buys nothing
-        for donor, amount in offers:
-            transfer(
-                donor,
-                name,
-                amount,
-                MoveKind.LEND,
-                why + f": {donor} idle (busy_frac {loads[donor].busy_frac:.2f}) for "
-                f"{now_s - (states[donor].quiet_since_s or now_s):.0f}s lends {format_size(amount)}",
-            )
-    # 7. top owners under base back up from memory nobody needs this tick
-    for owner, spec in by_priority_name:
-        short = spec.quota.base - ledger.grant(owner) - ledger.incoming_bytes(owner)
-        if short >= dust and ledger.free_bytes >= dust:
-            grow(
-                owner,
-                short,
-                MoveKind.RECLAIM,
-                f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool",
-            )
-    return QuotaPlan(
-        ledger=ledger,
-        moves=tuple(moves),
-        confirm_after=after,
-        notes=tuple(notes),
-        new_donors=frozenset(new_donors),
-        reclaim_steps=steps,
-        restart_tokens=tokens,
-        lend_scale=scale,
-        lent_at=lent,
+        r.moves.append(QuotaMove(MoveKind.RELEASE, name, None, excess, why))
+
+
+def lend_to(r: QuotaRound, name: str) -> None:
+    """Step 6 for one model: a busy model whose wanted batch does not fit its grant grows from the
+    free pool, then borrows from idle models what they hold above their working set, when it is
+    held back by its memory now and the loan raises its batch ceiling."""
+    wanted = r.need(name)
+    if wanted is None or r.idle(name):
+        return
+    load, engine = r.loads[name], name in r.inputs.need_bytes
+    if load.held_over:  # refusing requests, it holds over its grant: that + its batch
+        wanted = min(r.config.models[name].quota.max, load.mem_used_bytes + wanted)
+    deficit = wanted - r.holds(name)
+    if deficit < r.dust:
+        return
+    why = _WantsWhy(r, name, wanted)
+    deficit -= r.grow(name, deficit, MoveKind.GROW, lambda: why() + ": from the free pool")
+    if deficit < r.dust:
+        return
+    if not engine:
+        ceiling = r.mm(name).cap_for(r.holds(name) / r.replicas(name))
+        if pressed(load, r.config.models[name], ceiling, explain=False) is not None:
+            return  # not logged: with lazy formation this is most ticks of most models
+        reason = why() + (
+            f", refusing requests: it holds {format_size(load.mem_used_bytes)}, over its grant"
+            if load.held_over
+            else f", behind at its memory ceiling {ceiling} (queue {load.queue_depth:.0f}, recent P95 "
+            f"{load.recent_p95_ms or 0.0:.0f} ms)"
+        )
+    else:
+        reason = why()
+    offers = _offers(r, name, deficit)
+    if not engine and offers and not load.held_over and not _lifts_ceiling(r, name, offers):
+        return  # what the idle models can spare would not raise its batch: a move that buys nothing
+    for donor, amount in offers:
+        quiet_for = r.now_s - (r.inputs.states[donor].quiet_since_s or r.now_s)
+        r.transfer(
+            donor,
+            name,
+            amount,
+            MoveKind.LEND,
+            reason + f": {donor} idle (busy_frac {r.loads[donor].busy_frac:.2f}) for "
+            f"{quiet_for:.0f}s lends {format_size(amount)}",
+        )
+
+
+class _WantsWhy:
+    """The reason a model asks for memory, written only when a move needs it (the grant as it
+    was when the model's turn began)."""
+
+    def __init__(self, r: QuotaRound, name: str, wanted: int) -> None:
+        self.name, self.wanted, self.grant = name, wanted, r.ledger.grant(name)
+        self.want, self.engine = r.inputs.wants[name], name in r.inputs.need_bytes
+
+    def __call__(self) -> str:
+        if self.engine:
+            return f"{self.name} engine wants {format_size(self.wanted)}, grant {format_size(self.grant)}"
+        w = self.want
+        return (
+            f"{self.name} wants batch {w.cap} ({w.trigger} {w.value:.1f}) needing {format_size(self.wanted)}, "
+            f"grant {format_size(self.grant)}"
+        )
+
+
+def _offers(r: QuotaRound, name: str, deficit: int) -> list[tuple[str, int]]:
+    """What idle models can spare above their working sets toward ``deficit``, the largest surplus first."""
+    ledger = r.ledger
+    donors = sorted(
+        (n for n in r.config.models if n != name and r.idle(n)),
+        key=lambda n: (-(ledger.grant(n) - r.working_set(n)), n),
     )
+    offers: list[tuple[str, int]] = []
+    for donor in donors:
+        surplus = min(ledger.grant(donor) - r.working_set(donor), ledger.headroom_bytes(name))
+        amount = min(deficit - sum(a for _, a in offers), surplus)
+        if amount >= r.dust:
+            offers.append((donor, amount))
+    return offers
+
+
+def _lifts_ceiling(r: QuotaRound, name: str, offers: list[tuple[str, int]]) -> bool:
+    """Whether the offers raise the batch ``name``'s memory holds (an unknown ceiling counts as raised)."""
+    holds, replicas, mm = r.holds(name), r.replicas(name), r.mm(name)
+    ceiling = mm.cap_for(holds / replicas)
+    lifted = mm.cap_for((holds + sum(a for _, a in offers)) / replicas)
+    return ceiling is None or lifted is None or lifted > ceiling
+
+
+def restore_base(r: QuotaRound, by_priority_name: _Order) -> None:
+    """Step 7: owners still under their base take it back from memory nobody asked for this tick."""
+    for owner, spec in by_priority_name:
+        short = spec.quota.base - r.holds(owner)
+        if short >= r.dust and r.ledger.free_bytes >= r.dust:
+            why = f"{owner} under its base {format_size(spec.quota.base)}: back from the free pool"
+            r.grow(owner, short, MoveKind.RECLAIM, why)
 
 
 def _escalation(

@@ -21,10 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from broker.control.batch_inputs import cap_top
-from broker.control.batch_rules import RuleContext, decide_batch
+from broker.control.batch_rules import RuleContext, cap_top, decide_batch
 from broker.control.latency_model import fit_for_load
-from broker.control.lending import QuotaPlan, plan_quota
+from broker.control.lending import LendingBook, QuotaInputs, QuotaPlan, plan_quota
 from broker.control.memory_model import MemoryModel
 from broker.control.profiles import active_profile
 from broker.control.state import BatchWant, ModelState
@@ -237,19 +236,22 @@ def decide(
     steps = {name: model_step(view, name, spec) for name, spec in config.models.items()}
     notes.extend(f"{name}: {step.note}" for name, step in steps.items() if step.note)
     plan = plan_quota(
-        snapshot,
-        config,
-        state.ledger,
-        {name: step.state for name, step in steps.items()},
-        {name: step.want for name, step in steps.items()},
-        state.confirm_after,
-        snapshot.now_s,
-        state.reclaim_steps,
-        state.restart_tokens,
-        need_bytes,
-        state.lend_scale,
-        state.lent_at,
-        {name: step.memory for name, step in steps.items()},
+        QuotaInputs(
+            snapshot=snapshot,
+            config=config,
+            states={name: step.state for name, step in steps.items()},
+            wants={name: step.want for name, step in steps.items()},
+            memory={name: step.memory for name, step in steps.items()},
+            need_bytes=need_bytes or {},
+        ),
+        LendingBook(
+            state.ledger,
+            state.confirm_after,
+            state.reclaim_steps,
+            state.restart_tokens,
+            state.lend_scale,
+            state.lent_at,
+        ),
     )
     notes.extend(plan.notes)
     decisions: dict[str, ModelDecision] = {}

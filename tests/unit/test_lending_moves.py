@@ -1,4 +1,4 @@
-"""Lending moves that never cost more than they buy (broker.control.lending_need: peak_batch, pressed).
+"""Lending moves that never cost more than they buy (broker.control.lending: peak_batch, pressed).
 
 A lender keeps what its own demand at the window's peak needed within its SLO; a model borrows
 only while its memory holds it back now; a loan that would not raise the borrower's batch
@@ -8,7 +8,7 @@ ceiling is not made. Pure policy, fake clock.
 from __future__ import annotations
 
 from broker.control.latency_model import LatencyFit
-from broker.control.lending_need import LEND_TAIL_FRAC, NOT_PRESSED, peak_batch, pressed
+from broker.control.lending import LEND_TAIL_FRAC, NOT_PRESSED, peak_batch, pressed
 from broker.control.memory_model import MemoryModel
 from tests.unit.policy_builders import Driver, GiB, MiB, load, make_config, timings
 
