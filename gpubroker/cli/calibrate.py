@@ -72,16 +72,18 @@ def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) 
             f"model {spec.model} has no example_input(); calibrate runs the model on it: add example_input() "
             "returning one valid input"
         ) from exc
-    points = []
-    for size in sizes:
-        batch = [example] * size
-        adapter.predict(batch)  # warm-up at this size (allocator, kernels)
-        times = []
-        for _ in range(repeats):
+    batches = [[example] * size for size in sizes]
+    for batch in batches:
+        adapter.predict(batch)  # warm-up at each size (allocator, kernels)
+    times: list[list[float]] = [[] for _ in batches]
+    for _ in range(repeats):  # round-robin over the sizes: a busy moment hits them all alike
+        for i, batch in enumerate(batches):
             started = time.perf_counter()
             adapter.predict(batch)
-            times.append((time.perf_counter() - started) * 1000.0)
-        points.append((float(sum(adapter.cost(item) for item in batch)), statistics.median(times)))
+            times[i].append((time.perf_counter() - started) * 1000.0)
+    points = [
+        (float(sum(adapter.cost(item) for item in batch)), statistics.median(ms)) for batch, ms in zip(batches, times)
+    ]
     a_ms, c_ms = fit_line(points)
     return Measured(
         a_ms=round(a_ms, 3),
@@ -113,9 +115,12 @@ def _round_up_mib(n: int) -> int:
 
 
 def size_text(n: int) -> str:
-    """A size the config reads back exactly: the human form when exact, else KiB rounded up."""
+    """A size for the config: the human form when exact, else bytes under 1 MiB and KiB (rounded
+    up, under 0.1% more) above."""
     text = format_size(n)
-    return text if parse_size(text) == n else f"{math.ceil(n / 1024)}KiB"
+    if parse_size(text) == n:
+        return text
+    return f"{n}B" if n < 1024**2 else f"{math.ceil(n / 1024)}KiB"
 
 
 def profile_line(m: Measured) -> str:
