@@ -7,8 +7,9 @@ the current directory). Three things follow from that, all here:
   (appended to ``sys.path``, so gpubroker's own packages still win in this process);
 - ``check_project`` -> ``ProjectCheck.py_modules``: the user's top-level packages found in the
   project directory, shipped to every replica with Ray's ``runtime_env={"py_modules": [...]}``
-  (uploaded once, unpacked on each node: replicas on other nodes import them too). A package
-  that is installed (``pip install -e .``) is not shipped: it imports from the environment;
+  (uploaded once, unpacked on each node: replicas on other nodes import them too; on the node
+  ``up`` runs on, Ray also puts the driver's directory on the workers' path). A package that is
+  installed (``pip install -e .``) is not shipped: it imports from the environment;
 - ``ProjectCheck.errors`` / ``warnings``: a folder of the project named like one of gpubroker's
   packages (``deployments/`` is common in Ray Serve projects) shadows ours, or ours shadows it:
   a model path into it cannot work, and anything that puts the project first on the path breaks
