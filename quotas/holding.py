@@ -13,12 +13,8 @@ Pure: stdlib only; ``used_bytes`` maps model -> measured bytes (missing: nothing
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from quotas.ledger_base import fmt
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from quotas.ledger import QuotaLedger
+from quotas.ledger import QuotaLedger, fmt
 
 
 def held_bytes(ledger: QuotaLedger, used_bytes: Mapping[str, int]) -> dict[str, int]:

@@ -42,7 +42,7 @@ usable, not even while a transfer is under way:
 ``"reclaim"`` (an owner takes back a loan; the donor must not be pushed under its own base,
 so a reclaim moves at most ``loan_bytes(donor)``) or ``"release"`` (``begin_release(name,
 amount, now_s)``: the grant drops now, the pool gets the bytes at ``confirm``; recipient
-``""``). ``Transfer`` and these methods live in ``quotas.transfers``.
+``""``).
 
 ``grow`` and ``release`` are one phase: ``grow`` takes memory from the free pool, which
 nobody holds, so it is safe at once; ``release`` returns part of a model's own grant to the
@@ -90,10 +90,8 @@ the biggest loans shrink first (shrinking every loan to base always suffices bec
 ``sum(base) <= usable``). ``reconfigure(usable, quotas, now_s)`` lowers first: each grant
 the new config lowers becomes a pending release begun at ``now_s``, so the bytes are free
 only once the model is measured under its new grant; it refuses (``LedgerError``) a config
-whose usable is under what the models may then still hold. (Module split: errors and
-``ModelQuota`` in ``quotas.ledger_base``, invariants in ``quotas.ledger_checks``, checkpoint
-parsing in ``quotas.ledger_checkpoint``.) ``to_dict`` / ``from_dict`` give a JSON-safe checkpoint that round-trips
-exactly (``from_dict`` runs ``check()``).
+whose usable is under what the models may then still hold. ``to_dict`` / ``from_dict`` give a
+JSON-safe checkpoint that round-trips exactly (``from_dict`` runs ``check()``).
 
 Errors
 ------
@@ -103,23 +101,15 @@ the human form rounds) and the fix; ``.model`` holds the model's name where ther
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from quotas.ledger_base import (
-    FREE_POOL,
-    LedgerError,
-    LedgerInvariantError,
-    ModelQuota,
-    as_bytes,
-    as_time,
-    fmt,
-    validate_quotas,
-)
-from quotas.ledger_checkpoint import parse_checkpoint
-from quotas.ledger_checks import ledger_problems
-from quotas.transfers import TRANSFER_KINDS, Transfer, TransferOps
+from quotas.sizes import format_size, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module free of pydantic at run time
     from quotas.config import FleetConfig
@@ -136,10 +126,123 @@ __all__ = [
 ]
 
 CHECKPOINT_VERSION = 1
-_fmt, _as_bytes, _as_time = fmt, as_bytes, as_time
 
 
-class QuotaLedger(TransferOps):
+FREE_POOL = ""  # the name that stands for the free pool (reclaim_plan, release transfers)
+
+
+class LedgerError(ValueError):
+    """A refused ledger operation or bad ledger input; the message names model, bytes and fix."""
+
+    def __init__(self, message: str, model: str | None = None):
+        super().__init__(message)
+        self.model = model
+
+
+class LedgerInvariantError(LedgerError):
+    """The ledger's state breaks one or more invariants; ``problems`` lists each one."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"quota ledger breaks {len(self.problems)} invariant(s):\n{lines}")
+
+
+def fmt(num_bytes: int) -> str:
+    """Human size, with the exact byte count when the human form rounds."""
+    text = format_size(num_bytes)
+    try:
+        exact = parse_size(text.lstrip("-")) == abs(num_bytes)
+    except ValueError:  # pragma: no cover - format_size always parses
+        exact = False
+    return text if exact else f"{text} ({num_bytes} bytes)"
+
+
+def as_bytes(value: Any, what: str, model: str | None = None) -> int:
+    """An integer byte count (ints and numpy-style integers; not bools, not floats)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        where = f" for '{model}'" if model else ""
+        raise LedgerError(f"{what}{where} is {value!r}, not a whole number of bytes; pass an int", model)
+    return operator.index(value)
+
+
+def as_time(value: Any, what: str = "now_s") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise LedgerError(f"{what} is {value!r}; pass a finite number of seconds")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ModelQuota:
+    """One model's quota; validated on construction (integers, 0 <= min <= base <= max)."""
+
+    min_bytes: int  # working set the model never goes under, even when it lends
+    base_bytes: int  # guaranteed share: the owner can always reclaim it
+    max_bytes: int  # most the model may borrow up to
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = as_bytes(getattr(self, f.name), f.name)
+            if value < 0:
+                raise LedgerError(f"{f.name} ({value}) is negative; quota sizes must be >= 0")
+            object.__setattr__(self, f.name, value)
+        if self.min_bytes > self.base_bytes:
+            raise LedgerError(
+                f"min_bytes ({fmt(self.min_bytes)}) is above base_bytes ({fmt(self.base_bytes)}); "
+                "lower min or raise base"
+            )
+        if self.base_bytes > self.max_bytes:
+            raise LedgerError(
+                f"base_bytes ({fmt(self.base_bytes)}) is above max_bytes ({fmt(self.max_bytes)}); "
+                "lower base or raise max"
+            )
+
+    def to_dict(self) -> dict[str, int]:
+        return {"min_bytes": self.min_bytes, "base_bytes": self.base_bytes, "max_bytes": self.max_bytes}
+
+
+def validate_quotas(quotas: Mapping[str, ModelQuota]) -> dict[str, ModelQuota]:
+    if not isinstance(quotas, Mapping):
+        raise LedgerError(f"quotas is {type(quotas).__name__}; pass a mapping of model name -> ModelQuota")
+    out: dict[str, ModelQuota] = {}
+    for name, quota in quotas.items():
+        if not isinstance(name, str) or not name:
+            raise LedgerError(f'model name {name!r} is not allowed; use a non-empty string ("" means the free pool)')
+        if not isinstance(quota, ModelQuota):
+            raise LedgerError(
+                f"quota for '{name}' is {type(quota).__name__}; pass ModelQuota(min_bytes, base_bytes, max_bytes)", name
+            )
+        out[name] = quota
+    return out
+
+
+TRANSFER_KINDS = ("lend", "reclaim", "release")
+MODEL_TRANSFER_KINDS = ("lend", "reclaim")  # kinds begin_transfer takes (release: begin_release)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes that left ``donor``'s grant and have not yet been added to ``recipient``'s."""
+
+    id: int  # unique within the ledger, never reused
+    donor: str  # model whose grant was lowered at begin_transfer / begin_release
+    recipient: str  # model whose grant rises at confirm; "" (the free pool) for kind "release"
+    amount_bytes: int  # bytes in flight
+    kind: str  # "lend", "reclaim" or "release"
+    started_s: float  # now_s at begin; only reports measured after it can confirm it
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "donor": self.donor,
+            "recipient": self.recipient,
+            "amount_bytes": self.amount_bytes,
+            "kind": self.kind,
+            "started_s": self.started_s,
+        }
+
+
+class QuotaLedger:
     """Grants, loans and in-flight transfers of one card. See the module docstring."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable; equality compares state
@@ -150,7 +253,7 @@ class QuotaLedger(TransferOps):
         quotas: Mapping[str, ModelQuota],
         grants: Mapping[str, int] | None = None,
     ):
-        usable = _as_bytes(usable_bytes, "usable_bytes")
+        usable = as_bytes(usable_bytes, "usable_bytes")
         if usable < 0:
             raise LedgerError(f"usable_bytes ({usable}) is negative; pass the card's usable memory in bytes")
         checked = validate_quotas(quotas)
@@ -165,8 +268,7 @@ class QuotaLedger(TransferOps):
         self._usable = usable
         self._quotas = checked
         self._grants = {
-            name: _as_bytes(given[name], "grant", name) if name in given else q.base_bytes
-            for name, q in checked.items()
+            name: as_bytes(given[name], "grant", name) if name in given else q.base_bytes for name, q in checked.items()
         }
         self._pending: dict[int, Transfer] = {}
         self._dupe_ids: list[int] = []  # only a bad checkpoint has any; check() reports them
@@ -290,27 +392,27 @@ class QuotaLedger(TransferOps):
     def grow(self, name: str, amount_bytes: int) -> int:
         """Raise ``name``'s grant from the free pool; returns the new grant."""
         self._known(name, "grow")
-        amount = _as_bytes(amount_bytes, "amount_bytes", name)
+        amount = as_bytes(amount_bytes, "amount_bytes", name)
         if amount <= 0:
             raise LedgerError(
-                f"cannot grow '{name}' by {_fmt(amount)}: amount_bytes must be > 0; pass a positive number of bytes",
+                f"cannot grow '{name}' by {fmt(amount)}: amount_bytes must be > 0; pass a positive number of bytes",
                 name,
             )
         room = self.headroom_bytes(name)
         if amount > room:
             raise LedgerError(
-                f"cannot grow '{name}' by {_fmt(amount)}: grant {_fmt(self._grants[name])} + in flight to/from it "
-                f"{_fmt(self.incoming_bytes(name) + self.outgoing_bytes(name))} would exceed its max "
-                f"{_fmt(self._quotas[name].max_bytes)}; grow by at most {_fmt(max(0, room))}, "
+                f"cannot grow '{name}' by {fmt(amount)}: grant {fmt(self._grants[name])} + in flight to/from it "
+                f"{fmt(self.incoming_bytes(name) + self.outgoing_bytes(name))} would exceed its max "
+                f"{fmt(self._quotas[name].max_bytes)}; grow by at most {fmt(max(0, room))}, "
                 f"or raise models.{name}.quota.max",
                 name,
             )
         free = self.free_bytes
         if amount > free:
             raise LedgerError(
-                f"cannot grow '{name}' by {_fmt(amount)}: only {_fmt(free)} is free (usable {_fmt(self._usable)}, "
-                f"granted {_fmt(sum(self._grants.values()))}, in flight {_fmt(self.in_flight_bytes)}); grow by at most "
-                f"{_fmt(free)}, or borrow with begin_transfer from an idle model",
+                f"cannot grow '{name}' by {fmt(amount)}: only {fmt(free)} is free (usable {fmt(self._usable)}, "
+                f"granted {fmt(sum(self._grants.values()))}, in flight {fmt(self.in_flight_bytes)}); grow by at most "
+                f"{fmt(free)}, or borrow with begin_transfer from an idle model",
                 name,
             )
         self._grants[name] += amount
@@ -319,17 +421,17 @@ class QuotaLedger(TransferOps):
     def release(self, name: str, amount_bytes: int) -> int:
         """Lower ``name``'s own grant into the free pool (memory it no longer holds); returns the new grant."""
         self._known(name, "release")
-        amount = _as_bytes(amount_bytes, "amount_bytes", name)
+        amount = as_bytes(amount_bytes, "amount_bytes", name)
         if amount <= 0:
             raise LedgerError(
-                f"cannot release {_fmt(amount)} from '{name}': amount_bytes must be > 0; pass a positive number of bytes",
+                f"cannot release {fmt(amount)} from '{name}': amount_bytes must be > 0; pass a positive number of bytes",
                 name,
             )
         grant, floor = self._grants[name], self._quotas[name].min_bytes
         if grant - amount < floor:
             raise LedgerError(
-                f"cannot release {_fmt(amount)} from '{name}': its grant would fall to {_fmt(grant - amount)}, under "
-                f"its min {_fmt(floor)}; release at most {_fmt(max(0, grant - floor))}, "
+                f"cannot release {fmt(amount)} from '{name}': its grant would fall to {fmt(grant - amount)}, under "
+                f"its min {fmt(floor)}; release at most {fmt(max(0, grant - floor))}, "
                 f"or lower models.{name}.quota.min",
                 name,
             )
@@ -366,6 +468,126 @@ class QuotaLedger(TransferOps):
 
     # -- invariants -----------------------------------------------------------------------------
 
+    # -------------------------------------------------------------- two-phase transfers
+    def _add_pending(self, donor: str, recipient: str, amount: int, kind: str, started_s: float) -> Transfer:
+        transfer = Transfer(
+            id=self._next_id, donor=donor, recipient=recipient, amount_bytes=amount, kind=kind, started_s=started_s
+        )
+        self._next_id += 1
+        self._grants[donor] -= amount
+        self._pending[transfer.id] = transfer
+        return transfer
+
+    def _check_floor(self, donor: str, amount: int, kind: str) -> None:
+        if amount <= 0:
+            raise LedgerError(
+                f"cannot {kind} {fmt(amount)} from '{donor}': amount_bytes must be > 0; pass a positive number of bytes",
+                donor,
+            )
+        grant, floor = self._grants[donor], self._quotas[donor].min_bytes
+        if grant - amount < floor:
+            raise LedgerError(
+                f"cannot {kind} {fmt(amount)} from '{donor}': its grant would fall to {fmt(grant - amount)}, "
+                f"under its min {fmt(floor)}; move at most {fmt(max(0, grant - floor))}, "
+                f"or lower models.{donor}.quota.min",
+                donor,
+            )
+
+    def begin_transfer(
+        self, donor: str, recipient: str, amount_bytes: int, now_s: float, kind: str = "lend"
+    ) -> Transfer:
+        """Phase 1: lower ``donor``'s grant by ``amount_bytes`` now; the amount is in flight."""
+        self._known(donor, "begin_transfer donor")
+        self._known(recipient, "begin_transfer recipient")
+        amount = as_bytes(amount_bytes, "amount_bytes", donor)
+        started_s = as_time(now_s)
+        if kind not in MODEL_TRANSFER_KINDS:
+            raise LedgerError(
+                f"transfer kind {kind!r} from '{donor}' to '{recipient}' is unknown; use 'lend' or 'reclaim' "
+                "(begin_release hands bytes back to the pool)",
+                donor,
+            )
+        if donor == recipient:
+            raise LedgerError(
+                f"cannot transfer {fmt(amount)} from '{donor}' to itself; pick a different recipient", donor
+            )
+        if amount <= 0:
+            raise LedgerError(
+                f"cannot transfer {fmt(amount)} from '{donor}' to '{recipient}': amount_bytes must be > 0; "
+                "pass a positive number of bytes",
+                donor,
+            )
+        self._check_floor(donor, amount, kind)
+        grant = self._grants[donor]
+        q_donor = self._quotas[donor]
+        if kind == "reclaim":
+            loan = max(0, grant - q_donor.base_bytes)
+            if amount > loan:
+                raise LedgerError(
+                    f"cannot reclaim {fmt(amount)} from '{donor}': only {fmt(loan)} of its grant "
+                    f"{fmt(grant)} is a loan above its base {fmt(q_donor.base_bytes)}; reclaim at most "
+                    f"{fmt(loan)} (see reclaim_plan) or use kind='lend'",
+                    donor,
+                )
+        room = self.headroom_bytes(recipient)
+        if amount > room:
+            q_rec = self._quotas[recipient]
+            raise LedgerError(
+                f"cannot {kind} {fmt(amount)} to '{recipient}': its grant {fmt(self._grants[recipient])} "
+                f"+ in flight to/from it {fmt(self.incoming_bytes(recipient) + self.outgoing_bytes(recipient))} "
+                f"+ {fmt(amount)} would exceed its max {fmt(q_rec.max_bytes)}; move at most {fmt(max(0, room))}, "
+                f"or raise models.{recipient}.quota.max",
+                recipient,
+            )
+        return self._add_pending(donor, recipient, amount, kind, started_s)
+
+    def begin_release(self, name: str, amount_bytes: int, now_s: float) -> Transfer:
+        """Phase 1 of a release: lower ``name``'s grant now; the pool gets the bytes at ``confirm``."""
+        self._known(name, "begin_release")
+        amount = as_bytes(amount_bytes, "amount_bytes", name)
+        started_s = as_time(now_s)
+        self._check_floor(name, amount, "release")
+        return self._add_pending(name, FREE_POOL, amount, "release", started_s)
+
+    def confirm(self, donor: str, used_bytes: float, now_s: float) -> tuple[Transfer, ...]:
+        """Phase 2: ``donor`` reports ``used_bytes`` measured at ``now_s``.
+
+        If ``used_bytes <= grant(donor)``, every pending transfer from it begun at or before
+        ``now_s`` completes (recipients' grants rise; a release's bytes become free) and is
+        returned; otherwise nothing changes and ``()`` is returned.
+        """
+        self._known(donor, "confirm")
+        measured = isinstance(used_bytes, numbers.Real) and not isinstance(used_bytes, bool)
+        if not measured or not math.isfinite(used_bytes) or used_bytes < 0:
+            raise LedgerError(
+                f"used_bytes reported by '{donor}' is {used_bytes!r}; pass the measured bytes (a number >= 0)", donor
+            )
+        at = as_time(now_s)
+        if used_bytes > self._grants[donor]:
+            return ()
+        done = tuple(t for t in self._pending.values() if t.donor == donor and t.started_s <= at)
+        for t in done:
+            del self._pending[t.id]
+            if t.recipient != FREE_POOL:
+                self._grants[t.recipient] += t.amount_bytes
+        return done
+
+    def abort(self, transfer_id: int) -> Transfer:
+        """Give a pending transfer's amount back to its donor; returns the aborted transfer."""
+        if isinstance(transfer_id, bool) or not isinstance(transfer_id, numbers.Integral):
+            raise LedgerError(f"transfer id {transfer_id!r} is not an int; pass Transfer.id")
+        transfer = self._pending.get(operator.index(transfer_id))
+        if transfer is None:
+            shown = ", ".join(str(i) for i in self._pending) or "none"
+            raise LedgerError(
+                f"transfer {transfer_id} is not pending (pending ids: {shown}); it was already confirmed or "
+                "aborted, or never begun; pass an id from ledger.pending"
+            )
+        del self._pending[transfer.id]
+        self._grants[transfer.donor] += transfer.amount_bytes
+        return transfer
+
+    # -------------------------------------------------------------- invariants and checkpoints
     def problems(self) -> list[str]:
         """Every broken invariant, as messages that name the model, the bytes and the fix."""
         return ledger_problems(self)
@@ -383,7 +605,7 @@ class QuotaLedger(TransferOps):
     ) -> QuotaLedger:
         """A new ledger for a new config (see module docstring); never changes ``self``. With
         ``now_s``, lowered grants are pending releases begun at ``now_s`` (lower first)."""
-        usable = _as_bytes(usable_bytes, "usable_bytes")
+        usable = as_bytes(usable_bytes, "usable_bytes")
         if usable < 0:
             raise LedgerError(f"usable_bytes ({usable}) is negative; pass the card's usable memory in bytes")
         new_quotas = validate_quotas(quotas)
@@ -391,10 +613,10 @@ class QuotaLedger(TransferOps):
             total = sum(getattr(q, attr) for q in new_quotas.values())
             if total > usable:
                 biggest = max(new_quotas, key=lambda n: (getattr(new_quotas[n], attr), n))
-                listed = ", ".join(f"{n} {_fmt(getattr(q, attr))}" for n, q in new_quotas.items())
+                listed = ", ".join(f"{n} {fmt(getattr(q, attr))}" for n, q in new_quotas.items())
                 raise LedgerError(
-                    f"sum of quota.{what} ({_fmt(total)}: {listed}) exceeds usable {_fmt(usable)} by "
-                    f"{_fmt(total - usable)}; lower some models' quota.{what} (largest: '{biggest}') "
+                    f"sum of quota.{what} ({fmt(total)}: {listed}) exceeds usable {fmt(usable)} by "
+                    f"{fmt(total - usable)}; lower some models' quota.{what} (largest: '{biggest}') "
                     "or raise gpu.capacity",
                     biggest,
                 )
@@ -419,7 +641,7 @@ class QuotaLedger(TransferOps):
         if now_s is None:
             ledger = QuotaLedger._restore(usable, new_quotas, grants, (), self._next_id)
         else:
-            ledger = self._staged(usable, new_quotas, held, grants, _as_time(now_s))
+            ledger = self._staged(usable, new_quotas, held, grants, as_time(now_s))
         ledger.check()
         return ledger
 
@@ -437,8 +659,8 @@ class QuotaLedger(TransferOps):
         if holding > usable:
             rising = [n for n in grants if grants[n] > held.get(n, 0)]
             raise LedgerError(
-                f"the new config leaves usable {_fmt(usable)} under what models may still hold, {_fmt(holding)} "
-                f"(grants {_fmt(sum(grants.values()))} + {_fmt(holding - sum(grants.values()))} on its way back to the "
+                f"the new config leaves usable {fmt(usable)} under what models may still hold, {fmt(holding)} "
+                f"(grants {fmt(sum(grants.values()))} + {fmt(holding - sum(grants.values()))} on its way back to the "
                 f"pool{'; rising: ' + ', '.join(rising) if rising else ''}); apply a config that lowers the loans "
                 "first and shrink usable (gpu.capacity, reserve_frac) once they are back",
                 rising[0] if rising else None,
@@ -482,8 +704,139 @@ class QuotaLedger(TransferOps):
         return self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        grants = ", ".join(f"{n}={_fmt(g)}" for n, g in self._grants.items())
+        grants = ", ".join(f"{n}={fmt(g)}" for n, g in self._grants.items())
         return (
-            f"QuotaLedger(usable={_fmt(self._usable)}, grants[{grants}], in_flight={_fmt(self.in_flight_bytes)}, "
+            f"QuotaLedger(usable={fmt(self._usable)}, grants[{grants}], in_flight={fmt(self.in_flight_bytes)}, "
             f"pending={len(self._pending)})"
         )
+
+
+def _transfer_problems(ledger: QuotaLedger) -> list[str]:
+    out: list[str] = []
+    known = ledger._quotas
+    for t in ledger._pending.values():
+        if t.donor not in known:
+            out.append(f"transfer {t.id} names unknown donor '{t.donor}'; abort it or add the model")
+        if t.kind == "release":
+            if t.recipient != FREE_POOL:
+                out.append(
+                    f"release transfer {t.id} from '{t.donor}' names recipient '{t.recipient}'; releases go to the pool ('')"
+                )
+        elif t.recipient not in known:
+            out.append(f"transfer {t.id} names unknown recipient '{t.recipient}'; abort it or add the model")
+        if t.donor == t.recipient:
+            out.append(f"transfer {t.id} moves {fmt(t.amount_bytes)} from '{t.donor}' to itself; abort it")
+        if t.amount_bytes <= 0:
+            out.append(f"transfer {t.id} from '{t.donor}' has amount {fmt(t.amount_bytes)}; amounts must be > 0")
+        if t.kind not in TRANSFER_KINDS:
+            out.append(f"transfer {t.id} from '{t.donor}' has kind {t.kind!r}; use 'lend', 'reclaim' or 'release'")
+        elif t.kind in MODEL_TRANSFER_KINDS and t.recipient == FREE_POOL:
+            out.append(f"{t.kind} transfer {t.id} from '{t.donor}' names the pool as recipient; use kind 'release'")
+        if t.id >= ledger._next_id:
+            out.append(f"transfer {t.id} from '{t.donor}' is not below the next id {ledger._next_id}; raise next_id")
+    return out
+
+
+def ledger_problems(ledger: QuotaLedger) -> list[str]:
+    """Every broken invariant of ``ledger``."""
+    quotas, grants = ledger._quotas, ledger._grants
+    pending = ledger._pending.values()
+    out = [f"transfer id {i} appears twice; checkpoints must list each pending transfer once" for i in ledger._dupe_ids]
+    usable = ledger.usable_bytes
+    for name in quotas:
+        if name not in grants:
+            out.append(f"'{name}' has a quota but no grant; give it a grant (its base {fmt(quotas[name].base_bytes)})")
+    for name in grants:
+        if name not in quotas:
+            out.append(f"'{name}' has a grant but no quota; drop its grant or add its quota")
+    out.extend(_transfer_problems(ledger))
+    incoming: dict[str, int] = {}
+    outgoing: dict[str, int] = {}
+    for t in pending:
+        if t.recipient != FREE_POOL:
+            incoming[t.recipient] = incoming.get(t.recipient, 0) + t.amount_bytes
+        if t.kind != "release":  # a release never comes back (the broker escalates, not aborts)
+            outgoing[t.donor] = outgoing.get(t.donor, 0) + t.amount_bytes
+    in_flight = sum(t.amount_bytes for t in pending)
+    granted = sum(grants.values())
+    if granted + in_flight > usable:
+        out.append(
+            f"sum of grants {fmt(granted)} + in flight {fmt(in_flight)} = {fmt(granted + in_flight)} exceeds "
+            f"usable {fmt(usable)} by {fmt(granted + in_flight - usable)}; lower some grants or abort transfers"
+        )
+    total_base = sum(q.base_bytes for q in quotas.values())
+    if total_base > usable:
+        out.append(
+            f"sum of base quotas {fmt(total_base)} exceeds usable {fmt(usable)}, so not every owner can reclaim "
+            "its base; lower some models' quota.base or raise gpu.capacity"
+        )
+    for name, q in quotas.items():
+        grant = grants.get(name)
+        if grant is None:
+            continue
+        if grant < q.min_bytes:
+            out.append(
+                f"'{name}': grant {fmt(grant)} is under its min {fmt(q.min_bytes)}; raise it by "
+                f"{fmt(q.min_bytes - grant)} or lower models.{name}.quota.min"
+            )
+        moving = incoming.get(name, 0) + outgoing.get(name, 0)
+        ceiling = grant + moving
+        if ceiling > q.max_bytes:
+            out.append(
+                f"'{name}': grant {fmt(grant)} + in flight to/from it {fmt(moving)} = {fmt(ceiling)} exceeds its max "
+                f"{fmt(q.max_bytes)}; lower it by {fmt(ceiling - q.max_bytes)} or raise models.{name}.quota.max"
+            )
+    return out
+
+
+def parse_checkpoint(
+    d: Mapping[str, Any], version: int
+) -> tuple[int, dict[str, ModelQuota], dict[str, int], tuple[Transfer, ...], int]:
+    """(usable, quotas, grants, pending, next_id) of a checkpoint; raises ``LedgerError`` naming the bad part."""
+    if not isinstance(d, Mapping):
+        raise LedgerError(f"checkpoint is {type(d).__name__}; pass the dict that QuotaLedger.to_dict() wrote")
+    missing = [k for k in ("version", "usable_bytes", "quotas", "grants", "pending", "next_id") if k not in d]
+    if missing:
+        raise LedgerError(f"checkpoint lacks {', '.join(missing)}; pass the dict that QuotaLedger.to_dict() wrote")
+    if d["version"] != version:
+        raise LedgerError(
+            f"checkpoint version {d['version']!r} is not {version}; start from the config "
+            "(QuotaLedger.from_config) instead of this checkpoint"
+        )
+    usable = as_bytes(d["usable_bytes"], "usable_bytes")
+    quotas: dict[str, ModelQuota] = {}
+    if not isinstance(d["quotas"], Mapping):
+        raise LedgerError("checkpoint quotas is not a mapping; pass the dict that QuotaLedger.to_dict() wrote")
+    for name, q in d["quotas"].items():
+        try:
+            quotas[name] = ModelQuota(q["min_bytes"], q["base_bytes"], q["max_bytes"])
+        except (KeyError, TypeError) as exc:
+            raise LedgerError(
+                f"checkpoint quota for '{name}' is malformed ({exc}); it needs min_bytes, base_bytes, max_bytes",
+                name,
+            ) from None
+        except LedgerError as exc:
+            raise LedgerError(f"checkpoint quota for '{name}': {exc}", name) from None
+    quotas = validate_quotas(quotas)
+    if not isinstance(d["grants"], Mapping):
+        raise LedgerError("checkpoint grants is not a mapping; pass the dict that QuotaLedger.to_dict() wrote")
+    grants = {name: as_bytes(g, "grant", name) for name, g in d["grants"].items()}
+    pending = []
+    for raw in d["pending"]:
+        try:
+            pending.append(
+                Transfer(
+                    id=as_bytes(raw["id"], "transfer id"),
+                    donor=str(raw["donor"]),
+                    recipient=str(raw["recipient"]),
+                    amount_bytes=as_bytes(raw["amount_bytes"], "amount_bytes", str(raw["donor"])),
+                    kind=str(raw["kind"]),
+                    started_s=as_time(raw["started_s"], "started_s"),
+                )
+            )
+        except (KeyError, TypeError) as exc:
+            raise LedgerError(
+                f"checkpoint transfer {raw!r} is malformed ({exc}); each needs id, donor, recipient, "
+                "amount_bytes, kind, started_s"
+            ) from None
+    return usable, quotas, grants, tuple(pending), as_bytes(d["next_id"], "next_id")

@@ -1,4 +1,4 @@
-"""quotas/transfers.py releases and QuotaLedger.reconfigure(now_s): memory goes back to the pool
+"""QuotaLedger releases (begin_release) and QuotaLedger.reconfigure(now_s): memory goes back to the pool
 only once measured, and a new config lowers before anything rises."""
 
 from __future__ import annotations
