@@ -495,6 +495,7 @@ class ModelReplica(ReplicaMemory):
             "memory_limit": asdict(self.limiter.read()),
             "enforcement": self.enforcement(),
             "cgroup": getattr(self.watchdog, "cgroup", ""),
+            "watch_baseline_bytes": getattr(self, "watch_baseline_bytes", 0),
             "violation": self.violation(),
             "batcher": {
                 "max_batch_size": self._batch._get_max_batch_size(),

@@ -31,11 +31,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from broker.control.violation import WATCH_PERIOD_S, Verdict, WatchLimits, WatchResult, WatchState, watch_step
+from broker.control.violation import (
+    WATCH_DRAIN_S,
+    WATCH_GRACE_S,
+    WATCH_PERIOD_S,
+    Verdict,
+    WatchLimits,
+    WatchResult,
+    WatchState,
+    watch_step,
+)
 
 logger = logging.getLogger("ray.serve")
 
 BACKSTOP_S = 1.0  # the watchdog ends the pid this long after the replica should have ended itself
+# The bound from the first reading over grant + slack to the process's end (its memory freed): the
+# grace, the drain, the watchdog's backstop, and one reading period each for the start and the end.
+END_BOUND_S = WATCH_GRACE_S + WATCH_DRAIN_S + BACKSTOP_S + 2 * WATCH_PERIOD_S
 CGROUP_ENV = "GPUBROKER_CGROUP"  # "off": no cgroup even where writable (tests of the watcher alone)
 
 

@@ -67,6 +67,10 @@ class RuleContext:
     paused_for_s: float = 0.0  # how long this model's admission has been paused
     max_pause_s: float = 3.0  # a pause re-opens after this long (memory that never frees must not starve it)
     mem_ceiling: int | None = None  # the batch the grant holds now (None: memory does not limit): the wait plans for it
+    # blame (broker.control.violation.over_grant): this model's reported use over its grant + slack
+    # (None: within it), and another model of the card that is over its own ("" for none)
+    over_grant_bytes: int | None = None
+    violator_elsewhere: str = ""
 
 
 @dataclass(frozen=True)
@@ -143,10 +147,16 @@ def emergency(s: Inputs) -> BatchWant | None:
     free, limit = s.gpu.free_frac, s.ctx.emergency_free_frac
     if not (free < limit or s.load.emergency):
         return None
+    over, elsewhere = s.ctx.over_grant_bytes, s.ctx.violator_elsewhere
+    if free < limit and over is None and elsewhere and not s.load.emergency:
+        return None  # blame: the card is short while a neighbour is over its grant; this model keeps serving
     new = max(s.spec.batch.floor, min(s.cap // 2, int(s.queued_units // 2)))
     admit = free >= limit / 2.0
     why = f"free_frac {free:.3f} < {limit}" if free < limit else "replica reported an emergency shrink"
     what = f"{why}: halve batch {s.cap}->{new}"
+    if free < limit and over is not None:  # the card is short and this model is over its grant: it pays
+        what += f", pause admission: {over / 2**20:.1f} MiB over its grant + slack"
+        return s.want(new, Trigger.FREE_FRAC, free, Rule.EMERGENCY, what, safety=True, admit=False)
     if not admit and s.ctx.paused_for_s >= s.ctx.max_pause_s:
         admit = True  # bounded pause: re-open at the floor (the replica's fast loop still guards each batch)
         what += f", re-open admission after {s.ctx.paused_for_s:.0f}s paused"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from broker.control.batch_rules import RuleContext, cap_top, decide_batch
@@ -28,6 +29,7 @@ from broker.control.memory_model import MemoryModel
 from broker.control.profiles import active_profile
 from broker.control.state import BatchWant, ModelState
 from broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
+from broker.control.violation import WATCH_SLACK_BYTES, over_grant
 from broker.control.vocab import Rule, Trigger
 from broker.wire import ModelSettings
 from quotas.config import FleetConfig, ModelSpec, ProfileSpec
@@ -199,14 +201,8 @@ class _TickView:
     config: FleetConfig
     state: PolicyState
     profile: ProfileSpec
-
-    @property
-    def now(self) -> float:
-        return self.snapshot.now_s
-
-    @property
-    def interval(self) -> float:
-        return self.config.broker.control_interval_s
+    now: float  # snapshot.now_s
+    interval: float  # config.broker.control_interval_s
 
 
 @dataclass(frozen=True)
@@ -228,7 +224,8 @@ def decide(
     """One tick for the fleet: each model's step, the quota plan over them all, then each model's
     settings inside its new grant. ``need_bytes``: models whose need the lending planner takes as
     given (LLM engines, broker.control.llm_window)."""
-    view = _TickView(snapshot, config, state, active_profile(config.profiles, snapshot.now_s))
+    now, interval = snapshot.now_s, config.broker.control_interval_s
+    view = _TickView(snapshot, config, state, active_profile(config.profiles, now), now, interval)
     notes: list[str] = []
     if state.profile and state.profile != view.profile.name:
         p = view.profile
@@ -326,6 +323,8 @@ def _rule_context(
         paused_for_s=0.0 if old.paused_since_s is None else now - old.paused_since_s,
         max_pause_s=spec.control.max_pause_intervals * interval,
         mem_ceiling=mm.cap_for(ledger.grant(name) / max(1, spec.replicas)) if name in ledger.quotas else None,
+        over_grant_bytes=view.over_grant.get(name),
+        violator_elsewhere=next((m for m in view.over_grant if m != name), ""),
     )
 
 
@@ -354,10 +353,11 @@ def settle_model(
     if grant != old_grant:
         kinds = sorted({m.kind for m in plan.moves if name in (m.donor, m.recipient)})
         reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
-    if cap != ms.max_batch:
-        ms = replace(ms, last_dir=(cap > ms.max_batch) - (cap < ms.max_batch), last_change_s=now)
     paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
-    ms = replace(ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since)
+    moved = {"last_dir": (cap > ms.max_batch) - (cap < ms.max_batch), "last_change_s": now} if cap != ms.max_batch else {}
+    ms = replace(
+        ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since, **moved
+    )
     decision = ModelDecision(
         max_batch_size=cap,
         batch_wait_timeout_s=want.wait_s,

@@ -78,7 +78,10 @@ def watch_step(
             return WatchResult(Verdict.END, state, f"{state.why}; drained {limits.drain_s:g}s: end the process")
         return WatchResult(Verdict.VIOLATION, state, state.why)
     if lifted:
-        why = f"model '{model}': {lifted}: refuse new work, drain, end the process"
+        why = (
+            f"model '{model}': {lifted}; uses {_mib(used_bytes)} on a grant of {_mib(limits.grant_bytes)}: "
+            "refuse new work, drain, end the process"
+        )
         return WatchResult(Verdict.VIOLATION, WatchState(state.over_since_s, now_s, why), why)
     reading = f"uses {_mib(used_bytes)} over grant {_mib(limits.grant_bytes)} + slack {_mib(limits.slack_bytes)}"
     if used_bytes <= limits.bound_bytes:

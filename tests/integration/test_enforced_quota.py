@@ -19,8 +19,11 @@ import httpx
 import pytest
 
 from deployments.fleet import APP_NAME
+from deployments.watch import END_BOUND_S
+from tests.chaos.harness import FaultKind, Faults, classify
 from tests.integration._fleet import burst, local_fleet, replica_status
 from tests.integration._load import open_loop_bg
+from tests.integration._violation import drive_violator, serves_again
 from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration
@@ -46,6 +49,12 @@ models:
     wait: {min_ms: 0, max_ms: 50}
     slo_p95_ms: 5000
     request_timeout_s: 120
+    control: {window_s: 20, min_samples: 5}
+  lifter:
+    model: tests.integration.violator_models:LifterModel
+    quota: {min: 128MiB, base: 256MiB, max: 256MiB}
+    batch: {floor: 1, ceiling: 4, initial: 1}
+    slo_p95_ms: 5000
     control: {window_s: 20, min_samples: 5}
   mlp:
     model: mlp
@@ -113,3 +122,35 @@ def test_oversize_items_fail_alone_resident_memory_holds_neighbour_keeps_its_slo
     # the process survived all of it and still serves
     again = httpx.post(f"{url}/v1/models/hog/infer", json={"input": {"mb": 8}}, timeout=60)
     assert again.status_code == 200 and replica_status(app, "hog")["pid"] == pid
+
+
+@pytest.mark.chaos
+def test_a_model_that_lifts_its_own_limit_is_ended_within_the_bound_and_its_neighbour_keeps_serving(fleet):
+    """Issue 37: ``lifter`` raises its soft RLIMIT_DATA to the hard limit and keeps 48 MiB per
+    request (2 a second for 20 s) on a 256 MiB grant. The limit read back at its next report is
+    found lifted: a violation (503 naming the model and the grant), a drain, the process's end
+    (its cgroup, where the node has one, kills it if it gets there first); Serve starts a new one,
+    which serves once the load stops. Measured from outside: time over grant + slack until the
+    process ended (<= END_BOUND_S), the neighbour's statuses and attainment."""
+    import ray
+
+    url, broker, app = fleet
+    st = replica_status(app, "lifter")
+    assert st["enforcement"] in ("cgroup", "rlimit+watch"), st["enforcement"]
+    v = drive_violator(url, app, "lifter", 48, 2.0, 20.0, "mlp", {"input": {"x": [0.1] * 64}})
+    mlp = ray.get(broker.status.remote(), timeout=30)["models"]["mlp"]
+    new_pid, status = serves_again(url, app, "lifter", v.pid)
+    figure = (
+        f"{st['enforcement']}: peak {v.peak_over_bytes / MiB:.0f} MiB over baseline on a {v.grant_bytes / MiB:.0f} MiB "
+        f"grant, over grant+slack {v.over_s:.2f}s (bound {END_BOUND_S:g}s); lifter {dict(v.codes)}; mlp {dict(v.neighbour)}"
+    )
+    print(figure)
+    faults = Faults("lifter", "a model lifts its own RLIMIT_DATA and keeps 48 MiB a request", FaultKind.MEMORY)
+    faults.check("violation stopped within the bound", v.ended and v.over_s <= END_BOUND_S)
+    faults.record(ok=set(v.neighbour) == {200}, figure=figure, **classify(v.neighbour.elements()))
+    assert v.ended, figure  # the process ended
+    assert v.over_s <= END_BOUND_S, figure
+    assert any("model 'lifter'" in d and "grant" in d for d in v.details), v.details[:3]
+    assert set(v.neighbour) == {200}, figure  # the neighbour: every request answered
+    assert mlp["attainment"] is not None and mlp["attainment"] >= 0.95, mlp
+    assert status == 200 and new_pid != v.pid, (new_pid, status)

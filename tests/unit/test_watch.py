@@ -61,7 +61,7 @@ def test_over_past_the_grace_is_a_violation_naming_model_reading_and_grant_then_
 def test_a_limit_found_lifted_is_a_violation_at_once():
     res = watch_step("lifter", 0, LIMITS, 7.0, WatchState(), lifted="the limit was lifted (soft RLIMIT_DATA ...)")
     assert res.verdict == Verdict.VIOLATION and res.state.violation_s == 7.0
-    assert "model 'lifter': the limit was lifted" in res.reason
+    assert "model 'lifter': the limit was lifted" in res.reason and "uses 0.0 MiB on a grant of 256.0 MiB" in res.reason
 
 
 def test_limits_name_the_bad_field():
