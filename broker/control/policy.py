@@ -204,6 +204,21 @@ class _TickView:
     now: float  # snapshot.now_s
     interval: float  # config.broker.control_interval_s
 
+    @cached_property
+    def over_grant(self) -> dict[str, int]:
+        """Models whose reported use is over their grant (plus what they are still giving away)
+        + slack, by how much: a card-level emergency pauses them, not their neighbours (read only
+        while the card is short: the emergency rule is its one reader)."""
+        ledger, out = self.state.ledger, {}
+        if self.snapshot.gpu.free_frac >= self.config.gpu.emergency_free_frac:
+            return out
+        for name, load in self.snapshot.models.items():
+            if name in ledger.quotas:
+                allowed = ledger.grant(name) + ledger.outgoing_bytes(name)
+                if over_grant(load.mem_used_bytes, allowed, load.replicas):
+                    out[name] = load.mem_used_bytes - allowed - max(1, load.replicas) * WATCH_SLACK_BYTES
+        return out
+
 
 @dataclass(frozen=True)
 class ModelStep:
