@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import mul
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,17 +51,12 @@ FitSums = tuple[int, float, float, float, float]  # n, sum b, sum ms, sum b^2, s
 
 
 def fit_sums(timings: Iterable[tuple[float, float]]) -> FitSums:
-    """The sums a fit needs over the valid (batch > 0, exec_ms >= 0) pairs."""
-    n = 0
-    sb = sl = sbb = sbl = 0.0
-    for b, ms in timings:
-        if b > 0 and ms >= 0:
-            n += 1
-            sb += b
-            sl += ms
-            sbb += b * b
-            sbl += b * ms
-    return n, sb, sl, sbb, sbl
+    """The sums a fit needs over the valid (batch > 0, exec_ms >= 0) pairs, each added in order."""
+    valid = [p for p in timings if p[0] > 0 and p[1] >= 0]
+    if not valid:
+        return 0, 0.0, 0.0, 0.0, 0.0
+    bs, ms = zip(*valid)
+    return len(valid), sum(bs, 0.0), sum(ms, 0.0), sum(map(mul, bs, bs), 0.0), sum(map(mul, bs, ms), 0.0)
 
 
 def fit_for_load(load: ModelLoad, prior: LatencyFit | None) -> LatencyFit | None:

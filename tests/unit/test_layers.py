@@ -294,3 +294,41 @@ def test_the_contract_sees_lazy_and_type_checking_imports():
     )
     targets = [i.target for i in imports_in(ast.parse(src), "broker.control.lending")]
     assert targets == ["typing", "broker.control.policy", "torch", "broker.control.window", "broker.control.types"]
+
+
+INSTALLED = ("quotas", "broker", "deployments", "gpubroker")  # what the wheel installs (bench/ is not)
+
+
+def private_imports(tree: ast.AST, module: str) -> list[tuple[int, str, str]]:
+    """``(line, module imported from, name)`` for every ``from X import _name`` in ``tree`` where X
+    is another module of ours and ``_name`` is private (one leading underscore, not a dunder)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node)
+            if _top(source) not in PACKAGES or source == module:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if name.startswith("_") and not name.startswith("__") and f"{source}.{name}" not in source_files():
+                    out.append((node.lineno, source, name))
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A private name is its module's own: a file that needs another's is one concept cut in two
+    (fold it back) or the name is public (drop the underscore)."""
+    bad = [
+        f"{source_files()[m].relative_to(ROOT)}:{line} imports {name} from {source}"
+        for m in source_files()
+        if _top(m) in INSTALLED
+        for line, source, name in private_imports(ast.parse(source_files()[m].read_text(encoding="utf-8")), m)
+    ]
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_the_private_import_check_sees_one():
+    tree = ast.parse("from broker.control.window import _OOM\nfrom broker.control.window import Digest\n")
+    assert private_imports(tree, "broker.control.policy") == [(1, "broker.control.window", "_OOM")]
+    assert private_imports(ast.parse("from . import _x\n"), "broker.control.policy") == [(1, "broker.control", "_x")]
+    assert private_imports(tree, "broker.control.window") == []  # a module's own names are its own
