@@ -165,8 +165,14 @@ def test_panels_read_what_the_broker_reports(fleet, loaded):
     selector = variable["query"]["query"].removeprefix("label_values(").rsplit(",", 1)[0]
     values = httpx.get(f"{loaded}/api/v1/label/model/values", params={"match[]": grafana(selector)}, timeout=30)
     assert set(values.json()["data"]) == models
+    outcomes = {
+        (s["metric"]["model"], s["metric"]["outcome"]): float(s["value"][1])
+        for s in query(loaded, "sum by (model, outcome) (gpubroker_requests_total)")
+    }
+    served = {model for (model, outcome), n in outcomes.items() if outcome == "ok" and n > 0}
+    assert {"mlp", "hot"} <= served, outcomes
     p95 = query(
-        loaded,
-        'histogram_quantile(0.95, sum by (le) (rate(gpubroker_request_latency_seconds_bucket{model="mlp"}[5m])))',
+        loaded, "histogram_quantile(0.95, sum by (le, model) (rate(gpubroker_request_latency_seconds_bucket[5m])))"
     )
-    assert 0 < float(p95[0]["value"][1]) < 60
+    by_model = {s["metric"]["model"]: float(s["value"][1]) for s in p95}
+    assert all(0 < by_model.get(model, -1) < 60 for model in served - {"chat"}), (by_model, outcomes)
