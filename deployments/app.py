@@ -147,11 +147,21 @@ def model_deployment(
             name=name,
             ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
             max_ongoing_requests=4096,
-            max_surge_percent=100,  # a new router (re-placed groups) is up before the old one stops
             graceful_shutdown_timeout_s=5,  # the old one's calls to a group that is gone end then (explicit 503)
+            **surge_options(),  # a new router (re-placed groups) is up before the old one stops
         )
         .bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
     )
+
+
+def surge_options() -> dict[str, Any]:
+    """``max_surge_percent=100`` where Serve has the option (Ray 2.60+), else nothing: on older
+    Serve a re-placed router replaces the old one without overlap (a request may meet a 503)."""
+    import inspect
+
+    from ray.serve.deployment import Deployment
+
+    return {"max_surge_percent": 100} if "max_surge_percent" in inspect.signature(Deployment.options).parameters else {}
 
 
 def with_job_modules(actor_options: dict[str, Any]) -> dict[str, Any]:
