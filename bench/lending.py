@@ -18,7 +18,7 @@ Both broker arms shed late requests (``shed_late``, ``deployments.units.shed``).
 quotas-fixed arm's queue collapses under a burst its batches cannot serve (it answers nearly all
 of it late), and a gain over that arm measures the collapse, not the borrowed memory.
 
-Memory is enforced as the simulator enforces it (``gpubroker.sim.batching``): a batch over its
+Memory is enforced as the simulator enforces it (``gpubroker.sim.engine``): a batch over its
 replica's grant runs out of memory, is split in two and retried; an over-grant event is a
 sample (every control interval) at which a model's measured memory is above its grant by more
 than the allocator's granularity. The ablation starts from the static cap with Ray's eager formation,

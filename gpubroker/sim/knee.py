@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpubroker.sim.arrivals import split_rates
-from gpubroker.sim.engine import Arm, SimResult, parse_arm, run_sim
+from gpubroker.sim.engine import run_sim
 from gpubroker.sim.profile import Profile, profile_for
+from gpubroker.sim.types import Arm, SimResult, parse_arm
 from quotas.config import FleetConfig
 
 ORACLE_BATCHES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
