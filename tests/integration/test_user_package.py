@@ -164,3 +164,22 @@ def test_a_model_that_cannot_be_built_stops_up_naming_it(project):
     out = r.stdout + r.stderr
     assert "model 'encoded'" in out and "depth" in out and "fleet up" not in out, out
     assert not (Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").exists()  # stopped before any Ray started
+
+
+def test_a_project_deployments_folder_under_a_model_path_stops_up_with_the_fix(tmp_path):
+    """A Ray Serve project often has its own ``deployments/``: a model path into it cannot import
+    beside gpubroker's package of that name; `up` says so and how to fix it, before Ray starts."""
+    (tmp_path / "deployments").mkdir()
+    (tmp_path / "deployments" / "__init__.py").write_text("")
+    (tmp_path / "deployments" / "scorer.py").write_text(MODELS)
+    (tmp_path / "fleet.yaml").write_text(
+        CONFIG.replace("PORT", str(free_port())).replace("acme.models:", "deployments.scorer:")
+    )
+    env = dict(os.environ, GPUBROKER_STATE_DIR=str(tmp_path / "state"), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    env.pop("PYTHONPATH", None)
+    r = run(tmp_path, env, "up", "fleet.yaml", "--num-cpus", "2", timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert str(tmp_path / "deployments") in " ".join(out.split()) and "rename" in out, out
+    assert not (tmp_path / "state" / "fleet.json").exists()
