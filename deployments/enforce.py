@@ -1,4 +1,8 @@
-"""Memory limits a model cannot talk its way past: the grant as a limit, not a number.
+"""The in-process memory limits: the grant as a limit, not a number (the first of two layers).
+
+Any code in the process can lift these (a soft RLIMIT_DATA up to the hard limit); ``reassert()``
+reads the limit back at every report and sets it again, and one found lifted is a violation for
+the measurement layer (``deployments.watch``), which holds without the model's cooperation.
 
 A ``MemoryLimiter`` lives in one replica process. ``start()`` measures the process before the
 model loads; ``set_grant(bytes)`` sets the limit (first before the model loads, then on every
