@@ -109,6 +109,7 @@ class BrokerCore:
         self._memory_models: dict[str, tuple[int, float]] = {}
         self._cost_units: dict[str, str] = {}
         self._replicas: dict[str, dict[str, float]] = {}  # model -> replica_id -> last seen
+        self._enforcement: dict[str, dict[str, str]] = {}  # model -> replica_id -> its memory layers (registration)
         self._replica_free: dict[str, tuple[float, float | None, float | None]] = {}  # rid -> (t, free, sm)
         self._tallies: dict[str, Tallies] = {}
         self._events: dict[str, dict[str, int]] = {}
@@ -202,6 +203,8 @@ class BrokerCore:
         if cal.get("cost_unit"):
             self._cost_units[model] = str(cal["cost_unit"])
         self._replicas[model][replica_id] = self._clock()
+        if cal.get("enforcement"):  # cgroup, rlimit+watch, fraction+watch, watch (deployments.watch)
+            self._enforcement.setdefault(model, {})[replica_id] = str(cal["enforcement"])
         self._log_event(
             EntryKind.REGISTER,
             f"{model} replica {replica_id} registered"
@@ -428,6 +431,11 @@ class BrokerCore:
         by_name = {p.name: p for p in self._cfg.profiles.schedule}
         return by_name.get(self._profile_name(), self._cfg.profiles.default_profile)
 
+    def _enforcement_of(self, name: str, seen: dict[str, float], now: float) -> str:
+        """The memory layers of the model's live replicas (docs/ENFORCEMENT.md), "" before any registered."""
+        live = self._enforcement.get(name, {}).items()
+        return "/".join(sorted({k for r, k in live if now - seen.get(r, float("-inf")) <= REPLICA_STALE_S}))
+
     def status(self) -> dict[str, Any]:
         now = self._clock()
         snap = self._last_snapshot
@@ -459,6 +467,7 @@ class BrokerCore:
                 "completion_rate_rps": load.completion_rate_rps if load else 0.0,
                 "settings_version": s.version,
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
+                "enforcement": self._enforcement_of(name, seen, now),
                 "admit": s.admit,
                 "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (broker.control.cost) over its window
                     price, s.grant_bytes, self._usable, min(window_s, now - self._started_s), completions

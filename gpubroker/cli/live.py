@@ -66,6 +66,7 @@ def status_table(status: Mapping[str, Any], *, title: str | None = None) -> Tabl
         ("cost/1k", "right"),
         ("repl", "right"),
         ("ver", "right"),
+        ("enforce", "left"),
         ("flags", "left"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -104,6 +105,7 @@ def status_table(status: Mapping[str, Any], *, title: str | None = None) -> Tabl
             "-" if cost is None else f"{cost:.4f}",
             str(m.get("replicas", "-")),
             str(m.get("settings_version", "-")),
+            m.get("enforcement") or "-",  # the replicas' layers: cgroup, rlimit+watch, fraction+watch, watch
             " ".join(flags),
         )
     return table

@@ -126,9 +126,10 @@ def status_table(st: dict[str, Any]) -> Table:
         "repl",
         "target",
         "admit",
+        "enforce",
         "$/1k",
     ):
-        table.add_column(col, justify="left" if col == "model" else "right")
+        table.add_column(col, justify="left" if col in ("model", "enforce") else "right")
     for name, m in st.get("models", {}).items():
         unit = " tok" if m.get("batch_unit") == "tokens" else ""
         grant = format_size(m["grant_bytes"])
@@ -153,6 +154,7 @@ def status_table(st: dict[str, Any]) -> Table:
             str(m["replicas"]),
             _target(m),
             "yes" if m["admit"] else "[red]PAUSED[/]",
+            m.get("enforcement") or "-",  # the replicas' layers: cgroup, rlimit+watch, fraction+watch, watch
             "-" if cost is None else f"{cost:.4f}",
         )
     return table
