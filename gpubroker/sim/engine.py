@@ -142,8 +142,32 @@ class Simulator:
         missing = [n for n in workload if n not in config.models]
         if missing:
             raise ValueError(f"workload names models {missing} that the config lacks; add them under models:")
+        self._take_requests(workload)
+        self._make_replicas(workload)
+        # Card (processor sharing).
+        self.gpu_jobs: dict[SimBatch, float] = {}  # batch -> remaining solo work, ms
+        self.gpu_t = 0.0
+        self.gpu_ver = 0
+        self.card_busy = 0.0  # seconds with >= 1 batch executing
+        self._in_gpu_event = False
 
-        # Requests, merged over models in time order (ties: model order).
+        self.heap: list[tuple[float, int, int, Any, int]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.events = 0
+
+        # Series.
+        self.series: dict[str, dict[str, list[float]]] = {
+            name: {k: [] for k in ("t", "max_batch", "wait_ms", "grant_bytes", "queue", "mem_bytes")}
+            for name in self.names
+        }
+        self.decisions: list[dict[str, Any]] = []
+        self.broker: SimBroker | None = None
+        self.record = record
+        self.fast: dict[str, FastLoopParams] = {n: params_for(s, config) for n, s in config.models.items()}
+
+    def _take_requests(self, workload: Mapping[str, ModelArrivals]) -> None:
+        """Every model's requests, merged in time order (ties: model order), with their status."""
         times, mids, costs, toks = [], [], [], []
         for m, name in enumerate(self.names):
             w = workload.get(name)
@@ -175,7 +199,9 @@ class Simulator:
         self.status = np.zeros(n, dtype=np.int8)
         self.batch_log: list[tuple[int, float, int, float, int]] = []  # (model, start_t, n, cost, oversize)
 
-        # Replicas.
+    def _make_replicas(self, workload: Mapping[str, ModelArrivals]) -> None:
+        """Each model's emulated replicas, sharing one memory pool; their peaks and mean request cost."""
+        config = self.config
         self.mem_pool = MemPool()  # what they hold now, all together
         self.replicas: list[list[SimReplica]] = []
         for m, name in enumerate(self.names):
@@ -197,28 +223,6 @@ class Simulator:
             )
             for name in self.names
         }
-
-        # Card (processor sharing).
-        self.gpu_jobs: dict[SimBatch, float] = {}  # batch -> remaining solo work, ms
-        self.gpu_t = 0.0
-        self.gpu_ver = 0
-        self.card_busy = 0.0  # seconds with >= 1 batch executing
-        self._in_gpu_event = False
-
-        self.heap: list[tuple[float, int, int, Any, int]] = []
-        self._seq = 0
-        self.now = 0.0
-        self.events = 0
-
-        # Series.
-        self.series: dict[str, dict[str, list[float]]] = {
-            name: {k: [] for k in ("t", "max_batch", "wait_ms", "grant_bytes", "queue", "mem_bytes")}
-            for name in self.names
-        }
-        self.decisions: list[dict[str, Any]] = []
-        self.broker: SimBroker | None = None
-        self.record = record
-        self.fast: dict[str, FastLoopParams] = {n: params_for(s, config) for n, s in config.models.items()}
 
     # -- event plumbing ------------------------------------------------------------------------
 
