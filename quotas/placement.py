@@ -198,110 +198,146 @@ def place(
     ``cards`` stay where they are and count first (no live migration). ``partial``: a replica
     that fits nowhere is counted in ``Placement.unplaced`` instead of raising (after a node
     loss the fleet runs short rather than over-granting)."""
-    states = [_CardState(c) for c in cards]
-    by_id = {s.card.id: s for s in states}
-    ordered = sorted(demands, key=lambda d: (-d.base_bytes, d.name))
-    allowed: dict[str, list[_CardState]] = {}
-    placed: dict[str, list[str]] = {d.name: [] for d in ordered}
-    unplaced: dict[str, int] = {}
-    for d in ordered:
-        unknown = [c for c in d.cards or () if c not in by_id]
-        if unknown and not partial:
+    placer = _Placer(demands, cards, budget, partial)
+    placer.keep_running(keep or {})  # 0. what already runs stays
+    placer.pack_bases()  # 1. bin-pack the bases, first fit decreasing
+    placer.spread_replicas()  # 2. spread the rest, one round per replica number
+    return placer.placement()
+
+
+class _Placer:
+    """One placement in progress: each card's bases and replicas, each model's allowed cards,
+    where its replicas went and how many fit nowhere."""
+
+    def __init__(self, demands: Iterable[ModelDemand], cards: Iterable[Card], budget: CardBudget, partial: bool):
+        self.states = [_CardState(c) for c in cards]
+        self.by_id = {s.card.id: s for s in self.states}
+        self.budget, self.partial = budget, partial
+        self.ordered = sorted(demands, key=lambda d: (-d.base_bytes, d.name))
+        self.allowed: dict[str, list[_CardState]] = {}
+        self.placed: dict[str, list[str]] = {d.name: [] for d in self.ordered}
+        self.unplaced: dict[str, int] = {}
+        for d in self.ordered:
+            self._allow(d)
+
+    def _allow(self, d: ModelDemand) -> None:
+        """The cards ``d``'s placement allows (a card id the fleet lacks, or none allowed, raises
+        unless ``partial``)."""
+        unknown = [c for c in d.cards or () if c not in self.by_id]
+        if unknown and not self.partial:
             raise PlacementError(
                 d.name,
                 d.base_bytes,
                 {},
                 (
                     f"models.{d.name}.placement.cards: card '{unknown[0]}' is not a card of the fleet "
-                    f"(cards: {', '.join(by_id)}); use one of those ids or write cards: any"
+                    f"(cards: {', '.join(self.by_id)}); use one of those ids or write cards: any"
                 ),
             )
-        allowed[d.name] = [s for s in states if d.allows(s.card)]
-        if not allowed[d.name]:
-            if partial:
-                unplaced[d.name] = d.replicas
-                continue
-            wanted = f"cards {list(d.cards)}" if d.cards is not None else "any card"
-            raise PlacementError(
-                d.name,
-                d.base_bytes,
-                {},
-                (
-                    f"models.{d.name}.placement: no card matches ({wanted}, node_label {dict(d.node_label)}); the fleet's "
-                    f"cards: {', '.join(f'{s.card.id} (node {s.card.node}, labels {s.card.label_map})' for s in states)}. "
-                    "Widen placement.cards or placement.node_label"
-                ),
-            )
+        self.allowed[d.name] = [s for s in self.states if d.allows(s.card)]
+        if self.allowed[d.name]:
+            return
+        if self.partial:
+            self.unplaced[d.name] = d.replicas
+            return
+        wanted = f"cards {list(d.cards)}" if d.cards is not None else "any card"
+        cards = ", ".join(f"{s.card.id} (node {s.card.node}, labels {s.card.label_map})" for s in self.states)
+        raise PlacementError(
+            d.name,
+            d.base_bytes,
+            {},
+            (
+                f"models.{d.name}.placement: no card matches ({wanted}, node_label {dict(d.node_label)}); the fleet's "
+                f"cards: {cards}. Widen placement.cards or placement.node_label"
+            ),
+        )
 
-    def put(d: ModelDemand, state: _CardState) -> None:
+    def put(self, d: ModelDemand, state: _CardState) -> None:
         if d.name not in state.models:
             state.base += d.base_bytes
         state.models[d.name] = state.models.get(d.name, 0) + 1
-        placed[d.name].append(state.card.id)
+        self.placed[d.name].append(state.card.id)
 
-    def short(d: ModelDemand, what: str) -> None:
-        if not partial:
-            raise _fail(d, allowed[d.name], budget, what)
-        unplaced[d.name] = unplaced.get(d.name, 0) + 1
+    def short(self, d: ModelDemand, what: str) -> None:
+        if not self.partial:
+            raise _fail(d, self.allowed[d.name], self.budget, what)
+        self.unplaced[d.name] = self.unplaced.get(d.name, 0) + 1
 
-    for d in ordered:  # 0. what already runs stays
-        for cid in (keep or {}).get(d.name, ()):
-            if (
-                cid in by_id
-                and d.name in allowed
-                and by_id[cid] in allowed[d.name]
-                and len(placed[d.name]) < d.replicas
-            ):
-                put(d, by_id[cid])
-    over = [s for s in states if s.free(budget) < 0]
-    if over:
-        raise PlacementError(
-            next(iter(over[0].models)),
-            0,
-            {s.card.id: s.free(budget) for s in over},
-            (
-                f"the replicas kept on card {over[0].card.id} ({', '.join(over[0].models)}) need more than its usable "
-                f"{_free_list(over, budget)}; redeploy the fleet instead of re-placing it"
-            ),
-        )
-    for d in ordered:  # 1. bin-pack the bases, first fit decreasing
-        if placed[d.name] or d.name in unplaced:
-            continue
-        first = next((s for s in allowed[d.name] if _fits(s, d, budget, new_group=True)), None)
-        if first is None:
-            if not partial:
-                raise _fail(d, allowed[d.name], budget, "its first replica")
-            unplaced[d.name] = d.replicas
-            continue
-        put(d, first)
-    rounds = max((d.replicas for d in ordered), default=1)
-    for r in range(1, rounds):  # 2. spread the rest, one round per replica number
-        for d in ordered:
-            if d.replicas <= r or len(placed[d.name]) > r or not placed[d.name]:
+    def keep_running(self, keep: Mapping[str, Iterable[str]]) -> None:
+        """Replicas that already run on an allowed card stay there; kept replicas over a card's
+        usable memory raise (re-placing cannot fix them: the fleet must be redeployed)."""
+        for d in self.ordered:
+            for cid in keep.get(d.name, ()):
+                state = self.by_id.get(cid)
+                if (
+                    state is not None
+                    and state in self.allowed.get(d.name, ())
+                    and len(self.placed[d.name]) < d.replicas
+                ):
+                    self.put(d, state)
+        over = [s for s in self.states if s.free(self.budget) < 0]
+        if over:
+            raise PlacementError(
+                next(iter(over[0].models)),
+                0,
+                {s.card.id: s.free(self.budget) for s in over},
+                (
+                    f"the replicas kept on card {over[0].card.id} ({', '.join(over[0].models)}) need more than its "
+                    f"usable {_free_list(over, self.budget)}; redeploy the fleet instead of re-placing it"
+                ),
+            )
+
+    def pack_bases(self) -> None:
+        """Each model's first replica on the first allowed card its base fits (biggest bases first)."""
+        for d in self.ordered:
+            if self.placed[d.name] or d.name in self.unplaced:
                 continue
-            if d.spread:
-                target = _spread_target(d, allowed[d.name], budget)
-                mine = [s for s in allowed[d.name] if d.name in s.models]
-            else:  # together: every replica on the first replica's card
-                target, mine = None, [by_id[placed[d.name][0]]]
-            if target is None:
-                room = [s for s in mine if _fits(s, d, budget, new_group=False)]
-                target = min(room, key=lambda s: s.models[d.name], default=None)  # min keeps the first on ties
-            if target is None:
-                short(d, f"replica {r + 1} of {d.replicas}")
+            first = next((s for s in self.allowed[d.name] if _fits(s, d, self.budget, new_group=True)), None)
+            if first is None:
+                if not self.partial:
+                    raise _fail(d, self.allowed[d.name], self.budget, "its first replica")
+                self.unplaced[d.name] = d.replicas
                 continue
-            put(d, target)
-    plans = tuple(
-        CardPlan(
-            s.card, budget.usable_bytes(s.card, s.processes), s.base, MappingProxyType(dict(sorted(s.models.items())))
+            self.put(d, first)
+
+    def spread_replicas(self) -> None:
+        """The other replicas, one round per replica number: spread over cards and nodes, or
+        together on the first replica's card."""
+        rounds = max((d.replicas for d in self.ordered), default=1)
+        for r in range(1, rounds):
+            for d in self.ordered:
+                placed = self.placed[d.name]
+                if d.replicas <= r or len(placed) > r or not placed:
+                    continue
+                allowed = self.allowed[d.name]
+                if d.spread:
+                    target = _spread_target(d, allowed, self.budget)
+                    mine = [s for s in allowed if d.name in s.models]
+                else:  # together: every replica on the first replica's card
+                    target, mine = None, [self.by_id[placed[0]]]
+                if target is None:
+                    room = [s for s in mine if _fits(s, d, self.budget, new_group=False)]
+                    target = min(room, key=lambda s: s.models[d.name], default=None)  # min keeps the first on ties
+                if target is None:
+                    self.short(d, f"replica {r + 1} of {d.replicas}")
+                    continue
+                self.put(d, target)
+
+    def placement(self) -> Placement:
+        plans = tuple(
+            CardPlan(
+                s.card,
+                self.budget.usable_bytes(s.card, s.processes),
+                s.base,
+                MappingProxyType(dict(sorted(s.models.items()))),
+            )
+            for s in self.states
         )
-        for s in states
-    )
-    return Placement(
-        MappingProxyType({m: tuple(ids) for m, ids in sorted(placed.items())}),
-        plans,
-        MappingProxyType(dict(sorted(unplaced.items()))),
-    )
+        return Placement(
+            MappingProxyType({m: tuple(ids) for m, ids in sorted(self.placed.items())}),
+            plans,
+            MappingProxyType(dict(sorted(self.unplaced.items()))),
+        )
 
 
 def replace_after_loss(
