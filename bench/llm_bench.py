@@ -204,8 +204,12 @@ class _Remote:
 
 
 class _Handle:
+    """The broker actor's handle in front of an in-process core: plain data both ways, as over Ray."""
+
     def __init__(self, core: Any):
-        self.report = _Remote(core.report)
+        from broker.wire import StatsReport
+
+        self.report = _Remote(lambda report: core.report(StatsReport.from_dict(report)).to_dict())
 
 
 def broker_config(models: dict[str, dict[str, Any]], capacity: str, reserve_frac: float = 0.2) -> str:

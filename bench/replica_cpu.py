@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.core import BrokerCore
+from broker.wire import ModelSettings, StatsReport
 from deployments.replica import ModelReplica
 
 MIB = 1024**2
@@ -38,11 +39,16 @@ models:
 
 
 class _Call:
+    """``handle.<name>.remote``: plain data both ways, as ``broker.actor`` converts it over Ray."""
+
     def __init__(self, core: BrokerCore, name: str) -> None:
-        self.fn = getattr(core, name)
+        self.fn, self.name = getattr(core, name), name
 
     async def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+        if self.name == "report":
+            args = (StatsReport.from_dict(args[0]), *args[1:])
+        out = self.fn(*args, **kwargs)
+        return out.to_dict() if isinstance(out, ModelSettings) else out
 
 
 class _Handle:

@@ -40,7 +40,7 @@ from typing import Any
 
 from broker.core import BrokerCore, NullMetrics
 from broker.gc_hold import tune_collector
-from broker.wire import StatsReport
+from broker.wire import ModelSettings, StatsReport
 from quotas.config import FleetConfig, parse_config
 
 GIB = 1024**3
@@ -111,7 +111,7 @@ class _Replica:
     settings it last got."""
 
     def __init__(
-        self, name: str, rid: str, phase: int, settings: dict[str, Any], card_id: str = "", held: str | None = None
+        self, name: str, rid: str, phase: int, settings: ModelSettings, card_id: str = "", held: str | None = None
     ) -> None:
         self.name, self.rid, self.phase, self.seq, self.card_id = name, rid, phase, 0, card_id
         self.settings, self.held = settings, held
@@ -124,11 +124,11 @@ def _report(rep: _Replica, now_s: float, step: int, rng: random.Random) -> Stats
     else:
         busy, rate = rep.held == "busy", LOADS[rep.held]
     arrivals = int(rng.expovariate(1.0) * rate * REPORT_INTERVAL_S) if rate else 0
-    cap = int(rep.settings["max_batch_size"])
+    cap = rep.settings.max_batch_size
     batches = tuple(
         (float(min(cap, max(1, arrivals // 2))), 5.0 + 0.3 * min(cap, arrivals)) for _ in range(min(arrivals, 2))
     )
-    grant = int(rep.settings["grant_bytes"])
+    grant = rep.settings.grant_bytes
     used = int(grant * (0.85 if busy else 0.3))
     lat = tuple(round(rng.uniform(8, 60 if busy else 20), 2) for _ in range(min(arrivals, 16)))
     rep.seq += 1
@@ -148,7 +148,7 @@ def _report(rep: _Replica, now_s: float, step: int, rng: random.Random) -> Stats
         mem_used_bytes=used,
         mem_peak_bytes=used,
         device_free_frac=0.3,
-        settings_version=int(rep.settings["version"]),
+        settings_version=rep.settings.version,
         card_id=rep.card_id,
     )
 

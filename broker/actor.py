@@ -22,6 +22,7 @@ import ray
 from broker.fleet_core import FleetBroker
 from broker.gc_hold import tune_collector
 from broker.metrics import start_exporter
+from broker.wire import StatsReport
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 
@@ -147,13 +148,16 @@ class BrokerActor:
             "config_hash": self._core.status()["config_hash"],
         }
 
-    async def register(self, model: str, replica_id: str, calibration: dict | None = None, card_id: str = "") -> dict:
+    async def register(
+        self, model: str, replica_id: str, calibration: dict[str, Any] | None = None, card_id: str = ""
+    ) -> dict[str, Any]:
         self._ensure_loop()
-        return self._core.register(model, replica_id, calibration, card_id)
+        return self._core.register(model, replica_id, calibration, card_id).to_dict()
 
-    async def report(self, report: dict) -> dict:
+    async def report(self, report: dict[str, Any]) -> dict[str, Any]:
+        """A replica's ``StatsReport`` as plain data in, its ``ModelSettings`` as plain data out."""
         self._ensure_loop()
-        return self._core.report(report)
+        return self._core.report(StatsReport.from_dict(report)).to_dict()
 
     async def report_rejections(self, counts: dict) -> dict:
         self._ensure_loop()
@@ -184,8 +188,8 @@ class BrokerActor:
     async def config_text(self) -> str:
         return self._core.config_text
 
-    async def settings(self, model: str, card_id: str = "") -> dict:
-        return self._core.settings(model, card_id)
+    async def settings(self, model: str, card_id: str = "") -> dict[str, Any]:
+        return self._core.settings(model, card_id).to_dict()
 
     async def card_health(self) -> dict[str, list[str]]:
         """``lost``: cards marked lost; ``silent``: live cards whose replicas stopped reporting

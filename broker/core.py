@@ -43,11 +43,11 @@ from broker.control.llm_window import LlmControl
 from broker.control.profiles import active_profile
 from broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
 from broker.control.tallies import Tallies, Tally
+from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
+from broker.control.vocab import EntryKind
 from broker.control.window import ReportWindow
 from broker.gc_hold import gc_held
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.control.vocab import EntryKind
-from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from broker.wire import ModelSettings, StatsReport
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
@@ -193,7 +193,7 @@ class BrokerCore:
         return True
 
     # ---------------------------------------------------------------- replica RPCs
-    def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None) -> dict[str, Any]:
+    def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None) -> ModelSettings:
         self._require_model(model)
         cal = calibration or {}
         weights = cal.get("weights_bytes")
@@ -215,12 +215,11 @@ class BrokerCore:
             ),
             model=model,
         )
-        return self._settings[model].to_dict()
+        return self._settings[model]
 
-    def report(self, report: dict[str, Any] | StatsReport) -> dict[str, Any]:
+    def report(self, rep: StatsReport) -> ModelSettings:
         """One replica's delta in, its current settings out (the same round trip for every
         replica, live or simulated)."""
-        rep = report if isinstance(report, StatsReport) else StatsReport.from_dict(report)
         self._require_model(rep.model)
         self.metrics.observe_report(rep)
         now = self._clock()
@@ -235,7 +234,7 @@ class BrokerCore:
         ev = self._events[rep.model]
         ev["emergency_shrinks"] += rep.emergency_shrinks
         ev["oom_splits"] += rep.oom_splits
-        return self._settings[rep.model].to_dict()
+        return self._settings[rep.model]
 
     def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
         """Rejections the ingress made itself (Serve's queue full, a replica gone): counted like a
@@ -505,6 +504,6 @@ class BrokerCore:
     def config(self) -> FleetConfig:
         return self._cfg
 
-    def settings(self, model: str) -> dict[str, Any]:
+    def settings(self, model: str) -> ModelSettings:
         self._require_model(model)
-        return self._settings[model].to_dict()
+        return self._settings[model]

@@ -33,6 +33,7 @@ to the decision log (``kind: replicas``) and status shows ``replica_target`` (an
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,7 @@ from broker.core import BrokerCore, NullMetrics
 from broker.fleet_store import FleetStore
 from broker.gc_hold import gc_held
 from broker.metrics import BrokerMetrics
+from broker.wire import ModelSettings, StatsReport
 from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -68,7 +70,7 @@ class FleetBroker:
 
     def __init__(
         self,
-        config_text: str,
+        config: str | FleetConfig,
         *,
         cards: tuple[Card, ...] | None = None,
         capacity_bytes: int | None = None,
@@ -77,8 +79,11 @@ class FleetBroker:
         metrics: BrokerMetrics | NullMetrics | None = None,
     ) -> None:
         self._clock = clock
-        self._text = config_text
-        self._cfg = parse_config_text(config_text, "broker config")
+        self._source = config  # the simulator's parsed config goes to a one-card core as it is
+        if isinstance(config, FleetConfig):
+            self._cfg, self._text = config, json.dumps(config.model_dump(mode="json"))
+        else:
+            self._cfg, self._text = parse_config_text(config, "broker config"), config
         self._discovered = cards
         self._capacity = capacity_bytes
         self._checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
@@ -119,7 +124,7 @@ class FleetBroker:
 
     def _make_core(self, card_id: str) -> BrokerCore:
         path, slot = self._store.core_path(), self._store.slot(card_id)
-        config: str | FleetConfig = self._text if self.single else card_config(self._cfg, self._placement, card_id)
+        config = self._source if self.single else card_config(self._cfg, self._placement, card_id)
         metrics = self.metrics
         if not self.single and isinstance(metrics, BrokerMetrics):
             metrics = metrics.for_gpu(card_id)  # metrics carry gpu=<card id>
@@ -148,7 +153,9 @@ class FleetBroker:
         return core
 
     # ------------------------------------------------------------------ replica RPCs
-    def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None, card_id: str = "") -> dict:
+    def register(
+        self, model: str, replica_id: str, calibration: dict[str, Any] | None, card_id: str = ""
+    ) -> ModelSettings:
         core = self._core(model, card_id)
         self._mark_alive(core)
         known = self._registered.setdefault((core.card_id, model), {})
@@ -157,11 +164,9 @@ class FleetBroker:
             known.pop(next(iter(known)))
         return core.register(model, replica_id, calibration)
 
-    def report(self, report: dict[str, Any], card_id: str = "") -> dict[str, Any]:
-        model = report.model if hasattr(report, "model") else report["model"]
-        if not card_id:
-            card_id = (report.card_id if hasattr(report, "card_id") else report.get("card_id")) or ""
-        core = self._core(model, card_id)
+    def report(self, report: StatsReport) -> ModelSettings:
+        """One replica's delta to its card's core (by the card it says it runs on); its settings back."""
+        core = self._core(report.model, report.card_id)
         self._mark_alive(core)
         return core.report(report)
 
@@ -331,7 +336,7 @@ class FleetBroker:
             core = next(iter(self.cores.values()))
             out = core.apply(config_text)
             if out["ok"]:
-                self._cfg, self._text = core.config, config_text
+                self._cfg, self._text, self._source = core.config, config_text, config_text
             out["_counted"] = True
             return out
 
@@ -374,7 +379,7 @@ class FleetBroker:
                 applied.append(cid)
                 out["notes"].extend(f"card {cid}: {n}" for n in res.get("notes", []))
         if out["ok"]:
-            self._cfg, self._text, self._deployed = cfg, config_text, placement
+            self._cfg, self._text, self._source, self._deployed = cfg, config_text, config_text, placement
             if self.placement_version == 0:
                 self._placement = placement
         out["config_hash"] = self.config_hash
@@ -409,7 +414,7 @@ class FleetBroker:
     def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
         return self.log.since(model, since_seq)
 
-    def settings(self, model: str, card_id: str = "") -> dict[str, Any]:
+    def settings(self, model: str, card_id: str = "") -> ModelSettings:
         return self._core(model, card_id).settings(model)
 
     def status(self) -> dict[str, Any]:

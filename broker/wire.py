@@ -76,6 +76,17 @@ class StatsReport:
 
 
 @dataclass(frozen=True)
+class EngineBounds:
+    """What the broker sets on a continuous-batching engine (``kind: llm``), inside its grant."""
+
+    max_num_seqs: int  # sequences the engine runs at once
+    max_batched_tokens: int  # tokens per engine step
+    kv_blocks: int  # KV-cache blocks (the cache is resized at the engine's next drain on CPU)
+    prefill_paused: bool  # no new prefills (memory emergency)
+    kv_cache_bytes: int  # the KV cache those blocks hold
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     """What a replica runs with; it applies a new one when ``version`` changes."""
 
@@ -90,19 +101,20 @@ class ModelSettings:
     release_cache: bool = False  # empty the allocator's caches (torch.cuda.empty_cache) and re-measure
     drain: bool = False  # pause admission and let the running batches finish
     restart_token: int = 0  # a replica restarts (fails check_health) when this passes the token it started with
-    engine: dict[str, Any] | None = (
-        None  # kind: llm only: the engine bounds the broker set (broker.control.llm_window.engine_settings)
-    )
+    engine: EngineBounds | None = None  # kind: llm only: the engine bounds (broker.control.llm_window.engine_settings)
 
     def to_dict(self) -> dict[str, Any]:
-        """``asdict`` without its deep copy of every field (every report's reply builds one)."""
+        """Plain data for the Ray boundary and the checkpoint."""
         out = dict(self.__dict__)
         if self.engine is not None:
-            out["engine"] = copy.deepcopy(self.engine)
+            out["engine"] = dict(self.engine.__dict__)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSettings:
         """Known fields only: a checkpoint or a reply from an older broker may carry retired ones."""
         names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in data.items() if k in names})
+        known = {k: v for k, v in data.items() if k in names}
+        if isinstance(known.get("engine"), Mapping):
+            known["engine"] = EngineBounds(**known["engine"])
+        return cls(**known)

@@ -35,7 +35,7 @@ from broker.control.llm_rules import (
     rule_config_for,
 )
 from broker.control.vocab import EntryKind
-from broker.wire import ModelSettings, StatsReport
+from broker.wire import EngineBounds, ModelSettings, StatsReport
 from quotas.config import FleetConfig
 from quotas.sizes import format_size
 
@@ -101,15 +101,9 @@ def _state_from_dict(d: Mapping[str, Any]) -> LlmState:
     return LlmState(**{k: v for k, v in d.items() if k in LlmState.__dataclass_fields__})
 
 
-def engine_settings(d: LlmDecision) -> dict[str, Any]:
+def engine_settings(d: LlmDecision) -> EngineBounds:
     """The bounds a decision sets, as ``ModelSettings.engine`` carries them."""
-    return {
-        "max_num_seqs": d.max_num_seqs,
-        "max_batched_tokens": d.max_batched_tokens,
-        "kv_blocks": d.kv_blocks,
-        "prefill_paused": d.prefill_paused,
-        "kv_cache_bytes": d.kv_cache_bytes,
-    }
+    return EngineBounds(d.max_num_seqs, d.max_batched_tokens, d.kv_blocks, d.prefill_paused, d.kv_cache_bytes)
 
 
 def _view(s: LlmState | None) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from broker.wire import ModelSettings
@@ -102,21 +103,18 @@ class EngineReporter:
         reply = await self.link.report(gauges, engine=report)
         if reply is None:
             return False
-        self.apply(reply)
+        self.apply(ModelSettings.from_dict(reply))
         return True
 
-    def apply(self, reply: dict[str, Any]) -> dict[str, Any] | None:
+    def apply(self, settings: ModelSettings) -> dict[str, Any] | None:
         """Apply a settings reply's engine bounds (unchanged bounds are not set again); what was applied."""
-        settings = ModelSettings.from_dict(reply)
         self.settings = settings
         bounds = settings.engine
-        if not bounds or bounds == self.applied:
+        if bounds is None or asdict(bounds) == self.applied:
             return None
-        applied = self.engine.set_bounds(
-            int(bounds["max_num_seqs"]), int(bounds["max_batched_tokens"]), bool(bounds["prefill_paused"])
-        )
-        target = self.engine.set_kv_cache_blocks(int(bounds["kv_blocks"]))
-        self.applied = dict(bounds)
+        applied = self.engine.set_bounds(bounds.max_num_seqs, bounds.max_batched_tokens, bounds.prefill_paused)
+        target = self.engine.set_kv_cache_blocks(bounds.kv_blocks)
+        self.applied = asdict(bounds)
         return {
             "max_num_seqs": applied.max_num_seqs,
             "max_batched_tokens": applied.max_batched_tokens,

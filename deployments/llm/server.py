@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, fields
 from typing import Any
 
+from broker.wire import ModelSettings
 from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions
 from deployments.llm.engine import (
     EngineRequestError,
@@ -285,7 +286,7 @@ class LlmServer:
         cache at the next drain. Local: the report loop calls it with each reply."""
         if self.reporter is None:
             raise RuntimeError(f"{self.name}: built without config_text, so no broker drives this engine")
-        return self.reporter.apply(reply)
+        return self.reporter.apply(ModelSettings.from_dict(reply))
 
 
 def _replica_id(name: str) -> str:

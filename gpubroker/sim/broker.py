@@ -1,8 +1,8 @@
-"""The broker arm of the simulator: the live ``BrokerCore`` on the virtual clock.
+"""The broker arm of the simulator: the live ``FleetBroker`` on the virtual clock.
 
-Design note. The simulator does not wire the policy itself: it holds one
-``broker.core.BrokerCore`` (the object the Ray actor holds), on a clock that reads the
-simulator's virtual time, and talks to it exactly as replicas do:
+The simulator does not wire the policy itself: it holds one ``broker.fleet_core.FleetBroker``
+(the object the Ray actor wraps), on a clock that reads the simulator's virtual time, and talks
+to it exactly as replicas do:
 
 - each emulated replica calls ``register`` once with its calibration (the profile's weights
   and bytes per unit, as ``deployments.calibration`` would measure them);
@@ -10,17 +10,18 @@ simulator's virtual time, and talks to it exactly as replicas do:
   the settings in the reply when their version changed;
 - every ``control_interval_s`` the simulator calls ``tick``.
 
-So the report window, ``decide``, dry-run, the settings table and the decision log are the
-live ones. Prometheus metrics and checkpoints are off (``NullMetrics``, no path): they observe
+So the report window, ``decide``, dry-run, the settings table, the replica targets and the
+decision log are the live ones. Prometheus metrics and checkpoints are off (``NullMetrics``, no path): they observe
 the broker, they do not steer it. ``trace`` (when asked for) records every call in order, so
-a test can replay the same sequence into a second core and compare decisions.
+a test can replay the same sequence into a second broker and compare decisions.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from broker.core import BrokerCore, NullMetrics
+from broker.fleet_core import FleetBroker
+from broker.metrics import NullMetrics
 from broker.wire import ModelSettings, StatsReport
 from gpubroker.sim.types import LATENCY_SAMPLES_PER_REPORT, SimReplica
 
@@ -32,12 +33,11 @@ class SimBroker:
         self, sim: Any, *, record: bool = False
     ) -> None:  # sim: gpubroker.sim.engine.Simulator (no import: no cycle)
         self.sim = sim
-        self.core = BrokerCore(
+        self.broker = FleetBroker(
             sim.config, capacity_bytes=sim.capacity, clock=lambda: sim.epoch0 + sim.now, metrics=NullMetrics()
         )
         self.trace: list[tuple[str, float, Any]] | None = [] if record else None
         self._seen_seq = 0
-        self._replies: dict[str, tuple[dict[str, Any], ModelSettings]] = {}  # replica -> its last reply, parsed
 
     def calibration(self, rep: SimReplica) -> dict[str, Any]:
         p = rep.prof
@@ -47,7 +47,7 @@ class SimBroker:
         cal = self.calibration(rep)
         if self.trace is not None:
             self.trace.append(("register", self.sim.epoch0 + self.sim.now, (rep.name, rep.rid, cal)))
-        return ModelSettings.from_dict(self.core.register(rep.name, rep.rid, cal))
+        return self.broker.register(rep.name, rep.rid, cal)
 
     def report(self, rep: SimReplica) -> ModelSettings:
         """Build the replica's delta since its last report, send it, return the reply."""
@@ -94,24 +94,18 @@ class SimBroker:
         rep._reset_stats()
         if self.trace is not None:
             self.trace.append(("report", sim.epoch0 + now, report))
-        reply = self.core.report(report)
-        last = self._replies.get(rep.rid)
-        if last is not None and last[0] == reply:
-            return last[1]  # the same settings as last time: the object the replica already has
-        settings = ModelSettings.from_dict(reply)
-        self._replies[rep.rid] = (reply, settings)
-        return settings
+        return self.broker.report(report)
 
     def tick(self) -> None:
         if self.trace is not None:
             self.trace.append(("tick", self.sim.epoch0 + self.sim.now, None))
-        self.core.tick()
+        self.broker.tick()
         self._collect()
 
     def _collect(self) -> None:
         """The decision log's new entries, in the simulator's compact form."""
         sim = self.sim
-        new = self.core.decisions(since_seq=self._seen_seq)
+        new = self.broker.decisions(since_seq=self._seen_seq)
         if new:
             self._seen_seq = new[-1]["seq"]
         t = round(sim.now, 3)

@@ -30,6 +30,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from broker.wire import ModelSettings, StatsReport
+
 ROOT = Path(__file__).resolve().parents[2]
 # answered with a body that says what to do; 408: Serve's proxy gave up on it at broker.proxy_timeout_s
 EXPLICIT_ERRORS = (408, 413, 422, 429, 503, 504)
@@ -155,7 +157,12 @@ class _Remote:
             if self.owner.down:
                 raise ConnectionError("broker is down (test)")
             self.owner.calls[self.name] += 1
-            return getattr(self.owner.core, self.name)(*args, **kwargs)
+            if self.name == "report":  # plain data over Ray, typed inside (broker.actor does the same)
+                call_args: tuple[Any, ...] = (StatsReport.from_dict(args[0]), *args[1:])
+            else:
+                call_args = args
+            out = getattr(self.owner.core, self.name)(*call_args, **kwargs)
+            return out.to_dict() if isinstance(out, ModelSettings) else out
 
         return call()
 

@@ -87,7 +87,7 @@ def test_a_lender_whose_loans_keep_coming_back_waits_longer_before_it_lends_agai
     cfg = L.fleet()
     sim = Simulator(cfg, parse_arm("broker"), L._workload(cfg, times), 90.0)
     sim.run()
-    core = sim.broker.core
+    core = next(iter(sim.broker.broker.cores.values()))  # the one card's core
     scales = core._state.lend_scale  # noqa: SLF001 - the policy's state
     assert scales and max(scales.values()) >= 2.0
     assert any("lends again only after" in e["reason"] for e in core.decisions() if e["kind"] == "move")

@@ -1,17 +1,19 @@
-"""The simulator runs the live broker core: one report sequence, two cores, the same decisions.
+"""The simulator runs the live broker: one report sequence, two brokers, the same decisions.
 
-The simulator's broker arm records every call it makes to its ``BrokerCore`` (register,
+The simulator's broker arm records every call it makes to its ``FleetBroker`` (register,
 report, tick, with the virtual time of each). The same calls are then replayed, in order, into
-a second ``BrokerCore`` built the way the Ray actor builds it (config text, a clock, real
-Prometheus metrics in a private registry). If the simulator added any wiring of its own
-between the reports and the decisions, the two decision logs would differ.
+a second ``FleetBroker`` built the way the Ray actor builds it (config text, a clock, real
+Prometheus metrics in a private registry, reports as plain data over Ray). If the simulator
+added any wiring of its own between the reports and the decisions, the two decision logs would
+differ.
 """
 
 from __future__ import annotations
 
 import yaml
 
-from broker.core import BrokerCore
+from broker.fleet_core import FleetBroker
+from broker.wire import StatsReport
 from gpubroker.sim import arrivals as arr
 from gpubroker.sim.engine import Simulator, parse_arm
 from gpubroker.sim.profile import profile_for
@@ -44,23 +46,23 @@ def test_live_core_and_simulator_core_decide_the_same():
     sim = Simulator(cfg, parse_arm("broker"), w, 70.0, record=True)
     sim.run()
     trace = sim.broker.trace
-    sim_log = sim.broker.core.decisions()
+    sim_log = sim.broker.broker.decisions()
     assert any(e["kind"] == "move" for e in sim_log), "the scenario must move quota"
     assert sum(1 for e in sim_log if e["kind"] == "settings") > 10
 
     now = [0.0]
     text = yaml.safe_dump(cfg.model_dump(mode="json"))
-    live = BrokerCore(text, capacity_bytes=sim.capacity, clock=lambda: now[0])
+    live = FleetBroker(text, capacity_bytes=sim.capacity, clock=lambda: now[0])
     for kind, t, payload in trace:
         now[0] = t
         if kind == "register":
             live.register(*payload)
         elif kind == "report":
-            live.report(payload.to_dict())  # the replicas' path: a dict over Ray
+            live.report(StatsReport.from_dict(payload.to_dict()))  # the replicas' path: plain data over Ray
         else:
             live.tick()
     assert live.decisions() == sim_log
-    assert live.status()["models"] == sim.broker.core.status()["models"]
+    assert live.status()["models"] == sim.broker.broker.status()["models"]
 
 
 def test_the_replicas_waiting_count_matches_the_requests_it_holds():

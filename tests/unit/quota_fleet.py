@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.core import BrokerCore
+from broker.wire import StatsReport
 from quotas.holding import holding_problems
 from quotas.ledger import QuotaLedger
 
@@ -91,7 +92,9 @@ class Fleet:
         w, per = CAL[name]
         self.serial += 1
         rid = f"{name}-r{self.serial}"
-        got = self.core.register(name, rid, {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"})
+        got = self.core.register(
+            name, rid, {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"}
+        ).to_dict()
         rep = Replica(name, rid, {**got, "_replicas": self.replicas}, start_token=got.get("restart_token", 0))
         rep.used = min(used, rep.share)
         self.reps.setdefault(name, []).append(rep)
@@ -130,7 +133,7 @@ class Fleet:
             **body,
         }
         rep.seq += 1
-        got = self.core.report(msg)
+        got = self.core.report(StatsReport.from_dict(msg)).to_dict()
         rep.settings = {**got, "_replicas": self.replicas}
         if self.restart_on_token and got.get("restart_token", 0) > rep.start_token:
             rep.alive = False  # Serve replaces it: the old process and its memory are gone

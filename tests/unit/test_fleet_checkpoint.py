@@ -22,7 +22,7 @@ def _fleet(path, clock):
         for cid in set(cards):
             w, per = CAL[model]
             cal = {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"}
-            running[(model, cid)] = fb.register(model, f"{model}@{cid}", cal, cid)
+            running[(model, cid)] = fb.register(model, f"{model}@{cid}", cal, cid).to_dict()
             seq[(model, cid)] = 0
     return fb, running, seq
 

@@ -9,6 +9,7 @@ card at every tick; a card whose replicas fall silent is lost and comes back whe
 from __future__ import annotations
 
 from broker.fleet_core import DEAD_AFTER_S, FleetBroker
+from broker.wire import StatsReport
 
 MIB = 1024**2
 
@@ -57,7 +58,7 @@ def _fleet():
             w, per = CAL[model]
             running[(model, cid)] = fb.register(
                 model, f"{model}@{cid}", {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"}, cid
-            )
+            ).to_dict()
             seq[(model, cid)] = 0
     return clock, fb, running, seq
 
@@ -91,7 +92,7 @@ def _report(fb, running, seq, clock, busy: set[tuple[str, str]], silent: frozens
             **body,
         }
         seq[(model, cid)] += 1
-        running[(model, cid)] = fb.report(rep)
+        running[(model, cid)] = fb.report(StatsReport.from_dict(rep)).to_dict()
 
 
 def _per_card_ok(fb) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from broker.control.replacement import replace_fleet
 from broker.fleet_core import DEAD_AFTER_S, FleetBroker
+from broker.wire import ModelSettings, StatsReport
 from quotas.config import parse_config_text
 
 MIB = 1024**2
@@ -50,18 +51,18 @@ class Clock:
         return self.t
 
 
-def _report(fb: FleetBroker, clock: Clock, model: str, card: str, seq: int) -> dict:
+def _report(fb: FleetBroker, clock: Clock, model: str, card: str, seq: int) -> ModelSettings:
     return fb.report(
-        {
-            "model": model,
-            "replica_id": f"{model}@{card}",
-            "seq": seq,
-            "now_s": clock.t,
-            "interval_s": 0.5,
-            "mem_used_bytes": 20 * MIB,
-            "mem_peak_bytes": 20 * MIB,
-            "card_id": card,
-        }
+        StatsReport(
+            model=model,
+            replica_id=f"{model}@{card}",
+            seq=seq,
+            now_s=clock.t,
+            interval_s=0.5,
+            mem_used_bytes=20 * MIB,
+            mem_peak_bytes=20 * MIB,
+            card_id=card,
+        )
     )
 
 
@@ -120,7 +121,7 @@ def test_a_lost_card_s_replicas_are_re_placed_and_what_fits_nowhere_is_reported(
     assert west["unplaced"] == 1 and "b0" in west["reason"] and "west" in west["reason"]
     # the moved replica registers on its new card's core with its base
     settings = fb.register("spread", "spread@a1-new", CAL, "a1")
-    assert settings["grant_bytes"] == 128 * MIB
+    assert settings.grant_bytes == 128 * MIB
     _run(fb, clock, 3, silent=frozenset({"b0"}))
     a1 = next(c for c in fb.status()["cards"] if c["id"] == "a1")
     assert a1["models"]["spread"]["grant_bytes"] == 128 * MIB and a1["granted_bytes"] <= a1["usable_bytes"]

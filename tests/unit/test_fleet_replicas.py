@@ -11,6 +11,7 @@ window restores 3. Every change is a ``kind: replicas`` decision with its rule, 
 from __future__ import annotations
 
 from broker.fleet_core import FleetBroker
+from broker.wire import StatsReport
 from tests.unit.test_fleet_core import CONFIG as CARDS_CONFIG
 
 TUE_0759_UTC = 1796111940.0  # Tuesday 1 December 2026, 07:59:00 UTC
@@ -48,7 +49,7 @@ class Replicas:
 
     def __init__(self, fb: FleetBroker, clock: Clock):
         self.fb, self.clock, self.seq = fb, clock, 0
-        self.settings = {f"hot-{i}": fb.register("hot", f"hot-{i}", None) for i in range(3)}
+        self.settings = {f"hot-{i}": fb.register("hot", f"hot-{i}", None).version for i in range(3)}
 
     def second(self, rps: float) -> dict:
         for _ in range(2):
@@ -67,18 +68,20 @@ class Replicas:
                         queue_depth=1,
                     )
                 self.settings[rid] = self.fb.report(
-                    {
-                        "model": "hot",
-                        "replica_id": rid,
-                        "seq": self.seq,
-                        "now_s": self.clock.t,
-                        "interval_s": 0.5,
-                        "mem_used_bytes": 40 * 1024**2,
-                        "mem_peak_bytes": 40 * 1024**2,
-                        "settings_version": s["version"],
-                        **body,
-                    }
-                )
+                    StatsReport.from_dict(
+                        {
+                            "model": "hot",
+                            "replica_id": rid,
+                            "seq": self.seq,
+                            "now_s": self.clock.t,
+                            "interval_s": 0.5,
+                            "mem_used_bytes": 40 * 1024**2,
+                            "mem_peak_bytes": 40 * 1024**2,
+                            "settings_version": s,
+                            **body,
+                        }
+                    )
+                ).version
             self.seq += 1
         return self.fb.tick()
 

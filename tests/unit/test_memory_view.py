@@ -21,7 +21,7 @@ MiB = 1024**2
 def _run(core, clock: Clock, fixed_mib: float, ticks: int = 4) -> None:  # noqa: ANN001
     for seq in range(ticks):
         clock.t += 1
-        cap = core.settings("m")["max_batch_size"]
+        cap = core.settings("m").max_batch_size
         _report(core, clock, seq, cap, mem_bytes=int((fixed_mib + cap) * MiB))  # 1 MiB an item over the fixed part
         core.tick()
 

@@ -9,6 +9,7 @@ import pytest
 from broker.control.memory_model import MemoryModel
 from broker.control.types import ModelLoad
 from broker.core import BrokerCore
+from broker.wire import StatsReport
 from deployments.models import EmulatedOOM
 from deployments.units.oom import (
     OOM_STATUS,
@@ -201,25 +202,27 @@ def _report(
     """A busy replica running full batches at ``cap``, a deep queue, latency far under the SLO,
     ``mem_bytes`` used at its peak."""
     core.report(
-        {
-            "model": "m",
-            "replica_id": "m-r0",
-            "seq": seq,
-            "now_s": clock(),
-            "interval_s": 1.0,
-            "arrivals": 2 * cap,
-            "completions": 2 * cap,
-            "latency_ms": [50.0] * (2 * cap),
-            "batches": [[float(cap), 20.0], [float(cap), 20.0]],
-            "batch_requests": [cap, cap],
-            "busy_s": 0.9,
-            "queue_depth": 4 * cap,
-            "mem_used_bytes": mem_bytes,
-            "mem_peak_bytes": mem_bytes,
-            "oom_splits": len(oom_costs),
-            "oom_costs": list(oom_costs),
-            "settings_version": core.settings("m")["version"],
-        }
+        StatsReport.from_dict(
+            {
+                "model": "m",
+                "replica_id": "m-r0",
+                "seq": seq,
+                "now_s": clock(),
+                "interval_s": 1.0,
+                "arrivals": 2 * cap,
+                "completions": 2 * cap,
+                "latency_ms": [50.0] * (2 * cap),
+                "batches": [[float(cap), 20.0], [float(cap), 20.0]],
+                "batch_requests": [cap, cap],
+                "busy_s": 0.9,
+                "queue_depth": 4 * cap,
+                "mem_used_bytes": mem_bytes,
+                "mem_peak_bytes": mem_bytes,
+                "oom_splits": len(oom_costs),
+                "oom_costs": list(oom_costs),
+                "settings_version": core.settings("m").version,
+            }
+        )
     )
 
 
@@ -230,21 +233,21 @@ def test_an_oom_lowers_the_cap_at_the_next_tick_and_it_stays_below():
     caps = []
     for seq in range(4):  # busy and far under the SLO: the cap grows (or holds), never shrinks
         clock.t += 1
-        _report(core, clock, seq, core.settings("m")["max_batch_size"])
+        _report(core, clock, seq, core.settings("m").max_batch_size)
         core.tick()
-        caps.append(core.settings("m")["max_batch_size"])
+        caps.append(core.settings("m").max_batch_size)
     before = caps[-1]
     assert before >= 32
     clock.t += 1
     _report(core, clock, 4, before, oom_costs=(float(before),))  # the replica's batch at the cap ran out of memory
     core.tick()
-    after = core.settings("m")["max_batch_size"]
+    after = core.settings("m").max_batch_size
     assert after == before - 1  # at once, on the first tick that sees it
     for seq in range(5, 12):  # still busy, no further OOM: the ceiling holds while the OOM is in the window
         clock.t += 1
-        _report(core, clock, seq, core.settings("m")["max_batch_size"])
+        _report(core, clock, seq, core.settings("m").max_batch_size)
         core.tick()
-        assert core.settings("m")["max_batch_size"] < before
+        assert core.settings("m").max_batch_size < before
 
 
 def test_replica_helpers_answer_507_and_hold_the_local_ceiling():

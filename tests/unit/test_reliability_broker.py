@@ -23,6 +23,7 @@ import pytest
 from broker import checkpoint as ckpt_mod
 from broker.checkpoint import load_checkpoint
 from broker.core import BrokerCore
+from broker.wire import StatsReport
 from quotas.holding import holding_problems
 from quotas.ledger import QuotaLedger
 from tests.chaos.harness import FaultKind, Faults
@@ -73,7 +74,7 @@ class FakeFleet:
         for name, (w, per) in CAL.items():
             self.running[name] = core.register(
                 name, f"{name}-r0", {"weights_bytes": w, "bytes_per_unit": per, "cost_unit": "requests"}
-            )
+            ).to_dict()
 
     def report(self, core: BrokerCore) -> None:
         now = self.clock()
@@ -104,7 +105,7 @@ class FakeFleet:
             }
             self.seq[name] += 1
             self.used[name] = rep["mem_used_bytes"]
-            self.running[name] = core.report(rep)
+            self.running[name] = core.report(StatsReport.from_dict(rep)).to_dict()
 
     def running_sum(self) -> int:
         return sum(s["grant_bytes"] for s in self.running.values())
@@ -228,7 +229,7 @@ def test_kill_after_begin_before_confirm(setup):
     assert ledger_of(core).grant("hot") == 128 * MIB
     # while the broker was down the replicas kept their last settings; cold's lowered grant is
     # the one in the table it will hand out again
-    assert core.settings("cold")["grant_bytes"] == ledger_of(core).grant("cold")
+    assert core.settings("cold").grant_bytes == ledger_of(core).grant("cold")
     fleet.register(core)
     _finish_and_check_once(core, fleet, clock, path, "after begin, before confirm", 1)
 

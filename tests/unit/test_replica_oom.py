@@ -84,7 +84,7 @@ def test_oversize_input_fails_alone_and_the_batch_too_big_lowers_the_cap(monkeyp
         assert r.delta.errors == 1 and r.delta.oom_splits >= 2
         assert await r.report_once()
         core.tick()
-        assert core.settings("budget")["max_batch_size"] <= int(min(costs)) - 1
+        assert core.settings("budget").max_batch_size <= int(min(costs)) - 1
         again = await r.infer([{"n": 1}, {"n": 1}])  # still serving
         assert again["status"] == 200
 

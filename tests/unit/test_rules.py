@@ -22,7 +22,7 @@ import pytest
 from broker.control.batch_rules import RULE_SETS, RULES, rule_name
 from broker.control.vocab import Rule, Trigger
 from broker.core import BrokerCore
-from broker.wire import StatsReport
+from broker.wire import ModelSettings, StatsReport
 
 GiB = 1024**3
 MONDAY_NOON_UTC = 1_795_996_800.0 + 12 * 3600
@@ -83,7 +83,7 @@ class Fleet:
         self.seq = 0
         self.sample = 0
 
-    def _report(self, load: Load) -> dict[str, Any]:
+    def _report(self, load: Load) -> StatsReport:
         n = int(load.rate_rps * 0.5)
         lat = tuple(load.latency_ms[(self.sample + k) % len(load.latency_ms)] for k in range(n))
         self.sample += n
@@ -105,10 +105,10 @@ class Fleet:
             mem_peak_bytes=load.mem_used_bytes,
             sm_util_frac=load.sm,
             emergency_shrinks=load.emergency_shrinks,
-            settings_version=self.settings()["version"],
+            settings_version=self.settings().version,
         )
         self.seq += 1
-        return rep.to_dict()
+        return rep
 
     def run(self, seconds: int, load: Load) -> list[dict[str, Any]]:
         """Report every half second, tick every second; the settings entries logged meanwhile."""
@@ -120,11 +120,11 @@ class Fleet:
             self.core.tick()
         return [e for e in self.core.decisions("m", since) if e["kind"] == "settings"]
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> ModelSettings:
         return self.core.settings("m")
 
     def cap(self) -> int:
-        return self.settings()["max_batch_size"]
+        return self.settings().max_batch_size
 
 
 def only(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,12 +161,12 @@ def test_a_cap_the_grant_pins_keeps_its_wait_inside_the_dead_band(formation):
     f.core.register("m", "r0", {"weights_bytes": GiB, "bytes_per_unit": 1.7 * GiB / 20.5})
     f.run(3, Load())
     first = f.settings()
-    assert first["max_batch_size"] == 20 and first["batch_wait_timeout_s"] > 0
+    assert first.max_batch_size == 20 and first.batch_wait_timeout_s > 0
     wiggle = [e for a in (22.0, 18.0, 23.0, 17.0, 20.0, 21.0, 19.0) for e in f.run(1, Load(fit_a_ms=a))]
-    assert wiggle == [] and f.settings()["version"] == first["version"]
+    assert wiggle == [] and f.settings().version == first.version
     moved = only(f.run(3, Load(fit_a_ms=40.0)))
     assert moved["rule"] == Rule.MODEL and f.cap() == 20
-    assert abs(f.settings()["batch_wait_timeout_s"] / first["batch_wait_timeout_s"] - 1) > 0.2
+    assert abs(f.settings().batch_wait_timeout_s / first.batch_wait_timeout_s - 1) > 0.2
 
 
 def test_emergency_halves_with_a_fit():

@@ -159,7 +159,7 @@ def test_apply_lowers_before_it_raises(tmp_path):
     assert out["ok"], out
     led = ledger_of(core)
     # the lowered grant is in force at once; its bytes are on their way back, not free
-    assert led.grant("hot") == 256 * MIB and core.settings("hot")["grant_bytes"] == 256 * MIB
+    assert led.grant("hot") == 256 * MIB and core.settings("hot").grant_bytes == 256 * MIB
     assert [(t.kind, t.amount_bytes) for t in led.pending] == [("release", hot - 256 * MIB)]
     assert led.free_bytes == 0 and led.grant("cold") == cold
     check(core, fleet)
@@ -248,4 +248,4 @@ def test_restart_is_asked_for_once_while_serve_replaces_the_replica(tmp_path):
     for _ in range(int(8 * timeout_s)):  # four times the restart step's delay
         step(core, fleet, clock, both_busy, {"hot": None, "cold": 20 * MIB})
     assert len(moves(core, MoveKind.RECLAIM_RESTART)) == 1
-    assert core.settings("hot")["restart_token"] == 1 and ledger_of(core).pending
+    assert core.settings("hot").restart_token == 1 and ledger_of(core).pending
