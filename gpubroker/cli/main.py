@@ -109,7 +109,11 @@ def validate(
         for p in cfg.profiles.schedule
     )
     console.print(f"profiles ({cfg.profiles.timezone}): {profiles}")
-    checked = "file only (--no-import)" if no_import else "every model class imported and built"
+    batch = sum(1 for m in cfg.models.values() if m.kind == "batch")
+    llms = len(cfg.models) - batch
+    checked = "file only (--no-import)" if no_import else f"{batch} model class(es) imported and built"
+    if llms and not no_import:
+        checked += f"; {llms} LLM engine(s): their options are checked when they start"
     console.print(f"[green]valid[/] - config hash {cfg.config_hash()} ({checked})")
 
 
