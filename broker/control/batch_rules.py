@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from broker.control.batch_plan import BatchPlan, plan_batch, wait_for
 from broker.control.latency_model import LatencyFit
@@ -54,8 +54,10 @@ def cap_top(batch: BatchSpec, mem_cap: int | None) -> int:
     return batch.ceiling if mem_cap is None or mem_cap >= batch.ceiling else max(batch.floor, mem_cap)
 
 
-@dataclass(frozen=True)
-class RuleContext:
+class RuleContext(NamedTuple):
+    """What a model's rules read besides its load and spec: the tick's clock, profile and spells.
+    Immutable (a named tuple: one is built per model per tick)."""
+
     now_s: float
     slo_ms: float  # effective P95 cap (SLO x profile slack)
     objective: str  # throughput | latency | balanced
@@ -73,9 +75,9 @@ class RuleContext:
     violator_elsewhere: str = ""
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """What every rule sees: the load, the config, the context, and the numbers derived once."""
+class Inputs(NamedTuple):
+    """What every rule sees: the load, the config, the context, and the numbers derived once.
+    Immutable (a named tuple: one is built per model per tick)."""
 
     load: ModelLoad
     spec: ModelSpec

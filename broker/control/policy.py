@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker.control.batch_rules import RuleContext, cap_top, decide_batch
 from broker.control.latency_model import fit_for_load
@@ -220,8 +220,7 @@ class _TickView:
         return out
 
 
-@dataclass(frozen=True)
-class ModelStep:
+class ModelStep(NamedTuple):
     """One model's first pass of a tick: what its batch rules want, before the quota plan."""
 
     want: BatchWant  # after anti-oscillation, before guard-rails
@@ -309,8 +308,7 @@ def model_step(view: _TickView, name: str, spec: ModelSpec) -> ModelStep:
     else:
         ctx = _rule_context(view, spec, old, 0.0 if active else now - last_arrival, mm, name)
         want = decide_batch(load, spec, old.max_batch, old.wait_s, fit, view.snapshot.gpu, ctx)
-    ms = replace(
-        old,
+    ms = old.evolved(
         last_arrival_s=last_arrival,
         loaded_since_s=None if quiet else (old.loaded_since_s if old.loaded_since_s is not None else now),
         quiet_since_s=(old.quiet_since_s if old.quiet_since_s is not None else now) if quiet else None,
@@ -369,9 +367,11 @@ def settle_model(
         kinds = sorted({m.kind for m in plan.moves if name in (m.donor, m.recipient)})
         reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
     paused_since = None if want.admit else (ms.paused_since_s if ms.paused_since_s is not None else now)
-    moved = {"last_dir": (cap > ms.max_batch) - (cap < ms.max_batch), "last_change_s": now} if cap != ms.max_batch else {}
-    ms = replace(
-        ms, max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since, **moved
+    moved = (
+        {"last_dir": (cap > ms.max_batch) - (cap < ms.max_batch), "last_change_s": now} if cap != ms.max_batch else {}
+    )
+    ms = ms.evolved(
+        max_batch=cap, wait_s=want.wait_s, admit=want.admit, version=version, paused_since_s=paused_since, **moved
     )
     decision = ModelDecision(
         max_batch_size=cap,

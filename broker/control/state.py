@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from broker.control.latency_model import LatencyFit
 
@@ -46,3 +47,8 @@ class ModelState:
     @property
     def latency_fit(self) -> LatencyFit | None:
         return None if self.fit is None else LatencyFit(*self.fit)
+
+    def evolved(self, **changes: Any) -> ModelState:
+        """A copy with ``changes``, built by the constructor (``dataclasses.replace`` without its
+        walk over the fields: the tick copies each model's state once or twice)."""
+        return ModelState(**{**self.__dict__, **changes})
