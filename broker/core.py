@@ -46,7 +46,6 @@ from broker.control.tallies import Tallies, Tally
 from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from broker.control.vocab import EntryKind
 from broker.control.window import ReportWindow
-from broker.gc_hold import gc_held
 from broker.metrics import BrokerMetrics, NullMetrics
 from broker.wire import ModelSettings, StatsReport
 from quotas.config import ConfigError, FleetConfig, parse_config_text
@@ -273,7 +272,6 @@ class BrokerCore:
             free_frac = min(frees) if frees else measured
         return GpuLoad(self._capacity, self._usable, used, free_frac, max(sms) if sms else None)
 
-    @gc_held  # the collections the tick's allocations call for run after it (broker.gc_hold)
     def tick(self) -> dict[str, Any]:
         """One control step: snapshot -> decide -> settings table -> checkpoint -> decision log."""
         started = time.perf_counter()

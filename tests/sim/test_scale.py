@@ -89,3 +89,17 @@ def test_a_held_replica_reports_its_state_every_step():
     assert all(r.queue_depth == 10 for r in reports)  # busy: rate // 4 queued, in every phase
     idle = scale._Cores(scale.synthetic_doc(4), seed=0, held="idle")
     assert all(scale._report(rep, 1.0, 0, idle.rng).arrivals == 0 for rep in idle.replicas)
+
+
+def test_the_budget_counts_instructions_only_with_valgrind_and_says_when_a_tick_is_over(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda _name: None)  # no valgrind: time share only
+    row = {"case": "16 cards x 100 models", "tick_share": 0.012}
+    b = scale.tick_budget(row, quick=True, say=lambda _m: None)
+    assert b["tick_instructions"] is None and b["within"] is True
+    line = scale._budget_line(b)
+    assert "not counted (no valgrind)" in line and "1.20 % of the control interval" in line and "within" in line
+    over = scale._budget_line({**b, "tick_instructions": 61_000_000, "within": False})
+    assert "61.0 M instructions (at most 50 M)" in over and over.endswith("OVER")
+    assert scale.tick_budget({**row, "tick_share": 0.06}, quick=True, say=print)["within"] is False
