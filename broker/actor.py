@@ -20,7 +20,6 @@ from typing import Any
 import ray
 
 from broker.fleet_core import FleetBroker
-from broker.gc_hold import tune_collector
 from broker.metrics import start_exporter
 from broker.wire import StatsReport
 from quotas.cards import Card
@@ -66,7 +65,6 @@ class BrokerActor:
         cards: tuple[Card, ...] | None = None,
     ):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-        tune_collector()  # this worker process is the broker's own (broker.gc_hold)
         cfg = parse_config_text(config_text, "broker config")
         path = checkpoint_path or str(default_checkpoint_path(cfg))
         capacity = capacity_bytes
