@@ -6,12 +6,14 @@ replica. ``build_models`` imports every batch model's class and builds it with i
 child process (no Ray; the project directory appended to its path, as ``up`` imports it), under a
 timeout, so a model that hangs or crashes in its constructor cannot take the command with it.
 ``budget`` is the arithmetic of DESIGN.md's quotas (capacity, reserve, per-process CUDA context,
-usable, each model's min/base/max) for ``validate --explain``.
+usable, each model's min/base/max) for ``validate --explain``, with the quota a model's
+``profile:`` suggests for its SLO (``suggest_quota``; ``gpubroker calibrate`` measures the profile).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -20,7 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from quotas.config import FleetConfig
+from gpubroker.sim.profile import profile_for
+from quotas.config import FleetConfig, ModelSpec
 from quotas.config_errors import MISSING, ConfigIssue
 
 PROFILE_KEYS = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "mean_tokens", "tokens_cv")
@@ -159,12 +162,43 @@ def _value_at(spec: Any, field: str) -> Any:
 
 # ============================================================================ budget (--explain)
 @dataclass(frozen=True)
+class QuotaSuggestion:
+    """The quota a profile asks for under a P95 cap C, by BENCHMARK.md's limit: a request waits
+    at most one batch and runs in the next, so the largest batch within C is b* = (C/2 - a)/c.
+    min holds the batch floor, base b*, max the largest batch that runs within C alone, (C - a)/c."""
+
+    slo_p95_ms: float
+    batch_at_slo: int  # b*, within [floor, ceiling]
+    batch_alone: int  # (C - a)/c, within [b*, ceiling]
+    min_bytes: int  # each rounded up to MiB
+    base_bytes: int
+    max_bytes: int
+
+
+def suggest_quota(
+    a_ms: float, c_ms: float, weights_bytes: int, bytes_per_item: float, spec: ModelSpec, slo_ms: float | None = None
+) -> QuotaSuggestion:
+    """The suggestion for L(b) = a + c*b and memory weights + bytes_per_item*b (default cap: slo_p95_ms)."""
+    cap = slo_ms or spec.slo_p95_ms
+    floor, ceiling = spec.batch.floor, spec.batch.ceiling
+    per = max(c_ms, 1e-9)
+    at_slo = int(min(ceiling, max(floor, (cap / 2 - a_ms) / per)))
+    alone = int(min(ceiling, max(at_slo, (cap - a_ms) / per)))
+
+    def mem(batch: int) -> int:
+        return int(math.ceil((weights_bytes + bytes_per_item * batch) / 1024**2)) * 1024**2
+
+    return QuotaSuggestion(cap, at_slo, alone, mem(floor), mem(at_slo), mem(alone))
+
+
+@dataclass(frozen=True)
 class ModelBudget:
     name: str
     replicas: int
     min_bytes: int
     base_bytes: int
     max_bytes: int
+    suggested: QuotaSuggestion | None  # from the model's profile: (None without one)
 
 
 @dataclass(frozen=True)
@@ -212,5 +246,15 @@ def budget(cfg: FleetConfig) -> CardBudget:
         usable_bytes=usable,
         base_sum_bytes=base_sum,
         free_bytes=None if usable is None else usable - base_sum,
-        models=tuple(ModelBudget(n, m.replicas, m.quota.min, m.quota.base, m.quota.max) for n, m in cfg.models.items()),
+        models=tuple(
+            ModelBudget(n, m.replicas, m.quota.min, m.quota.base, m.quota.max, _suggested(n, m))
+            for n, m in cfg.models.items()
+        ),
     )
+
+
+def _suggested(name: str, spec: ModelSpec) -> QuotaSuggestion | None:
+    if spec.profile is None or spec.kind != "batch":
+        return None
+    p = profile_for(name, spec)  # the profile's blanks filled as simulate fills them
+    return suggest_quota(p.a_ms, p.c_ms, p.weights_bytes, p.bytes_per_item, spec)

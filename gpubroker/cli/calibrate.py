@@ -8,9 +8,7 @@ a few runs per size, a least-squares line through them). The result goes under t
 a copy of the config (``CONFIG.calibrated.yaml``), or into CONFIG itself with ``--write``; the
 rest of the file, comments included, is kept as written.
 
-The quota suggestion follows BENCHMARK.md's limit: a request waits at most one batch and runs
-in the next, so the largest batch within the P95 cap C is b* = (C/2 - a)/c; base holds b*,
-min the batch floor, max the largest batch that runs within C alone, (C - a)/c.
+With it comes a suggested ``quota`` for the model's SLO (``gpubroker.validate.suggest_quota``).
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from pathlib import Path
 import typer
 
 from gpubroker.cli.views import print_config_error
+from gpubroker.validate import QuotaSuggestion, suggest_quota
 from quotas.config import ConfigError, ModelSpec, load_config, parse_config_text
 from quotas.sizes import exact_size, format_size, parse_size
 
@@ -42,16 +41,6 @@ class Measured:
     memory_method: str  # deployments.calibration's method: hooks, cuda, probe, declared, none
     latency_points: tuple[tuple[float, float], ...]  # (batch cost, median ms)
     memory_points: tuple[tuple[float, float], ...]  # (batch cost, bytes)
-
-
-@dataclass(frozen=True)
-class QuotaSuggestion:
-    slo_p95_ms: float
-    batch_at_slo: int  # b* = (C/2 - a)/c within [floor, ceiling]
-    batch_alone: int  # (C - a)/c within [floor, ceiling]
-    min_bytes: int
-    base_bytes: int
-    max_bytes: int
 
 
 def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) -> Measured:
@@ -95,23 +84,6 @@ def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) 
         latency_points=tuple((x, round(y, 3)) for x, y in points),
         memory_points=memory.points,
     )
-
-
-def suggest_quota(m: Measured, spec: ModelSpec, slo_ms: float) -> QuotaSuggestion:
-    """min: the floor's batch; base: b*, the batch within the SLO at load; max: the batch within it alone."""
-    floor, ceiling = spec.batch.floor, spec.batch.ceiling
-    per = max(m.c_ms, 1e-9)
-    at_slo = int(min(ceiling, max(floor, (slo_ms / 2 - m.a_ms) / per)))
-    alone = int(min(ceiling, max(at_slo, (slo_ms - m.a_ms) / per)))
-
-    def mem(batch: int) -> int:
-        return _round_up_mib(m.weights_bytes + m.bytes_per_item * batch)
-
-    return QuotaSuggestion(slo_ms, at_slo, alone, mem(floor), mem(at_slo), mem(alone))
-
-
-def _round_up_mib(n: int) -> int:
-    return int(math.ceil(n / 1024**2)) * 1024**2
 
 
 def size_text(n: int) -> str:
@@ -186,7 +158,7 @@ def calibrate(
     except ValueError:
         _fail(f"--sizes {sizes!r}: give at least two batch sizes >= 1, e.g. 1,2,4,8,16")
     measured = measure(spec, batch_sizes, repeats, device)
-    quota = suggest_quota(measured, spec, slo_ms or spec.slo_p95_ms)
+    quota = suggest_quota(measured.a_ms, measured.c_ms, measured.weights_bytes, measured.bytes_per_item, spec, slo_ms)
     target = config if write else (out or config.with_name(config.stem + ".calibrated.yaml"))
     text = with_profile(config.read_text(encoding="utf-8"), model, profile_line(measured))
     try:

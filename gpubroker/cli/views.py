@@ -96,6 +96,13 @@ def budget_table(b: Any) -> Table:
             f"{m.name}{replicas}: min / base / max",
             f"{exact_size(m.min_bytes)} / {exact_size(m.base_bytes)} / {exact_size(m.max_bytes)}",
         )
+        q = m.suggested
+        if q is not None:
+            table.add_row(
+                f"  its profile suggests, for P95 <= {q.slo_p95_ms:g} ms (batch {q.batch_at_slo} at load, "
+                f"{q.batch_alone} alone)",
+                f"{format_size(q.min_bytes)} / {format_size(q.base_bytes)} / {format_size(q.max_bytes)}",
+            )
     return table
 
 

@@ -172,3 +172,17 @@ def test_json_is_a_plain_flag(tmp_path):
     r = validate(tmp_path, "broker: {metrics_port: 8000}\n" + GOOD, "--no-import", "--json")
     doc = json.loads(r.output)
     assert r.exit_code == 1 and doc["issues"][0]["path"] == "broker.metrics_port"
+
+
+def test_explain_shows_the_quota_a_profile_suggests(tmp_path):
+    """b* = (C/2 - a)/c within the ceiling: (100/2 - 5)/0.5 = 90 -> 64; memory 64MiB + 1MiB per item."""
+    text = GOOD.replace(
+        "model: mlp",
+        "model: mlp\n    slo_p95_ms: 100\n    profile: {a_ms: 5, c_ms: 0.5, weights_bytes: 64MiB, bytes_per_item: 1MiB}",
+    )
+    doc = json.loads(validate(tmp_path, text, "--no-import", "--explain", "--json").output)
+    q = doc["budget"]["models"][0]["suggested"]
+    assert (q["batch_at_slo"], q["batch_alone"]) == (64, 64)
+    assert (q["min_bytes"], q["base_bytes"], q["max_bytes"]) == (66 * 1024**2, 128 * 1024**2, 128 * 1024**2)
+    out = flat(validate(tmp_path, text, "--no-import", "--explain").output)
+    assert "profile suggests" in out and "66.0MiB / 128.0MiB / 128.0MiB" in out  # the table may wrap the rest
