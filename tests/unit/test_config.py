@@ -158,7 +158,9 @@ def test_sizes_round_trip():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "gpubroker", *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "gpubroker", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
 
 
 def test_cli_validate_exit_codes(tmp_path):
@@ -194,3 +196,56 @@ def test_cli_validate_shows_where_a_cluster_fleet_is_placed():
     assert all(c["base_bytes"] <= c["usable_bytes"] for c in cards.values())
     assert doc["placement"]["replicas"]["minilm"] == ["a0", "b0"]
     assert "placement" not in json.loads(_cli("validate", "--json", "configs/demo.yaml").stdout)
+
+
+PROFILED = """\
+gpu: {device: cpu, capacity: 8GiB}
+models:
+  p:
+    model: profiled
+    profile: {a_ms: 20, c_ms: 0.5, weights_bytes: 1.5GiB, bytes_per_item: 1500KB}
+    quota: {min: 2GiB, base: 3GiB, max: 4GiB}
+"""
+
+
+def test_a_profiled_model_serves_its_profile_and_a_dump_reads_back_the_same():
+    """The profile's figures become the emulation's options (sizes in bytes), so the replica
+    emulates what simulate does; a dumped config validates to the same one."""
+    cfg = parse_config_text(PROFILED, units_required=True)
+    spec = cfg.models["p"]
+    assert spec.options == {
+        "a_ms": 20.0,
+        "c_ms": 0.5,
+        "token_ms": 0.0,
+        "weights_bytes": 1610612736,
+        "bytes_per_item": 1_500_000,
+    }
+    assert spec.profile.bytes_per_item == 1_500_000
+    assert parse_config(cfg.model_dump(mode="json")) == cfg
+    from deployments.models.profiled import ProfiledAdapter
+
+    assert ProfiledAdapter(**spec.options).declared_memory() == (1610612736, 1_500_000.0)
+
+
+def test_options_that_contradict_the_profile_are_refused_in_a_file():
+    text = PROFILED.replace("    profile:", "    options: {a_ms: 5}\n    profile:")
+    with pytest.raises(ConfigError) as info:
+        parse_config_text(text, units_required=True)
+    assert any("models.p.options.a_ms" in str(i) and "remove it from options" in str(i) for i in info.value.issues)
+
+
+def test_code_may_still_pass_integer_bytes_a_file_may_not():
+    doc = deep_merge(
+        BASE_CONFIG, {"models": {"a": {"quota": {"min": 1024**3, "base": 2 * 1024**3, "max": 3 * 1024**3}}}}
+    )
+    assert parse_config(doc).models["a"].quota.base == 2 * 1024**3
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc, units_required=True)
+    assert any(i.path == "models.a.quota.base" and "has no unit" in i.message for i in info.value.issues)
+
+
+def test_a_profile_without_any_cost_is_refused():
+    text = PROFILED.replace("a_ms: 20, c_ms: 0.5", "a_ms: 0, c_ms: 0")
+    with pytest.raises(ConfigError) as info:
+        parse_config_text(text, units_required=True)
+    assert any(i.path == "models.p.profile" and "give the batch some cost" in i.message for i in info.value.issues)
