@@ -12,18 +12,18 @@ estimated P95 lowest. With ``broker.batch_formation: lazy`` (the next batch form
 replica is free) batches size themselves instead, at ``lambda a / (1 - lambda c)``, and the
 plan keeps the wait short.
 
-``wait_for`` turns a plan (or, without one, the queue) into the wait timeout, inside
-[min_ms, max_ms]. Pure: the batch rules (``broker.control.batch_rules``) call these.
+The batch rules (``broker.control.batch_rules``) turn a plan (or, without one, the queue) into
+the wait timeout, inside [min_ms, max_ms]. Pure.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from broker.control.latency_model import LatencyFit
 from broker.control.profiles import BATCH_HEADROOM, RHO_MAX
-from quotas.config import ModelSpec
 
 LAZY_WAIT_BUDGET_FRAC = {
     "latency": 0.1,
@@ -32,6 +32,17 @@ LAZY_WAIT_BUDGET_FRAC = {
 }  # share of the SLO budget a lazy wait may take, per objective
 # A lazy cap stops where a bigger batch buys under 10 % more throughput (``useful_batch``).
 USEFUL_THROUGHPUT_FRAC = 0.9
+
+
+class PlanTarget(NamedTuple):
+    """What a plan aims for: the latency cap, the profile's objective, how batches form, and the
+    batches it may use."""
+
+    slo_ms: float  # effective P95 cap
+    objective: str  # throughput | latency | balanced
+    ceiling: int  # the config's batch ceiling
+    formation: str = "eager"  # how the runtime forms batches (broker.batch_formation)
+    run_cap: int | None = None  # lazy: the batch the grant holds now (the wait plans for it)
 
 
 @dataclass(frozen=True)
@@ -66,15 +77,7 @@ def useful_batch(fit: LatencyFit, frac: float = USEFUL_THROUGHPUT_FRAC) -> float
 
 
 def plan_batch(
-    fit: LatencyFit,
-    units_per_s: float,
-    unit_per_request: float,
-    slo_ms: float,
-    objective: str,
-    ceiling: int,
-    rho_cap: float | None = None,
-    formation: str = "eager",
-    run_cap: int | None = None,
+    fit: LatencyFit, units_per_s: float, unit_per_request: float, target: PlanTarget, rho_cap: float | None = None
 ) -> BatchPlan:
     """Batch and wait timeout for Ray 2.60's @serve.batch.
 
@@ -88,10 +91,11 @@ def plan_batch(
     """
     lam = units_per_s / 1000.0  # units per ms
     u = max(unit_per_request, 1.0)
+    slo_ms, objective, ceiling = target.slo_ms, target.objective, target.ceiling
     b_lat = fit.largest_batch_within(slo_ms / 2.0)
+    if target.formation == "lazy":
+        return _plan_lazy(fit, lam, u, b_lat, target)
     headroom = BATCH_HEADROOM.get(objective, 2.0)
-    if formation == "lazy":
-        return _plan_lazy(fit, lam, u, b_lat, headroom, slo_ms, objective, ceiling, run_cap)
     if lam <= 0:
         return BatchPlan(u, 0.0, 0.0, b_lat, fit.predict_ms(u), min(float(ceiling), max(b_lat, u)))
     rho_max = RHO_MAX.get(objective, 0.8) if rho_cap is None else min(rho_cap, RHO_MAX.get(objective, 0.8))
@@ -114,21 +118,13 @@ def plan_batch(
     return BatchPlan(min(b, float(ceiling)), max(0.0, (b - u) / lam) / 1000.0, rho, b_lat, est, cap)
 
 
-def _plan_lazy(
-    fit: LatencyFit,
-    lam: float,
-    u: float,
-    b_lat: float,
-    headroom: float,
-    slo_ms: float,
-    objective: str,
-    ceiling: int,
-    run_cap: int | None = None,
-) -> BatchPlan:
+def _plan_lazy(fit: LatencyFit, lam: float, u: float, b_lat: float, target: PlanTarget) -> BatchPlan:
     """Lazy formation (the next batch forms when the replica is free): batches size themselves
     to the load at the fixed point b = lambda a / (1 - lambda c), so no wait is needed under
     load; the cap leaves headroom for bursts, and a short wait (a share of the SLO budget left
     after two batches) only helps an idle replica gather a few requests."""
+    slo_ms, objective, ceiling, run_cap = target.slo_ms, target.objective, target.ceiling, target.run_cap
+    headroom = BATCH_HEADROOM.get(objective, 2.0)
     denom = 1.0 - lam * fit.c_ms
     b_fp = lam * fit.a_ms / denom if (lam > 0 and denom > 0) else (0.0 if lam <= 0 else math.inf)
     want = min(float(ceiling), b_fp * headroom) if math.isfinite(b_fp) else float(ceiling)
@@ -142,26 +138,3 @@ def _plan_lazy(
     batch = max(u, b_fp) if math.isfinite(b_fp) else float(ceiling)
     rho = lam * fit.predict_ms(batch) / batch if math.isfinite(b_fp) and lam > 0 else (0.0 if lam <= 0 else math.inf)
     return BatchPlan(batch, min(fill_s, budget_s), rho, b_lat, 2.0 * fit.predict_ms(batch), cap, useful)
-
-
-def wait_for(
-    plan: BatchPlan | None,
-    cap: int,
-    units_per_s: float,
-    unit_per_request: float,
-    slo_ms: float,
-    spec: ModelSpec,
-    current_s: float,
-    backlog: bool = False,
-) -> float:
-    """The wait timeout: the plan's fill time; without a latency model, unchanged unless a
-    backlog builds (then the time to fill the cap at the arrival rate, within half the SLO,
-    since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""
-    lo, hi = spec.wait.min_ms / 1000.0, spec.wait.max_ms / 1000.0
-    if plan is not None:
-        w = plan.wait_s
-    elif backlog and units_per_s > 0:
-        w = max(current_s, min(max(0.0, cap - unit_per_request) / units_per_s, slo_ms / 2000.0))
-    else:
-        w = current_s
-    return min(hi, max(lo, w))

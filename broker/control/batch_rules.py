@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from broker.control.batch_plan import BatchPlan, plan_batch, wait_for
+from broker.control.batch_plan import BatchPlan, PlanTarget, plan_batch
 from broker.control.latency_model import LatencyFit
 from broker.control.state import BatchWant
 from broker.control.types import GpuLoad, ModelLoad
@@ -117,9 +117,22 @@ class Inputs(NamedTuple):
     ) -> BatchWant:
         """A wanted cap, with the wait that goes with it (the plan's, or the no-plan rule)."""
         new = self.wanted_cap(new_cap)
-        backlog = self.qdepth > self.spec.control.band_high
-        wait = wait_for(self.plan, new, self.units_per_s, self.u, self.ctx.slo_ms, self.spec, self.wait_s, backlog)
+        wait = self.wait_for(new, backlog=self.qdepth > self.spec.control.band_high)
         return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
+
+    def wait_for(self, cap: int, backlog: bool = False) -> float:
+        """The wait timeout for ``cap``: the plan's fill time; without a latency model, unchanged
+        unless a backlog builds (then the time to fill the cap at the arrival rate, within half the
+        SLO, since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""
+        lo, hi = self.spec.wait.min_ms / 1000.0, self.spec.wait.max_ms / 1000.0
+        if self.plan is not None:
+            w = self.plan.wait_s
+        elif backlog and self.units_per_s > 0:
+            fill_s = max(0.0, cap - self.u) / self.units_per_s
+            w = max(self.wait_s, min(fill_s, self.ctx.slo_ms / 2000.0))
+        else:
+            w = self.wait_s
+        return min(hi, max(lo, w))
 
     def wanted_cap(self, new_cap: float) -> int:
         """The cap ``want`` asks for ``new_cap``: rounded, at least 1, grown no further than the plan's useful batch."""
@@ -385,7 +398,7 @@ def model(s: Inputs) -> BatchWant | None:
     target = plan.cap
     new = min(target, cap + ctl.aimd_step) if s.ctx.recovering and target > cap else target
     rel = abs(new - cap) / max(cap, 1)
-    wait_new = wait_for(plan, max(1, round(new)), s.units_per_s, s.u, s.ctx.slo_ms, s.spec, wait_s)
+    wait_new = s.wait_for(max(1, round(new)))
     wait_rel = abs(wait_new - wait_s) / max(wait_s, 1e-3)
     wait_moves = wait_rel > 0.2 * s.ctx.band_scale
     if not ((rel > 0.1 * s.ctx.band_scale and round(new) != cap) or wait_moves):
@@ -493,16 +506,9 @@ def inputs_for(
         # A backlog (more than a batch queued) drains only with spare capacity: plan bigger
         # batches (utilisation at most drain_rho) until it is gone.
         draining = load.queue_depth / replicas > ctl.band_high and queued_units > cap
+        target = PlanTarget(ctx.slo_ms, ctx.objective, spec.batch.ceiling, ctx.formation, ctx.mem_ceiling)
         plan = plan_batch(
-            fit,
-            units_per_s,
-            max(load.cost_per_request, 1.0),
-            ctx.slo_ms,
-            ctx.objective,
-            spec.batch.ceiling,
-            ctl.drain_rho if draining else None,
-            ctx.formation,
-            run_cap=ctx.mem_ceiling,
+            fit, units_per_s, max(load.cost_per_request, 1.0), target, ctl.drain_rho if draining else None
         )
     # The AIMD reacts to the recent P95 (rate window, a few seconds, never one sample); the
     # 30 s window P95 would keep "breaching" long after a transient and shrink too far.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from broker.control.batch_plan import plan_batch, useful_batch
+from broker.control.batch_plan import PlanTarget, plan_batch, useful_batch
 from broker.control.latency_model import LatencyFit
 from tests.unit.test_rules import Fleet, Load
 
@@ -27,10 +27,10 @@ def test_useful_batch_is_where_throughput_reaches_the_fraction_of_its_top():
 
 
 def test_the_lazy_plan_caps_an_overloaded_linear_curve_at_the_useful_batch():
-    over = plan_batch(LINEAR, 80.0, 1.0, 214.0, "balanced", 128, formation="lazy")  # 80/s x 15 ms > 1
+    over = plan_batch(LINEAR, 80.0, 1.0, PlanTarget(214.0, "balanced", 128, "lazy"))  # 80/s x 15 ms > 1
     assert not math.isfinite(over.rho)  # the fit says no batch keeps up
     assert over.cap == max(over.b_lat, useful_batch(LINEAR)) < 10
-    steep = plan_batch(STEEP, 3000.0, 1.0, 59.5, "balanced", 128, formation="lazy")
+    steep = plan_batch(STEEP, 3000.0, 1.0, PlanTarget(59.5, "balanced", 128, "lazy"))
     assert steep.cap == 128  # batching still buys throughput here: the ceiling
 
 
