@@ -73,8 +73,12 @@ def duplicate_keys(text: str) -> list[ConfigIssue]:
     (PyYAML keeps the last one silently: two models of one name and one of them disappears).
     The text must already parse."""
     issues: list[ConfigIssue] = []
+    seen_nodes: set[int] = set()  # an anchor's node is walked once (and a recursive one ends)
 
     def walk(node: yaml.Node, path: str) -> None:
+        if id(node) in seen_nodes:
+            return
+        seen_nodes.add(id(node))
         if isinstance(node, yaml.MappingNode):
             seen: dict[str, int] = {}
             for key_node, value_node in node.value:
