@@ -6,19 +6,8 @@ tokens one step may process (``max_batched_tokens``), whether new prefills are a
 squeeze), and how big its paged KV cache is (``set_kv_cache_blocks``). The broker sets those;
 the API submits requests and reads token streams.
 
-Two implementations are meant to share this protocol:
-
-- ``deployments.llm.cpu_engine.CpuEngine``: transformers' ``ContinuousBatchingManager`` on a
-  tiny random-initialised Llama, with an admission layer in front (see that module).
-- vLLM (not written: no GPU here). The mapping: ``submit`` -> ``AsyncLLM.generate`` with
-  ``SamplingParams(max_tokens=..., temperature=...)``; ``cancel`` -> ``AsyncLLM.abort``;
-  ``max_num_seqs`` / ``max_batched_tokens`` -> ``scheduler_config.max_num_seqs`` /
-  ``max_num_batched_tokens`` (fixed at engine start in vLLM, so the same admission layer
-  holds requests in front of it to lower them at run time); the squeeze -> the admission
-  layer again; ``set_kv_cache_blocks`` -> ``sleep(level=1)`` / ``wake_up()`` to hand the
-  whole cache back while idle (vLLM cannot resize a live cache); ``stats`` -> its
-  ``SchedulerStats`` (running, waiting, ``kv_cache_usage``, preemptions) and the request
-  timings it logs (TTFT, inter-token latency).
+The implementation is ``deployments.llm.vllm_engine.VllmEngine`` (vLLM's ``AsyncLLM``, its CPU
+build here and its CUDA build on GPUs); a test double may implement it too.
 
 Nothing here imports torch: the protocol, its value types and the errors are plain Python.
 """
@@ -60,6 +49,7 @@ class Sampling:
 
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus sampling mass; 1.0 keeps every token
+    stop: tuple[str, ...] = ()  # strings that end the generation (not included in the text)
 
 
 GREEDY = Sampling()
@@ -73,6 +63,7 @@ class TokenDelta:
     finished: bool = False  # True on the last piece of the stream
     finish_reason: FinishReason | None = None  # set on the last piece
     error: str | None = None  # set when finish_reason is ERROR
+    text: str = ""  # the detokenized text of token_ids (the engine's detokenizer; stop strings cut out)
 
 
 @dataclass(frozen=True)
@@ -106,11 +97,18 @@ class EngineStats:
     finished: int  # sequences that ended with stop or length
     cancelled: int  # sequences cancelled
     failed: int  # sequences the engine failed
-    rebuilds: int  # KV cache rebuilds (between drains)
+    rebuilds: int  # KV cache resizes (engine restarts between drains)
     prefill_s: float  # sequence-seconds from admission to first token (the prefill share)
     decode_s: float  # sequence-seconds from first to last token (the decode share)
     ttft_ms: tuple[float, ...]  # time to first token (accept -> first token), recent completions
     tpot_ms: tuple[float, ...]  # time per output token after the first, recent completions
+    engine_running: int = 0  # sequences the engine's own scheduler runs (vLLM's SchedulerStats)
+    engine_waiting: int = 0  # sequences the engine's own scheduler holds waiting (after admission)
+    kv_usage_frac: float = 0.0  # the engine's KV cache usage, 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of them, found in the cache (cumulative)
+    last_restart_s: float = 0.0  # the last KV resize's shutdown + start, in seconds
+    asleep: bool = False  # the engine sleeps (CUDA sleep mode level 1: KV cache freed)
 
     @property
     def kv_blocks_free(self) -> int:
@@ -158,9 +156,9 @@ class LlmEngine(Protocol):
         Lowering ``max_num_seqs`` under the running count preempts nothing: new admissions wait."""
 
     def set_kv_cache_blocks(self, num_blocks: int) -> int:
-        """Ask for a cache of ``num_blocks`` blocks; returns the target as clamped. The CPU
-        engine rebuilds its cache at the next drain (no sequence running) and admits nothing
-        new until then."""
+        """Ask for a cache of ``num_blocks`` blocks; returns the target as clamped. The engine
+        restarts with the new cache at the next drain (no sequence running) and admits nothing
+        new until then (on CUDA the smallest cache may be sleep mode instead)."""
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV cache holds now (what counts against the model's grant)."""

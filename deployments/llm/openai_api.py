@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API for the fleet's LLMs (``kind: llm`` models), on Ray Serve.
 
-``POST /v1/completions``       ``{"model", "prompt": str | [ids], "max_tokens", "stream", ...}``
-``POST /v1/chat/completions``  ``{"model", "messages": [{"role", "content"}], "max_tokens", "stream", ...}``
+``POST /v1/completions``       ``{"model", "prompt": str | [ids], "max_tokens", "stop", "stream", ...}``
+``POST /v1/chat/completions``  ``{"model", "messages": [{"role", "content"}], "max_tokens", "stop", "stream", ...}``
+    (chat prompts go through the model's chat template; each engine is vLLM, ``deployments.llm.vllm_engine``)
     200 an OpenAI ``text_completion`` / ``chat.completion``; with ``stream: true`` server-sent
         events (``data: {chunk}``) ending in ``data: [DONE]``
     400 an OpenAI error whose ``param`` names the field: a bad body, or a prompt plus
@@ -46,13 +47,17 @@ class _Body(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
     stream: bool = False
-    stop: Any = Field(None, description="Stop strings are not supported; leave stop out.")
+    stop: str | list[str] | None = Field(
+        None, description="Up to 4 strings that end the generation (left out of the text)."
+    )
 
     @field_validator("stop")
     @classmethod
-    def _no_stop(cls, value: Any) -> None:
-        if value not in (None, [], ""):
-            raise ValueError("stop strings are not supported by this engine; leave stop out")
+    def _stop_strings(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else list(value or [])
+        if len(items) > 4 or any(not s for s in items):
+            raise ValueError("must be up to 4 non-empty strings")
+        return value
 
 
 class CompletionBody(_Body):

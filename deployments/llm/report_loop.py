@@ -6,8 +6,8 @@ samples, busy time, queue = running + waiting, memory) with its engine's report 
 ``StatsReport.engine``, and gets its ``ModelSettings`` back in the same round trip. The
 engine bounds the broker set ride in ``ModelSettings.engine``; ``apply`` sets them on the
 running engine (bounds at once, the KV cache at the next drain). The broker never calls
-the server. Memory is the engine's own account, weights plus the KV cache tensor: what the
-grant governs (on CPU the process RSS is mostly torch and transformers, not the model).
+the server. Memory is the engine's own account, weights plus the KV cache: what the grant
+governs (on CPU the processes' RSS is mostly torch and vLLM, not the model).
 
 A report that does not reach the broker leaves the engine on its last bounds; the link merges
 the unsent counters into the next delta. The clock and the broker handle are injected.
@@ -24,16 +24,13 @@ from typing import Any
 
 from broker.wire import ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges
-from deployments.llm.cpu_engine import CpuEngine
+from deployments.llm.vllm_engine import VllmEngine
 
 logger = logging.getLogger("ray.serve")
 
 
-def weights_bytes(engine: CpuEngine) -> int:
-    model = getattr(engine, "_model", None)
-    if model is None:
-        return 0
-    return int(sum(p.numel() * p.element_size() for p in model.parameters()))
+def weights_bytes(engine: VllmEngine) -> int:
+    return engine.weights_bytes()
 
 
 class EngineReporter:
@@ -43,7 +40,7 @@ class EngineReporter:
         self,
         model: str,
         replica_id: str,
-        engine: CpuEngine,
+        engine: VllmEngine,
         get_handle: Callable[[], Any],
         *,
         report_interval_s: float,

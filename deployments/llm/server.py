@@ -24,30 +24,39 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from broker.wire import ModelSettings
-from deployments.llm.cpu_engine import CpuEngine, CpuEngineOptions
 from deployments.llm.engine import (
     EngineRequestError,
     FinishReason,
     Sampling,
+    TokenDelta,
     percentile,
 )
 from deployments.llm.report_loop import EngineReporter
-from deployments.llm.tiny_model import ByteTokenizer, TinyLlamaSpec
+from deployments.llm.tiny_model import DEFAULT_DIR, TinyLlamaSpec, ensure_tiny_llama
+from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
 COMPLETION, CHAT = "completion", "chat"
+TINY_KEYS = frozenset(f.name for f in fields(TinyLlamaSpec)) - {"max_model_len"}  # the tiny model's shape
+ENGINE_KEYS = frozenset(f.name for f in fields(VllmEngineOptions))
 
 
-def engine_options(options: dict[str, Any]) -> CpuEngineOptions:
-    """A model's ``options`` as engine options: model-shape keys go to ``TinyLlamaSpec``."""
-    model_keys = {f.name for f in fields(TinyLlamaSpec)}
-    engine_keys = {f.name for f in fields(CpuEngineOptions)} - {"model"}
-    unknown = sorted(set(options) - model_keys - engine_keys)
+def engine_options(options: dict[str, Any]) -> VllmEngineOptions:
+    """A model's ``options`` as engine options. Without ``model_dir`` the engine runs the tiny random
+    Llama, built once under ``build/`` from the tiny keys (``num_layers``, ``hidden_size``, ``seed``...)."""
+    unknown = sorted(set(options) - TINY_KEYS - ENGINE_KEYS)
     if unknown:
         raise ValueError(
-            f"options {unknown} are not engine options; known: {', '.join(sorted(model_keys | engine_keys))}"
+            f"options {unknown} are not engine options; known: {', '.join(sorted(TINY_KEYS | ENGINE_KEYS))}"
         )
-    spec = TinyLlamaSpec(**{k: v for k, v in options.items() if k in model_keys})
-    return CpuEngineOptions(model=spec, **{k: v for k, v in options.items() if k in engine_keys})
+    tiny = {k: v for k, v in options.items() if k in TINY_KEYS}
+    engine = {k: v for k, v in options.items() if k in ENGINE_KEYS}
+    if engine.get("model_dir") and tiny:
+        raise ValueError(f"options {sorted(tiny)} shape the built-in tiny model; with model_dir remove them")
+    if not engine.get("model_dir"):
+        spec = TinyLlamaSpec(**tiny)
+        where = DEFAULT_DIR if spec == TinyLlamaSpec() else DEFAULT_DIR.with_name(f"tiny-llama-{spec.digest()}")
+        engine["model_dir"] = str(ensure_tiny_llama(where, spec))
+    return VllmEngineOptions(**engine)
 
 
 def openai_error(field: str, message: str, status: int = 400) -> dict[str, Any]:
@@ -64,7 +73,7 @@ def _sse(obj: dict[str, Any]) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def engine_report(engine: CpuEngine, idle_for_s: float, name: str = "") -> dict[str, Any]:
+def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> dict[str, Any]:
     """Engine stats as a JSON-safe dict: the ``EngineStats`` counters and bounds, TTFT/TPOT
     P50/P95/P99 over the recent completions, the KV cache in bytes, the engine's ceilings and
     geometry (what ``broker.control.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
@@ -117,8 +126,8 @@ class LlmServer:
                     f"{', '.join(n for n, m in cfg.models.items() if m.kind == 'llm') or 'none'}"
                 )
             options = dict(cfg.models[name].options)
-        self.engine = CpuEngine(engine_options(dict(options or {})))
-        self.tok = ByteTokenizer()
+        self.engine = VllmEngine(engine_options(dict(options or {})))
+        self.tok = _tokenizer(self.engine.options.model_dir)
         self._started = False
         self._lock = asyncio.Lock()
         self._last_active_s = time.monotonic()
@@ -146,24 +155,30 @@ class LlmServer:
 
     async def check_health(self) -> None:  # Serve's health check: the engine's loop must be alive
         await self._ready()  # the first health check starts the engine and the report loop, traffic or not
-        if self._started and self.engine._manager is not None and not self.engine._manager.is_running():
-            raise RuntimeError(f"{self.name}: the continuous batching thread died")
+        if self._started and not self.engine.is_running():
+            raise RuntimeError(f"{self.name}: vLLM's engine core died")
 
     # ---------------------------------------------------------------- requests
 
     def _prompt_ids(self, kind: str, body: dict[str, Any]) -> list[int]:
-        if kind == CHAT:
-            return self.tok.encode_chat([(m["role"], m["content"]) for m in body["messages"]])
+        if kind == CHAT:  # the model's chat template, then its tokenizer
+            text = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            return list(self.tok(text, add_special_tokens=False)["input_ids"])
         prompt = body["prompt"]
         if isinstance(prompt, list):  # token ids
             return [int(t) for t in prompt]
-        return self.tok.encode(prompt)
+        return list(self.tok(prompt)["input_ids"])
 
     def _submit(self, kind: str, body: dict[str, Any]):
         """(request id, prompt ids, stream), or an error dict."""
         ids = self._prompt_ids(kind, body)
         rid = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        sampling = Sampling(temperature=float(body.get("temperature") or 0.0), top_p=float(body.get("top_p") or 1.0))
+        stop = body.get("stop") or ()
+        sampling = Sampling(
+            temperature=float(body.get("temperature") or 0.0),
+            top_p=float(body.get("top_p") or 1.0),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        )
         try:
             stream = self.engine.submit(rid, ids, int(body["max_tokens"]), sampling)
         except EngineRequestError as exc:
@@ -199,8 +214,14 @@ class LlmServer:
         if isinstance(got, dict):
             return got
         rid, ids, stream = got
+        tokens: list[int] = []
+        pieces: list[str] = []
+        last = TokenDelta(())
         try:
-            tokens, last = await stream.collect()
+            async for delta in stream:
+                tokens.extend(delta.token_ids)
+                pieces.append(delta.text)
+                last = delta
         finally:
             await stream.aclose()  # a cancelled caller cancels the sequence
         self._finished(t0, last.finish_reason is not FinishReason.ERROR)
@@ -209,7 +230,7 @@ class LlmServer:
                 "status": 500,
                 "body": {"error": {"message": last.error, "type": "server_error", "param": None, "code": None}},
             }
-        text = self.tok.decode(tokens)
+        text = "".join(pieces)
         reason = "stop" if last.finish_reason is FinishReason.STOP else "length"
         out = self._envelope(kind, rid, int(time.time()))
         if kind == CHAT:
@@ -235,7 +256,6 @@ class LlmServer:
         rid, _, stream = got
         yield {"status": 200}
         created = int(time.time())
-        decoder = self.tok.stream_decoder()
         env = dict(
             self._envelope(kind, rid, created), object="chat.completion.chunk" if kind == CHAT else "text_completion"
         )
@@ -243,7 +263,7 @@ class LlmServer:
             if kind == CHAT:
                 yield _sse(dict(env, choices=[{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]))
             async for delta in stream:
-                text = decoder.feed(delta.token_ids, final=delta.finished)
+                text = delta.text
                 reason = None
                 if delta.finished:
                     reason = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(
@@ -287,6 +307,12 @@ class LlmServer:
         if self.reporter is None:
             raise RuntimeError(f"{self.name}: built without config_text, so no broker drives this engine")
         return self.reporter.apply(ModelSettings.from_dict(reply))
+
+
+def _tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def _replica_id(name: str) -> str:

@@ -1,4 +1,4 @@
-"""An LLM engine's node dies (2 nodes, 3 emulated cards, CPU tiny-llama engines): it comes back on
+"""An LLM engine's node dies (2 nodes, 3 emulated cards, vLLM CPU engines on the tiny Llama): it comes back on
 a live card and the engine that did not move keeps running.
 
 The fleet of ``tests/unit/test_llm_placement.py`` (what the reconciler deploys there, checked
@@ -21,6 +21,7 @@ from tests.cluster.harness import deployed_fleet, wait_until
 from tests.unit.test_llm_placement import CONFIG
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytest.importorskip("vllm")  # the engines are vLLM: run it in .venv-vllm (make chaos-llm)
 
 
 @pytest.fixture(scope="module")

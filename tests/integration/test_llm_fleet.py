@@ -1,4 +1,4 @@
-"""One fleet, one batch model and one LLM, on real Ray Serve: both serve, the broker drives the engine.
+"""One fleet, one batch model and one LLM (vLLM), on real Ray Serve: both serve, the broker drives the engine.
 
 The fleet comes up the way ``gpubroker up`` brings it up (``deployments.fleet.deploy``): the
 broker actor, the batch model's app, the OpenAI app at ``/openai``. The LLM server reports
@@ -17,7 +17,7 @@ from tests.integration._fleet import local_fleet
 from tests.integration.conftest import wait_for
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("transformers")
+pytest.importorskip("vllm")  # make test runs it in .venv-vllm
 
 CONFIG = """
 broker:
@@ -38,7 +38,7 @@ models:
   chat:
     kind: llm
     model: tiny-llama
-    options: {max_model_len: 128, kv_cache_blocks: 32, kv_cache_blocks_max: 128, max_num_seqs: 2, max_num_seqs_max: 16}
+    options: {max_model_len: 128, kv_cache_blocks: 4, kv_cache_blocks_min: 2, kv_cache_blocks_max: 8, max_num_seqs: 2, max_num_seqs_max: 16}
     llm: {expected_peak_concurrency: 12, ttft_slo_ms: 5000, tpot_slo_ms: 1000}
     quota: {min: 64MiB, base: 192MiB, max: 384MiB}
 """

@@ -19,7 +19,7 @@ def test_llm_demo_config_parses_with_its_objectives():
     cfg = load_config("configs/llm-demo.yaml")
     chat = cfg.models["chat"]
     assert chat.kind == "llm" and chat.model == "tiny-llama"
-    assert (chat.llm.expected_peak_concurrency, chat.llm.ttft_slo_ms, chat.llm.tpot_slo_ms) == (16, 1500.0, 150.0)
+    assert (chat.llm.expected_peak_concurrency, chat.llm.ttft_slo_ms, chat.llm.tpot_slo_ms) == (16, 3000.0, 300.0)
 
 
 @pytest.mark.parametrize(
@@ -42,12 +42,16 @@ def test_batch_models_default_to_kind_batch():
 def test_engine_options_refuse_unknown_keys_naming_them():
     from deployments.llm.server import engine_options
 
-    opts = engine_options({"num_layers": 3, "kv_cache_blocks": 16, "kv_cache_blocks_max": 32})
-    assert opts.model.num_layers == 3 and opts.kv_cache_blocks == 16
+    opts = engine_options({"model_dir": "/models/x", "kv_cache_blocks": 16, "kv_cache_blocks_max": 32})
+    assert opts.model_dir == "/models/x" and opts.kv_cache_blocks == 16 and opts.device == "cpu"
     with pytest.raises(ValueError, match="kv_blocks"):
-        engine_options({"kv_blocks": 3})
+        engine_options({"model_dir": "/models/x", "kv_blocks": 3})
     with pytest.raises(ValueError, match="kv_cache_blocks=999"):
-        engine_options({"kv_cache_blocks": 999})
+        engine_options({"model_dir": "/models/x", "kv_cache_blocks": 999})
+    with pytest.raises(ValueError, match=r"\['num_layers'\] shape the built-in tiny model"):
+        engine_options({"model_dir": "/models/x", "num_layers": 3})
+    with pytest.raises(ValueError, match="kv_cache_blocks_min=2 must be in \\[5,"):
+        engine_options({"model_dir": "/models/x", "max_model_len": 512, "kv_cache_blocks_min": 2})
 
 
 def test_openai_bodies_fill_defaults_and_name_the_bad_field():
@@ -62,7 +66,7 @@ def test_openai_bodies_fill_defaults_and_name_the_bad_field():
     assert err is None and body["max_tokens"] == 5
     for raw, field in (
         ({"model": "m", "prompt": "hi", "n": 2}, "n"),
-        ({"model": "m", "prompt": "hi", "stop": ["\n"]}, "stop"),
+        ({"model": "m", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "m"}, "prompt"),
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ):

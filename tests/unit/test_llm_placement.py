@@ -17,7 +17,7 @@ from deployments.reconcile import ServeReconciler, moved_actor_options
 from quotas.config import parse_config_text
 from quotas.placement import place_fleet
 
-ENGINE = "options: {num_layers: 2, hidden_size: 64, max_model_len: 256, page_tokens: 16, kv_cache_blocks: 64}"
+ENGINE = "options: {max_model_len: 256, kv_cache_blocks: 4, kv_cache_blocks_min: 3, max_num_seqs_max: 8}"
 CONFIG = f"""
 broker: {{name: lp, namespace: lp, control_interval_s: 1.0, report_interval_s: 0.5, metrics_port: 0}}
 gpu: {{reserve_frac: 0.0}}
@@ -96,7 +96,7 @@ def test_after_a_node_loss_only_the_moved_engine_changes():
     fb.observe_cards({"a0", "a1"})
     assert fb.placement.replicas["chat_b"] == ("a1",) and fb.placement.replicas["chat_c"] == ()
     rec = ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)
-    apps, result = rec.apps_for(fb.placement, fb.unplaced_reasons)
+    apps, result = rec.apps_for(fb.plan().groups, fb.plan().unplaced)
     assert [a.name for a in apps] == ["t-openai"]  # mlp did not move: its app is not touched
     assert apps[0].route_prefix == "/openai"
     assert set(result.redeployed) == {"chat_b", "chat_c"} and result.unplaced == ("chat_c",)
@@ -119,11 +119,11 @@ def test_when_the_node_joins_again_the_moved_engine_stays_and_nothing_restarts()
     fb.observe_cards({"a0", "a1", "b0"})
     fb.observe_cards({"a0", "a1"})
     rec = ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)
-    at_loss = _engines(rec.apps_for(fb.placement, fb.unplaced_reasons)[0][0].app)
-    rec._cache["current"] = fb.placement  # what __call__ records after deploying
+    at_loss = _engines(rec.apps_for(fb.plan().groups, fb.plan().unplaced)[0][0].app)
+    rec._cache["current"] = fb.plan().groups  # what __call__ records after deploying
     fb.observe_cards({"a0", "a1", "b0"})
     assert fb.placement.replicas["chat_c"] == ("b0",) and fb.placement.replicas["chat_b"] == ("a1",)
-    apps, result = rec.apps_for(fb.placement, fb.unplaced_reasons)
+    apps, result = rec.apps_for(fb.plan().groups, fb.plan().unplaced)
     assert result.redeployed == ("chat_c",) and result.unplaced == ()
     now = _engines(apps[0].app)
     assert now["chat_b"].version == at_loss["chat_b"].version  # still on a1, not moved back
