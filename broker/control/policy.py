@@ -96,7 +96,7 @@ class PolicyState:
 
 
 def _state_to_dict(state: ModelState) -> dict[str, Any]:
-    out = dict(state.__dict__)  # ``asdict`` without its deep copy: every field is immutable
+    out = state._asdict()
     for key in ("last_change_s", "last_reversal_s", "emergency_s"):
         if out[key] == float("-inf"):
             out[key] = None  # JSON has no -inf
@@ -139,8 +139,8 @@ def reconfigure_state(
         wait = min(spec.wait.max_ms, max(spec.wait.min_ms, old.wait_s * 1000.0)) / 1000.0
         if spec.control.strategy == "static":
             cap, wait = spec.batch.initial_cap, spec.wait.initial_s
-        models[name] = replace(
-            old, max_batch=cap, wait_s=wait, version=old.version + 1, hold_s=max(old.hold_s, interval)
+        models[name] = old.evolved(
+            max_batch=cap, wait_s=wait, version=old.version + 1, hold_s=max(old.hold_s, interval)
         )
     after = {t.donor: models[t.donor].version for t in ledger.pending}
     tokens = {n: v for n, v in state.restart_tokens.items() if n in config.models}
@@ -414,30 +414,28 @@ def _anti_oscillation(
         reversals = tuple(t for t in reversals if t > now - ctl.reversal_window_s)
     # relax after a quiet spell
     if ms.band_scale > 1.0 and now - ms.last_reversal_s > 2 * ctl.reversal_window_s:
-        ms = replace(
-            ms, band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now
+        ms = ms.evolved(
+            band_scale=max(1.0, ms.band_scale / 1.5), hold_s=max(interval, ms.hold_s / 2), last_reversal_s=now
         )
         note = f"no oscillation for {2 * ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
     if direction != 0 and not want.safety and now - ms.last_change_s < ms.hold_s - 1e-9:
-        held = replace(
-            want,
+        held = want._replace(
             cap=ms.max_batch,
             rule=Rule.HELD,
             reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)",
         )
-        return held, (ms if reversals is ms.reversals else replace(ms, reversals=reversals)), note
+        return held, (ms if reversals is ms.reversals else ms.evolved(reversals=reversals)), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
-            ms = replace(
-                ms,
+            ms = ms.evolved(
                 band_scale=min(ctl.band_scale_max, ms.band_scale * 1.5),
                 hold_s=min(ctl.hold_max_intervals * interval, ms.hold_s * 2),
                 last_reversal_s=now,
             )
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
-    return want, (ms if reversals is ms.reversals else replace(ms, reversals=reversals)), note
+    return want, (ms if reversals is ms.reversals else ms.evolved(reversals=reversals)), note
 
 
 __all__ = [

@@ -3,18 +3,17 @@
 ``BatchWant`` (what the batch rules want for one model, before guard-rails) and
 ``ModelState`` (one model's policy state between ticks) live here so that
 ``broker.control.lending`` can take them without importing ``broker.control.policy`` (which imports it).
+Both are named tuples: immutable, and a tick builds one or two of each per model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker.control.latency_model import LatencyFit
 
 
-@dataclass(frozen=True)
-class BatchWant:
+class BatchWant(NamedTuple):
     cap: int  # wanted batch cap before guard-rails
     wait_s: float  # wanted wait timeout (already inside [min_ms, max_ms])
     admit: bool
@@ -25,8 +24,7 @@ class BatchWant:
     safety: bool = False  # emergency / breach: bypasses the anti-oscillation hold
 
 
-@dataclass(frozen=True)
-class ModelState:
+class ModelState(NamedTuple):
     max_batch: int
     wait_s: float
     admit: bool = True
@@ -49,6 +47,5 @@ class ModelState:
         return None if self.fit is None else LatencyFit(*self.fit)
 
     def evolved(self, **changes: Any) -> ModelState:
-        """A copy with ``changes``, built by the constructor (``dataclasses.replace`` without its
-        walk over the fields: the tick copies each model's state once or twice)."""
-        return ModelState(**{**self.__dict__, **changes})
+        """A copy with ``changes`` (unknown names are refused)."""
+        return self._replace(**changes)

@@ -52,9 +52,6 @@ class ModelLoad:
     recent_samples: int = 0  # samples behind recent_p95_ms
     attainment: float | None = None  # share of requests in the window answered within the SLO (rejects/timeouts miss)
     batch_timings: tuple[tuple[float, float], ...] = ()  # recent (batch cost, exec ms) for the L(b) fit
-    # the fit's sums over batch_timings (broker.control.latency_model.fit_sums), kept by the report window; None: sum them
-    fit_sums: tuple[int, float, float, float, float] | None = None
-    fit_max_cost: float | None = None  # the biggest cost in batch_timings, kept by the report window; None: look
     mean_batch: float = 0.0  # mean batch cost over the window
     max_batch: float = 0.0  # biggest batch cost over the window (the one behind mem_peak_bytes)
     cost_per_request: float = 1.0  # mean cost units per request (tokens per request for token models)

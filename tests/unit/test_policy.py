@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from broker.control.policy import PolicyState, decide, initial_state, settings_for, settings_key
 from broker.control.types import FleetSnapshot
 from tests.unit.policy_builders import MONDAY_UTC, Driver, FakeClock, GiB, MiB, gpu, load, make_config, timings
@@ -317,10 +315,9 @@ def test_settings_key_moves_whenever_the_settings_do():
         "paused_since_s": 2.0,
         "fit": (1.0, 2.0, 3),
     }
-    assert set(other) == set(type(ms).__dataclass_fields__)  # a new field must be listed here
+    assert set(other) == set(type(ms)._fields)  # a new field must be listed here
     states = [
-        PolicyState(**{**base.__dict__, "models": {**base.models, "a": dataclasses.replace(ms, **{k: v})}})
-        for k, v in other.items()
+        PolicyState(**{**base.__dict__, "models": {**base.models, "a": ms.evolved(**{k: v})}}) for k, v in other.items()
     ]
     ledger = base.ledger.copy()
     assert ledger.free_bytes >= 1 << 20
@@ -338,9 +335,7 @@ def test_settings_key_moves_whenever_the_settings_do():
         assert (s1.to_dict() == s0.to_dict() and repr(s1) == repr(s0)) == (k1 == k0), (s1, k1)
         moved += k1 != k0
     assert moved == 8  # cap, wait, admission, version, grant, two reclaim steps, restart token
-    zero, minus = (
-        PolicyState(**{**base.__dict__, "models": {"a": dataclasses.replace(ms, wait_s=w)}}) for w in (0.0, -0.0)
-    )
+    zero, minus = (PolicyState(**{**base.__dict__, "models": {"a": ms.evolved(wait_s=w)}}) for w in (0.0, -0.0))
     assert repr(settings_for(zero, "a", d.config)) != repr(settings_for(minus, "a", d.config))
     assert settings_key(zero, "a") != settings_key(minus, "a")  # 0.0 == -0.0, yet two settings
 
