@@ -175,52 +175,9 @@ class LlmControl:
             self._states[name], self._decisions[name] = state, decision
             rule_changed = self._last_rule.get(name) != decision.rule and decision.rule is not LlmRule.HOLD
             if decision.bounds_changed(old) or rule_changed:  # a change, or a new rule holding (a squeeze's pause)
-                out.append(self._entry(now_s, name, old, state, decision, load, grant, dry_run))
+                out.append(_entry(now_s, name, old, state, decision, _engine_inputs(load, grant), dry_run))
             self._last_rule[name] = decision.rule
         return out
-
-    def _entry(
-        self,
-        now_s: float,
-        name: str,
-        old: LlmState | None,
-        new: LlmState,
-        d: LlmDecision,
-        load: Any,
-        grant: int,
-        dry: bool,
-    ) -> tuple[dict[str, Any], str]:
-        inputs = {
-            "running": load.running,
-            "waiting": load.waiting,
-            "ttft_p95_ms": load.ttft_p95_ms,
-            "tpot_p95_ms": load.tpot_p95_ms,
-            "free_mem_frac": round(load.free_mem_frac, 4),
-            "kv_blocks_total": load.kv_blocks_total,
-            "kv_blocks_reserved": load.kv_blocks_reserved,
-            "idle_for_s": round(load.idle_for_s, 2),
-            "grant_bytes": grant,
-        }
-        entry = {
-            "kind": EntryKind.ENGINE,
-            "time_s": now_s,
-            "model": name,
-            "trigger": str(d.trigger),
-            "rule": str(d.rule),
-            "trigger_value": d.value if math.isfinite(d.value) else None,
-            "reason": d.reason,
-            "inputs": inputs,
-            "old": _view(old),
-            "new": _view(new),
-            "kv_cache_bytes": d.kv_cache_bytes,
-            "want_grant_bytes": d.want_grant_bytes,
-            "dry_run": dry,
-        }
-        line = (
-            f"{name}: engine {d.rule} [{d.trigger}={d.value:.3g}] {d.reason}; KV cache "
-            f"{format_size(d.kv_cache_bytes)} in grant {format_size(grant)}" + (" (dry run)" if dry else "")
-        )
-        return entry, line
 
     # ------------------------------------------------------------ reply, status, checkpoint
     def with_engine(self, s: ModelSettings) -> ModelSettings:
@@ -297,3 +254,45 @@ class LlmControl:
                 )
                 self._decisions[n] = LlmDecision(**raw)
         self._last_rule = {n: r for n, r in data.get("last_rule", {}).items() if n in self.models}
+
+
+def _engine_inputs(load: Any, grant: int) -> dict[str, Any]:
+    """What an engine's decision read, for its decision-log entry."""
+    return {
+        "running": load.running,
+        "waiting": load.waiting,
+        "ttft_p95_ms": load.ttft_p95_ms,
+        "tpot_p95_ms": load.tpot_p95_ms,
+        "free_mem_frac": round(load.free_mem_frac, 4),
+        "kv_blocks_total": load.kv_blocks_total,
+        "kv_blocks_reserved": load.kv_blocks_reserved,
+        "idle_for_s": round(load.idle_for_s, 2),
+        "grant_bytes": grant,
+    }
+
+
+def _entry(
+    now_s: float, name: str, old: LlmState | None, new: LlmState, d: LlmDecision, inputs: dict[str, Any], dry: bool
+) -> tuple[dict[str, Any], str]:
+    """One engine decision for the decision log: the entry and its log line."""
+    grant = inputs["grant_bytes"]
+    entry = {
+        "kind": EntryKind.ENGINE,
+        "time_s": now_s,
+        "model": name,
+        "trigger": str(d.trigger),
+        "rule": str(d.rule),
+        "trigger_value": d.value if math.isfinite(d.value) else None,
+        "reason": d.reason,
+        "inputs": inputs,
+        "old": _view(old),
+        "new": _view(new),
+        "kv_cache_bytes": d.kv_cache_bytes,
+        "want_grant_bytes": d.want_grant_bytes,
+        "dry_run": dry,
+    }
+    line = (
+        f"{name}: engine {d.rule} [{d.trigger}={d.value:.3g}] {d.reason}; KV cache "
+        f"{format_size(d.kv_cache_bytes)} in grant {format_size(grant)}" + (" (dry run)" if dry else "")
+    )
+    return entry, line
