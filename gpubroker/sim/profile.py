@@ -1,8 +1,8 @@
 """Latency and memory profiles of the models the simulator emulates.
 
 A model reads its profile from its ``profile:`` key (``quotas.config.ModelProfile``;
-``gpubroker calibrate`` measures and writes it); a ``profiled`` model without one, from its
-emulation's ``options``:
+``gpubroker calibrate`` measures and writes it); a model without one, from its ``options``
+(those of the ``profiled`` emulation, or of a class that takes the same figures):
 
 - ``a_ms``: fixed cost of one batch (kernel launches, transfers), ms
 - ``c_ms``: cost per batch unit (request, or token for token models), ms
@@ -17,9 +17,9 @@ so one batch of cost ``b`` (requests, or tokens) holding ``tokens`` tokens runs 
 ``weights_bytes + bytes_per_item·b`` bytes -- the same model ``deployments/models/profiled.py``
 sleeps and allocates, so the broker sees the same behaviour live as in simulation.
 
-Any other model without a ``profile:`` (minilm, mlp, cnn, a user class) gets the DEFAULT
-profile: a_ms 5, c_ms 1 (token models: c_ms 0.01 per token), weights = half of ``quota.min``,
-and ``bytes_per_item`` such that a batch at ``batch.ceiling`` fills ``quota.base`` (also the
+A model with neither (minilm, mlp, cnn, a user class) gets the DEFAULT profile: a_ms 5,
+c_ms 1 (token models: c_ms 0.01 per token), weights = half of ``quota.min``, and
+``bytes_per_item`` such that a batch at ``batch.ceiling`` fills ``quota.base`` (also the
 memory a profile leaves out). It is a placeholder to exercise the policy, not a measurement.
 
 Token models also need request lengths when the arrivals carry none (Poisson, gamma):
@@ -86,9 +86,7 @@ def _figures(spec: ModelSpec) -> tuple[dict[str, Any], str]:
     if spec.profile is not None:  # validated, sizes in bytes
         figures = {k: getattr(spec.profile, k) for k in type(spec.profile).model_fields}
         return {k: v for k, v in figures.items() if v is not None}, "profile"
-    if spec.model == "profiled":  # the emulation's own options
-        return dict(spec.options), "options"
-    return {}, "profile"
+    return dict(spec.options), "options"  # the profiled emulation's (or a class that takes them)
 
 
 def profile_for(name: str, spec: ModelSpec) -> Profile:
