@@ -357,8 +357,8 @@ def test_bad_configs_refused_with_field_hash_unchanged(setup):
 
 
 def _reload_failures(core) -> float | None:
-    metric = getattr(getattr(core, "metrics", None), "reload_failures", None)
-    return None if metric is None else metric._value.get()  # noqa: SLF001 - prometheus_client internals
+    registry = getattr(getattr(core, "metrics", None), "registry", None)  # NullMetrics has none
+    return None if registry is None else registry.get_sample_value("gpubroker_config_reload_failures_total")
 
 
 def test_two_applies_from_threads_leave_one_consistent_result(setup):
