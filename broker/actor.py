@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from broker.fleet_core import FleetBroker
 from broker.metrics import start_exporter
-from broker.wire import StatsReport
+from broker.wire import BrokerApi, StatsReport
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 
@@ -75,17 +74,8 @@ class BrokerActor:
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
         self._started_s = time.time()
-        self._reconciler: Any = None  # deployments.reconcile.ServeReconciler, given by the deploying layer
+        # what the Serve side's follower last applied of the plan (deployments.follow), for status
         self._reconcile: dict[str, Any] = {"applied_version": 0, "last": None, "error": None, "last_s": None}
-        self._reconcile_task: asyncio.Task | None = None
-        self._reconciler_path = Path(path).with_suffix(".reconciler.pkl") if cfg.gpus is not None else None
-        if self._reconciler_path is not None and self._reconciler_path.exists():  # a restart: Serve runs our placement
-            try:
-                self._reconciler = pickle.loads(self._reconciler_path.read_bytes())
-                self._core.enable_replacement()
-                self._reconcile["applied_version"] = self._core.placement_version
-            except Exception:  # noqa: BLE001 - without it the broker runs as before; `gpubroker up` gives a new one
-                logger.exception("saved reconciler %s not loaded", self._reconciler_path)
         try:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         except RuntimeError:
@@ -104,38 +94,29 @@ class BrokerActor:
             except Exception as exc:  # noqa: BLE001 - keep the loop alive, surface the error in status
                 self._last_error = repr(exc)
                 logger.exception("broker tick failed")
-            if self._reconciler is not None and (self._reconcile_task is None or self._reconcile_task.done()):
-                self._reconcile_task = asyncio.get_running_loop().create_task(self._follow())
 
-    async def _follow(self) -> None:
-        """After a tick: Ray's view of the cards to the broker, and a changed placement to Serve
-        (``deployments.reconcile``; blocking Ray calls run in a worker thread, one at a time)."""
-        try:
-            alive = await asyncio.to_thread(self._reconciler.alive_cards)
-            self._core.observe_cards(alive)
-            version = self._core.placement_version
-            if version != self._reconcile["applied_version"]:
-                placement, reasons = self._core.placement, dict(self._core.unplaced_reasons)
-                t0 = time.time()
-                done = await asyncio.to_thread(self._reconciler, placement, reasons)
-                self._reconcile.update(applied_version=version, last=done, error=None, last_s=time.time())
-                logger.info("placement %d applied to Serve in %.2fs: %s", version, time.time() - t0, done)
-        except Exception as exc:  # noqa: BLE001 - retried after the next tick; surfaced in status
-            self._reconcile["error"] = repr(exc)
-            logger.exception("reconcile failed")
-
-    async def set_reconciler(self, reconciler: Any) -> dict[str, Any]:
-        """The deploying layer's applier of re-placements (``deployments.reconcile.ServeReconciler``);
-        turns re-placement on: a card loss or join re-places the fleet and Serve follows."""
+    async def plan(self) -> dict[str, Any]:
+        """The ``ServePlan`` (``broker.wire``) the Serve side applies; it pulls it, the broker calls nobody."""
         self._ensure_loop()
-        self._reconciler = reconciler
+        return self._core.plan().to_dict()
+
+    async def follow_placement(self) -> dict[str, Any]:
+        """A follower applies the plan to Serve (``deployments.follow``): from now on a card loss or
+        join re-places the fleet. Idempotent; a restarted broker gets it again from the follower."""
+        self._ensure_loop()
         self._core.enable_replacement()
-        # a new reconciler has just deployed the config's placement: if this broker runs another one
-        # (restored after a restart), the next tick applies it to Serve
-        self._reconcile["applied_version"] = 0
-        if self._reconciler_path is not None:  # a restarted broker gets it back
-            self._reconciler_path.write_bytes(pickle.dumps(reconciler))
-        return {"ok": True, "placement_version": self._core.placement_version}
+        return {"ok": True, "version": self._core.placement_version}
+
+    async def observe_cards(self, alive: list[str]) -> dict[str, Any]:
+        """The cards whose node is in the Ray cluster now, as the follower reads Ray."""
+        return {"changed": self._core.observe_cards(alive)}
+
+    async def plan_applied(self, version: int, result: dict[str, Any] | None, error: str | None) -> None:
+        """What the follower applied of plan ``version`` (or why it failed): shown in status."""
+        if error is None:
+            self._reconcile.update(applied_version=version, last=result, error=None, last_s=time.time())
+        else:
+            self._reconcile["error"] = error
 
     async def ping(self) -> dict[str, Any]:
         self._ensure_loop()
@@ -167,7 +148,7 @@ class BrokerActor:
         out["pid"] = os.getpid()
         out["started_s"] = self._started_s
         out["last_error"] = self._last_error
-        out["reconcile"] = dict(self._reconcile, enabled=self._reconciler is not None)
+        out["reconcile"] = dict(self._reconcile, enabled=self._core.replacing)
         out["metrics_url"] = self._exporter.url if self._exporter is not None else None
         return out
 
@@ -195,6 +176,12 @@ class BrokerActor:
         return self._core.card_health()
 
 
+if TYPE_CHECKING:
+
+    def _offers(actor: BrokerActor) -> BrokerApi:  # the type checker holds the actor to the protocol
+        return actor
+
+
 RemoteBroker = ray.remote(BrokerActor)
 
 
@@ -217,7 +204,7 @@ def start_broker(
     cfg = parse_config_text(config_text, "broker config")
     # The driver knows the session dir; a restarted actor gets the same path back.
     checkpoint_path = checkpoint_path or str(default_checkpoint_path(cfg))
-    handle = RemoteBroker.options(
+    handle: Any = RemoteBroker.options(  # Any: Ray's stubs type an actor's methods without .remote
         name=cfg.broker.name,
         namespace=cfg.broker.namespace,
         lifetime="detached",

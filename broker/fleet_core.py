@@ -55,7 +55,7 @@ from broker.control.window import stale_after_s
 from broker.core import BrokerCore, NullMetrics
 from broker.fleet_store import FleetStore
 from broker.metrics import BrokerMetrics
-from broker.wire import ModelSettings, StatsReport
+from broker.wire import ModelSettings, ReplicaTarget, ServePlan, StatsReport
 from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -174,7 +174,7 @@ class FleetBroker:
         self._seen[cid] = self._clock()
         if cid in self.lost:
             self.lost.discard(cid)
-            core._log_event("card", f"card {cid}: replicas report again; live")  # noqa: SLF001
+            self._event(f"card {cid}: replicas report again; live", card=cid)
 
     def card_health(self) -> dict[str, list[str]]:
         """Lost cards, and live ones none of whose replicas reported for ``stale_after_s`` (a node
@@ -246,6 +246,11 @@ class FleetBroker:
             self._event(
                 f"placement {self.placement_version} restored from {path} (lost: {sorted(self.lost) or 'none'})"
             )
+
+    @property
+    def replacing(self) -> bool:
+        """Re-placement is on (``enable_replacement``)."""
+        return self._replacing
 
     def enable_replacement(self) -> None:
         """From now on a loss or a join re-places the fleet (someone applies it to Serve)."""
@@ -412,6 +417,22 @@ class FleetBroker:
     def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
         return self.log.since(model, since_seq)
 
+    def plan(self) -> ServePlan:
+        """What the Serve side must apply now (``broker.wire.ServePlan``): the placement's card
+        groups, the unplaced, every live card's replica targets and settings."""
+        live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}
+        return ServePlan(
+            version=self.placement_version,
+            groups={m: groups_of(self._placement, m) for m in self._cfg.models},
+            unplaced={m: self.unplaced_reasons.get(m, "") for m in self._placement.unplaced},
+            replica_targets=tuple(
+                ReplicaTarget(m, cid, self._target(cid, m)) for cid, core in live.items() for m in core.config.models
+            ),
+            settings={cid: {m: core.settings(m) for m in core.config.models} for cid, core in live.items()},
+            replacing=self._replacing,
+            dry_run=self._cfg.broker.dry_run,
+        )
+
     def settings(self, model: str, card_id: str = "") -> ModelSettings:
         return self._core(model, card_id).settings(model)
 
@@ -424,7 +445,7 @@ class FleetBroker:
         for plan in self._placement.cards:
             cid = plan.card.id
             st = per.get(cid)
-            entry = {
+            entry: dict[str, Any] = {
                 "id": cid,
                 "node": plan.card.node,
                 "device": str(plan.card.device),

@@ -1,8 +1,9 @@
-"""What flows between replicas, the broker and the policies. Plain frozen dataclasses.
+"""The wire: what crosses the Ray boundary between replicas, the Serve side and the broker.
 
-A replica sends a ``StatsReport`` (one delta per report interval) and gets ``ModelSettings``
-back in the same round trip. The broker folds reports into a ``FleetSnapshot``; the policy
-returns a ``FleetDecision``. Nothing here imports ray, torch, pynvml or reads the clock.
+A replica sends a ``StatsReport`` (one delta per report interval) and gets its ``ModelSettings``
+back in the same round trip; the Serve side pulls the ``ServePlan`` (replica targets and
+re-placement); ``BrokerApi`` names every actor method. Typed on both sides, plain data
+(``to_dict``/``from_dict``) only over Ray. No ray, torch, pynvml or clock here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 # moved to broker.control.types; re-exported only until every importer reads it there
 from broker.control.types import (  # noqa: F401
@@ -118,3 +119,94 @@ class ModelSettings:
         if isinstance(known.get("engine"), Mapping):
             known["engine"] = EngineBounds(**known["engine"])
         return cls(**known)
+
+
+@dataclass(frozen=True)
+class ReplicaTarget:
+    """How many replicas a model should run on one live card (``broker.control.replica_rules``)."""
+
+    model: str
+    card_id: str
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """Everything the Serve side must change, as the broker wants it now. The broker publishes it
+    (``BrokerApi.plan``) and never calls Serve: each replica pulls its own ``settings`` in its report
+    reply; the fleet API's follower (``deployments.follow``) pulls the rest and applies it."""
+
+    version: int  # placement version: +1 per re-placement (a card lost, or one joined)
+    groups: Mapping[str, Mapping[str, int]]  # model -> card id -> replicas placed there now
+    unplaced: Mapping[str, str]  # model -> why some of its replicas fit on no live card
+    replica_targets: tuple[ReplicaTarget, ...]  # one per model per live card
+    settings: Mapping[str, Mapping[str, ModelSettings]]  # card id -> model -> what its replicas run
+    replacing: bool  # re-placement is on: a card loss re-places (a follower asked for it)
+    dry_run: bool  # broker.dry_run: decide and log, apply nothing
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "groups": {m: dict(g) for m, g in self.groups.items()},
+            "unplaced": dict(self.unplaced),
+            "replica_targets": [dict(t.__dict__) for t in self.replica_targets],
+            "settings": {c: {m: s.to_dict() for m, s in ms.items()} for c, ms in self.settings.items()},
+            "replacing": self.replacing,
+            "dry_run": self.dry_run,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServePlan:
+        return cls(
+            version=int(data["version"]),
+            groups={m: {c: int(n) for c, n in g.items()} for m, g in data["groups"].items()},
+            unplaced=dict(data["unplaced"]),
+            replica_targets=tuple(ReplicaTarget(**t) for t in data["replica_targets"]),
+            settings={c: {m: ModelSettings.from_dict(s) for m, s in ms.items()} for c, ms in data["settings"].items()},
+            replacing=bool(data["replacing"]),
+            dry_run=bool(data["dry_run"]),
+        )
+
+
+class BrokerApi(Protocol):
+    """Every method of the broker actor (``broker.actor.BrokerActor``) that replicas, the CLI and the
+    Serve side call, through ``handle.<method>.remote(...)``. Arguments and results cross Ray as
+    plain data: the typed form named in each line is rebuilt with its ``from_dict`` on the caller's
+    side (or sent with ``to_dict``)."""
+
+    async def ping(self) -> dict[str, Any]: ...  # ok, pid, started_s, config_hash
+
+    # replicas (deployments.broker_link)
+    async def register(
+        self, model: str, replica_id: str, calibration: dict[str, Any] | None = None, card_id: str = ""
+    ) -> dict[str, Any]: ...  # ModelSettings
+
+    async def report(self, report: dict[str, Any]) -> dict[str, Any]: ...  # StatsReport in, ModelSettings out
+
+    # the Serve side (deployments.ingress, deployments.follow)
+    async def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]: ...  # {"counted": {model: n}}
+
+    async def plan(self) -> dict[str, Any]: ...  # ServePlan
+
+    async def follow_placement(self) -> dict[str, Any]: ...  # re-placement on; {"ok", "version"}
+
+    async def observe_cards(self, alive: list[str]) -> dict[str, Any]: ...  # cards on live nodes; {"changed"}
+
+    async def plan_applied(self, version: int, result: dict[str, Any] | None, error: str | None) -> None: ...
+
+    async def card_health(self) -> dict[str, list[str]]: ...  # {"lost": [...], "silent": [...]}
+
+    # the CLI and the HTTP API (gpubroker.cli, deployments.ingress)
+    async def status(self) -> dict[str, Any]: ...
+
+    async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]: ...
+
+    async def apply(self, config_text: str) -> dict[str, Any]: ...  # {"ok", "config_hash", "issues", "notes"}
+
+    async def tick(self) -> dict[str, Any]: ...
+
+    async def checkpoint_now(self) -> dict[str, Any]: ...
+
+    async def config_text(self) -> str: ...
+
+    async def settings(self, model: str, card_id: str = "") -> dict[str, Any]: ...  # ModelSettings

@@ -178,15 +178,16 @@ def with_job_modules(actor_options: dict[str, Any]) -> dict[str, Any]:
     return {**actor_options, "runtime_env": {**env, "py_modules": list(modules)}} if modules else actor_options
 
 
-def fleet_api(config_text: str, app_names: dict[str, str] | None = None) -> Application:
+def fleet_api(config_text: str, app_names: dict[str, str] | None = None, reconciler: Any = None) -> Application:
     """The fleet API; ``app_names`` (model -> its Serve app; default: the default app names) are
-    the apps its replica scaler sets replica counts on (``deployments.scaler``)."""
+    the apps its plan follower sets replica counts on (``deployments.follow``); ``reconciler``
+    (``deployments.reconcile.ServeReconciler``): it also applies re-placements."""
     if app_names is None:
         cfg = parse_config_text(config_text, "fleet api config")
         app_names = {n: model_app_name(n) for n, m in cfg.models.items() if m.kind != "llm"}
     return FleetApi.options(
         name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=1024
-    ).bind(config_text, app_names)
+    ).bind(config_text, app_names, reconciler)
 
 
 def fleet_apps(
@@ -198,17 +199,20 @@ def fleet_apps(
     prefix: str = "/",
     model_cls: type = HttpModel,
     cards: tuple[Any, ...] | None = None,
+    reconciler: Any = None,
 ) -> list[ServeApp]:
     """The fleet's Serve applications: the fleet API at ``prefix``, each model under it
     (``model_cls``: the batch models' deployment class, ``HttpModel`` or a subclass). With
-    ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus: auto``)."""
+    ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus: auto``)
+    and, given a ``reconciler`` (``deployments.reconcile.ServeReconciler``), the fleet API applies
+    the broker's re-placements to Serve."""
     placement = None
     if cfg.gpus is not None:
         from quotas.placement import place_fleet
 
         placement = place_fleet(cfg, cards)
     scaled = {n: model_app_name(n, fleet_app) for n, m in cfg.models.items() if m.kind != "llm"}
-    apps = [ServeApp(fleet_app, prefix, fleet_api(config_text, scaled))]
+    apps = [ServeApp(fleet_app, prefix, fleet_api(config_text, scaled, reconciler))]
     for name, spec in cfg.models.items():
         if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
             continue

@@ -65,6 +65,7 @@ def deploy(
 
     from broker.actor import start_broker
     from deployments.app import MODEL_NUM_CPUS, fleet_apps, http_options, run_fleet
+    from deployments.reconcile import ServeReconciler
 
     notify = on_progress or (lambda stage, info: None)
     cards = None
@@ -79,19 +80,15 @@ def deploy(
     port = http_port or cfg.broker.http_port
     serve.start(proxy_location=proxy_location(), http_options=http_options(cfg, host, port))
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
-    apps = fleet_apps(
-        cfg, config_text, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS, fleet_app=APP_NAME, cards=cards
+    num_cpus = model_num_cpus or MODEL_NUM_CPUS
+    # many cards: the fleet API applies the broker's re-placements to Serve (deployments.follow)
+    follow = (
+        ServeReconciler(config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=num_cpus)
+        if cfg.gpus is not None
+        else None
     )
+    apps = fleet_apps(cfg, config_text, model_num_cpus=num_cpus, fleet_app=APP_NAME, cards=cards, reconciler=follow)
     run_fleet(apps, logging_config={"enable_access_log": False})  # not waiting: progress below
-    if cfg.gpus is not None:  # many cards: the broker re-places after a card loss or join and Serve follows
-        import ray
-
-        from deployments.reconcile import ServeReconciler
-
-        follow = ServeReconciler(
-            config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=model_num_cpus or MODEL_NUM_CPUS
-        )
-        ray.get(broker.set_reconciler.remote(follow), timeout=60)
     deadline = time.time() + timeout_s
     while True:
         every = serve.status().applications

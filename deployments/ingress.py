@@ -17,9 +17,10 @@ path no model app owns (Serve routes by the longest route prefix):
 
 ``GET /v1/replicas``  what the replica scaler applied to Serve (``deployments.scaler``).
 
-Its replica also runs the replica scaler (``deployments.scaler``): a background task that reads
-the broker's replica targets and sets the model deployments' replica counts through Serve's
-external-scaler API (``app_names``: model -> its Serve app, from ``deployments.app.fleet_api``).
+Its replica also runs the plan follower (``deployments.follow``): a background task that pulls
+the broker's ``ServePlan`` and applies it: the replica targets through Serve's external-scaler
+API (``app_names``: model -> its Serve app, from ``deployments.app.fleet_api``) and, given a
+``reconciler``, the re-placements after a card loss or join.
 
 The broker handle is looked up off the event loop (``asyncio.to_thread``) and kept; every
 broker call is awaited with a timeout. Nothing here blocks the loop.
@@ -28,11 +29,13 @@ broker call is awaited with a timeout. Nothing here blocks the loop.
 import asyncio
 from typing import Any
 
+import ray
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from deployments.scaler import ReplicaScaler, ServeReplicaSetter, scaler_loop
+from deployments.follow import PlanFollower, Reconciler, follow_loop
+from deployments.scaler import ReplicaScaler, ServeReplicaSetter
 from quotas.config import parse_config_text
 
 api = FastAPI(title="gpubroker", description="Several Ray Serve models sharing one GPU.")
@@ -47,18 +50,22 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 @serve.deployment
 @serve.ingress(api)
 class FleetApi:
-    def __init__(self, config_text: str, app_names: dict[str, str] | None = None):
+    def __init__(self, config_text: str, app_names: dict[str, str] | None = None, reconciler: Reconciler | None = None):
+        """``reconciler``: re-placements to Serve (a fleet of many cards deployed by ``gpubroker up``)."""
         self.cfg = parse_config_text(config_text, "fleet api config")
-        self.scaler = ReplicaScaler(app_names or {}, ServeReplicaSetter())
-        self._scaler_task: asyncio.Task | None = None
-        if app_names:
+        b = self.cfg.broker
+        self.follower = PlanFollower(
+            lambda: ray.get_actor(b.name, namespace=b.namespace),
+            ReplicaScaler(app_names or {}, ServeReplicaSetter()),
+            reconciler,
+        )
+        self._follow_task: asyncio.Task | None = None
+        if app_names or reconciler is not None:
             try:  # Serve runs the constructor on the replica's event loop
-                every_s = max(1.0, self.cfg.broker.control_interval_s)
-                self._scaler_task = asyncio.get_running_loop().create_task(
-                    scaler_loop(self._broker_status, self.scaler, every_s)
-                )
+                every_s = max(1.0, b.control_interval_s)
+                self._follow_task = asyncio.get_running_loop().create_task(follow_loop(self.follower, every_s))
             except RuntimeError:
-                self._scaler_task = None
+                self._follow_task = None
         self.names = sorted(self.cfg.models)
         self.app_names = dict(app_names or {})
         self.retry_after_s = max(1, int(round(self.cfg.broker.control_interval_s)))
@@ -103,7 +110,7 @@ class FleetApi:
 
     @api.get("/v1/replicas")
     async def replicas(self) -> dict[str, Any]:
-        return {**self.scaler.view(), "running": self._scaler_task is not None and not self._scaler_task.done()}
+        return {**self.follower.view(), "running": self._follow_task is not None and not self._follow_task.done()}
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:

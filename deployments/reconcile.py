@@ -1,13 +1,9 @@
-"""Serve follows the broker's re-placement: a thin applier that runs in the broker actor (head node).
+"""Serve follows the broker's re-placement: the plan's card groups become Serve apps again.
 
-Who triggers it. ``deployments.fleet.deploy`` hands the broker actor a ``ServeReconciler``
-(``BrokerActor.set_reconciler``), which turns re-placement on in ``broker.fleet_core.FleetBroker``.
-After every tick the actor asks the reconciler which cards' nodes are in the Ray cluster
-(``alive_cards``: the ``gpubroker_card_<id>`` resources of the alive nodes) and gives that to
-``FleetBroker.observe_cards`` (a node that left loses its cards at once; one that joins brings
-its cards back); when the broker's ``placement_version`` moved (a loss, by silence or by Ray,
-or a join with replicas waiting), the actor calls the reconciler with the new placement in a
-worker thread, one call at a time, and keeps the outcome in its status (``reconcile``).
+The broker publishes where every model's replicas should run (``broker.wire.ServePlan.groups``)
+and never calls Serve; the fleet API's plan follower (``deployments.follow``) pulls the plan and
+calls ``ServeReconciler`` with the groups when the plan's version moved, and asks it which cards'
+nodes are in the Ray cluster (``alive_cards``) for the broker's ``observe_cards``.
 
 What it applies. Every model whose card groups changed is deployed again under its app name
 and route (``serve.run_many`` without waiting):
@@ -35,13 +31,13 @@ OpenAI ingress running) and the moved engine pinned to its new card's node like 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from broker.control.replacement import groups_of
 from deployments.app import (
     FLEET_APP,
     INGRESS_NUM_CPUS,
@@ -69,6 +65,14 @@ from deployments.placement_resources import (
 from quotas.cards import Card, CardDevice, fleet_cards
 from quotas.config import parse_config_text
 from quotas.placement import Placement, place_fleet
+
+Groups = Mapping[str, Mapping[str, int]]  # model -> card id -> replicas (broker.wire.ServePlan.groups)
+
+
+def groups_of(placement: Placement, model: str) -> dict[str, int]:
+    """card id -> replicas of ``model`` under ``placement`` (the deploy-time one)."""
+    ids = placement.replicas.get(model, ())
+    return {cid: ids.count(cid) for cid in placement.cards_of(model)} if ids else {}
 
 
 def moved_actor_options(card: Card, num_cpus: float) -> dict[str, Any]:
@@ -115,10 +119,10 @@ class ReconcileResult:
 
 
 class ServeReconciler:
-    """Applies a ``Placement`` to Serve (``__call__``) and reads which cards are alive (``alive_cards``).
+    """Applies a plan's card groups to Serve (``__call__``) and reads which cards are alive (``alive_cards``).
 
     Built where the fleet is deployed, with the same arguments as ``deployments.app.fleet_apps``;
-    picklable (the broker actor receives it)."""
+    picklable (the fleet API's replica receives it: ``deployments.follow``)."""
 
     def __init__(
         self,
@@ -163,40 +167,42 @@ class ServeReconciler:
             self._cache["plans"] = {(p.model, p.card_id): p for p in plans}
         return self._cache["plans"]
 
-    def plans_for(self, model: str, placement: Placement) -> tuple[list[DeploymentPlan], bool]:
-        """The deployments of ``model`` under ``placement`` and whether its app is a router."""
+    def plans_for(self, model: str, groups: Groups) -> tuple[list[DeploymentPlan], bool]:
+        """The deployments of ``model`` under ``groups`` and whether its app is a router."""
         deployed, as_deployed = self.deployed(), self._as_deployed()
-        groups = groups_of(placement, model)
-        router = len(deployed.cards_of(model)) > 1 or len(groups) > 1
+        mine = dict(groups.get(model, {}))
+        router = len(deployed.cards_of(model)) > 1 or len(mine) > 1
         plans = []
-        for cid, n in groups.items():
+        for cid, n in mine.items():
             name = deployment_name(model, cid, 2 if router else 1)
             dep = as_deployed.get((model, cid))
             if dep is not None and dep.num_replicas == n and dep.name == name:
                 plans.append(dep)
             else:
-                options = moved_actor_options(placement.card(cid), self.model_num_cpus)
+                options = moved_actor_options(deployed.card(cid), self.model_num_cpus)
                 plans.append(DeploymentPlan(name, model, cid, n, options))
         return plans, router
 
     def apps_for(
-        self, placement: Placement, reasons: dict[str, str] | None = None
+        self, groups: Groups, reasons: Mapping[str, str] | None = None
     ) -> tuple[list[ServeApp], ReconcileResult]:
+        """The apps to deploy again so that Serve runs ``groups`` (the plan's), and what that changes."""
         cfg = self.cfg
-        current = self._cache.get("current") or self.deployed()
-        apps, redeployed, unplaced, groups, kept = [], [], [], {}, {}
+        deployed = self.deployed()
+        current = self._cache.get("current") or {m: groups_of(deployed, m) for m in cfg.models}
+        apps, redeployed, unplaced, changed, kept = [], [], [], {}, {}
         as_deployed = list(self._as_deployed().values())
         moved_llms = []
         for model, spec in cfg.models.items():
-            if groups_of(current, model) == groups_of(placement, model):
+            if dict(current.get(model, {})) == dict(groups.get(model, {})):
                 continue
             if spec.kind == "llm":  # the engines share one app: deployed once below
                 moved_llms.append(model)
                 continue
             redeployed.append(model)
-            groups[model] = groups_of(placement, model)
+            changed[model] = dict(groups.get(model, {}))
             route, app_name = model_route(model, self.prefix), model_app_name(model, self.fleet_app)
-            plans, router = self.plans_for(model, placement)
+            plans, router = self.plans_for(model, groups)
             if not plans:
                 unplaced.append(model)
                 why = (reasons or {}).get(model, "it fits on no live card")
@@ -224,19 +230,19 @@ class ServeReconciler:
             )
             apps.append(ServeApp(app_name, route, app))
         if moved_llms:
-            apps.append(self._llm_app(placement, moved_llms, redeployed, unplaced, groups, kept))
-        return apps, ReconcileResult(tuple(redeployed), tuple(unplaced), groups, kept)
+            apps.append(self._llm_app(groups, moved_llms, redeployed, unplaced, changed, kept))
+        return apps, ReconcileResult(tuple(redeployed), tuple(unplaced), changed, kept)
 
     def _llm_app(
         self,
-        placement: Placement,
+        groups: Groups,
         moved: list[str],
         redeployed: list[str],
         unplaced: list[str],
-        groups: dict[str, dict[str, int]],
+        changed: dict[str, dict[str, int]],
         kept: dict[str, list[str]],
     ) -> ServeApp:
-        """The LLM app again, every engine from ``placement`` as a batch group is (``plans_for``):
+        """The LLM app again, every engine from ``groups`` as a batch group is (``plans_for``):
         one on its deploy-time card exactly as deployed (same version: Serve leaves it, and the
         ingress, running), one on another card pinned to that card's node (``moved_actor_options``:
         the same options, so the same version, for as long as it stays there). An engine with no
@@ -251,12 +257,12 @@ class ServeReconciler:
             if spec.kind != "llm":
                 spots.pop(model, None)
                 continue
-            cards = placement.cards_of(model) if model in placement.replicas else ()
+            cards = tuple(groups.get(model, {}))
             if cards and cards[0] not in deployed.cards_of(model):
-                spots[model] = (cards[0] if many else "", moved_actor_options(placement.card(cards[0]), LLM_NUM_CPUS))
+                spots[model] = (cards[0] if many else "", moved_actor_options(deployed.card(cards[0]), LLM_NUM_CPUS))
             if model in moved:
                 redeployed.append(model)
-                groups[model] = groups_of(placement, model)
+                changed[model] = dict(groups.get(model, {}))
                 kept[model] = []
                 if not cards:
                     unplaced.append(model)
@@ -265,12 +271,12 @@ class ServeReconciler:
         )
 
     # ---------------------------------------------------------------- Ray and Serve
-    def __call__(self, placement: Placement, reasons: dict[str, str] | None = None) -> dict[str, Any]:
+    def __call__(self, groups: Groups, reasons: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Deploy the changed models' apps (not waiting for them to run); returns what it did."""
-        apps, result = self.apps_for(placement, reasons)
+        apps, result = self.apps_for(groups, reasons)
         if apps:
             run_fleet(apps, wait=False, logging_config={"enable_access_log": False})
-        self._cache["current"] = placement
+        self._cache["current"] = {m: dict(g) for m, g in groups.items()}
         return result.to_dict()
 
     def alive_cards(self) -> set[str]:

@@ -1,33 +1,20 @@
-"""Replica targets to Serve: the broker's ``replica_target`` becomes each deployment's replica count.
+"""Replica targets to Serve: the plan's ``replica_targets`` become each deployment's replica count.
 
-The broker decides (``broker.control.replica_rules``: fewer replicas under a ``throughput`` profile when
-larger batches carry the load, the configured count otherwise) and shows the targets in
-``status`` per card (``cards[].models.<m>.replica_target``); it never calls Serve. This module
-is the thin applier, in the deploying layer.
+The broker decides (``broker.control.replica_rules``) and publishes the targets in its
+``ServePlan``; it never calls Serve. ``ReplicaScaler`` is the thin applier, run by the fleet
+API's plan follower (``deployments.follow``): it applies the targets that changed and every
+``RESYNC_S`` all of them again (a redeploy of an app sets its configured count back). In dry run
+nothing is applied.
 
-How Serve is updated (Ray Serve 2.60). Re-running ``serve.run`` with another ``num_replicas``
-would roll every replica of the app: ``serve.run`` gives each deployment a random code version
-unless one is set (``ray/serve/_private/client.py``, ``deploy_applications``), and a new version
-restarts replicas. Serve 2.60 has an external-scaler API instead: an application deployed with
-``external_scaler_enabled=True`` (``RunTarget``, or ``external_scaler_enabled: true`` in a Serve
-config file) accepts ``ServeController.update_deployment_replicas(DeploymentID, n)``, the call
-behind the dashboard's ``POST /api/v1/applications/{app}/deployments/{name}/scale``. It sets the
-target count only (``DeploymentState.set_target_num_replicas``: same info, same version), so the
-replicas that stay keep running; Serve starts the missing ones or stops the extra ones (after
-their graceful shutdown). ``deployments.app.run_fleet`` and ``serve_config`` enable it on every
-model app (Serve refuses it with ``autoscaling_config``, which no model app uses).
+How Serve is updated (Ray Serve 2.60): re-running ``serve.run`` with another ``num_replicas``
+would roll every replica (a new code version), so the model apps are deployed with
+``external_scaler_enabled=True`` and the scaler calls
+``ServeController.update_deployment_replicas(DeploymentID, n)``, which sets the target count
+only: the replicas that stay keep running.
 
-Where it runs: in the fleet API's replica (``deployments.ingress.FleetApi``), a background task
-every ``max(1 s, broker.control_interval_s)``: read the broker's status, apply the targets that
-changed, and every ``RESYNC_S`` all of them again (a redeploy of an app sets its configured count
-back; the controller ignores a count it already has). That replica exists in both ways a fleet
-is deployed (``gpubroker up`` and ``serve deploy``), already talks to the broker, and Serve
-restarts it if it dies; the broker stays free of Serve. In dry run nothing is applied.
-
-Known limits: a model on several cards keeps its ``CardRouter``'s replica weights as deployed
-(its least-in-flight choice corrects for a card with fewer replicas); each replica keeps its share
-of the grant as deployed (``grant / deployed replicas``), so fewer replicas hold less of the grant
-and the lending rules see the rest as unused.
+Known limits: a model on several cards keeps its ``CardRouter``'s replica weights as deployed;
+each replica keeps its share of the grant as deployed (``grant / deployed replicas``), so fewer
+replicas hold less of the grant and the lending rules see the rest as unused.
 """
 
 from __future__ import annotations
@@ -39,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from broker.wire import ServePlan
 from deployments.placement_resources import deployment_name
 
 logger = logging.getLogger("gpubroker.scaler")
@@ -49,21 +37,17 @@ ERROR_LOG_EVERY_S = 60.0  # a failing call is logged at most this often per depl
 SetReplicas = Callable[[str, str, int], Awaitable[None]]  # (app, deployment, replicas)
 
 
-def deployment_targets(status: Mapping[str, Any], app_names: Mapping[str, str]) -> dict[tuple[str, str], int]:
-    """``{(Serve app, deployment): replicas}`` from the broker's status: one entry per model on each
+def deployment_targets(plan: ServePlan, app_names: Mapping[str, str]) -> dict[tuple[str, str], int]:
+    """``{(Serve app, deployment): replicas}`` from the broker's plan: one entry per model on each
     live card (``<model>``, or ``<model>@<card>`` for a model on several cards). ``app_names``:
     model -> its Serve application (the models without one, LLM engines, are not scaled)."""
-    models = status.get("models") or {}
     out: dict[tuple[str, str], int] = {}
-    for card in status.get("cards") or []:
-        if not card.get("live", True):
+    for t in plan.replica_targets:
+        app = app_names.get(t.model)
+        if app is None:
             continue
-        for name, m in (card.get("models") or {}).items():
-            app, target = app_names.get(name), m.get("replica_target")
-            if app is None or target is None:
-                continue
-            cards_of_model = len((models.get(name) or {}).get("cards") or [card["id"]])
-            out[(app, deployment_name(name, card["id"], cards_of_model))] = int(target)
+        cards_of_model = len(plan.groups.get(t.model) or {t.card_id: 1})
+        out[(app, deployment_name(t.model, t.card_id, cards_of_model))] = t.replicas
     return out
 
 
@@ -100,15 +84,15 @@ class ReplicaScaler:
         self._logged_s: dict[tuple[str, str], float] = {}
         self.calls = 0
 
-    async def step(self, status: Mapping[str, Any]) -> list[ScaleCall]:
-        if status.get("dry_run"):
+    async def step(self, plan: ServePlan) -> list[ScaleCall]:
+        if plan.dry_run:
             return []
         now = self._clock()
         resync = self._synced_s is None or now - self._synced_s >= self._resync_s
         if resync:
             self._synced_s = now
         done: list[ScaleCall] = []
-        for key, n in sorted(deployment_targets(status, self.app_names).items()):
+        for key, n in sorted(deployment_targets(plan, self.app_names).items()):
             if not resync and self.applied.get(key) == n:
                 continue
             app, dep = key
@@ -167,22 +151,4 @@ def _serve_controller() -> Any:
     return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
-async def scaler_loop(
-    read_status: Callable[[], Awaitable[Mapping[str, Any]]], scaler: ReplicaScaler, interval_s: float
-) -> None:
-    """Forever: every ``interval_s``, the broker's status in, its targets to Serve. A broker that
-    does not answer is skipped (logged once a minute); the loop never ends on an error."""
-    last_log = float("-inf")
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await scaler.step(await read_status())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - keep scaling once the broker answers again
-            if time.monotonic() - last_log >= ERROR_LOG_EVERY_S:
-                last_log = time.monotonic()
-                logger.warning("scaler: no broker status (%r); retrying", exc)
-
-
-__all__ = ["RESYNC_S", "ReplicaScaler", "ScaleCall", "ServeReplicaSetter", "deployment_targets", "scaler_loop"]
+__all__ = ["RESYNC_S", "ReplicaScaler", "ScaleCall", "ServeReplicaSetter", "deployment_targets"]

@@ -84,7 +84,7 @@ def settings_entry(
             "mem_used_bytes": load.mem_used_bytes,
             "replicas": load.replicas,
         }
-    entry = {
+    entry: dict[str, Any] = {
         "kind": EntryKind.SETTINGS,
         "time_s": now,
         "model": name,

@@ -610,12 +610,14 @@ class Simulator:
     # -- broker --------------------------------------------------------------------------------
 
     def _report(self, rep: SimReplica) -> None:
+        assert self.broker is not None  # the broker arm's events only
         s = self.broker.report(rep)
         if s.version != rep.version:
             self._apply(rep, s)
 
     def _control(self) -> None:
         self._gpu_advance()
+        assert self.broker is not None
         self.broker.tick()
 
     def _sample(self) -> None:

@@ -27,10 +27,11 @@ def build_result(self: Any) -> SimResult:
         lat = lat_ms[sel][done]
         completed = int(done.sum())
         good = int((lat <= cap).sum())
+        p50: float | None = None
+        p95: float | None = None
+        p99: float | None = None
         if completed:
             p50, p95, p99 = (float(x) for x in np.percentile(lat, [50, 95, 99]))
-        else:
-            p50 = p95 = p99 = None
         bsel = (blog[:, 0] == m) & (blog[:, 1] >= self.warmup_s) & (blog[:, 1] < self.duration_s)
         nb = int(bsel.sum())
         out[name] = ModelResult(

@@ -110,9 +110,8 @@ def deployed_fleet(
     config_text: str, fleet_app: str, *, follow: bool = False, model_num_cpus: float = 0.05
 ) -> Iterator[tuple[CardCluster, str, Any]]:
     """A ``CardCluster`` for the config, its broker, Serve (head-only proxy on a free port) and the
-    fleet deployed and running; with ``follow`` the broker re-places onto Serve (a
-    ``ServeReconciler``). Yields (cluster, base URL, broker handle); shuts it all down after."""
-    import ray
+    fleet deployed and running; with ``follow`` the fleet API applies the broker's re-placements
+    to Serve (``deployments.follow``). Yields (cluster, base URL, broker handle); shuts it all down after."""
     from ray import serve
 
     from broker.actor import start_broker
@@ -127,10 +126,9 @@ def deployed_fleet(
         broker = start_broker(config_text)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        run_fleet(fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus, fleet_app=fleet_app), wait=True)
-        if follow:
-            rec = ServeReconciler(config_text, fleet_app=fleet_app, model_num_cpus=model_num_cpus)
-            ray.get(broker.set_reconciler.remote(rec), timeout=60)
+        rec = ServeReconciler(config_text, fleet_app=fleet_app, model_num_cpus=model_num_cpus) if follow else None
+        apps = fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus, fleet_app=fleet_app, reconciler=rec)
+        run_fleet(apps, wait=True)
         yield cc, f"http://127.0.0.1:{port}", broker
     finally:
         cc.shutdown()

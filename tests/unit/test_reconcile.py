@@ -3,7 +3,7 @@
 Uses the fleet of ``tests/unit/test_fleet_replace.py``: after node-b's loss spread keeps its
 a0 group exactly as deployed (so Serve leaves it running) and gets a new a1 group pinned to
 node-a by label without a card resource; west has no replica placed and gets the stand-in
-ingress; solo's app is not touched. Also: the reconciler pickles (the broker actor gets it),
+ingress; solo's app is not touched. Also: the reconciler pickles (the fleet API's replica gets it),
 and the proxy location for nodes sharing one address.
 """
 
@@ -30,7 +30,7 @@ def _after_loss():
 def test_a_kept_group_is_as_deployed_and_a_moved_one_is_pinned_by_node_label():
     fb = _after_loss()
     rec = ServeReconciler(CONFIG, model_num_cpus=0.05)
-    plans, router = rec.plans_for("spread", fb.placement)
+    plans, router = rec.plans_for("spread", fb.plan().groups)
     assert router and [p.name for p in plans] == ["spread@a0", "spread@a1"]
     kept, moved = plans
     assert kept.ray_actor_options["resources"] == {card_resource("a0"): 500.0}  # as deployed: 2 processes on a0
@@ -43,7 +43,8 @@ def test_a_kept_group_is_as_deployed_and_a_moved_one_is_pinned_by_node_label():
 def test_only_changed_models_are_redeployed_and_an_unplaced_one_gets_the_stand_in():
     fb = _after_loss()
     rec = pickle.loads(pickle.dumps(ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)))
-    apps, result = rec.apps_for(fb.placement, fb.unplaced_reasons)
+    plan = fb.plan()
+    apps, result = rec.apps_for(plan.groups, plan.unplaced)
     assert [a.name for a in apps] == ["t-spread", "t-west"]  # solo did not move
     assert result.unplaced == ("west",) and result.kept == {"spread": ["spread@a0"], "west": []}
     assert result.groups == {"spread": {"a0": 1, "a1": 1}, "west": {}}

@@ -1,4 +1,4 @@
-"""The replica scaler (``deployments.scaler``): broker status -> Serve deployments' replica counts.
+"""The replica scaler (``deployments.scaler``): the broker's plan -> Serve deployments' replica counts.
 
 No Ray: a fake ``set_replicas`` records the calls and a fake clock drives the resync.
 """
@@ -8,23 +8,30 @@ from __future__ import annotations
 import asyncio
 
 from broker.fleet_core import FleetBroker
+from broker.wire import ReplicaTarget, ServePlan
 from deployments.scaler import ReplicaScaler, ScaleCall, deployment_targets
 from tests.unit.test_fleet_core import CONFIG as CARDS_CONFIG
 
 APPS = {"hot": "gpubroker-hot", "cold": "gpubroker-cold"}
 
 
-def status(targets: dict[str, dict[str, int]], *, lost: tuple[str, ...] = (), dry_run: bool = False) -> dict:
-    """A broker status with ``targets``: card -> model -> replica_target."""
-    cards_of: dict[str, list[str]] = {}
-    cards = []
+def status(targets: dict[str, dict[str, int]], *, lost: tuple[str, ...] = (), dry_run: bool = False) -> ServePlan:
+    """A broker plan with ``targets``: card -> model -> replica target (none on a lost card)."""
+    groups: dict[str, dict[str, int]] = {}
     for cid, models in targets.items():
         for m in models:
-            cards_of.setdefault(m, []).append(cid)
-        cards.append(
-            {"id": cid, "live": cid not in lost, "models": {m: {"replica_target": n} for m, n in models.items()}}
-        )
-    return {"dry_run": dry_run, "cards": cards, "models": {m: {"cards": c} for m, c in cards_of.items()}}
+            groups.setdefault(m, {})[cid] = 1
+    return ServePlan(
+        version=0,
+        groups=groups,
+        unplaced={},
+        replica_targets=tuple(
+            ReplicaTarget(m, cid, n) for cid, models in targets.items() if cid not in lost for m, n in models.items()
+        ),
+        settings={},
+        replacing=False,
+        dry_run=dry_run,
+    )
 
 
 class Calls:
@@ -62,10 +69,10 @@ def test_targets_name_the_deployments_as_deployed():
     assert deployment_targets(status({"card0": {"llm": 1}}), APPS) == {}
 
 
-def test_the_fleet_brokers_status_maps_to_every_deployment():
+def test_the_fleet_brokers_plan_maps_to_every_deployment():
     fb = FleetBroker(CARDS_CONFIG, clock=lambda: 1_000_000.0)
     fb.tick()
-    got = deployment_targets(fb.status(), APPS)
+    got = deployment_targets(ServePlan.from_dict(fb.plan().to_dict()), APPS)  # as it crosses Ray
     assert got == {
         ("gpubroker-hot", "hot@a0"): 1,
         ("gpubroker-hot", "hot@b0"): 1,
