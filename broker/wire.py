@@ -13,17 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-# moved to broker.control.types; re-exported only until every importer reads it there
-from broker.control.types import (  # noqa: F401
-    FleetDecision,
-    FleetSnapshot,
-    GpuLoad,
-    ModelDecision,
-    ModelLoad,
-    QuotaMove,
-    ReplicaSeen,
-)
-
 
 @dataclass(frozen=True)
 class StatsReport:
