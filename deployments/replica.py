@@ -14,7 +14,9 @@ and run unchanged by the simulator (``gpubroker.sim.engine``):
 - ``deployments.broker_link.BrokerLink``: stats deltas, one report per interval, retry.
 
 A ``deployments.enforce`` limiter holds this replica's share of the grant from before the
-adapter loads; every grant change resets it (a shrink releases caches). The model runs through
+adapter loads; every grant change resets it (a shrink releases caches), every report reads it
+back. The measurement layer (``deployments.watch``) ends a replica whose use stays over its
+grant + slack past a grace, or whose limit was lifted: new requests get 503 meanwhile. The model runs through
 ``deployments.units.oom.run_items``: an OOM splits the batch; an item that cannot run alone fails
 alone (507), the rest is answered; a batch too big for memory is reported (``oom_costs``) and
 caps the local batch below it. Settings apply when their version changes; if the broker is

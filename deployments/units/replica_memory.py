@@ -1,7 +1,9 @@
 """The replica's memory side (``deployments.replica.ModelReplica`` inherits it): the grant as an
-OS or allocator limit (``deployments.enforce``), the fast loop's reading of memory, and a replica
-that holds over its grant (the limit keeps the runtime's slack; no batch runs; after
-``HELD_RESTART_T`` x ``transfer_timeout_s`` it restarts itself).
+OS or allocator limit (``deployments.enforce``), re-asserted at every report; the measurement
+layer that needs no cooperation (``deployments.watch``: the watcher thread, the watchdog process
+and its cgroup, told every grant); the fast loop's reading of memory; and a replica that holds
+over its grant (the limit keeps the runtime's slack; no batch runs; after ``HELD_RESTART_T`` x
+``transfer_timeout_s`` it restarts itself).
 
 Mixed into the Serve deployment class so its state stays the replica's own (``limiter``,
 ``probe``, ``settings``, ``delta``, ...); nothing here is used without ``ModelReplica``.
