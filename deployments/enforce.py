@@ -165,7 +165,7 @@ class CpuRlimitLimiter:
             raise RuntimeError(
                 "CpuRlimitLimiter needs /proc/self/status (VmData); on this platform use UnenforcedLimiter"
             )
-        self.original = tuple(self._res.getrlimit(self._res.RLIMIT_DATA))  # type: ignore[assignment]
+        self.original = tuple(self._res.getrlimit(self._res.RLIMIT_DATA))
         self.baseline_data_bytes = st["VmData"]
         self.baseline_rss_bytes = st.get("VmRSS", 0)
         self.baseline_threads = self._threads()

@@ -178,8 +178,10 @@ class WatchdogHandle:
         self.proc = subprocess.Popen(  # stderr: inherited (the worker's log)
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True
         )
-        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout_s)
-        line = self.proc.stdout.readline() if ready else b""  # type: ignore[union-attr]
+        out = self.proc.stdout
+        assert out is not None  # stdout=PIPE
+        ready, _, _ = select.select([out], [], [], start_timeout_s)
+        line = out.readline() if ready else b""
         try:
             hello = json.loads(line or b"{}")
         except ValueError:

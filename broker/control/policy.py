@@ -209,7 +209,7 @@ class _TickView:
         """Models whose reported use is over their grant (plus what they are still giving away)
         + slack, by how much: a card-level emergency pauses them, not their neighbours (read only
         while the card is short: the emergency rule is its one reader)."""
-        ledger, out = self.state.ledger, {}
+        ledger, out = self.state.ledger, dict[str, int]()
         if self.snapshot.gpu.free_frac >= self.config.gpu.emergency_free_frac:
             return out
         for name, load in self.snapshot.models.items():

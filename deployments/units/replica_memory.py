@@ -32,6 +32,9 @@ class ReplicaMemory:
     limiter: Any
     probe: Any
     settings: ModelSettings
+    watch: Any  # deployments.watch.ReplicaWatch, None outside Serve
+    watchdog: Any  # deployments.watch.WatchdogHandle, None outside Serve or when it did not start
+    watch_baseline_bytes: int
 
     def _grant_per_replica(self, settings: ModelSettings) -> int:
         return max(1, settings.grant_bytes // max(1, self.card_replicas))
@@ -109,11 +112,12 @@ class ReplicaMemory:
 
     def _sync_watchdog(self) -> None:
         """Tell the watchdog the limits now (its cgroup limit follows), when they changed."""
-        if getattr(self, "watchdog", None) is None:
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is None:
             return
         limits = self._watch_limits()
         if limits != self._watch_sent:
-            self.watchdog.send(limits)
+            watchdog.send(limits)
             self._watch_sent = limits
 
     def _reassert(self) -> None:
