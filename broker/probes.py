@@ -233,7 +233,7 @@ def rss_bytes(pid: int | None = None) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        import psutil  # type: ignore[import-not-found]
+        import psutil
 
         return int(psutil.Process(pid).memory_info().rss)
     except Exception:

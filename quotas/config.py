@@ -372,7 +372,7 @@ class ModelSpec(_Strict):
         False,
         description="Answer 504 at once to a queued request that can no longer meet slo_p95_ms (its wait plus the replica's last batch time) instead of running it late (deployments/units/shed.py); kind: batch only.",
     )
-    max_body_bytes: Size = Field(
+    max_body_bytes: Size = Field(  # type: ignore[assignment]  # the default is a size string, parsed like the YAML's
         "1MiB", description="Request bodies over this are refused with 413 before they reach the model."
     )
     control: ControlSpec = Field(

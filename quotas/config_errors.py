@@ -4,6 +4,7 @@ and the YAML reader that refuses what PyYAML would let pass silently (a key writ
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ _FIXES = {
 }
 
 
-def issue_from_pydantic(err: dict[str, Any]) -> ConfigIssue:
+def issue_from_pydantic(err: Mapping[str, Any]) -> ConfigIssue:
     loc = [str(part) for part in err.get("loc", ())]
     # Pydantic adds the union branch / validator names to locs; drop the noise.
     loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]

@@ -131,7 +131,7 @@ class Placement:
 
     def groups(self) -> tuple[ReplicaGroup, ...]:
         """One (model, card, replicas) group per model per card, models by name, cards in fleet order."""
-        out = []
+        out: list[ReplicaGroup] = []
         for model in sorted(self.replicas):
             ids = self.replicas[model]
             out.extend(ReplicaGroup(model, cid, ids.count(cid)) for cid in self.cards_of(model))

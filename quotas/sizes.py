@@ -78,7 +78,7 @@ def check_unit(value: Any) -> None:
     if unit in _AMBIGUOUS:
         up = unit.upper()
         raise ValueError(
-            f"{value!r}: '{match.group(2)}' could mean {up}iB (powers of 1024) or {up}B (powers of 1000); "
+            f"{value!r}: '{match.group(2) if match else unit}' could mean {up}iB (powers of 1024) or {up}B (powers of 1000); "
             f"write '{number}{up}iB' ({int(float(number) * _UNITS[unit])} bytes) "
             f"or '{number}{up}B' ({int(float(number) * _UNITS[unit + 'b'])} bytes)"
         )

@@ -188,6 +188,7 @@ def p95_queueing(s: Inputs) -> BatchWant | None:
     """P95 near the cap with a backlog: the latency is queueing, shrinking would make it worse: grow."""
     if not (_p95_near(s) and s.backlog):
         return None
+    assert s.p95_ms is not None  # _p95_near read it
     ceiling = s.spec.batch.ceiling
     why = f"{_p95_text(s)} with a backlog ({s.queued_units:.0f} queued, arrivals {s.units_per_s:.1f}/s)"
     if s.plan is not None:
@@ -214,6 +215,7 @@ def p95_high(s: Inputs) -> BatchWant | None:
     below the plan's cap (nor above b_lat)."""
     if not _p95_near(s) or s.backlog:
         return None
+    assert s.p95_ms is not None  # _p95_near read it
     ctl, floor = s.spec.control, s.spec.batch.floor
     new = s.cap * ctl.aimd_backoff
     if s.plan is not None:

@@ -354,7 +354,7 @@ class QuotaRound:
         """Its grant and what is on its way to it."""
         return self.ledger.grant(name) + self.ledger.incoming_bytes(name)
 
-    def transfer(self, donor: str, recipient: str, amount: int, kind: str, why: str) -> None:
+    def transfer(self, donor: str, recipient: str, amount: int, kind: MoveKind, why: str) -> None:
         """A two-phase move from ``donor`` (a refusal is noted, not raised)."""
         try:
             t = self.ledger.begin_transfer(donor, recipient, amount, self.now_s, kind)
@@ -366,7 +366,7 @@ class QuotaRound:
             self.lent[donor] = self.now_s
         self.moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
-    def grow(self, name: str, amount: int, kind: str, why: str | Callable[[], str]) -> int:
+    def grow(self, name: str, amount: int, kind: MoveKind, why: str | Callable[[], str]) -> int:
         """Grow ``name`` from the free pool, within its headroom and the measured free bytes.
         ``why``: the move's reason, or a function that writes it (called only when there is a move)."""
         ledger = self.ledger

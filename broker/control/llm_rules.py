@@ -366,9 +366,12 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
             want = replace(want, state=replace(want.state, kv_blocks=load.kv_blocks_total))
     else:
         for rule, fn in RULES:  # noqa: B007 - the matching rule is used after the loop
-            want = fn(load, cfg, state)
-            if want is not None:
+            got = fn(load, cfg, state)
+            if got is not None:
+                want = got
                 break
+        else:
+            raise AssertionError("the last LLM rule always answers")
     new = _clamp(want.state, cfg, load.grant_bytes)
     if _settings(new) != (_settings(state) if state is not None else None):
         new = replace(new, last_change_s=load.now_s)

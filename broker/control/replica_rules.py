@@ -202,7 +202,7 @@ def lower_later(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
     if low >= st.target or inp.live < st.target:
         return None
     spell = st.lower_since_s is not None
-    since = st.lower_since_s if spell else inp.now_s
+    since = st.lower_since_s if st.lower_since_s is not None else inp.now_s
     want = max(st.lower_want, low) if spell else low
     need = needed(inp, params)
     held_s = inp.now_s - since

@@ -11,15 +11,16 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from broker.control.latency_model import LatencyFit
+from broker.control.vocab import Rule, Trigger
 
 
 class BatchWant(NamedTuple):
     cap: int  # wanted batch cap before guard-rails
     wait_s: float  # wanted wait timeout (already inside [min_ms, max_ms])
     admit: bool
-    trigger: str  # metric that drove it
+    trigger: Trigger  # metric that drove it
     value: float  # its value
-    rule: str  # rule name
+    rule: Rule  # rule name
     reason: str  # human explanation
     safety: bool = False  # emergency / breach: bypasses the anti-oscillation hold
 

@@ -21,7 +21,7 @@ import math
 from array import array
 from bisect import bisect_left, insort
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -44,7 +44,7 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[k]
 
 
-def tail_percentiles(sorted_values: list[float]) -> tuple[float | None, float | None, float | None]:
+def tail_percentiles(sorted_values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
     """``percentile`` at 50, 95 and 99 in one call (the snapshot asks all three per model)."""
     n = len(sorted_values)
     if not n:
@@ -298,10 +298,12 @@ class ModelWindow:
             if self.lat_capped or self.lat_total > MAX_LATENCY_SAMPLES:
                 lat = None  # over the cap: the newest samples are kept, which takes the window's order
             else:
+                cur = lat
+                assert cur is not None  # built at the first read; samples come and go only after it
                 for v in gone:
-                    i = bisect_left(lat, v)
-                    if i < len(lat) and lat[i] == v:
-                        del lat[i]
+                    i = bisect_left(cur, v)
+                    if i < len(cur) and cur[i] == v:
+                        del cur[i]
                     else:  # not found (a NaN): rebuild
                         lat = None
                         break
@@ -310,7 +312,7 @@ class ModelWindow:
                         if v != v:  # a NaN: rebuild
                             lat = None
                             break
-                        insort(lat, v)
+                        insort(cur, v)
         if lat is None:
             vals = list(chain.from_iterable(map(_LAT, self.acts)))  # idle events carry none
             self.lat_capped = len(vals) > MAX_LATENCY_SAMPLES
