@@ -93,3 +93,20 @@ def test_up_prints_each_models_direct_urls_or_why_there_are_none(monkeypatch):
     text = _up_output(monkeypatch, {**base, "direct_urls": {"m": []}, "direct_error": "could not list: boom"})
     assert "could not list: boom" in text
     assert "direct" not in _up_output(monkeypatch, base)  # the switch off: no such line
+
+
+def test_up_and_apply_read_a_file_as_validate_does(monkeypatch, tmp_path):
+    """A size without a unit is refused before anything starts or anything running is touched."""
+    from typer.testing import CliRunner
+
+    from gpubroker.cli.main import app
+
+    monkeypatch.setattr(fleet_client, "apply_config", lambda *a, **k: pytest.fail("apply reached the broker"))
+    monkeypatch.setattr(fleet, "up_fleet", lambda *a, **k: pytest.fail("up started a fleet"))
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text(
+        "gpu: {device: cpu, capacity: 8GiB}\nmodels:\n  a:\n    model: mlp\n    quota: {min: 1, base: 2, max: 4}\n"
+    )
+    for command in ("apply", "up"):
+        r = CliRunner().invoke(app, [command, str(bad)])
+        assert r.exit_code == 1 and "models.a.quota.base" in r.output and "has no unit" in r.output, (command, r.output)
