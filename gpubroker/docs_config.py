@@ -204,7 +204,7 @@ def _plain(field: FieldInfo, value: Any) -> Any:
         return value.model_dump(mode="json", exclude_defaults=True)
     if isinstance(value, list) and value and isinstance(value[0], BaseModel):
         return [v.model_dump(mode="json", exclude_defaults=True) for v in value]
-    annotation = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+    annotation: Any = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
     try:
         return TypeAdapter(annotation).dump_python(value, mode="json")
     except Exception:  # a default the annotation does not describe: show it as Python has it
@@ -214,7 +214,7 @@ def _plain(field: FieldInfo, value: Any) -> Any:
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]  # our factories take no argument
     if value is PydanticUndefined:
         return "required"
     if isinstance(value, BaseModel):
@@ -266,7 +266,7 @@ def _default_example(field: FieldInfo) -> Any:
             low = [getattr(m, "ge", getattr(m, "gt", None)) for m in field.metadata]
             return members[0](next((v for v in low if v is not None), 1))
         return None
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]  # our factories take no argument
     if isinstance(value, BaseModel) or value in (None, {}, []):
         return None
     return _plain(field, value)

@@ -32,9 +32,10 @@ PROFILE_KEYS = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "
 _CHILD = """
 import json, os, sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())] + [os.getcwd()]
-from gpubroker.validate import build_each
-print(json.dumps(build_each(json.load(sys.stdin))))
+from gpubroker.validate import MARK, build_each
+print("\n" + MARK + json.dumps(build_each(json.load(sys.stdin))))
 """
+MARK = "@@gpubroker-validate@@"  # the child's result line, whatever the user's code prints
 
 
 def build_each(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, str] | None]:
@@ -96,7 +97,7 @@ def _takes(cls: type) -> list[str]:
     if known:
         return sorted(known)
     try:
-        params = inspect.signature(cls.__init__).parameters.values()
+        params = inspect.signature(cls.__init__).parameters.values()  # type: ignore[misc]  # the class's own
     except (TypeError, ValueError):
         return []
     return [p.name for p in params if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -137,7 +138,12 @@ def build_models(cfg: FleetConfig, timeout_s: float = 60.0, cwd: Path | None = N
                 "fix the error, or skip this check with --no-import",
             )
         ]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = [line[len(MARK) :] for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if not found:
+        return [
+            ConfigIssue("models", MISSING, f"the process importing the models gave no result: {proc.stdout[-300:]}")
+        ]
+    results = json.loads(found[-1])
     issues = []
     for name, bad in results.items():
         if bad is not None:

@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -186,6 +187,6 @@ def _report(model: str, m: Measured, q: QuotaSuggestion, target: Path) -> None:
     )
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(1)

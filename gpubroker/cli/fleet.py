@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -38,7 +39,7 @@ if not console.is_terminal:  # logs and pipes: wide enough for the status table
 DEFAULT_CONFIG = Path("configs/demo.yaml")
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception) -> NoReturn:
     err_console.print(f"[bold red]error[/] {exc}", highlight=False)
     raise typer.Exit(1)
 
@@ -203,7 +204,7 @@ def _follow(
 ) -> None:
     """Print ``first``, then poll the decision log and print each new entry (JSON lines with --json) until Ctrl-C."""
 
-    def emit(d: dict[str, Any]) -> None:
+    def emit(d: Mapping[str, Any]) -> None:
         if as_json:
             print(json.dumps(d), flush=True)
         else:
@@ -298,7 +299,9 @@ def _say(line: str, note: Note) -> None:
 
 
 def down(
-    address: str = typer.Option(None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."),
+    address: str | None = typer.Option(
+        None, "--address", help="Ray cluster (default: the one `up` started, or RAY_ADDRESS)."
+    ),
 ) -> None:
     """Shut Serve down, kill the broker, and stop the local Ray that `up` started."""
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console, Group
@@ -180,7 +180,7 @@ def new_decisions(entries: Iterable[Mapping[str, Any]], since_seq: int) -> tuple
 
 
 def follow_decisions(
-    fetch_decisions: Callable[[int], list[Mapping[str, Any]]],
+    fetch_decisions: Callable[[int], Sequence[Mapping[str, Any]]],
     emit: Callable[[Mapping[str, Any]], None],
     *,
     since_seq: int = 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -24,7 +25,7 @@ def default_rates(config: FleetConfig) -> dict[str, float]:
     return {name: reference_rate(profile_for(name, spec)) / n for name, spec in config.models.items()}
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     from rich.console import Console  # noqa: PLC0415
 
     Console(stderr=True, emoji=False).print(f"[bold red]error[/] {message}", highlight=False, markup=True)
@@ -101,7 +102,7 @@ def simulate(
         from quotas.card_fleet import card_fleet  # noqa: PLC0415
 
         if card is None:
-            ids = "a card id under gpus:" if cfg.gpus == "auto" else ", ".join(c.id for c in cfg.gpus)
+            ids = ", ".join(c.id for c in cfg.gpus) if isinstance(cfg.gpus, list) else "a card id under gpus:"
             _fail(
                 f"{config} lists cards (gpus:); the simulator runs one card (lending is per card): "
                 f"add --card ID ({ids}) to simulate the models placed on it",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
@@ -27,7 +28,7 @@ def config_table(cfg: FleetConfig, source: str) -> Table:
     if cfg.gpus == "auto":
         where = "cards: every GPU of the Ray cluster (gpus: auto, found and placed at start)"
     elif cfg.gpus is not None:
-        where = f"{len(cfg.gpus)} card(s) on {len({c.node for c in cfg.gpus})} node(s), placed below"
+        where = f"{len(cfg.gpus)} card(s) on {len({c.node for c in cfg.gpus if not isinstance(c, str)})} node(s), placed below"
     else:
         cap = cfg.gpu.capacity_bytes
         usable = format_size(cfg.usable_bytes()) if cap is not None else "auto (measured at start)"
@@ -274,7 +275,7 @@ def engine_table(st: dict[str, Any]) -> Table | None:
     return table
 
 
-def describe_decision(d: dict[str, Any]) -> str:
+def describe_decision(d: Mapping[str, Any]) -> str:
     t = time.strftime("%H:%M:%S", time.localtime(d.get("time_s", 0))) + f".{int((d.get('time_s', 0) % 1) * 1000):03d}"
     kind = d.get("kind")
     if kind == "settings":

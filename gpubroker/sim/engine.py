@@ -315,6 +315,7 @@ class Simulator:
                 return False
             return True
 
+        assert rep.gate is not None  # lazy formation only
         released = rep.gate.pump(alive)
         if released:
             rep.queue.extend(released)

@@ -334,6 +334,7 @@ def held_search(
         order, failed_above = first(failed), rate
         rate *= step
     for _ in range(bisect_iters if failed_above is not None else 0):
+        assert failed_above is not None
         mid = (rate + failed_above) / 2.0
         try:
             failed = all_pass(mid, order)
