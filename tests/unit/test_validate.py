@@ -101,6 +101,7 @@ def project(tmp_path, monkeypatch):
         textwrap.dedent("""\
         class Scorer:
             def __init__(self, scale: float = 1.0):
+                print("loading weights...", end="")  # chatter on stdout does not hide the result
                 self.scale = scale
 
             def predict(self, items):
