@@ -33,7 +33,7 @@ _CHILD = """
 import json, os, sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())] + [os.getcwd()]
 from gpubroker.validate import MARK, build_each
-print("\n" + MARK + json.dumps(build_each(json.load(sys.stdin))))
+print("\\n" + MARK + json.dumps(build_each(json.load(sys.stdin))))
 """
 MARK = "@@gpubroker-validate@@"  # the child's result line, whatever the user's code prints
 
