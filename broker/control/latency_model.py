@@ -11,9 +11,8 @@ next distinct batch size corrects).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from operator import mul
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.control.types import ModelLoad
@@ -22,8 +21,9 @@ C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or 
 FIT_DECIMALS = 9  # a and c are kept to a nanosecond of a millisecond
 
 
-@dataclass(frozen=True)
-class LatencyFit:
+class LatencyFit(NamedTuple):
+    """A fitted L(b) (a named tuple: immutable, built per model per tick)."""
+
     a_ms: float  # fixed cost per batch
     c_ms: float  # cost per batch unit (request or token)
     samples: int  # samples behind the fit (0: prior only)

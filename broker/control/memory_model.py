@@ -14,9 +14,8 @@ memory is not used again while the OOM is in the window.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from broker.control.types import ModelLoad
@@ -24,8 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
 HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, the rest is allocator slack
 
 
-@dataclass(frozen=True)
-class MemoryModel:
+class MemoryModel(NamedTuple):
+    """One model's memory: weights and bytes per batch unit (a named tuple: built per model per tick)."""
+
     weights_bytes: int
     bytes_per_unit: float
     oom_cost: float | None = None  # smallest batch cost that ran out of memory in the window, None: none did

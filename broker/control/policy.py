@@ -337,7 +337,7 @@ def _rule_context(
         max_pause_s=spec.control.max_pause_intervals * interval,
         mem_ceiling=mm.cap_for(ledger.grant(name) / max(1, spec.replicas)) if name in ledger.quotas else None,
         over_grant_bytes=view.over_grant.get(name),
-        violator_elsewhere=next((m for m in view.over_grant if m != name), ""),
+        violator_elsewhere=next((m for m in view.over_grant if m != name), "") if view.over_grant else "",
     )
 
 
