@@ -59,11 +59,17 @@ def host_used_bytes(pid: int | None, baseline_bytes: int) -> int | None:
     return None if rss is None else max(0, rss - baseline_bytes)
 
 
-def nvml_used_bytes(index: int, pid: int, baseline_bytes: int) -> int | None:
-    """NVML's bytes for ``pid`` on card ``index`` over ``baseline_bytes`` (its CUDA context)."""
+def nvml_reader(index: int, pid: int, baseline_bytes: int) -> Callable[[], int | None]:
+    """NVML's bytes for ``pid`` on card ``index`` over ``baseline_bytes`` (its CUDA context), one
+    NVML handle for all readings; NVML missing: 0 (the watchdog then only cleans up after the pid)."""
     from broker.probes import NvmlProbe
 
-    return max(0, NvmlProbe(index, pid).process_bytes() - baseline_bytes)
+    try:
+        probe = NvmlProbe(index, pid)
+    except Exception as exc:  # noqa: BLE001 - no NVML here: say so, read nothing
+        _log(f"pid {pid}: NVML unavailable ({exc!r}): no reading on cuda:{index}")
+        return lambda: 0
+    return lambda: max(0, probe.process_bytes() - baseline_bytes)
 
 
 MPS_LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
@@ -274,15 +280,16 @@ def watchdog_main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         used = lambda: host_used_bytes(args.pid, args.baseline)  # noqa: E731
     else:
-        index = int(args.device.partition(":")[2] or 0)
-        used = lambda: nvml_used_bytes(index, args.pid, args.baseline)  # noqa: E731
+        used = nvml_reader(int(args.device.partition(":")[2] or 0), args.pid, args.baseline)
     eof = threading.Event()
     threading.Thread(target=_read_grants, args=(w, cg, eof), daemon=True).start()
     state, verdict = WatchState(), Verdict.WITHIN
     while True:
         time.sleep(WATCH_PERIOD_S)
+        if host_used_bytes(args.pid, 0) is None:  # the pid is gone (or a zombie), on any device
+            break
         now_used = used()
-        if now_used is None:  # the pid is gone
+        if now_used is None:
             break
         if w.limits is None:
             continue

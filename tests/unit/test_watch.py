@@ -159,3 +159,28 @@ def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
         victim.kill()
     assert "violation: model 'grower' uses" in log and "over grant 64.0 MiB + slack 32.0 MiB" in log, log
     assert f"pid {victim.pid}: SIGKILL" in log, log
+
+
+def test_the_watchdogs_cuda_reading_is_nvml_bytes_for_the_pid_over_the_context(monkeypatch):
+    """A FAKE NVML probe (no GPU here): one handle for every reading; NVML missing reads 0."""
+    from broker import probes
+    from deployments.watch import nvml_reader
+
+    made = []
+
+    class FakeNvml:
+        def __init__(self, index, pid):
+            made.append((index, pid))
+
+        def process_bytes(self):
+            return 900 * MiB  # the context (600 MiB) + 300 MiB allocated outside torch
+
+    monkeypatch.setattr(probes, "NvmlProbe", FakeNvml)
+    read = nvml_reader(1, 4242, 600 * MiB)
+    assert read() == 300 * MiB and read() == 300 * MiB and made == [(1, 4242)]
+
+    def broken(index, pid):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(probes, "NvmlProbe", broken)
+    assert nvml_reader(0, 4242, 0)() == 0
