@@ -44,10 +44,12 @@ $(VSTAMP): pyproject.toml
 venv-vllm: $(VSTAMP)
 	$(VPY) -m deployments.llm.tiny_model
 
-# ruff: lint rules and formatting (pyproject.toml [tool.ruff]); `make test` runs it first.
+# ruff: lint rules and formatting (pyproject.toml [tool.ruff]); mypy: the types of quotas/, broker/,
+# gpubroker/ and deployments/ (pyproject.toml [tool.mypy]); `make test` runs them first.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Lint, then pure and simulator tests, then real Ray Serve in a process of its own (a Ray
 # session torn down in a process can leave Serve's batching metrics hanging in later tests),

@@ -114,7 +114,7 @@ def model_deployment(
             model_cls, dep_name, replicas, actor_options, (name, config_text, *args), code_digest(spec.model)
         )
         return (
-            serve.deployment(model_cls)
+            serve.deployment(model_cls)  # type: ignore[attr-defined]  # Ray types serve.deployment(cls) as the decorator, not a Deployment
             .options(
                 name=dep_name,
                 num_replicas=replicas,
@@ -142,7 +142,7 @@ def model_deployment(
         return one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas)
     groups = {p.card_id: one(p.name, p.num_replicas, p.ray_actor_options, p.card_id, p.num_replicas) for p in plans}
     return (
-        serve.deployment(CardRouter)
+        serve.deployment(CardRouter)  # type: ignore[attr-defined]  # Ray types serve.deployment(cls) as the decorator, not a Deployment
         .options(
             name=name,
             ray_actor_options={"num_cpus": INGRESS_NUM_CPUS},
@@ -185,7 +185,7 @@ def fleet_api(config_text: str, app_names: dict[str, str] | None = None, reconci
     if app_names is None:
         cfg = parse_config_text(config_text, "fleet api config")
         app_names = {n: model_app_name(n) for n, m in cfg.models.items() if m.kind != "llm"}
-    return FleetApi.options(
+    return FleetApi.options(  # type: ignore[attr-defined]  # @serve.deployment made the class a Deployment
         name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=1024
     ).bind(config_text, app_names, reconciler)
 
@@ -311,7 +311,7 @@ def http_options(cfg: FleetConfig, host: str | None = None, port: int | None = N
 
 def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP) -> dict[str, Any]:
     """A Ray Serve config document (``serve deploy``) with the fleet API and one app per model."""
-    apps = [
+    apps: list[dict[str, Any]] = [
         {
             "name": fleet_app,
             "route_prefix": "/",

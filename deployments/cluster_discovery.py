@@ -51,7 +51,7 @@ def _nvml_totals(node_id: str, count: int) -> list[int]:
 
         return [NvmlProbe(index=i).card()[0] for i in range(n)]
 
-    return list(ray.get(read.remote(count), timeout=60))
+    return list(ray.get(read.remote(count), timeout=60))  # type: ignore[arg-type]  # Ray types ObjectRef invariant
 
 
 def discover_cards(

@@ -111,7 +111,7 @@ def deploy(
         if app_status == "RUNNING":
             break
         if failed:
-            msgs = "; ".join(f"{name}: {(sts[name].message if sts[name] else '')[-1500:]}" for name in failed)
+            msgs = "; ".join(f"{name}: {(getattr(sts[name], 'message', '') or '')[-1500:]}" for name in failed)
             raise FleetError(f"Serve app {app_status}: {msgs}")
         if time.time() > deadline:
             raise FleetError(f"Serve app not running after {timeout_s:.0f}s: {deployments}")

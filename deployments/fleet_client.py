@@ -64,7 +64,7 @@ def connect(address: str | None, runtime_env: dict[str, Any] | None = None) -> N
     try:
         ray.init(
             address=address or "auto",
-            logging_level="ERROR",
+            logging_level="ERROR",  # type: ignore[arg-type]  # ray.init takes a level name too
             log_to_driver=False,
             namespace=APP_NAME,
             runtime_env=runtime_env,

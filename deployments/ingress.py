@@ -78,7 +78,7 @@ class FleetApi:
             import ray
 
             b = self.cfg.broker
-            self._broker = await asyncio.to_thread(ray.get_actor, b.name, namespace=b.namespace)
+            self._broker = await asyncio.to_thread(ray.get_actor, b.name, namespace=b.namespace)  # type: ignore[func-returns-value,arg-type]  # Ray stub
         return self._broker
 
     def _count_rejection(self, name: str) -> None:

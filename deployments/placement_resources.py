@@ -183,7 +183,7 @@ def bind_model_groups(
     for plan in fleet_plans(cfg, placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources):
         spec = cfg.models[plan.model]
         out.setdefault(plan.model, {})[plan.card_id] = (
-            serve.deployment(deployment_cls)
+            serve.deployment(deployment_cls)  # type: ignore[attr-defined]  # Ray types serve.deployment(cls) as the decorator, not a Deployment
             .options(
                 name=plan.name,
                 num_replicas=plan.num_replicas,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -45,9 +46,9 @@ class AuthSetup:
         return self.mode.lower() == "token"
 
 
-def token_path(env: dict[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    return Path(env[TOKEN_PATH_ENV]).expanduser() if env.get(TOKEN_PATH_ENV) else Path.home() / ".ray" / "auth_token"
+def token_path(env: Mapping[str, str] | None = None) -> Path:
+    got = os.environ if env is None else env
+    return Path(got[TOKEN_PATH_ENV]).expanduser() if got.get(TOKEN_PATH_ENV) else Path.home() / ".ray" / "auth_token"
 
 
 def _has_token(path: Path) -> bool:
@@ -101,7 +102,7 @@ def adopt_auth_mode(mode: str) -> str:
 def _refresh_ray_config() -> None:
     """Ray caches its config per process; re-read it so this driver sees token mode too."""
     try:
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # compiled: not in Ray's stubs
 
         Config.initialize("")
     except Exception:  # noqa: BLE001 - Ray not importable here: the env var is enough for children

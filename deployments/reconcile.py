@@ -190,7 +190,11 @@ class ServeReconciler:
         cfg = self.cfg
         deployed = self.deployed()
         current = self._cache.get("current") or {m: groups_of(deployed, m) for m in cfg.models}
-        apps, redeployed, unplaced, changed, kept = [], [], [], {}, {}
+        apps: list[ServeApp] = []
+        redeployed: list[str] = []
+        unplaced: list[str] = []
+        changed: dict[str, dict[str, int]] = {}
+        kept: dict[str, list[str]] = {}
         as_deployed = list(self._as_deployed().values())
         moved_llms = []
         for model, spec in cfg.models.items():
@@ -210,7 +214,7 @@ class ServeReconciler:
                 from ray import serve
 
                 app = (
-                    serve.deployment(Unplaced)
+                    serve.deployment(Unplaced)  # type: ignore[attr-defined]  # Ray types serve.deployment(cls) as the decorator, not a Deployment
                     .options(name=model, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=4096)
                     .bind(model, why, retry)
                 )

@@ -89,7 +89,8 @@ def check_project(refs: Iterable[tuple[str, str]], project_dir: Path | str | Non
     by_top: dict[str, list[str]] = {}
     for name, ref in user_refs(refs).items():
         by_top.setdefault(top_package(ref), []).append(name)
-    errors, warnings = [], []
+    errors: list[str] = []
+    warnings: list[str] = []
     for ours in OUR_PACKAGES:
         path = local_module(project, ours)
         if path is None or _is_ours(path, ours):

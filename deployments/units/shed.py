@@ -103,8 +103,8 @@ async def wait_items(
     """``asyncio.wait(tasks, timeout=timeout_s)``; with ``shedding``, it returns at the first item
     that resolved to ``Late`` (the third value; the caller cancels what is still pending)."""
     if not shedding:
-        done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-        return done, pending, None
+        finished, waiting = await asyncio.wait(tasks, timeout=timeout_s)
+        return finished, waiting, None
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     done: set[asyncio.Future] = set()
