@@ -1,9 +1,10 @@
-"""The broker as a named, detached Ray actor: a thin wrapper around ``broker.core.BrokerCore``.
+"""The broker as a named, detached Ray actor: a thin wrapper around ``broker.fleet_core.FleetBroker``.
 
-``BrokerActor`` holds one ``BrokerCore`` on the wall clock, exports its metrics and runs a
-background task that calls ``tick()`` every ``broker.control_interval_s``. Everything the
-broker decides lives in the core; this module only adds Ray (``start_broker``,
-``get_broker``) and the checkpoint location in the Ray session directory.
+``BrokerActor`` holds one ``FleetBroker`` on the wall clock, exports its metrics and ticks it every
+``broker.control_interval_s``. Its methods are the ``broker.wire.BrokerApi`` protocol: typed
+inside, plain data over Ray (``to_dict``/``from_dict`` here and only here). It calls nobody: the
+Serve side pulls the ``ServePlan`` (``deployments.follow``). ``start_broker`` and ``get_broker``
+start and find it; the checkpoint lives in the Ray session directory.
 """
 
 from __future__ import annotations

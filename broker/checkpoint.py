@@ -1,17 +1,10 @@
 """Broker checkpoints: the state that must survive a broker restart, as one JSON file.
 
-What is saved (``Checkpoint``): the config text and its hash, the hash of the config the
-broker was launched with, the policy state (``PolicyState.to_dict()``, which carries the
-quota ledger), the versioned settings table, calibrated memory models and the tail of the
-decision log. Writes are atomic (write a temp file in the same directory, fsync, rename),
-so a broker killed mid-write leaves either the old checkpoint or the new one, never half.
-
-The cores of a fleet share one decision log (``broker.fleet_core``), kept once for the fleet
-as an append-only journal (``DecisionJournal``), not as a tail rewritten into every card's
-checkpoint every tick (16 cards x 100 models: sixteen copies of a 300-entry tail took 430-530 ms
-of a tick whose control step takes 13).
-
-No Ray here: the actor decides when to save and what to do with what it loads.
+``Checkpoint`` holds the config text and hashes, the policy state (with the quota ledger), the
+versioned settings table, the calibrated memory models and the tail of the decision log. Writes
+are atomic (temp file, fsync, rename): a broker killed mid-write leaves the old checkpoint or
+the new one, never half. A fleet's shared decision log is an append-only journal
+(``DecisionJournal``), not a tail copied into every card's checkpoint. No Ray here.
 """
 
 from __future__ import annotations

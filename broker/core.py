@@ -1,10 +1,10 @@
 """The broker core: everything the broker does, without Ray.
 
-``BrokerCore`` takes the clock (and metrics, checkpoint path) as arguments, so the same object runs inside the
-Ray actor (``broker.actor``), in unit tests on a fake clock and in the simulator (``gpubroker.sim.engine``) on its
-virtual clock. Replicas (or the simulator's emulated replicas) call ``register`` once and ``report`` every
-report interval, and get their settings back in the reply; ``tick`` runs one slow-loop step; ``apply`` swaps
-the config; ``status`` is the JSON-safe view.
+``BrokerCore`` governs one card and takes the clock (and metrics, checkpoint path) as arguments: it
+runs inside ``broker.fleet_core.FleetBroker`` (one per card; the Ray actor and the simulator drive
+that) and alone in unit tests on a fake clock. Replicas call ``register`` once and ``report`` (a
+``StatsReport``) every report interval and get their ``ModelSettings`` back; ``tick`` runs one
+slow-loop step; ``apply`` swaps the config; ``status`` is the JSON-safe view.
 
 Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.control.policy.decide`` -> versioned settings table (a
 model's version bumps only when its settings change) -> checkpoint (``broker.checkpoint``) -> decision log

@@ -1,34 +1,14 @@
 """The broker for a fleet of many cards: one ``BrokerCore`` per card, one tick for all.
 
-Design note. A card is a memory domain: quota moves only inside it. So every card gets the
-broker core it would have alone (``broker.core.BrokerCore``: report window, policy state with
-its own ledger, settings table), built from a *card config*: the fleet config restricted to the
-models placed on that card (``quotas.placement``), each with the replicas it has there, and the
-card's capacity and device. The policy, the ledger and the lending rules therefore run per card
-unchanged, and Σ grants ≤ usable holds per card by the ledger's own invariant.
-
-``FleetBroker`` routes each replica's ``register``/``report`` to its card's core by the card id
-the replica was deployed with, runs every core's ``tick`` in one control step, shares one
-decision log (entries carry ``card``), and merges ``status``: fleet totals, ``cards: [...]``
-(per card: capacity, usable, granted, used and its models) and ``models`` (a model on several
-cards: bytes, replicas and rates summed; batch settings of its first card, ``cards`` listing
-all). A fleet without ``gpus:`` is one card, ``card0``, whose core runs the config as given.
-
-Node loss: a card none of whose replicas has reported for ``DEAD_AFTER_S`` (or whose node left
-the Ray cluster, ``observe_cards``) is marked *lost*; its core stops ticking (its grants no longer
-count toward anything live) and status shows it ``live: false``. Without re-placement (the
-default) that is all: when its replicas come back they register again and the card is live.
-
-Re-placement (``enable_replacement``, on when the deploying layer gives the actor a reconciler):
-a loss re-places the fleet at once (``broker.control.replacement``), a join places the unplaced on the
-new cards; cards whose models changed get new cores; docs/DESIGN.md "Node loss and join" has
-the rules. ``card_health`` gives card routers the lost cards and the silent ones.
-
-Replica targets: after the cores tick, ``broker.control.replica_targets`` runs the replica rule
-(``broker.control.replica_rules``: fewer replicas under a ``throughput`` profile when larger batches
-carry the load, the configured count otherwise) for every model on every live card; changes go
-to the decision log (``kind: replicas``) and status shows ``replica_target`` (and the card's
-``cost_per_1k_requests``) per model and per card. ``deployments.scaler`` applies them to Serve.
+A card is a memory domain: quota moves only inside it, so every card gets the core it would
+have alone, built from the fleet config restricted to the models placed on it
+(``quotas.card_fleet.card_config``). ``FleetBroker`` routes each replica's calls to its card's
+core, ticks every live core, runs the replica rule (``broker.control.replica_targets``), shares
+one decision log and merges ``status``. A card whose replicas all fall silent for
+``DEAD_AFTER_S``, or whose node left the Ray cluster (``observe_cards``), is lost; with
+re-placement on (a follower applies it: ``deployments.follow``) its replicas are placed again on
+the live cards (``broker.control.replacement``). ``plan()`` is what the Serve side must apply
+(``broker.wire.ServePlan``). The Ray actor and the simulator both drive this object.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """What a many-card fleet broker keeps on disk (``broker.fleet_core``), beside the placement.
 
-Design note. A fleet of N cards has N cores, each with a checkpoint, and one decision log that
-all of them append to. Written naively (a file per core, each with the log's tail, after every
-core's tick) that was N fsyncs and N copies of the same 300 entries a tick: 16 cards x 100
-models spent 430-530 ms a tick on it against a 13 ms control step. So:
-
-- every card's checkpoint goes into one file (``broker.checkpoint.CardCheckpoints``): the
-  cores save into their slots as before, and ``save`` writes the file once, after the tick;
-- the shared log is journaled once (``broker.checkpoint.DecisionJournal``), appending only the
-  entries logged since the last save; the cores' own checkpoints carry none of it.
-
-A one-card fleet keeps its core's own checkpoint file (its path is the broker's), and journals
-its log beside it like any fleet. Files, next to ``checkpoint_path`` (``x.checkpoint.json``):
-``x.checkpoint.cards.json`` (many cards), ``x.checkpoint.decisions.jsonl``; a card the cards
-file lacks is read from ``x.checkpoint.<card>.json``, what brokers before this one wrote.
+Every card's checkpoint goes into one file (``broker.checkpoint.CardCheckpoints``), written once
+after a tick, and the decision log the cards share is journaled once
+(``broker.checkpoint.DecisionJournal``), appending only what was logged since the last save: a
+file and a log tail per card every tick cost far more than the tick (the figures:
+bench/notes/2026-12-04-design-notes.md). A one-card fleet keeps its core's own checkpoint file.
+Files next to ``checkpoint_path`` (``x.checkpoint.json``): ``x.checkpoint.cards.json``,
+``x.checkpoint.decisions.jsonl``; a card the cards file lacks is read from
+``x.checkpoint.<card>.json`` (older brokers).
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The replica's link to the broker: stats deltas, one report per interval, retry.
 
-Design note. A replica sends ONE ``StatsReport`` delta per report interval and gets its
-``ModelSettings`` back in the same round trip; the broker never calls a replica. The link
-keeps the counters since the last report that reached the broker (``StatsDelta``): a report
-that fails before it was sent (no broker, actor gone) is merged back into the next delta, so
-nothing is lost; one that timed out may still land (the actor retries tasks across restarts)
-and is not resent, so nothing is counted twice. The broker handle comes from an injected
-``get_handle`` (``ray.get_actor`` in the replica, a fake in tests), the clock is injected.
+A replica sends one ``StatsReport`` delta per report interval and gets its ``ModelSettings``
+back in the same round trip; the broker never calls a replica. ``StatsDelta`` keeps the counters
+since the last report that reached the broker: a report that fails before it was sent is merged
+into the next delta (nothing lost); one that timed out may still land (the actor retries tasks
+across restarts) and is not resent (nothing counted twice). The broker handle (``get_handle``)
+and the clock are injected.
 """
 
 from __future__ import annotations

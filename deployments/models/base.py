@@ -1,4 +1,4 @@
-"""The model adapter protocol (docs/CONTRACTS.md) and the errors the replica relies on.
+"""The model adapter protocol (docs/models.md) and the errors the replica relies on.
 
 Nothing here imports torch at module import time: ``is_oom`` looks torch up only if it is
 already loaded (an exception can only be a torch OOM when torch is imported).

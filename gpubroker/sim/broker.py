@@ -1,19 +1,12 @@
 """The broker arm of the simulator: the live ``FleetBroker`` on the virtual clock.
 
-The simulator does not wire the policy itself: it holds one ``broker.fleet_core.FleetBroker``
-(the object the Ray actor wraps), on a clock that reads the simulator's virtual time, and talks
-to it exactly as replicas do:
-
-- each emulated replica calls ``register`` once with its calibration (the profile's weights
-  and bytes per unit, as ``deployments.calibration`` would measure them);
-- every ``report_interval_s`` it sends one ``StatsReport`` delta through ``report`` and applies
-  the settings in the reply when their version changed;
-- every ``control_interval_s`` the simulator calls ``tick``.
-
-So the report window, ``decide``, dry-run, the settings table, the replica targets and the
-decision log are the live ones. Prometheus metrics and checkpoints are off (``NullMetrics``, no path): they observe
-the broker, they do not steer it. ``trace`` (when asked for) records every call in order, so
-a test can replay the same sequence into a second broker and compare decisions.
+The simulator does not wire the policy itself: it drives the object the Ray actor wraps, on a
+clock that reads virtual time, exactly as replicas do: each emulated replica registers once with
+its calibration, sends one ``StatsReport`` every ``report_interval_s`` and applies the settings in
+the reply; every ``control_interval_s`` the simulator ticks. So the report window, ``decide``,
+the settings table, the replica targets and the decision log are the live ones; metrics and
+checkpoints are off (they observe the broker, they do not steer it). ``trace`` records every
+call in order, so a test can replay it into a second broker and compare decisions.
 """
 
 from __future__ import annotations
