@@ -403,14 +403,16 @@ def rule_config_for(
 ) -> LlmRuleConfig:
     """Rule parameters from a model's ``llm`` objectives (quotas.config.LlmSpec) and its
     engine's report (``deployments.llm.server.engine_report``: geometry and ceilings).
-    ``seq_tokens`` defaults to the context length: the worst case the admission reserves."""
+    ``seq_tokens`` defaults to what the engine reports a sequence holds (``seq_tokens``: prompt
+    plus output over its recent completions; vLLM allocates blocks as sequences grow), else to
+    the context length, the worst case."""
     return LlmRuleConfig(
         expected_peak_concurrency=int(expected_peak_concurrency),
         ttft_slo_ms=float(ttft_slo_ms),
         tpot_slo_ms=float(tpot_slo_ms),
         kv_block_bytes=int(report["kv_block_bytes"]),
         kv_block_tokens=int(report["kv_block_tokens"]),
-        seq_tokens=int(seq_tokens if seq_tokens is not None else report["max_model_len"]),
+        seq_tokens=int(seq_tokens if seq_tokens is not None else report.get("seq_tokens") or report["max_model_len"]),
         base_bytes=int(base_bytes),
         max_num_seqs_max=int(report["max_num_seqs_max"]),
         max_batched_tokens_max=int(report["max_batched_tokens_max"]),

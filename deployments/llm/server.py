@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -96,6 +97,8 @@ def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> dict
         kv_cache_blocks_min=o.kv_cache_blocks_min,
         kv_cache_blocks_max=o.kv_cache_blocks_max,
         idle_for_s=float(idle_for_s),
+        # what a sequence holds in the cache, for the rules' blocks per sequence (None: the worst case)
+        seq_tokens=math.ceil(s.seq_tokens_mean) if s.seq_tokens_mean else None,
     )
     return out
 

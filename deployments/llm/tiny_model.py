@@ -152,7 +152,6 @@ def build_tiny_llama(spec: TinyLlamaSpec):
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        torch_dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)

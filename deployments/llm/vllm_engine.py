@@ -201,6 +201,7 @@ class _Counters:
     decode_s: float = 0.0
     ttft_ms: deque = field(default_factory=deque)
     tpot_ms: deque = field(default_factory=deque)
+    seq_tokens: deque = field(default_factory=deque)  # prompt + output of recent completions
 
 
 class VllmEngine:
@@ -223,7 +224,8 @@ class VllmEngine:
         self._resize_task: asyncio.Task | None = None
         self._stopped = False
         self._signals = _Signals()
-        self._c = _Counters(ttft_ms=deque(maxlen=options.sample_window), tpot_ms=deque(maxlen=options.sample_window))
+        window = options.sample_window
+        self._c = _Counters(ttft_ms=deque(maxlen=window), tpot_ms=deque(maxlen=window), seq_tokens=deque(maxlen=window))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -327,10 +329,10 @@ class VllmEngine:
             raise EngineRequestError("stop", list(sampling.stop), "must be up to 4 non-empty strings")
 
     def cancel(self, request_id: str) -> None:
-        for seq in self._waiting:
-            if seq.request_id == request_id:
-                self._waiting.remove(seq)
-                self._end(seq, FinishReason.CANCELLED)
+        for held in self._waiting:
+            if held.request_id == request_id:
+                self._waiting.remove(held)
+                self._end(held, FinishReason.CANCELLED)
                 return
         seq = self._running.get(request_id)
         if seq is None:
@@ -417,6 +419,7 @@ class VllmEngine:
             c.failed += 1
         else:
             c.finished += 1
+            c.seq_tokens.append(len(seq.prompt_ids) + seq.generated)
             if seq.first_s is not None and seq.last_s is not None:
                 c.ttft_ms.append((seq.first_s - seq.accepted_s) * 1000.0)
                 c.prefill_s += max(0.0, seq.first_s - seq.admitted_s)
@@ -565,5 +568,6 @@ class VllmEngine:
             prefix_cache_hits=sig.prefix_hits,
             last_restart_s=c.restart_s,
             restart_s_total=c.restart_s_total,
+            seq_tokens_mean=sum(c.seq_tokens) / len(c.seq_tokens) if c.seq_tokens else 0.0,
             asleep=self._asleep,
         )
