@@ -2,4 +2,5 @@
 
 from gpubroker.cli.main import app
 
-app()
+if __name__ == "__main__":  # vLLM spawns processes that import __main__ again: the command must not rerun
+    app()
