@@ -17,18 +17,34 @@ from broker.fleet_core import FleetBroker
 from broker.metrics import NullMetrics
 from broker.wire import ModelSettings, StatsReport
 from gpubroker.sim.types import LATENCY_SAMPLES_PER_REPORT, SimReplica
+from quotas.config import FleetConfig
 
 
 class SimBroker:
     """The simulator's side of the report/reply path."""
 
     def __init__(
-        self, sim: Any, *, record: bool = False
-    ) -> None:  # sim: gpubroker.sim.engine.Simulator (no import: no cycle)
+        self,
+        sim: Any,
+        *,
+        record: bool = False,
+        fleet: FleetConfig | None = None,
+        card: str = "",
+        lost_at_s: float | None = None,
+    ) -> None:
+        """``sim``: the ``gpubroker.sim.engine.Simulator`` (not imported: no cycle). ``fleet`` and
+        ``card``: the simulator runs ``card`` of a many-card ``fleet`` (``quotas.card_fleet``), and the
+        broker is the whole fleet's, with re-placement on; from ``lost_at_s`` (virtual seconds) the
+        card's reports no longer arrive, as when its node is gone."""
         self.sim = sim
-        self.broker = FleetBroker(
-            sim.config, capacity_bytes=sim.capacity, clock=lambda: sim.epoch0 + sim.now, metrics=NullMetrics()
-        )
+        clock = lambda: sim.epoch0 + sim.now  # noqa: E731
+        if fleet is None:
+            self.broker = FleetBroker(sim.config, capacity_bytes=sim.capacity, clock=clock, metrics=NullMetrics())
+        else:
+            self.broker = FleetBroker(fleet, clock=clock, metrics=NullMetrics())
+            self.broker.enable_replacement()
+        self.card, self.lost_at_s = card, lost_at_s
+        self._last: dict[str, ModelSettings] = {}  # replica -> the settings it runs (kept while its reports are lost)
         self.trace: list[tuple[str, float, Any]] | None = [] if record else None
         self._seen_seq = 0
 
@@ -40,7 +56,8 @@ class SimBroker:
         cal = self.calibration(rep)
         if self.trace is not None:
             self.trace.append(("register", self.sim.epoch0 + self.sim.now, (rep.name, rep.rid, cal)))
-        return self.broker.register(rep.name, rep.rid, cal)
+        got = self._last[rep.rid] = self.broker.register(rep.name, rep.rid, cal, self.card)
+        return got
 
     def report(self, rep: SimReplica) -> ModelSettings:
         """Build the replica's delta since its last report, send it, return the reply."""
@@ -79,15 +96,19 @@ class SimBroker:
             emergency_shrinks=rep.st_emerg,
             shed=rep.st_shed,
             settings_version=max(0, rep.version),
+            card_id=self.card,
         )
         rep.seq += 1
         rep.last_report_t = now
         rep.card_busy_mark = sim.card_busy
         rep.busy_acc = 0.0
         rep._reset_stats()
+        if self.lost_at_s is not None and now >= self.lost_at_s:
+            return self._last[rep.rid]  # the node is gone: the report never arrives
         if self.trace is not None:
             self.trace.append(("report", sim.epoch0 + now, report))
-        return self.broker.report(report)
+        got = self._last[rep.rid] = self.broker.report(report)
+        return got
 
     def tick(self) -> None:
         if self.trace is not None:

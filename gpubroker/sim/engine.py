@@ -163,6 +163,7 @@ class Simulator:
         }
         self.decisions: list[dict[str, Any]] = []
         self.broker: SimBroker | None = None
+        self.broker_options: dict[str, Any] = {}  # SimBroker's: a card of a many-card fleet (gpubroker.sim.broker)
         self.record = record
         self.fast: dict[str, FastLoopParams] = {n: params_for(s, config) for n, s in config.models.items()}
 
@@ -639,7 +640,7 @@ class Simulator:
         wall0 = _time.perf_counter()
         ctrl = self.config.broker.control_interval_s
         if self.arm.kind == "broker":
-            self.broker = SimBroker(self, record=self.record)
+            self.broker = SimBroker(self, record=self.record, **self.broker_options)
             rep_iv = self.config.broker.report_interval_s
             n = len(self.all_reps)
             for k, rep in enumerate(self.all_reps):
