@@ -132,7 +132,7 @@ class LlmServer:
         self.engine = VllmEngine(engine_options(dict(options or {})))
         self.tok = _tokenizer(self.engine.options.model_dir)
         self._started = False
-        self._lock = asyncio.Lock()
+        self._starting: asyncio.Task | None = None
         self._last_active_s = time.monotonic()
         self._report_task: asyncio.Task | None = None
         if cfg is not None:
@@ -149,17 +149,33 @@ class LlmServer:
 
     async def _ready(self) -> None:
         if not self._started:
-            async with self._lock:
-                if not self._started:
-                    await self.engine.start()
-                    self._started = True
-                    if self.reporter is not None:
-                        self._report_task = asyncio.get_running_loop().create_task(self.reporter.run())
+            await asyncio.shield(self._start_task())
+            self._started = True
 
-    async def check_health(self) -> None:  # Serve's health check: the engine's loop must be alive
-        await self._ready()  # the first health check starts the engine and the report loop, traffic or not
-        if self._started and not self.engine.is_running():
+    def _start_task(self) -> asyncio.Task:
+        """The engine's start (vLLM takes tens of seconds), begun once, in the background."""
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start())
+        return self._starting
+
+    async def _start(self) -> None:
+        await self.engine.start()
+        if self.reporter is not None:
+            self._report_task = asyncio.get_running_loop().create_task(self.reporter.run())
+
+    async def check_health(self) -> None:  # Serve's health check: the engine must be alive
+        task = self._start_task()  # the first check begins the start and returns: it outlasts a check's timeout
+        if task.done() and task.exception() is not None:
+            raise RuntimeError(f"{self.name}: vLLM did not start: {task.exception()}")
+        if task.done() and not self.engine.is_running():
             raise RuntimeError(f"{self.name}: vLLM's engine core died")
+
+    async def __del__(self) -> None:
+        """Serve's replica shutdown: stop vLLM, whose engine core is a process of its own (left
+        running, it would outlive the replica)."""
+        if self._starting is not None:
+            await asyncio.gather(self._starting, return_exceptions=True)
+            await self.engine.stop()
 
     # ---------------------------------------------------------------- requests
 
