@@ -21,7 +21,7 @@ import ray
 
 from broker.fleet_core import FleetBroker
 from broker.metrics import start_exporter
-from broker.wire import BrokerApi, StatsReport
+from broker.wire import BrokerApi, StatsReport, TickResult
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 
@@ -159,7 +159,7 @@ class BrokerActor:
     async def apply(self, config_text: str) -> dict:
         return self._core.apply(config_text)
 
-    async def tick(self) -> dict:
+    async def tick(self) -> TickResult:
         return self._core.tick()
 
     async def checkpoint_now(self) -> dict:

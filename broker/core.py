@@ -47,7 +47,7 @@ from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from broker.control.vocab import EntryKind
 from broker.control.window import ReportWindow
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.wire import ModelSettings, StatsReport
+from broker.wire import ModelSettings, StatsReport, TickResult
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
 from quotas.sizes import format_size
@@ -272,7 +272,7 @@ class BrokerCore:
             free_frac = min(frees) if frees else measured
         return GpuLoad(self._capacity, self._usable, used, free_frac, max(sms) if sms else None)
 
-    def tick(self) -> dict[str, Any]:
+    def tick(self) -> TickResult:
         """One control step: snapshot -> decide -> settings table -> checkpoint -> decision log."""
         started = time.perf_counter()
         now = self._clock()

@@ -35,7 +35,7 @@ from broker.control.window import stale_after_s
 from broker.core import BrokerCore, NullMetrics
 from broker.fleet_store import FleetStore
 from broker.metrics import BrokerMetrics
-from broker.wire import ModelSettings, ReplicaTarget, ServePlan, StatsReport
+from broker.wire import ModelSettings, ReplicaTarget, ServePlan, StatsReport, TickResult
 from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -172,9 +172,11 @@ class FleetBroker:
         return {"counted": taken}
 
     # ------------------------------------------------------------------ control
-    def tick(self) -> dict[str, Any]:
+    def tick(self) -> TickResult:
         now = self._clock()
-        out: dict[str, Any] = {"ok": True, "now_s": now, "changed": [], "cards": {}}
+        cards: dict[str, TickResult] = {}
+        changed: list[str] = []
+        out: TickResult = {"ok": True, "now_s": now, "changed": changed, "cards": cards}
         # a one-card fleet has no other card to fall back to: its core always ticks (the core's
         # own staleness rules cover silent replicas); only a card of many can be lost
         silent = {
@@ -195,8 +197,8 @@ class FleetBroker:
             if cid in self.lost:
                 continue
             res = core.tick()
-            out["cards"][cid] = res
-            out["changed"].extend(res.get("changed", []))
+            cards[cid] = res
+            changed.extend(res.get("changed", []))
             out["profile"] = res.get("profile")
             out["dry_run"] = res.get("dry_run")
         live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}

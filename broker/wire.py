@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,19 @@ class ServePlan:
         )
 
 
+class TickResult(TypedDict, total=False):
+    """What one control step did (``tick``): a card's core answers the first five keys, the
+    fleet adds ``cards`` (card id -> its core's result) and ``replicas_changed``."""
+
+    ok: bool
+    now_s: float  # the broker's clock at the tick
+    changed: list[str]  # models whose settings changed (all cards)
+    profile: str | None  # the price profile in force
+    dry_run: bool | None
+    cards: dict[str, TickResult]
+    replicas_changed: list[str]  # models whose replica target changed
+
+
 class BrokerApi(Protocol):
     """Every method of the broker actor (``broker.actor.BrokerActor``) that replicas, the CLI and the
     Serve side call, through ``handle.<method>.remote(...)``. Arguments and results cross Ray as
@@ -192,7 +205,7 @@ class BrokerApi(Protocol):
 
     async def apply(self, config_text: str) -> dict[str, Any]: ...  # {"ok", "config_hash", "issues", "notes"}
 
-    async def tick(self) -> dict[str, Any]: ...
+    async def tick(self) -> TickResult: ...
 
     async def checkpoint_now(self) -> dict[str, Any]: ...
 
