@@ -287,6 +287,8 @@ class QuotaRound:
         self.dust = min_move_bytes(self.ledger)
         self.loads = {n: inputs.snapshot.models.get(n) or ModelLoad(name=n, replicas=0) for n in config.models}
         self.used = {n: load.mem_used_bytes for n, load in self.loads.items()}
+        # replicas a model's need is spread over: those reporting, else the config's count
+        self._replicas = {n: max(1, load.replicas or config.models[n].replicas) for n, load in self.loads.items()}
         self.memory: dict[str, MemoryModel] = dict(inputs.memory)
 
     def mm(self, name: str) -> MemoryModel:
@@ -295,7 +297,7 @@ class QuotaRound:
         return self.memory[name]
 
     def replicas(self, name: str) -> int:
-        return max(1, self.loads[name].replicas or self.config.models[name].replicas)
+        return self._replicas[name]
 
     def gate(self, donor: str, version: int, started_s: float) -> ConfirmGate:
         return confirm_gate(self.loads[donor], self.config.models[donor].replicas, version, started_s)
@@ -504,8 +506,10 @@ def lend_to(r: QuotaRound, name: str) -> None:
     """Step 6 for one model: a busy model whose wanted batch does not fit its grant grows from the
     free pool, then borrows from idle models what they hold above their working set, when it is
     held back by its memory now and the loan raises its batch ceiling."""
+    if r.idle(name):
+        return
     wanted = r.need(name)
-    if wanted is None or r.idle(name):
+    if wanted is None:
         return
     load, engine = r.loads[name], name in r.inputs.need_bytes
     if load.held_over:  # refusing requests, it holds over its grant: that + its batch

@@ -350,19 +350,17 @@ def settle_model(
     ms, want = step.state, step.want
     grant = plan.ledger.grant(name)
     known = name in state.ledger.quotas
+    old_grant = state.ledger.grant(name) if known else grant
     # the reclaim flags before and after this tick as (step up to 2, restart token): the same
     # facts as _quota_flags' settings (steps 2 and 3 both release caches and drain)
     flags_was = (min(2, state.reclaim_steps.get(name, 0)), state.restart_tokens.get(name, 0))
     flags = (min(2, plan.reclaim_steps.get(name, 0)), plan.restart_tokens.get(name, 0))
     cap, clamp_note = _guard(want.cap, spec, grant, step.memory)
     old = state.models.get(name)
-    prev = (
-        (old.max_batch, round(old.wait_s, 6), state.ledger.grant(name), old.admit, flags_was) if old and known else None
-    )
+    prev = (old.max_batch, round(old.wait_s, 6), old_grant, old.admit, flags_was) if old and known else None
     changed = prev != (cap, round(want.wait_s, 6), grant, want.admit, flags)
     version = ms.version + (1 if changed and old is not None else 0)
     reason = want.reason + (f"; {clamp_note}" if clamp_note else "")
-    old_grant = state.ledger.grant(name) if known else grant
     if grant != old_grant:
         kinds = sorted({m.kind for m in plan.moves if name in (m.donor, m.recipient)})
         reason += f"; grant {old_grant >> 20}MiB->{grant >> 20}MiB ({', '.join(kinds) or 'ledger'})"
