@@ -21,7 +21,7 @@ import ray
 
 from broker.fleet_core import FleetBroker
 from broker.metrics import start_exporter
-from broker.wire import BrokerApi, StatsReport, TickResult
+from broker.wire import BrokerApi, BrokerStatus, StatsReport, TickResult
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 
@@ -143,7 +143,7 @@ class BrokerActor:
         self._ensure_loop()
         return self._core.report_rejections(counts)
 
-    async def status(self) -> dict:
+    async def status(self) -> BrokerStatus:
         self._ensure_loop()
         out = self._core.status()
         out["pid"] = os.getpid()

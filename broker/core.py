@@ -47,7 +47,7 @@ from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from broker.control.vocab import EntryKind
 from broker.control.window import ReportWindow
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.wire import ModelSettings, StatsReport, TickResult
+from broker.wire import BrokerStatus, ModelSettings, ModelStatus, StatsReport, TickResult
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
 from quotas.sizes import format_size
@@ -433,11 +433,11 @@ class BrokerCore:
         live = self._enforcement.get(name, {}).items()
         return "/".join(sorted({k for r, k in live if now - seen.get(r, float("-inf")) <= REPLICA_STALE_S}))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> BrokerStatus:
         now = self._clock()
         snap = self._last_snapshot
         price = self._profile().price_per_gpu_hour
-        models = {}
+        models: dict[str, ModelStatus] = {}
         for name, spec in self._cfg.models.items():
             s = self._settings[name]
             load = snap.models.get(name) if snap is not None else None
@@ -473,9 +473,15 @@ class BrokerCore:
                 "calibrated": name in self._memory_models,
                 "emergency_shrinks": self._events[name]["emergency_shrinks"],
                 "oom_splits": self._events[name]["oom_splits"],
-                **policy.memory_view(load, spec, s.grant_bytes),  # memory_ceiling, fixed_bytes: why a cap is low
             }
-            models[name].update(self._llm.status(name, now))  # kind: llm: "engine" (bounds, TTFT/TPOT, KV blocks)
+            memory = policy.memory_view(load, spec, s.grant_bytes)  # why a cap is low
+            models[name]["memory_ceiling"], models[name]["fixed_bytes"] = (
+                memory["memory_ceiling"],
+                memory["fixed_bytes"],
+            )
+            llm = self._llm.status(name, now)  # kind: llm: "engine" (bounds, TTFT/TPOT, KV blocks)
+            if llm:
+                models[name]["kind"], models[name]["engine"] = llm["kind"], llm["engine"]
         gpu = snap.gpu if snap is not None else None
         return {
             "config_hash": self._config_hash,

@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -35,7 +35,7 @@ from broker.control.window import stale_after_s
 from broker.core import BrokerCore, NullMetrics
 from broker.fleet_store import FleetStore
 from broker.metrics import BrokerMetrics
-from broker.wire import ModelSettings, ReplicaTarget, ServePlan, StatsReport, TickResult
+from broker.wire import BrokerStatus, ModelSettings, ReplicaTarget, ServePlan, StatsReport, TickResult
 from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -418,8 +418,9 @@ class FleetBroker:
     def settings(self, model: str, card_id: str = "") -> ModelSettings:
         return self._core(model, card_id).settings(model)
 
-    def status(self) -> dict[str, Any]:
-        per = {cid: core.status() for cid, core in self.cores.items()}
+    def status(self) -> BrokerStatus:
+        """The cards' statuses merged (module note); built as plain data, the keys of ``BrokerStatus``."""
+        per: dict[str, dict[str, Any]] = {cid: dict(core.status()) for cid, core in self.cores.items()}
         first = next(iter(per.values()))
         out = dict(first) if self.single else {k: v for k, v in first.items() if k not in ("models",)}
         cards = []
@@ -472,7 +473,7 @@ class FleetBroker:
             for name in out["models"]:
                 out["models"][name]["cards"] = [cards[0]["id"]]
                 out["models"][name]["replica_target"] = cards[0]["models"][name]["replica_target"]
-        return out
+        return cast(BrokerStatus, out)
 
 
 _SUMMED = (

@@ -533,7 +533,7 @@ class NullMetrics:
     def observe_rejections(self, model: str, count: int) -> None:
         pass
 
-    def observe_tick(self, decision: FleetDecision, status: dict[str, Any], tick_s: float) -> None:
+    def observe_tick(self, decision: FleetDecision, status: Mapping[str, Any], tick_s: float) -> None:
         pass
 
     def observe_reload(self, ok: bool, config_hash: str) -> None:

@@ -157,6 +157,74 @@ class ServePlan:
         )
 
 
+class ModelStatus(TypedDict, total=False):
+    """One model in ``status()`` (a card's core; the fleet sums counts over the model's cards)."""
+
+    grant_bytes: int
+    base_bytes: int
+    used_bytes: int
+    max_batch_size: int
+    batch_wait_timeout_s: float
+    batch_unit: str
+    queue_depth: float
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    slo_p95_ms: float  # the cap in force: slo_p95_ms x the profile's latency slack
+    attainment: float | None  # share answered within the cap over the window (broker.control.attainment)
+    completions: int
+    misses: int
+    arrival_rate_rps: float
+    completion_rate_rps: float
+    settings_version: int
+    replicas: int  # replicas that reported lately
+    enforcement: str  # the memory layers its live replicas registered (docs/ENFORCEMENT.md)
+    admit: bool
+    cost_per_1k_requests: float | None  # broker.control.cost
+    cost_unit: str
+    calibrated: bool
+    emergency_shrinks: int
+    oom_splits: int
+    memory_ceiling: int | None  # the batch the grant holds (broker.control.policy.memory_view)
+    fixed_bytes: int | None
+    kind: str  # "llm" for an engine, with its "engine" part
+    engine: dict[str, Any]  # bounds as set, what the engine reports, its SLOs (broker.control.llm_window)
+    cards: list[str]  # the cards the model runs on
+    replica_target: int  # replicas the broker wants, all cards (broker.control.replica_rules)
+
+
+class BrokerStatus(TypedDict, total=False):
+    """``status()``: one card's core, or the fleet (``broker.fleet_core`` adds ``cards``,
+    ``placement_version`` and ``unplaced``; the actor adds its process and reconcile fields)."""
+
+    config_hash: str
+    launch_hash: str
+    profile: str
+    price_per_gpu_hour: float
+    dry_run: bool
+    device: str
+    now_s: float
+    capacity_bytes: int
+    usable_bytes: int
+    granted_bytes: int
+    used_bytes: int
+    free_frac: float | None
+    ticks: int
+    last_tick_s: float | None
+    restored: bool
+    checkpoint_path: str | None
+    decision_seq: int
+    models: dict[str, ModelStatus]
+    cards: list[dict[str, Any]]  # per card: capacity, usable, granted, used, live, its models
+    placement_version: int
+    unplaced: dict[str, dict[str, Any]]  # model -> {"replicas", "reason"}
+    pid: int
+    started_s: float
+    last_error: str | None
+    reconcile: dict[str, Any]  # what the plan follower applied last (deployments.follow)
+    metrics_url: str | None
+
+
 class TickResult(TypedDict, total=False):
     """What one control step did (``tick``): a card's core answers the first five keys, the
     fleet adds ``cards`` (card id -> its core's result) and ``replicas_changed``."""
@@ -199,7 +267,7 @@ class BrokerApi(Protocol):
     async def card_health(self) -> dict[str, list[str]]: ...  # {"lost": [...], "silent": [...]}
 
     # the CLI and the HTTP API (gpubroker.cli, deployments.ingress)
-    async def status(self) -> dict[str, Any]: ...
+    async def status(self) -> BrokerStatus: ...
 
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]: ...
 
