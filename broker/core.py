@@ -47,7 +47,7 @@ from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from broker.control.vocab import EntryKind
 from broker.control.window import ReportWindow
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.wire import BrokerStatus, ModelSettings, ModelStatus, StatsReport, TickResult
+from broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ModelStatus, StatsReport, TickResult
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
 from quotas.sizes import format_size
@@ -348,7 +348,7 @@ class BrokerCore:
     def _log_event(self, kind: EntryKind, message: str, model: str | None = None) -> None:
         self._append({"kind": kind, "time_s": self._clock(), "model": model, "reason": message}, f"[{kind}] {message}")
 
-    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]:
         return self._log.since(model, since_seq)
 
     # ---------------------------------------------------------------- apply
@@ -464,7 +464,6 @@ class BrokerCore:
                 "completion_rate_rps": load.completion_rate_rps if load else 0.0,
                 "settings_version": s.version,
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
-                "enforcement": self._enforcement_of(name, seen, now),
                 "admit": s.admit,
                 "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (broker.control.cost) over its window
                     price, s.grant_bytes, self._usable, min(window_s, now - self._started_s), completions
@@ -482,6 +481,8 @@ class BrokerCore:
             llm = self._llm.status(name, now)  # kind: llm: "engine" (bounds, TTFT/TPOT, KV blocks)
             if llm:
                 models[name]["kind"], models[name]["engine"] = llm["kind"], llm["engine"]
+            if enforcement := self._enforcement_of(name, seen, now):  # absent until a replica said
+                models[name]["enforcement"] = enforcement
         gpu = snap.gpu if snap is not None else None
         return {
             "config_hash": self._config_hash,

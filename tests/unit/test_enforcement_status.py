@@ -35,6 +35,6 @@ def test_status_shows_each_models_enforcement_from_its_live_replicas():
     now[0] += 60.0  # silent replicas no longer count
     core.register("b", "b-3", {"enforcement": "watch"})
     st = core.status()
-    assert st["models"]["a"]["enforcement"] == "" and st["models"]["b"]["enforcement"] == "watch"
+    assert "enforcement" not in st["models"]["a"] and st["models"]["b"]["enforcement"] == "watch"
     assert "enforce" in render(views.status_table(st)) and " watch " in render(views.status_table(st))
     assert "enforce" in render(live.status_table(st)) and " watch " in render(live.status_table(st))
