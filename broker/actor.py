@@ -21,7 +21,7 @@ import ray
 
 from broker.fleet_core import FleetBroker
 from broker.metrics import start_exporter
-from broker.wire import BrokerApi, BrokerStatus, StatsReport, TickResult
+from broker.wire import BrokerApi, BrokerStatus, DecisionRecord, StatsReport, TickResult
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
 
@@ -153,7 +153,7 @@ class BrokerActor:
         out["metrics_url"] = self._exporter.url if self._exporter is not None else None
         return out
 
-    async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict]:
+    async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]:
         return self._core.decisions(model, since_seq)
 
     async def apply(self, config_text: str) -> dict:

@@ -15,7 +15,9 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from broker.wire import DecisionRecord
 
 FORMAT_VERSION = 1
 CHECKPOINT_DECISIONS = 300  # decision-log entries kept for a restart (a checkpoint's tail, a journal's)
@@ -30,7 +32,7 @@ class Checkpoint:
     settings: dict[str, dict[str, Any]]  # model -> ModelSettings.to_dict()
     memory_models: dict[str, list[float]] = field(default_factory=dict)  # model -> [weights_bytes, bytes_per_unit]
     cost_units: dict[str, str] = field(default_factory=dict)  # model -> "requests" | "tokens"
-    decisions: list[dict[str, Any]] = field(default_factory=list)  # decision log tail
+    decisions: list[DecisionRecord] = field(default_factory=list)  # decision log tail
     decision_seq: int = 0  # last decision sequence number handed out
     saved_at_s: float = 0.0  # epoch seconds of the write
     llm_state: dict[str, Any] = field(
@@ -154,7 +156,7 @@ class DecisionJournal:
         self.path, self.launch_hash, self.keep = Path(path), launch_hash, keep
         self._lines = 0  # entries in the file now
 
-    def load(self) -> tuple[list[dict[str, Any]], int]:
+    def load(self) -> tuple[list[DecisionRecord], int]:
         """The newest ``keep`` entries of this fleet's journal and the last sequence number
         (``[], 0`` when there is none or it is another config's). ValueError if its header is unreadable."""
         try:
@@ -172,19 +174,19 @@ class DecisionJournal:
             )
         if head.get("launch_hash") != self.launch_hash:
             return [], 0
-        entries = []
+        entries: list[DecisionRecord] = []
         for row in rows:
             try:
                 entry = json.loads(row)
             except json.JSONDecodeError:
                 continue  # a torn line from a kill mid-append
             if isinstance(entry, dict) and isinstance(entry.get("seq"), int):
-                entries.append(entry)
+                entries.append(cast(DecisionRecord, entry))  # as DecisionLog.append wrote it
         # a torn line would swallow the next append: rewrite the file on the next one instead
         self._lines = len(rows) if len(entries) == len(rows) else 0
         return entries[-self.keep :], max((e["seq"] for e in entries), default=0)
 
-    def append(self, entries: list[dict[str, Any]], log: Iterable[dict[str, Any]]) -> None:
+    def append(self, entries: list[DecisionRecord], log: Iterable[DecisionRecord]) -> None:
         """Add ``entries``; ``log`` (the whole log, oldest first, ``entries`` last) gives the newest
         ``keep`` a rewrite keeps when the file has grown to ``4 x keep`` entries (or has no header yet)."""
         if self._lines == 0 or self._lines + len(entries) > 4 * self.keep:
@@ -195,7 +197,7 @@ class DecisionJournal:
             fh.write(blob)
         self._lines += len(entries)
 
-    def _rewrite(self, tail: list[dict[str, Any]]) -> None:
+    def _rewrite(self, tail: list[DecisionRecord]) -> None:
         head = json.dumps({"journal": FORMAT_VERSION, "launch_hash": self.launch_hash})
         body = "".join(json.dumps(e, sort_keys=True, default=_json_default) + "\n" for e in tail)
         _write_text_atomic(self.path, head + "\n" + body)

@@ -47,7 +47,7 @@ from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from broker.control.vocab import EntryKind
 from broker.control.window import ReportWindow
 from broker.metrics import BrokerMetrics, NullMetrics
-from broker.wire import BrokerStatus, ModelSettings, ModelStatus, StatsReport, TickResult
+from broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ModelStatus, StatsReport, TickResult
 from quotas.config import ConfigError, FleetConfig, parse_config_text
 from quotas.holding import holding_problems
 from quotas.sizes import format_size
@@ -348,7 +348,7 @@ class BrokerCore:
     def _log_event(self, kind: EntryKind, message: str, model: str | None = None) -> None:
         self._append({"kind": kind, "time_s": self._clock(), "model": model, "reason": message}, f"[{kind}] {message}")
 
-    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]:
         return self._log.since(model, since_seq)
 
     # ---------------------------------------------------------------- apply

@@ -35,7 +35,7 @@ from broker.control.window import stale_after_s
 from broker.core import BrokerCore, NullMetrics
 from broker.fleet_store import FleetStore
 from broker.metrics import BrokerMetrics
-from broker.wire import BrokerStatus, ModelSettings, ReplicaTarget, ServePlan, StatsReport, TickResult
+from broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ReplicaTarget, ServePlan, StatsReport, TickResult
 from quotas.card_fleet import card_config
 from quotas.cards import Card
 from quotas.config import FleetConfig, parse_config_text
@@ -396,7 +396,7 @@ class FleetBroker:
     def placement(self) -> Placement:
         return self._placement
 
-    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+    def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]:
         return self.log.since(model, since_seq)
 
     def plan(self) -> ServePlan:

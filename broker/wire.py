@@ -225,6 +225,35 @@ class BrokerStatus(TypedDict, total=False):
     metrics_url: str | None
 
 
+class DecisionRecord(TypedDict, total=False):
+    """One decision-log entry (``decisions()``). Every entry has ``seq``, ``kind``
+    (``broker.control.vocab.EntryKind``), ``time_s``, ``model`` and ``reason``; the other keys
+    belong to some kinds: settings, replicas and engine changes say what moved and why
+    (``trigger``, ``rule``, ``old``, ``new``), quota moves their two ends, placements the cards."""
+
+    seq: int  # fleet-wide order
+    kind: str
+    time_s: float
+    model: str | None
+    reason: str
+    card: str  # the card whose core logged it (a fleet of several cards)
+    dry_run: bool
+    trigger: str  # the metric that drove it (broker.control.vocab.Trigger)
+    trigger_value: float | None
+    rule: str  # the rule that answered (docs/RULES.md)
+    inputs: dict[str, Any]  # what the rule read
+    old: dict[str, Any]  # the settings (or target, or bounds) before
+    new: dict[str, Any]  # and after
+    move: str  # kind: move: lend, reclaim, confirm, grow, ... (broker.control.vocab.MoveKind)
+    donor: str | None
+    recipient: str | None
+    amount_bytes: int
+    cards: dict[str, int]  # kind: placement: card -> replicas placed there now
+    unplaced: int  # kind: placement: replicas that fit on no live card
+    want_grant_bytes: int  # kind: engine
+    kv_cache_bytes: int  # kind: engine
+
+
 class TickResult(TypedDict, total=False):
     """What one control step did (``tick``): a card's core answers the first five keys, the
     fleet adds ``cards`` (card id -> its core's result) and ``replicas_changed``."""
@@ -269,7 +298,7 @@ class BrokerApi(Protocol):
     # the CLI and the HTTP API (gpubroker.cli, deployments.ingress)
     async def status(self) -> BrokerStatus: ...
 
-    async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]: ...
+    async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]: ...
 
     async def apply(self, config_text: str) -> dict[str, Any]: ...  # {"ok", "config_hash", "issues", "notes"}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 from broker.control.types import ModelDecision, ModelLoad
 from broker.control.vocab import EntryKind
-from broker.wire import ModelSettings
+from broker.wire import DecisionRecord, ModelSettings
 
 logger = logging.getLogger("gpubroker.broker")
 
@@ -19,21 +19,22 @@ class DecisionLog:
     so ``seq`` orders every decision of the fleet."""
 
     def __init__(self, maxlen: int) -> None:
-        self.entries: deque[dict[str, Any]] = deque(maxlen=maxlen)
+        self.entries: deque[DecisionRecord] = deque(maxlen=maxlen)
         self.seq = 0
 
-    def append(self, entry: dict[str, Any], line: str) -> dict[str, Any]:
+    def append(self, entry: dict[str, Any], line: str) -> DecisionRecord:
+        """``entry``: built by a kind's own builder (keys of ``broker.wire.DecisionRecord``)."""
         self.seq += 1
-        entry = {"seq": self.seq, **entry}
-        self.entries.append(entry)
+        record = cast(DecisionRecord, {"seq": self.seq, **entry})
+        self.entries.append(record)
         logger.info("decision #%d %s", self.seq, line)
-        return entry
+        return record
 
     def resize(self, maxlen: int) -> None:
         if maxlen != self.entries.maxlen:
             self.entries = deque(self.entries, maxlen=maxlen)
 
-    def restore(self, entries: list[dict[str, Any]], seq: int) -> None:
+    def restore(self, entries: list[DecisionRecord], seq: int) -> None:
         known = {e["seq"] for e in self.entries}
         for e in entries:
             if e.get("seq") not in known:
@@ -41,7 +42,7 @@ class DecisionLog:
         self.entries = deque(sorted(self.entries, key=lambda e: e["seq"]), maxlen=self.entries.maxlen)
         self.seq = max(self.seq, int(seq))
 
-    def since(self, model: str | None = None, since_seq: int = 0) -> list[dict[str, Any]]:
+    def since(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]:
         """Entries after ``since_seq`` (oldest first): read from the newest end, since entries are
         kept in sequence order, so a caller polling for new ones does not walk the whole log."""
         out = []
