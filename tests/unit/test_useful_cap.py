@@ -10,9 +10,11 @@ let whole queues into 1-2 s batches. Now no rule grows the cap past max(b_lat, u
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from broker.control.batch_plan import PlanTarget, plan_batch, useful_batch
 from broker.control.latency_model import LatencyFit
+from broker.wire import StatsReport
 from tests.unit.test_rules import Fleet, Load
 
 LINEAR = LatencyFit(13.0, 15.0, 100)
@@ -37,11 +39,9 @@ def test_the_lazy_plan_caps_an_overloaded_linear_curve_at_the_useful_batch():
 class LinearFleet(Fleet):
     """test_rules' fake replica, reporting batch timings of the linear curve."""
 
-    def _report(self, load: Load) -> dict:
+    def _report(self, load: Load) -> StatsReport:
         rep = super()._report(load)
-        rep["batches"] = [[float(b), 13.0 + 15.0 * b] for b, _ in rep["batches"]]
-        rep["busy_s"] = 0.5
-        return rep
+        return replace(rep, batches=tuple((float(b), 13.0 + 15.0 * b) for b, _ in rep.batches), busy_s=0.5)
 
 
 def test_no_rule_grows_a_linear_curves_cap_past_the_useful_batch_under_a_backlog():
