@@ -1,9 +1,11 @@
 """The knee: the largest offered rate an arm sustains within its latency cap (BENCHMARK.md).
 
-λ_max is the largest offered rate with P95 ≤ cap and completed/offered ≥ 0.99 (for every
-model of the config). ``knee`` finds it by stepping the rate up in ~10% steps from a rate
-that passes, then bisecting between the last pass and the first failure. Every rate is run
-with the same seed, so the arms of a comparison see the same arrivals (scaled).
+λ_max is the largest offered rate whose attainment (answered within the cap / offered; a late
+answer, a refusal, a timeout are misses) is ≥ 0.99 for every model of the config. Every arm of
+a comparison runs under one ``ArmRules`` (per-request deadline, shedding: all or none) and one
+``Search`` (climb step, bisections, runs); both are recorded with each knee. ``knee`` steps the
+rate up from one that passes, then bisects between the last pass and the first failure. Every
+rate is run with the same seed, so the arms see the same arrivals (scaled).
 
 - Reference rate of a model: half of static 8's saturated throughput. BENCHMARK.md writes it
   as 8/(a + 8c), true when batches fill while the replica is busy ("lazy" batching). Ray
@@ -11,17 +13,20 @@ with the same seed, so the arms of a comparison see the same arrivals (scaled).
   whatever the replica is doing), so static 8 with a 10 ms wait saturates far lower; in the
   default "eager" mode the saturation is measured (offered well past it, completions counted).
 - Cap S: static 8's P95 (wait 10 ms) at the reference rate, measured in the simulator.
-- The broker runs under cap 1.2·S: ``with_cap`` overrides the model's ``slo_p95_ms`` in a
-  copy of the config, so the policy itself knows the cap.
-- ``bound(a, c, cap)`` = (1 − 2a/C)/c: no policy beats it (a request waits at most one
-  batch and runs in the next, so 2·L(b) ≤ C).
-- Oracle knee: the best λ_max over the static grid (batch × wait), each point its own arm.
+- Headline gain: static 8 and the broker at the SAME cap 1.2·S; beside it the variant of
+  BENCHMARK.md's first definition (broker at 1.2·S over static 8 at S), named so.
+  ``with_cap`` overrides the model's ``slo_p95_ms`` in a copy, so the policy knows the cap.
+- ``bound(a, c, cap)`` = (1 − 2a/C)/c bounds the rate at which every request's latency (the
+  MAXIMUM, not the P95) stays under C: a request waits at most one batch and runs in the next,
+  so 2·L(b) ≤ C. A P95 cap lets 5 % run longer, so a knee by attainment can sit a little above it.
+- Oracle knee: the best λ_max over the static grid (batch × wait), with Ray's eager formation
+  and with the lazy gate (``static:B:W:gate``), each point its own arm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpubroker.sim.arrivals import split_rates
@@ -39,7 +44,49 @@ ORACLE_WAITS_MS = (
     30.0,
     50.0,
 )  # BENCHMARK.md's grid plus 30/50 ms (eager batching needs longer waits)
-COMPLETION_MIN = 0.99
+ATTAINMENT_MIN = 0.99
+DEADLINE_CAPS = 5.0  # a request unanswered 5 caps after it was sent is ended (a miss anyway)
+
+
+@dataclass(frozen=True)
+class ArmRules:
+    """The rules every arm of a comparison runs under (BENCHMARK.md, "One rule for every arm")."""
+
+    deadline_caps: float = DEADLINE_CAPS  # per-request deadline, in caps (request_timeout_s = this × cap)
+    shed: bool = False  # True: every arm sheds a request that can no longer meet the cap; False: none does
+    attainment_min: float = ATTAINMENT_MIN  # a rate passes when answered-within-cap / offered ≥ this
+
+    def deadline_s(self, cap_ms: float) -> float:
+        return self.deadline_caps * cap_ms / 1000.0
+
+    def apply(self, config: FleetConfig) -> FleetConfig:
+        """A copy of the config whose models carry this deadline and shedding rule."""
+        models = {
+            n: s.model_copy(update={"request_timeout_s": self.deadline_s(s.slo_p95_ms), "shed_late": self.shed})
+            for n, s in config.models.items()
+        }
+        return config.model_copy(update={"models": models})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "deadline_caps": self.deadline_caps,
+            "shed_at_cap": self.shed,
+            "attainment_min": self.attainment_min,
+            "late_answer": "miss",
+        }
+
+
+@dataclass(frozen=True)
+class Search:
+    """How a knee is searched, the same for every arm: climb by ``step`` from the start rate until
+    a rate fails, then ``bisect_iters`` bisections; ``max_runs`` bounds the runs (None: no bound)."""
+
+    step: float = 1.1
+    bisect_iters: int = 5
+    max_runs: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -61,9 +108,18 @@ class KneeResult:
     cap_ms: dict[str, float]  # per-model caps the search held the arm to
     knee_rps: float  # λ_max (total offered rate over the config's models)
     rows: list[dict[str, Any]] = field(default_factory=list)  # one per rate tried, in order
+    rules: ArmRules = ArmRules()  # the deadline and shedding rule the arm ran under
+    search: Search = Search()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "cap_ms": self.cap_ms, "knee_rps": self.knee_rps, "rows": self.rows}
+        return {
+            "policy": self.policy,
+            "cap_ms": self.cap_ms,
+            "knee_rps": self.knee_rps,
+            "rules": self.rules.to_dict(),
+            "search": self.search.to_dict(),
+            "rows": self.rows,
+        }
 
 
 def bound(a_ms: float, c_ms: float, cap_ms: float) -> float:
@@ -123,26 +179,33 @@ def rates_for(config: FleetConfig, total: float, split: str = "even") -> dict[st
     return dict(zip(names, split_rates(total, len(names), split)))
 
 
-def evaluate(result: SimResult) -> tuple[bool, str]:
-    """Pass when every model has P95 ≤ its cap and completed/offered ≥ 0.99."""
+def evaluate(result: SimResult, attainment_min: float = ATTAINMENT_MIN) -> tuple[bool, str]:
+    """Pass when every model answers ≥ ``attainment_min`` of its offered requests within its cap
+    (a late answer is a miss, as a refusal or a timeout is)."""
     for name, m in result.models.items():
         if m.offered == 0:
             continue
-        if m.p95_ms is None or m.p95_ms > m.cap_ms:
-            return (
-                False,
-                f"{name}: P95 {m.p95_ms if m.p95_ms is None else round(m.p95_ms, 1)} ms > cap {m.cap_ms:.1f} ms",
+        if m.attainment < attainment_min:
+            p95 = "none" if m.p95_ms is None else f"{m.p95_ms:.1f} ms"
+            return False, (
+                f"{name}: attainment {m.attainment:.4f} < {attainment_min} (cap {m.cap_ms:.1f} ms, P95 {p95}, "
+                f"answered {m.completed}/{m.offered})"
             )
-        ratio = m.completed / m.offered
-        if ratio < COMPLETION_MIN:
-            return False, f"{name}: completed/offered {ratio:.3f} < {COMPLETION_MIN}"
     return True, "ok"
 
 
-def run_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> SimResult:
+def run_at(
+    config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings, rules: ArmRules = ArmRules()
+) -> SimResult:
+    arm = policy if isinstance(policy, Arm) else parse_arm(policy)
+    if rules.shed and arm.kind == "static" and not arm.gated and rs.batching == "eager":
+        raise ValueError(
+            f"ArmRules.shed is True but arm {arm.label} (Ray's eager formation) cannot shed in the simulator; "
+            "use shed=False for every arm, or gated arms (static:B:W:gate)"
+        )
     return run_sim(
-        config,
-        policy,
+        rules.apply(config),
+        arm,
         rates_for(config, total, rs.split),
         rs.duration_s,
         arrivals=rs.arrivals,
@@ -178,22 +241,27 @@ def knee(
     start_rate: float,
     rs: RunSettings = RunSettings(),
     *,
-    step: float = 1.1,
-    bisect_iters: int = 5,
+    search: Search = Search(),
+    rules: ArmRules = ArmRules(),
+    step: float | None = None,
+    bisect_iters: int | None = None,
     max_rate: float | None = None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> KneeResult:
-    """λ_max of one arm: step from ``start_rate`` by ``step`` (×1.1) until a rate fails, then bisect.
-
-    If ``start_rate`` already fails, step down until one passes. ``max_rate`` stops the climb
-    (the knee is then reported as at least that rate).
-    """
+    """λ_max of one arm under ``rules``: ``search`` from ``start_rate`` (``step`` and
+    ``bisect_iters`` override the search's). If ``start_rate`` already fails, step down until one
+    passes. ``max_rate`` stops the climb (the knee is then reported as at least that rate)."""
+    search = replace(
+        search,
+        step=search.step if step is None else step,
+        bisect_iters=search.bisect_iters if bisect_iters is None else bisect_iters,
+    )
     label = policy.label if isinstance(policy, Arm) else str(policy)
     rows: list[dict[str, Any]] = []
 
     def ok(total: float) -> bool:
-        res = run_at(config, policy, total, rs)
-        good, why = evaluate(res)
+        res = run_at(config, policy, total, rs, rules)
+        good, why = evaluate(res, rules.attainment_min)
         row = _row(total, res, good, why)
         rows.append(row)
         if on_row:
@@ -201,9 +269,15 @@ def knee(
         return good
 
     caps = {n: float(s.slo_p95_ms) for n, s in config.models.items()}
-    return KneeResult(
-        label, caps, search_knee(ok, start_rate, step=step, bisect_iters=bisect_iters, max_rate=max_rate), rows
+    k = search_knee(
+        ok,
+        start_rate,
+        step=search.step,
+        bisect_iters=search.bisect_iters,
+        max_rate=max_rate,
+        max_runs=search.max_runs,
     )
+    return KneeResult(label, caps, k, rows, rules, search)
 
 
 def search_knee(
@@ -354,17 +428,25 @@ def knee_on_seeds(
     rs: RunSettings = RunSettings(),
     seeds: Sequence[int] = (0, 1, 2),
     *,
+    rules: ArmRules = ArmRules(),
     bisect_iters: int = 5,
     max_rate: float | None = None,
 ) -> dict[str, Any]:
-    """Seed 0's knee (``knee`` with ``rs.seed = seeds[0]``) and the knee that holds on every seed."""
-    from dataclasses import replace
-
-    k0 = knee(config, policy, start_rate, replace(rs, seed=seeds[0]), bisect_iters=bisect_iters, max_rate=max_rate)
+    """Seed 0's knee (``knee`` with ``rs.seed = seeds[0]``) and the knee that holds on every seed,
+    both under ``rules``."""
+    k0 = knee(
+        config,
+        policy,
+        start_rate,
+        replace(rs, seed=seeds[0]),
+        rules=rules,
+        bisect_iters=bisect_iters,
+        max_rate=max_rate,
+    )
     tried: list[dict[str, Any]] = []
 
     def passes(rate: float, seed: int) -> bool:
-        ok, why = evaluate(run_at(config, policy, rate, replace(rs, seed=seed)))
+        ok, why = evaluate(run_at(config, policy, rate, replace(rs, seed=seed), rules), rules.attainment_min)
         tried.append({"rate": round(rate, 3), "seed": seed, "pass": ok, "why": why})
         return ok
 
@@ -374,13 +456,17 @@ def knee_on_seeds(
         "seed0_knee_rps": k0.knee_rps,
         "held_knee_rps": held,
         "seeds": list(seeds),
+        "rules": rules.to_dict(),
+        "search": k0.search.to_dict(),
         "seed_rows": tried,
         "rows": k0.rows,
     }
 
 
-def passes_at(config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings) -> bool:
-    return evaluate(run_at(config, policy, total, rs))[0]
+def passes_at(
+    config: FleetConfig, policy: str | Arm, total: float, rs: RunSettings, rules: ArmRules = ArmRules()
+) -> bool:
+    return evaluate(run_at(config, policy, total, rs, rules), rules.attainment_min)[0]
 
 
 def oracle(
@@ -390,32 +476,37 @@ def oracle(
     batches: tuple[int, ...] = ORACLE_BATCHES,
     waits_ms: tuple[float, ...] = ORACLE_WAITS_MS,
     *,
+    gates: tuple[bool, ...] = (False, True),
+    rules: ArmRules = ArmRules(),
     bisect_iters: int = 5,
 ) -> tuple[float, str, list[dict[str, Any]]]:
     """Best λ_max over the static grid at the config's caps: (knee, arm label, per-arm rows).
 
-    Each grid point is its own arm. A point that cannot pass at the best knee found so far
-    cannot beat it (λ_max is taken as monotone in the rate) and is skipped after that one run;
+    Each grid point (batch × wait × formation: Ray's eager one, and the lazy gate when ``gates``
+    has True) is its own arm, under ``rules``. A point that cannot pass at the best knee found so
+    far cannot beat it (λ_max is taken as monotone in the rate) and is skipped after that one run;
     one whose saturated throughput is under the best knee is skipped without a run.
     """
     name0 = next(iter(config.models))
     prof = profile_for(name0, config.models[name0])
     best, best_arm = 0.0, ""
     arms: list[dict[str, Any]] = []
-    for b in batches:
-        sat = saturation(prof, b) if len(config.models) == 1 else float("inf")
-        for w in waits_ms:
-            arm = Arm("static", b, w)
-            if best > 0 and sat < best:
-                arms.append({"arm": arm.label, "knee_rps": None, "skipped": "saturates below the best knee"})
-                continue
-            if best > 0 and not passes_at(config, arm, best, rs):
-                arms.append({"arm": arm.label, "knee_rps": None, "skipped": f"fails at {best:.1f}/s"})
-                continue
-            k = knee(config, arm, best if best > 0 else start_rate, rs, bisect_iters=bisect_iters).knee_rps
-            arms.append({"arm": arm.label, "knee_rps": round(k, 2)})
-            if k > best:
-                best, best_arm = k, arm.label
+    for gated in gates:
+        for b in batches:
+            sat = saturation(prof, b) if len(config.models) == 1 else float("inf")
+            for w in waits_ms:
+                arm = Arm("static", b, w, gated)
+                if best > 0 and sat < best:
+                    arms.append({"arm": arm.label, "knee_rps": None, "skipped": "saturates below the best knee"})
+                    continue
+                if best > 0 and not passes_at(config, arm, best, rs, rules):
+                    arms.append({"arm": arm.label, "knee_rps": None, "skipped": f"fails at {best:.1f}/s"})
+                    continue
+                start = best if best > 0 else start_rate
+                k = knee(config, arm, start, rs, rules=rules, bisect_iters=bisect_iters).knee_rps
+                arms.append({"arm": arm.label, "knee_rps": round(k, 2)})
+                if k > best:
+                    best, best_arm = k, arm.label
     return best, best_arm, arms
 
 
@@ -446,57 +537,73 @@ def seed_validation(
     rs: RunSettings = RunSettings(),
     *,
     oracle_grid: bool = True,
+    rules: ArmRules = ArmRules(),
+    seeds: Sequence[int] = (0,),
     on_progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """The headline figures for a one-model profile config (BENCHMARK.md):
-    static 8 knee at cap S, broker knee at cap 1.2·S, oracle knee at 1.2·S, bound, ratios."""
+    """The headline figures for a one-model profile config (BENCHMARK.md), every arm under
+    ``rules`` and the same search, each knee held on every seed of ``seeds``: static 8 and the
+    broker at the same cap 1.2·S (the headline gain), static 8 at S (the 1.2·S-vs-S variant), the
+    oracle at 1.2·S (eager and gated grid searched on the first seed, its winner held), bound."""
     if len(config.models) != 1:
         raise ValueError(f"seed validation takes a one-model profile config; this one has {len(config.models)} models")
     say = on_progress or (lambda _msg: None)
     name = next(iter(config.models))
     prof = profile_for(name, config.models[name])
+    rs = replace(rs, seed=seeds[0])
     sat8, ref = reference_for(config, name, rs)
     s_ms = cap_s(config, name, rs, ref)
+    cap = 1.2 * s_ms
     say(
         f"{name}: a={prof.a_ms:g} c={prof.c_ms:g}  {rs.batching} batching: static 8 saturates at {sat8:.1f}/s, "
         f"reference {ref:.1f}/s, S = {s_ms:.1f} ms"
     )
-    cfg_s = with_cap(config, {name: s_ms})
-    cfg_b = with_cap(config, {name: 1.2 * s_ms})
-    k8 = knee(cfg_s, "static:8:10", ref, rs)
-    say(f"static 8 knee at S: {k8.knee_rps:.1f}/s")
-    kb = knee(cfg_b, "broker", ref, rs)
-    say(f"broker knee at 1.2·S: {kb.knee_rps:.1f}/s")
+    cfg_b = with_cap(config, {name: cap})
+    k8s = knee_on_seeds(with_cap(config, {name: s_ms}), "static:8:10", ref, rs, seeds, rules=rules)
+    k8 = knee_on_seeds(cfg_b, "static:8:10", ref, rs, seeds, rules=rules)
+    say(f"static 8 knee at S: {k8s['held_knee_rps']:.1f}/s, at 1.2·S: {k8['held_knee_rps']:.1f}/s")
+    kb = knee_on_seeds(cfg_b, "broker", ref, rs, seeds, rules=rules)
+    say(f"broker knee at 1.2·S: {kb['held_knee_rps']:.1f}/s")
+    b, s8, s8s = kb["held_knee_rps"], k8["held_knee_rps"], k8s["held_knee_rps"]
     out: dict[str, Any] = {
         "model": name,
         "a_ms": prof.a_ms,
         "c_ms": prof.c_ms,
         "batching": rs.batching,
+        "seeds": list(seeds),
+        "rules": rules.to_dict(),
+        "search": kb["search"],
         "static8_saturation_rps": sat8,
         "static8_saturation_lazy_rps": saturation(prof, 8),
         "reference_rps": ref,
         "S_ms": s_ms,
-        "cap_ms": 1.2 * s_ms,
-        "static8_knee_rps": k8.knee_rps,
-        "broker_knee_rps": kb.knee_rps,
-        "bound_rps": bound(prof.a_ms, prof.c_ms, 1.2 * s_ms),
-        "bound_batch": bound_batch(prof.a_ms, prof.c_ms, 1.2 * s_ms),
-        "gain": kb.knee_rps / k8.knee_rps if k8.knee_rps else None,
-        "broker_rows": kb.rows,
-        "static8_rows": k8.rows,
+        "cap_ms": cap,
+        "static8_knee_rps": s8,  # held, at the broker's cap 1.2·S
+        "static8_knee_at_S_rps": s8s,  # held, at S
+        "broker_knee_rps": b,  # held, at 1.2·S
+        "bound_rps": bound(prof.a_ms, prof.c_ms, cap),
+        "bound_batch": bound_batch(prof.a_ms, prof.c_ms, cap),
+        "gain": b / s8 if s8 else None,  # the headline: both arms at 1.2·S
+        "gain_vs_static8_at_S": b / s8s if s8s else None,  # the variant: broker at 1.2·S, static 8 at S
+        "broker": kb,
+        "static8": k8,
+        "static8_at_S": k8s,
         "settings": rs.__dict__,
     }
-    out["broker_vs_bound"] = kb.knee_rps / out["bound_rps"] if out["bound_rps"] else None
+    out["broker_vs_bound"] = b / out["bound_rps"] if out["bound_rps"] else None
     if oracle_grid:
-        ok, arm, arms = oracle(cfg_b, ref, rs)
+        _, arm, arms = oracle(cfg_b, ref, rs, rules=rules)
+        held = knee_on_seeds(cfg_b, arm, ref, rs, seeds, rules=rules)
+        ok = held["held_knee_rps"]
         say(f"oracle knee at 1.2·S: {ok:.1f}/s ({arm})")
         out.update(
             {
                 "oracle_knee_rps": ok,
                 "oracle_arm": arm,
                 "oracle_arms": arms,
-                "oracle_gain": ok / k8.knee_rps if k8.knee_rps else None,
-                "broker_vs_oracle": kb.knee_rps / ok if ok else None,
+                "oracle": held,
+                "oracle_gain": ok / s8 if s8 else None,
+                "broker_vs_oracle": b / ok if ok else None,
             }
         )
     return out
