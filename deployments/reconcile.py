@@ -69,10 +69,12 @@ from quotas.placement import Placement, place_fleet
 Groups = Mapping[str, Mapping[str, int]]  # model -> card id -> replicas (broker.wire.ServePlan.groups)
 
 
-def groups_of(placement: Placement, model: str) -> dict[str, int]:
-    """card id -> replicas of ``model`` under ``placement`` (the deploy-time one)."""
-    ids = placement.replicas.get(model, ())
-    return {cid: ids.count(cid) for cid in placement.cards_of(model)} if ids else {}
+def deployed_groups(placement: Placement) -> dict[str, dict[str, int]]:
+    """model -> card id -> replicas under ``placement`` (the deploy-time one), as a plan has them."""
+    out: dict[str, dict[str, int]] = {}
+    for g in placement.groups():
+        out.setdefault(g.model, {})[g.card_id] = g.replicas
+    return out
 
 
 def moved_actor_options(card: Card, num_cpus: float) -> dict[str, Any]:
@@ -189,7 +191,7 @@ class ServeReconciler:
         """The apps to deploy again so that Serve runs ``groups`` (the plan's), and what that changes."""
         cfg = self.cfg
         deployed = self.deployed()
-        current = self._cache.get("current") or {m: groups_of(deployed, m) for m in cfg.models}
+        current = self._cache.get("current") or deployed_groups(deployed)
         apps: list[ServeApp] = []
         redeployed: list[str] = []
         unplaced: list[str] = []
