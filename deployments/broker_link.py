@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.wire import StatsReport
+from broker.wire import ModelSettings, StatsReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -183,7 +183,7 @@ class BrokerLink:
                 version,
             )
 
-    async def register(self, calibration: dict[str, Any], version: int) -> dict[str, Any] | None:
+    async def register(self, calibration: dict[str, Any], version: int) -> ModelSettings | None:
         """The broker's settings for this model, or None (serve on what we have, retry later)."""
         try:
             handle = self._handle_or_lookup()
@@ -200,9 +200,9 @@ class BrokerLink:
             return None
         self.registered = True
         self._ok()
-        return reply
+        return ModelSettings.from_dict(reply)  # plain data over Ray, typed from here on
 
-    async def report(self, gauges: ReplicaGauges, engine: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    async def report(self, gauges: ReplicaGauges, engine: dict[str, Any] | None = None) -> ModelSettings | None:
         """Send the delta since the last report (``engine``: an LLM engine's report); the settings reply, or None."""
         now = self.clock()
         delta, self.delta = self.delta, StatsDelta(now)
@@ -227,4 +227,4 @@ class BrokerLink:
                 self.registered = False
             return None
         self._ok()
-        return reply
+        return ModelSettings.from_dict(reply)

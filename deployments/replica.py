@@ -246,8 +246,7 @@ class ModelReplica(ReplicaMemory):
         return True
 
     # ------------------------------------------------------------------ settings
-    def _apply(self, reply: dict[str, Any]) -> None:
-        new = ModelSettings.from_dict(reply)
+    def _apply(self, new: ModelSettings) -> None:
         if new.version == self.settings.version and self.registered and new == self.settings:
             return
         old = self.settings

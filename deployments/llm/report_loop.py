@@ -100,7 +100,7 @@ class EngineReporter:
         reply = await self.link.report(gauges, engine=report)
         if reply is None:
             return False
-        self.apply(ModelSettings.from_dict(reply))
+        self.apply(reply)
         return True
 
     def apply(self, settings: ModelSettings) -> dict[str, Any] | None:

@@ -143,23 +143,23 @@ def test_a_grant_lowered_while_a_batch_runs_is_set_when_it_ends(monkeypatch, tmp
         running = asyncio.ensure_future(r.infer([{"x": 1}]))
         assert await asyncio.to_thread(GateModel.started.wait, 30)
         lower = dataclasses.replace(r.settings, version=r.settings.version + 1, grant_bytes=128 * MIB)
-        r._apply(lower.to_dict())
+        r._apply(lower)
         assert limiter.grants == [] and r.enforce_pending  # not under the running batch
         lower2 = dataclasses.replace(r.settings, version=r.settings.version + 1, grant_bytes=64 * MIB)
-        r._apply(lower2.to_dict())
+        r._apply(lower2)
         assert limiter.grants == [] and r.enforce_pending
         lower = dataclasses.replace(r.settings, version=r.settings.version + 1, grant_bytes=128 * MIB)
-        r._apply(lower.to_dict())  # a raise under a running batch is set at once (it cuts nothing)
+        r._apply(lower)  # a raise under a running batch is set at once (it cuts nothing)
         assert limiter.grants == [128 * MIB] and not r.enforce_pending
         lower = dataclasses.replace(r.settings, version=r.settings.version + 1, grant_bytes=96 * MIB)
-        r._apply(lower.to_dict())
+        r._apply(lower)
         assert limiter.grants == [128 * MIB] and r.enforce_pending
         GateModel.release.set()
         assert (await running)["status"] == 200
         assert limiter.grants == [128 * MIB, 96 * MIB] and not r.enforce_pending  # set as it ended
         higher = dataclasses.replace(r.settings, version=r.settings.version + 1, grant_bytes=256 * MIB)
         GateModel.block, GateModel.release = False, threading.Event()
-        r._apply(higher.to_dict())  # no batch running: set at once
+        r._apply(higher)  # no batch running: set at once
         assert limiter.grants == [128 * MIB, 96 * MIB, 256 * MIB]
 
     asyncio.run(main())

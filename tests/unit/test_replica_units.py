@@ -136,7 +136,7 @@ def test_link_merges_an_unsent_delta_and_never_loses_counts():
         broker.fail = False
         clock.t = 2
         reply = await link.report(g)
-        assert reply is not None and reply["version"] == 3 and link.failures == 0
+        assert reply is not None and reply.version == 3 and link.failures == 0
 
     asyncio.run(run())
     assert len(broker.reports) == 1
