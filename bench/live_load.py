@@ -36,7 +36,7 @@ def burst(o: Opts) -> dict[str, Any]:
     opts = {"a_ms": a_ms, "c_ms": c_ms, "weights_bytes": weights, "bytes_per_item": item, "unit": "requests"}
 
     def spec(static: bool) -> dict[str, Any]:
-        rt, _ = timeouts(cap)
+        rt, _ = timeouts(cap, o.rules)
         quota = (
             {"min": "24MiB", "base": "64MiB", "max": "272MiB"}
             if not static
@@ -56,6 +56,8 @@ def burst(o: Opts) -> dict[str, Any]:
     sched = lg.merge(*[lg.plan(n, t, body) for n, t in zip(names, times)])
     res: dict[str, Any] = {
         "scenario": "burst",
+        "rules": o.rules.to_dict(),
+        "search": o.search.to_dict(),
         "machine": sc.machine_info(),
         "models": names,
         "a_ms": a_ms,
@@ -67,7 +69,7 @@ def burst(o: Opts) -> dict[str, Any]:
         "arms": {},
     }
     warm = {n: body for n in names}
-    _, client_t = timeouts(cap)
+    _, client_t = timeouts(cap, o.rules)
     with sc.Stack(direct_ingress=o.direct) as stack:
         for arm, static in (("broker", False), ("static-split", True)):
             tgt = fleet_target(stack, {n: spec(static) for n in names}, arm, warm, capacity="192MiB")
@@ -127,6 +129,8 @@ def overhead(o: Opts) -> dict[str, Any]:
     rates = {"half": 0.5 * sat, "saturated": 1.15 * sat}
     res: dict[str, Any] = {
         "scenario": "overhead",
+        "rules": o.rules.to_dict(),
+        "search": o.search.to_dict(),
         "machine": sc.machine_info(),
         "workload": w.label,
         "batch": batch,
@@ -208,7 +212,7 @@ def trace(o: Opts) -> dict[str, Any]:
     scales = (1.0, 4.0) if o.quick else (1.0, 4.0, 8.0)
     # bursty (gap CV ~13): 20 s measured windows (16 s in --quick), every seed a different stretch
     o = Opts(**{**o.__dict__, "duration_s": o.warmup_s + (16.0 if o.quick else 20.0) + o.cooldown_s})
-    rt, client_t = timeouts(cap)
+    rt, client_t = timeouts(cap, o.rules)
 
     def spec(static: bool) -> dict[str, Any]:
         s = sc.profiled_spec(a_ms, c_tok, cap, window_s=10.0)
@@ -222,6 +226,8 @@ def trace(o: Opts) -> dict[str, Any]:
     bodyf = lambda t: lg.default_body("profiled", int(t))  # noqa: E731
     res: dict[str, Any] = {
         "scenario": "trace",
+        "rules": o.rules.to_dict(),
+        "search": o.search.to_dict(),
         "machine": sc.machine_info(),
         "a_ms": a_ms,
         "c_ms_per_token": c_tok,

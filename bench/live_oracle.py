@@ -76,6 +76,8 @@ def oracle(o: Opts) -> dict[str, Any]:
     cands = screen_grid(w, cap, rates, top, o)
     res: dict[str, Any] = {
         "scenario": "oracle",
+        "rules": o.rules.to_dict(),
+        "search": o.search.to_dict(),
         "machine": sc.machine_info(),
         "workload": w.label,
         "cap_ms": cap,
@@ -88,7 +90,7 @@ def oracle(o: Opts) -> dict[str, Any]:
     }
     warm = {w.model: w.body}
     with sc.Stack(direct_ingress=o.direct) as stack:
-        br = fleet_target(stack, {w.model: w.spec(cap)}, "brk", warm)
+        br = fleet_target(stack, {w.model: w.spec(cap, o.rules)}, "brk", warm)
         try:
             broker_rows: dict[float, list[sc.Measurement]] = {}
             for r in rates:
@@ -102,7 +104,7 @@ def oracle(o: Opts) -> dict[str, Any]:
             for c in cands[r]:
                 arms.setdefault((c["batch"], c["wait_ms"]), []).append(r)
         (b0, w0), _ = next(iter(arms.items()))
-        st = fleet_target(stack, {w.model: w.static_spec(cap, b0, w0)}, "grid", warm)
+        st = fleet_target(stack, {w.model: w.static_spec(cap, b0, w0, o.rules)}, "grid", warm)
         static_rows: dict[float, dict[str, sc.Measurement]] = {r: {} for r in rates}
         try:
             for (b, wt), rs_ in arms.items():
@@ -201,6 +203,8 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
     )
     res: dict[str, Any] = {
         "scenario": "oracle-knee",
+        "rules": o.rules.to_dict(),
+        "search": o.search.to_dict(),
         "machine": sc.machine_info(),
         "workload": w.label,
         "cap_ms": cap,
@@ -213,7 +217,9 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
     }
     warm = {w.model: w.body}
     with sc.Stack(direct_ingress=o.direct) as stack:
-        st = fleet_target(stack, {w.model: w.static_spec(cap, cands[0]["batch"], cands[0]["wait_ms"])}, "oknee", warm)
+        st = fleet_target(
+            stack, {w.model: w.static_spec(cap, cands[0]["batch"], cands[0]["wait_ms"], o.rules)}, "oknee", warm
+        )
         try:
             for c in cands:
                 b, wt = c["batch"], c["wait_ms"]
@@ -221,9 +227,9 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
                 kn, rows = sc.live_knee(
                     lambda r: run_arm(st, w.model, r, 0, cap, o, w.body),
                     start,
-                    step=1.1,
-                    bisect_iters=1,
-                    max_runs=3 if o.quick else 5,
+                    step=o.search.step,
+                    bisect_iters=o.search.bisect_iters,
+                    max_runs=o.search.max_runs or 12,
                     on_row=say_row(o, f"static {b}/{wt:g}"),
                 )
                 res["arms"].append({"arm": c["arm"], "knee_rps": kn, "rows": rows})

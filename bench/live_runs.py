@@ -18,6 +18,9 @@ from bench import loadgen as lg
 from bench import scenarios as sc
 from bench.tagged import TAGGED
 from gpubroker.sim import arrivals as arr
+from gpubroker.sim.knee import ArmRules, Search
+
+DEFAULT_RULES = ArmRules()  # every arm of a comparison runs under one rule (BENCHMARK.md)
 
 
 @dataclass
@@ -43,6 +46,9 @@ class Opts:
     # Serve's direct ingress (deployments.direct_ingress): a one-model fleet's load goes to its
     # replica's own port instead of the proxy; fleets of several models still load through the proxy
     direct: bool = False
+    # every arm of a comparison: one deadline and shedding rule, one knee search (BENCHMARK.md)
+    rules: ArmRules = field(default_factory=ArmRules)
+    search: Search = field(default_factory=lambda: Search(step=1.15, bisect_iters=2, max_runs=6))
     log: Callable[[str], None] = print
     out: dict[str, Any] = field(default_factory=dict)
 
@@ -59,15 +65,17 @@ class Opts:
                 min_requests=100,
                 min_window_s=5.0,
                 max_window_s=16.0,
+                search=Search(step=1.15, bisect_iters=1, max_runs=4),
                 **kw,
             )
         return cls(quick=False, **kw)
 
 
-def timeouts(cap_ms: float) -> tuple[float, float]:
-    """(replica request_timeout_s, client timeout_s): a request 5 caps late is a miss anyway."""
-    rt = max(2.0, 5.0 * cap_ms / 1000.0)
-    return rt, rt + 3.0
+def timeouts(cap_ms: float, rules: ArmRules = DEFAULT_RULES) -> tuple[float, float]:
+    """(replica request_timeout_s, client timeout_s) under ``rules``, the same for every arm: the
+    replica ends a request at the deadline (a miss anyway); the client waits 1 s more for its 504."""
+    rt = rules.deadline_s(cap_ms)
+    return rt, rt + 1.0
 
 
 def run_length(o: Opts, rate: float, adaptive: bool) -> tuple[float, float]:
@@ -146,7 +154,7 @@ def run_arm(
     else:
         times, warm, duration = knee_arrivals(o, rate, seed, dynamic or getattr(target, "kind", "") == "bentoml")
     sched = lg.plan(model, times, bodyf or body, tokens)
-    _, client_t = timeouts(cap_ms)
+    _, client_t = timeouts(cap_ms, o.rules)
     seq0 = sc.decisions_since(target, 0, model)[1] if dynamic else 0
     m = sc.measure(
         target,
@@ -224,20 +232,26 @@ class Workload:
     def ref(self) -> str:
         return TAGGED[self.kind]
 
-    def spec(self, cap_ms: float) -> dict[str, Any]:
-        rt, _ = timeouts(cap_ms)
+    def spec(self, cap_ms: float, rules: ArmRules = DEFAULT_RULES) -> dict[str, Any]:
+        rt, _ = timeouts(cap_ms, rules)
         if self.kind == "minilm":
             s = sc.minilm_spec(cap_ms, ceiling=128 * self.tokens, floor=self.tokens)
         else:
             s = sc.profiled_spec(self.options["a_ms"], self.options["c_ms"], cap_ms)
             s["options"] = dict(self.options)
         s["request_timeout_s"] = rt
+        s["shed_late"] = rules.shed
         s["wait"]["max_ms"] = max(50.0, 5 * self.static_wait_ms)
         return s
 
-    def static_spec(self, cap_ms: float, batch: int, wait_ms: float) -> dict[str, Any]:
+    def static_spec(self, cap_ms: float, batch: int, wait_ms: float, rules: ArmRules = DEFAULT_RULES) -> dict[str, Any]:
+        if rules.shed:
+            raise ValueError(
+                "ArmRules.shed is True, but a static arm (control.strategy: static) cannot shed at the cap; "
+                "use shed=False for every arm"
+            )
         b = batch * self.tokens if self.kind == "minilm" else batch  # token models: B × request length
-        return sc.pin_static(self.spec(cap_ms), b, wait_ms)
+        return sc.pin_static(self.spec(cap_ms, rules), b, wait_ms)
 
 
 def profiled_workload(k: float, a_ms: float = 20.0, c_ms: float = 0.5) -> Workload:
@@ -281,12 +295,24 @@ def fleet_target(
     return stack.deploy_fleet(text, app=f"fleet-{tag}", warm_models=warm)
 
 
+def peer_max_latency_ms(cap_ms: float, rules: ArmRules) -> float:
+    """BentoML refuses a request it predicts later than ``max_latency_ms``: at the cap when every
+    arm sheds, else at the deadline every arm has (where a request is a miss anyway)."""
+    return cap_ms if rules.shed else 1000.0 * rules.deadline_s(cap_ms)
+
+
 def start_peer(stack: sc.Stack, w: Workload, cap_ms: float, max_batch: int, o: Opts) -> Any:
     from bench.peer.runner import PeerServer, ensure_venv
 
     ensure_venv(o.log)
     p = PeerServer(
-        w.ref, w.options, w.model, max_batch, cap_ms, sc.free_port(), log_path="/tmp/gpubroker-bench-peer.log"
+        w.ref,
+        w.options,
+        w.model,
+        max_batch,
+        peer_max_latency_ms(cap_ms, o.rules),
+        sc.free_port(),
+        log_path="/tmp/gpubroker-bench-peer.log",
     )
     p.wait_ready(json.loads(w.body))
     return p

@@ -34,8 +34,9 @@ def code_version() -> dict[str, Any]:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout.strip()
 
-    dirty = git("status", "--porcelain", "--", "gpubroker", "broker", "deployments", "quotas", "bench")
-    return {"commit": git("rev-parse", "--short=12", "HEAD"), "dirty_paths": len(dirty.splitlines())}
+    status = git("status", "--porcelain", "--", "gpubroker", "broker", "deployments", "quotas", "bench")
+    dirty = [line[3:] for line in status.splitlines() if not line[3:].startswith("bench/results/")]
+    return {"commit": git("rev-parse", "--short=12", "HEAD"), "dirty_paths": dirty}
 
 
 def knee_figures(config: str, say: Any) -> dict[str, Any]:

@@ -28,7 +28,8 @@ def _require_bench() -> None:
 def bench(
     scenario: str = typer.Argument(
         ...,
-        help="seed | oracle | burst | overhead | trace | oracle-knee, report (RESULTS.md from --out), lending "
+        help="seed | oracle | burst | overhead | trace | oracle-knee, report (bench/RESULTS.md and README.md's table "
+        "from the JSON committed under bench/results/), lending "
         "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), or scale "
         "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
         "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)",
@@ -66,8 +67,8 @@ def bench(
 ) -> None:
     """Run one benchmark scenario (live ones on Ray Serve; lending, scale, llm without Ray) or report.
 
-    The live scenarios start and tear down their own apps; report rebuilds bench/RESULTS.md's
-    tables from the results under --out (full runs) and --out/quick (--quick runs)."""
+    The live scenarios start and tear down their own apps; report writes bench/RESULTS.md and the
+    README's results table from the JSON committed under bench/results/ (bench.results)."""
     _require_bench()
     import json
     import sys
@@ -97,19 +98,15 @@ def bench(
         print(json.dumps(res, default=str) if as_json else lending.table(res))
         typer.echo(f"wrote {out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
         return
-    if scenario == "report":  # RESULTS.md's tables from what the scenarios wrote under --out
+    if scenario == "report":  # RESULTS.md and the README's table from the JSON committed under bench/results/
         from bench import results
 
-        if not any((out / f"{s}.json").exists() or (out / "quick" / f"{s}.json").exists() for s in results.SCENARIOS):
-            typer.echo(
-                f"no scenario results under {out} (nor {out / 'quick'}); run `gpubroker bench SCENARIO --out {out}` "
-                f"(and `--quick --out {out / 'quick'}`) first",
-                err=True,
-            )
+        try:
+            results.write()
+        except (OSError, ValueError) as exc:
+            typer.echo(f"gpubroker bench report: {exc}", err=True)
             raise typer.Exit(2) from None
-        target = Path("bench/RESULTS.md")
-        results.write(target, results.build(out, plots_dir=target.parent / "results"))
-        typer.echo(f"wrote {target} (tables below its marker line) and its plots under {target.parent / 'results'}")
+        typer.echo(f"wrote bench/RESULTS.md and README.md's results table from {results.ROOT}/")
         return
     if scenario not in SCENARIO_NAMES:
         typer.echo(

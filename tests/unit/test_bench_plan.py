@@ -2,18 +2,14 @@
 
 - knee runs size their window by the rate, and every arm of a comparison sees the same
   arrivals in its measured window whatever its warm-up;
-- ``bench.results`` checks each target against the numbers it is given and keeps the
-  hand-written part of RESULTS.md.
+- every arm runs under the same deadline (``ArmRules``), BentoML included.
 """
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
-from bench import results
 from bench.live_runs import Opts, knee_arrivals, run_length
 from gpubroker.sim import arrivals as arr
 
@@ -88,95 +84,6 @@ def test_static_and_adaptive_arms_measure_the_same_arrivals(rate):
     assert len(t_b) != len(t_a) or not np.allclose(t_b, t_a)
 
 
-def _docs(gain_ok: bool) -> dict[str, dict]:
-    prof = {
-        "workload": "profiled a=20 c=0.5",
-        "gain": 11.0 if gain_ok else 2.0,
-        "S_ms": 600.0,
-        "bound_rps": 70.0,
-        "broker_vs_bound": 0.7,
-        "static8": {"knee_rps": 4.5},
-        "broker": {"knee_rps": 49.5},
-        "bentoml": {"knee_rps": 55.0},
-        "broker_vs_bentoml": 0.9,
-    }
-    return {
-        "seed": {"results": [prof], "runtime_s": 700.0, "command": "gpubroker bench seed --out bench/out"},
-        "oracle": {
-            "rates": [
-                {"rate_rps": 5.0, "oracle_ratio": 1.0, "oracle_ratio_floor": 1.0},
-                {"rate_rps": 50.0, "oracle_ratio": 0.93, "oracle_ratio_floor": 0.97},
-            ],
-            "runtime_s": 950.0,
-            "command": "gpubroker bench oracle --out bench/out",
-        },
-        "burst": {
-            "models": ["alpha", "beta", "gamma"],
-            "burst": {"factor": 5.0},
-            "arms": {
-                "broker": {
-                    "in_burst": {"alpha": {"attainment": 0.995}},
-                    "summary": {"beta": {"attainment": 1.0}, "gamma": {"attainment": 0.999}},
-                    "ooms": {"alpha": 0, "beta": 0, "gamma": 0},
-                },
-                "static-split": {"in_burst": {"alpha": {"attainment": 0.2}}},
-            },
-        },
-    }
-
-
-def test_targets_are_checked_against_the_numbers():
-    rows = {t.split(" (")[0].split(" ≥")[0]: v for t, _, v in results.targets(_docs(gain_ok=True))}
-    assert rows["knee gain"].startswith("**met**")
-    assert rows["broker knee"].startswith("**missed**") and "by 10 %" in rows["broker knee"]
-    assert rows["oracle ratio"].startswith("**missed**")  # 0.93 at one rate
-    assert next(v for k, v in rows.items() if k.startswith("burst")).startswith("**met**")
-    bad = {t.split(" ≥")[0]: v for t, _, v in results.targets(_docs(gain_ok=False))}
-    assert bad["knee gain"].startswith("**missed**")
-
-
-def test_burst_with_an_oom_is_missed():
-    docs = _docs(gain_ok=True)
-    docs["burst"]["arms"]["broker"]["ooms"]["beta"] = 1
-    v = next(v for t, _, v in results.targets(docs) if t.startswith("burst"))
-    assert v.startswith("**missed**")
-
-
-def test_runtimes_flag_runs_over_the_limits():
-    full = _docs(gain_ok=True)
-    quick = {"seed": {"runtime_s": 190.0, "command": "gpubroker bench seed --quick"}}
-    text = "\n".join(results.runtimes(full, quick))
-    assert "700 s ✓" in text and "950 s ✗ over 15 min" in text and "190 s ✗ over 3 min" in text
-
-
-def test_report_keeps_the_hand_written_part(tmp_path):
-    out = tmp_path / "out"
-    (out / "quick").mkdir(parents=True)
-    doc = {
-        "scenario": "overhead",
-        "workload": "w",
-        "batch": 16,
-        "wait_ms": 300.0,
-        "machine": {},
-        "runs": [],
-        "saturated_throughput_ratio": 0.98,
-        "half_throughput_ratio": 1.0,
-        "half_p50_ratio": 1.0,
-        "overhead_ratio": 0.98,
-        "runtime_s": 300.0,
-        "command": "gpubroker bench overhead",
-    }
-    (out / "overhead.json").write_text(json.dumps(doc))
-    md = tmp_path / "RESULTS.md"
-    md.write_text("# Results\n\nWhy the numbers are what they are.\n\n" + results.MARKER + "\nstale tables\n")
-    results.write(md, results.build(out))
-    text = md.read_text()
-    assert text.startswith("# Results\n\nWhy the numbers are what they are.")
-    assert "stale tables" not in text
-    assert text.count(results.MARKER) == 1
-    assert "**0.980**" in text and "**met**" in text
-
-
 def test_arrivals_option_is_checked_and_gamma_is_burstier():
     from bench.live_runs import draw_arrivals, parse_arrivals
 
@@ -189,3 +96,19 @@ def test_arrivals_option_is_checked_and_gamma_is_burstier():
     o = Opts(arrivals="gamma:2")
     t, _, _ = knee_arrivals(o, 20.0, 0, adaptive=True)
     assert cv(t) > 1.4
+
+
+def test_every_arm_gets_the_same_deadline_and_none_sheds():
+    from bench.live_runs import peer_max_latency_ms, profiled_workload, timeouts
+    from gpubroker.sim.knee import ArmRules
+
+    w, cap = profiled_workload(10.0), 600.0
+    rules = Opts.make(False).rules
+    broker, static = w.spec(cap, rules), w.static_spec(cap, 8, 100.0, rules)
+    deadline_s = timeouts(cap, rules)[0]
+    assert broker["request_timeout_s"] == static["request_timeout_s"] == deadline_s == pytest.approx(3.0)
+    assert not broker["shed_late"] and not static["shed_late"]
+    assert peer_max_latency_ms(cap, rules) == pytest.approx(1000 * deadline_s)  # BentoML: no refusal at the cap
+    assert peer_max_latency_ms(cap, ArmRules(shed=True)) == cap
+    with pytest.raises(ValueError, match="ArmRules.shed"):
+        w.static_spec(cap, 8, 100.0, ArmRules(shed=True))

@@ -1,0 +1,50 @@
+"""Every figure from a command: bench/RESULTS.md and the README's results table, as committed, are
+what ``gpubroker bench report`` (``bench.results``) writes from the JSON committed under bench/results/."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import results
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_results_md_as_committed_is_what_the_report_writes(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    committed = (ROOT / "bench/RESULTS.md").read_text(encoding="utf-8")
+    assert committed == results.build(), "bench/RESULTS.md differs: run `gpubroker bench report` and commit it"
+
+
+def test_readme_table_as_committed_is_what_the_report_writes(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert results.glance() in readme, "README.md's results table differs: run `gpubroker bench report`"
+    assert results.with_glance(readme, results.glance()) == readme
+
+
+def test_a_figure_without_its_file_is_not_reported(tmp_path):
+    (tmp_path / "sim").mkdir()
+    shutil.copy(ROOT / "bench/results/sim/knee-a20.json", tmp_path / "sim/knee-a20.json")
+    text = results.build(tmp_path)
+    assert "## Knee gain and the oracle" in text and "bench/results/sim/knee-a20.json" in text
+    assert "Where memory binds" not in text and "Live stack" not in text
+    assert "lending" not in results.glance(tmp_path)
+
+
+def test_the_headline_is_the_gain_at_one_cap_and_names_the_variant(tmp_path):
+    doc = json.loads((ROOT / "bench/results/sim/knee-a20.json").read_text(encoding="utf-8"))
+    doc.update(gain=2.0, gain_vs_static8_at_S=3.0)
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "sim/knee-a20.json").write_text(json.dumps(doc))
+    assert "| **2.00×** |" in results.build(tmp_path)
+    assert "knee gain a=20 c=0.5 (1.2·S vs S) | 2.0× (3.0×) |" in results.glance(tmp_path)
+
+
+def test_the_readme_needs_its_markers():
+    with pytest.raises(ValueError, match="results:begin"):
+        results.with_glance("# a README without the block\n", "table")
