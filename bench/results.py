@@ -59,6 +59,8 @@ def _x(v: Any, nd: int = 2) -> str:
 def _origin(doc: dict[str, Any]) -> str:
     code = doc.get("code") or {}
     paths = code.get("dirty_paths") or []
+    if isinstance(paths, int):  # an early file counted them
+        paths = [f"{paths} paths"]
     dirty = f" with uncommitted changes in {', '.join(paths)}" if paths else ""
     return f"`{doc['_file']}`, written by `{doc.get('command')}` on commit {code.get('commit')}{dirty}"
 
@@ -145,6 +147,12 @@ def ablation_section(docs: dict[str, Any]) -> list[str]:
     return out
 
 
+def _largest_part(ablation: dict[str, float]) -> str:
+    """The ablation row, one part on alone, with the highest fleet goodput."""
+    alone = {k: v for k, v in ablation.items() if not k.startswith(("none", "all on"))}
+    return max(alone, key=lambda k: alone[k]) if alone else "–"
+
+
 def lending_section(docs: dict[str, Any]) -> list[str]:
     d = docs.get("lending")
     if not d:
@@ -170,10 +178,10 @@ def lending_section(docs: dict[str, Any]) -> list[str]:
         f"{t['target_gain']}×) and {_x(b / shed_static if shed_static else None)} over the shedding static split. "
         "What wins the burst, from the ablation (one part on at a time, fleet goodput): "
         + "; ".join(f"{k} {fmt(v, 1)}/s" for k, v in abl.items())
-        + ". Late shedding is the largest single part; the static split that does not shed "
+        + f". The largest single part: {_largest_part(abl)}; the static split that does not shed "
         f"({fmt(arms['static-split']['fleet_goodput_rps'], 1)}/s) runs under another rule and is not compared. "
-        f"Independent bursts (seeds {d['independent'].get('seeds', '0-2')}): broker never below the static split "
-        f"on any model: {t['independent_never_worse']}.",
+        f"Independent bursts (seeds {', '.join(map(str, d['independent'].get('seeds', {})))}): the broker is never "
+        f"below the static split on any model: {t['independent_never_worse']}.",
         "",
         f"Source: {_origin(d)}.",
     ]
