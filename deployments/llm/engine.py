@@ -109,7 +109,9 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of them, found in the cache (cumulative)
     last_restart_s: float = 0.0  # the last KV resize's shutdown + start, in seconds
     restart_s_total: float = 0.0  # every KV resize's shutdown + start, summed
-    seq_tokens_mean: float = 0.0  # prompt + output tokens per sequence, recent completions (0: none yet)
+    seq_tokens_mean: float = (
+        0.0  # tokens a sequence holds in the cache over its life (prompt + half its output), recent mean
+    )
     asleep: bool = False  # the engine sleeps (CUDA sleep mode level 1: KV cache freed)
 
     @property

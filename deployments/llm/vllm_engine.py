@@ -201,7 +201,7 @@ class _Counters:
     decode_s: float = 0.0
     ttft_ms: deque = field(default_factory=deque)
     tpot_ms: deque = field(default_factory=deque)
-    seq_tokens: deque = field(default_factory=deque)  # prompt + output of recent completions
+    seq_tokens: deque = field(default_factory=deque)  # prompt + half the output of recent completions
 
 
 class VllmEngine:
@@ -419,7 +419,9 @@ class VllmEngine:
             c.failed += 1
         else:
             c.finished += 1
-            c.seq_tokens.append(len(seq.prompt_ids) + seq.generated)
+            c.seq_tokens.append(
+                len(seq.prompt_ids) + seq.generated / 2.0
+            )  # its cache footprint, averaged over its life
             if seq.first_s is not None and seq.last_s is not None:
                 c.ttft_ms.append((seq.first_s - seq.accepted_s) * 1000.0)
                 c.prefill_s += max(0.0, seq.first_s - seq.admitted_s)
