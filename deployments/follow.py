@@ -3,7 +3,7 @@
 The broker publishes a ``broker.wire.ServePlan`` and calls nobody. ``PlanFollower`` runs in the
 fleet API's replica (``deployments.ingress.FleetApi``), every ``max(1 s, control_interval_s)``:
 
-1. with a reconciler (a fleet of many cards deployed by ``gpubroker up``): tell the broker which
+1. with a reconciler (a fleet of many cards deployed by ``gpubroker up``): tell the broker that a
    follower applies re-placements (``follow_placement``, idempotent: a restarted broker hears it
    again) and which cards' nodes are in the Ray cluster (``observe_cards``; a node that left
    loses its cards at once);
@@ -43,8 +43,8 @@ class Reconciler(Protocol):
 
 
 class PlanFollower:
-    """One ``step`` pulls the plan and applies it. ``broker``: a handle of the broker actor (or a
-    stand-in with the same ``<method>.remote`` calls, ``broker.wire.BrokerApi``)."""
+    """One ``step`` pulls the plan and applies it. ``get_broker``: looks up the broker actor's handle
+    (or a stand-in with the same ``<method>.remote`` calls, ``broker.wire.BrokerApi``)."""
 
     def __init__(
         self, get_broker: Callable[[], Any], scaler: ReplicaScaler, reconciler: Reconciler | None = None
