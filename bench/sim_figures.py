@@ -35,7 +35,7 @@ def code_version() -> dict[str, Any]:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout.strip()
 
     status = git("status", "--porcelain", "--", "gpubroker", "broker", "deployments", "quotas", "bench")
-    dirty = [line[3:] for line in status.splitlines() if not line[3:].startswith("bench/results/")]
+    dirty = [p for p in (line[3:] for line in status.splitlines()) if p.endswith(".py") and "/results/" not in p]
     return {"commit": git("rev-parse", "--short=12", "HEAD"), "dirty_paths": dirty}
 
 
