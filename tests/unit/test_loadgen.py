@@ -56,6 +56,17 @@ def test_passes_needs_p95_and_completion():
     assert lg.all_pass({"m": lg.summarize(ok, 10.0, 50.0)["m"]})
 
 
+def test_a_late_200_is_a_miss():
+    # 3 of 200 answered 200 but after the cap: P95 under the cap and every request answered, which
+    # the old rule passed; attainment 197/200 < 0.99 fails it, as it would three refusals
+    late = [rec(i, 1 + i * 0.01, lat_ms=10.0) for i in range(197)] + [
+        rec(3000 + i, 6 + i * 0.01, lat_ms=80.0) for i in range(3)
+    ]
+    s = lg.summarize(late, 10.0, 50.0, warmup_s=1.0)["m"]
+    assert s.completed == s.offered == 200 and s.p95_ms is not None and s.p95_ms <= 50.0
+    assert s.attainment == pytest.approx(0.985) and s.passes is False
+
+
 def test_no_cap_means_every_completion_is_good():
     s = lg.summarize([rec(0, 0.1, lat_ms=1e6)], 1.0)["m"]
     assert s.good == 1 and s.passes is None
