@@ -19,7 +19,6 @@ the wait timeout, inside [min_ms, max_ms]. Pure.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from broker.control.latency_model import LatencyFit
@@ -45,8 +44,7 @@ class PlanTarget(NamedTuple):
     run_cap: int | None = None  # lazy: the batch the grant holds now (the wait plans for it)
 
 
-@dataclass(frozen=True)
-class BatchPlan:
+class BatchPlan(NamedTuple):
     """What the latency model says for the current arrival rate (per replica)."""
 
     batch: float  # batch that keeps utilisation at ``rho`` (the batch the wait timeout fills)

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from broker.control.batch_rules import cap_top
 from broker.control.latency_model import LatencyFit
@@ -86,8 +86,7 @@ def step_kind(step: int) -> MoveKind:
     return RECLAIM_STEPS[min(step, len(RECLAIM_STEPS)) - 1]
 
 
-@dataclass(frozen=True)
-class QuotaPlan:
+class QuotaPlan(NamedTuple):
     """What ``plan_quota`` decided for one tick; its inputs are left as they were."""
 
     ledger: QuotaLedger  # the ledger after this tick's moves (a copy; the caller's is untouched)
@@ -97,12 +96,11 @@ class QuotaPlan:
     new_donors: frozenset[str]  # models whose grant dropped this tick (the caller records their new version)
     reclaim_steps: Mapping[str, int]  # borrower -> escalation step reached (1 cache, 2 drain, 3 restart)
     restart_tokens: Mapping[str, int]  # model -> restart token (only ever rises)
-    lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
-    lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent (this loan spell)
+    lend_scale: Mapping[str, float]  # model -> idle-hold multiplier (lend regret)
+    lent_at: Mapping[str, float]  # model -> when it last lent (this loan spell)
 
 
-@dataclass(frozen=True)
-class ConfirmGate:
+class ConfirmGate(NamedTuple):
     """Whether a donor's reports may confirm its transfers, and why (``confirm_gate``)."""
 
     ok: bool
@@ -216,8 +214,7 @@ def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None, explain: bool
 
 
 # ------------------------------------------------------------------ one tick's plan
-@dataclass(frozen=True)
-class QuotaInputs:
+class QuotaInputs(NamedTuple):
     """What one tick's quota plan reads of the tick: the load and each model's batch step."""
 
     snapshot: FleetSnapshot
@@ -225,19 +222,18 @@ class QuotaInputs:
     states: Mapping[str, ModelState]  # each model's state after its batch step this tick
     wants: Mapping[str, BatchWant]  # each model's wanted cap after anti-oscillation
     memory: Mapping[str, MemoryModel]  # each model's ``MemoryModel.from_load`` of this snapshot
-    need_bytes: Mapping[str, int] = field(default_factory=dict)  # LLM engines' wanted grants (llm_window)
+    need_bytes: Mapping[str, int]  # LLM engines' wanted grants (llm_window)
 
 
-@dataclass(frozen=True)
-class LendingBook:
+class LendingBook(NamedTuple):
     """What the quota plan carries from tick to tick (``broker.control.policy.PolicyState`` keeps it)."""
 
     ledger: QuotaLedger
-    confirm_after: Mapping[str, int] = field(default_factory=dict)  # donor -> version its confirm waits for
-    reclaim_steps: Mapping[str, int] = field(default_factory=dict)  # borrower -> escalation step reached
-    restart_tokens: Mapping[str, int] = field(default_factory=dict)  # model -> restart token
-    lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
-    lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent
+    confirm_after: Mapping[str, int]  # donor -> version its confirm waits for
+    reclaim_steps: Mapping[str, int]  # borrower -> escalation step reached
+    restart_tokens: Mapping[str, int]  # model -> restart token
+    lend_scale: Mapping[str, float]  # model -> idle-hold multiplier (lend regret)
+    lent_at: Mapping[str, float]  # model -> when it last lent
 
 
 def plan_quota(inputs: QuotaInputs, book: LendingBook) -> QuotaPlan:

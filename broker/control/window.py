@@ -22,9 +22,9 @@ from array import array
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
+from typing import NamedTuple
 
 from broker.control.attainment import attainment, met_and_total
 from broker.control.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
@@ -390,8 +390,7 @@ def stale_after_s(config: FleetConfig) -> float:
     return max(2.0, 5.0 * config.broker.report_interval_s)
 
 
-@dataclass(frozen=True)
-class LiveReplicas:
+class LiveReplicas(NamedTuple):
     """A model's live replicas (a report within ``stale_after_s``), their newest reports summed."""
 
     queue: int  # queue depths
@@ -401,8 +400,7 @@ class LiveReplicas:
     seen: tuple[ReplicaSeen, ...]  # in replica id order
 
 
-@dataclass(frozen=True)
-class RecentReports:
+class RecentReports(NamedTuple):
     """What the reports since the last snapshot, or of the last ~2 report intervals, say."""
 
     emergency: bool  # a fast-loop shrink since the last snapshot
