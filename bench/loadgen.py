@@ -12,7 +12,7 @@
   count; offered and completed rate, attainment (share of offered that finished 200 within
   the cap: drops, rejections and timeouts are misses), goodput, nearest-rank P50/P95/P99 of
   the completed, rejections (503), timeouts (504 or client), errors, and ``passes``
-  (P95 ≤ cap and completed/offered ≥ 0.99: the knee criterion of ``gpubroker.sim.knee``).
+  (attainment ≥ 0.99, a late answer a miss: the knee criterion of ``gpubroker.sim.knee``).
 - Optionally polls ``GET /v1/status`` every ``status_every_s`` during the run, for mean
   batch sizes, batch caps and quota over time.
 """

@@ -372,7 +372,7 @@ def live_knee(
     max_runs: int = 12,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
-    """λ_max of one target: largest rate whose run passes (P95 ≤ cap, completed/offered ≥ 0.99)."""
+    """λ_max of one target: largest rate whose run passes (attainment within the cap ≥ 0.99)."""
     rows: list[dict[str, Any]] = []
 
     def ok(rate: float) -> bool:

@@ -178,7 +178,7 @@ def simulate(
         else:
             console.print(
                 f"[bold]knee[/] of {arm.label}: {res.knee_rps:.1f} req/s "
-                f"(P95 ≤ cap {', '.join(f'{k} {v:g} ms' for k, v in res.cap_ms.items())}, completed/offered ≥ 0.99)"
+                f"(attainment within cap {', '.join(f'{k} {v:g} ms' for k, v in res.cap_ms.items())} ≥ 0.99)"
             )
         return
 
