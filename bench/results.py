@@ -235,9 +235,10 @@ hand (a test compares this file with what the command writes). How each figure i
 [docs/BENCHMARKS.md](../docs/BENCHMARKS.md). Regenerate the simulator's files with
 `.venv/bin/python -m bench.sim_figures`, then `.venv/bin/gpubroker bench report`.
 
-Not reported, for want of a committed result: the live burst (12.8×), the LLM engines (17.4 vs 3.0
-req/s), the live oracle and overhead runs, and "1,029 MiB with the limiter off"; a rerun writes them
-back through this command.
+Not reported, for want of a committed result: the live burst, oracle, oracle-knee, overhead, trace
+and cost-per-request runs, the LLM engines, and the memory limiter's figures; the scale runs'
+JSON is under `bench/results/2026-12-0*-scale/` (read by `bench/notes/2026-12-04-control-plane-cost.md`).
+A rerun that commits its JSON here comes back through this command.
 """
 
 
