@@ -24,8 +24,8 @@ def seed_md(res: dict[str, Any]) -> str:
     lines = [
         f"### seed: knee gain ({_machine(res)})",
         "",
-        "| workload | fitted a / c (ms) | static 8:10 saturation: lazy 8/(a+8c) / eager model / **measured** | ref rate (½ measured) | S | cap 1.2·S | static 8 knee @S, held on all seeds | broker knee @1.2·S, held | BentoML knee @1.2·S, held | bound (1−2a/C)/c | gain | broker/bound | broker/BentoML |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | fitted a / c (ms) | static 8:10 saturation: lazy 8/(a+8c) / eager model / **measured** | ref rate (½ measured) | S | cap 1.2·S | static 8 knee @1.2·S, held on all seeds | broker knee @1.2·S, held | BentoML knee @1.2·S, held | bound (1−2a/C)/c, max latency | **gain, one cap** | static 8 knee @S, held | gain vs static 8 @S | broker/bound | broker/BentoML |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["results"]:
         fb = r.get("fit_broker", {})
@@ -36,7 +36,8 @@ def seed_md(res: dict[str, Any]) -> str:
             f"{_f(r['reference_rps'])}/s | {_f(r['S_ms'], 0)} ms | "
             f"{_f(r['cap_ms'], 0)} ms | {_held(r['static8'])} | {_held(r['broker'])} | "
             f"{_held(bento) if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
-            f"{_f(r['bound_rps'])}/s | {_f(r['gain'], 2)} | {_f(r['broker_vs_bound'], 2)} | {_f(r.get('broker_vs_bentoml'), 2)} |"
+            f"{_f(r['bound_rps'])}/s | **{_f(r['gain'], 2)}** | {_held(r.get('static8_at_S') or {})} | "
+            f"{_f(r.get('gain_vs_static8_at_S'), 2)} | {_f(r['broker_vs_bound'], 2)} | {_f(r.get('broker_vs_bentoml'), 2)} |"
         )
     lines.append("")
     for r in res["results"]:
@@ -51,7 +52,8 @@ def seed_md(res: dict[str, Any]) -> str:
         for arm, doc in (
             ("static8 saturation (loose cap)", sat),
             ("static8 at ref (S)", s_at),
-            ("static8", r.get("static8")),
+            ("static8 @S", r.get("static8_at_S")),
+            ("static8 @1.2·S", r.get("static8")),
             ("broker", r.get("broker")),
             ("bentoml", r.get("bentoml")),
         ):
