@@ -5,7 +5,10 @@ prefill, preemption by recompute). What the broker sets maps onto it as follows:
 
 - ``max_num_seqs``: vLLM's scheduler bound is fixed at start (``max_num_seqs_max`` here), so an
   admission layer in front of the engine holds requests in a FIFO and hands at most
-  ``max_num_seqs`` to vLLM; lowering it preempts nothing, new admissions wait.
+  ``max_num_seqs`` to vLLM; lowering it preempts nothing, new admissions wait. The admission
+  also keeps the running sequences' average footprints (prompt + half of ``max_tokens``) inside
+  the cache in force: past it vLLM's sequences preempt each other in turn, and a drain for a
+  resize would never end.
 - the squeeze (pause new prefills): the admission layer stops handing requests over; the
   ones already in vLLM keep decoding.
 - the KV cache: fixed when the engine starts (``num_gpu_blocks_override`` blocks). A new size
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -341,18 +345,29 @@ class VllmEngine:
             seq.task.cancel()  # vLLM's generate() aborts the request when cancelled
         self._end(seq, FinishReason.CANCELLED)
 
-    def _can_admit(self) -> bool:
+    def _can_admit(self, seq: _Seq) -> bool:
         if self._bounds.prefill_paused or self._llm is None or self._resize_task is not None:
             return False
         if self._blocks_target != self._blocks_total and not self._sleep_target():
             return False  # draining for a restart
-        return len(self._running) < self._bounds.max_num_seqs
+        if len(self._running) >= self._bounds.max_num_seqs:
+            return False
+        # the cache in force bounds what runs: sequences admitted past it would preempt each other
+        # in turn (recompute) and, while a resize drains, never finish
+        return not self._running or self._reserved() + self.blocks_for(seq) <= self._blocks_total - 1
+
+    def blocks_for(self, seq: _Seq) -> int:
+        """Blocks a sequence holds on average over its life (prompt + half its max_tokens); vLLM's null block aside."""
+        return max(1, math.ceil((len(seq.prompt_ids) + seq.max_tokens / 2.0) / self.options.block_tokens))
+
+    def _reserved(self) -> int:
+        return sum(self.blocks_for(s) for s in self._running.values())
 
     def _admit(self) -> None:
         if self._asleep and self._waiting and self._resize_task is None and self._loop is not None:
             self._resize_task = self._loop.create_task(self._wake())
             return
-        while self._waiting and self._can_admit() and self._loop is not None:
+        while self._waiting and self._loop is not None and self._can_admit(self._waiting[0]):
             seq = self._waiting.popleft()
             seq.admitted_s = self._clock()
             self._running[seq.request_id] = seq
@@ -548,7 +563,7 @@ class VllmEngine:
             prefill_paused=b.prefill_paused,
             kv_blocks_total=total,
             kv_blocks_used=used,
-            kv_blocks_reserved=used,  # vLLM allocates blocks as sequences grow: reserved is what is used
+            kv_blocks_reserved=self._reserved(),  # the admission's account (average footprints)
             kv_blocks_target=self._blocks_target,
             kv_block_tokens=self.options.block_tokens,
             kv_block_bytes=self.block_bytes(),
