@@ -137,6 +137,19 @@ def _workload(cfg: FleetConfig, times: list[np.ndarray]):
     return {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in zip(MODELS, times)}
 
 
+def arm_rules(cfg: FleetConfig, arm: str) -> dict[str, Any]:
+    """The deadline and shedding rule this arm ran under (recorded with it: one rule for every arm is
+    what makes two arms comparable). Shedding runs at the lazy gate: the broker with lazy formation,
+    or a gated static arm."""
+    a = parse_arm(arm)
+    gated = a.gated or (a.kind == "broker" and str(cfg.broker.batch_formation) == "lazy")
+    return {
+        "shed_at_cap": gated and all(m.shed_late for m in cfg.models.values()),
+        "deadline_s": sorted({float(m.request_timeout_s) for m in cfg.models.values()}),
+        "late_answer": "miss",
+    }
+
+
 def run_arm(
     cfg: FleetConfig,
     arm: str,
@@ -194,6 +207,7 @@ def run_arm(
     moves = [d for d in res.decisions if d.get("move")]
     return {
         "arm": arm,
+        "rules": arm_rules(cfg, arm),
         "fleet_goodput_rps": good_total / span,
         "over_grant_events": over,
         "models": models,
@@ -303,6 +317,7 @@ def run(
         ablation.append(
             {
                 "parts": row,
+                "rules": arm_rules(cfg, arm),
                 "fleet_goodput_rps": r["fleet_goodput_rps"],
                 "ooms": r["ooms"],
                 "over_grant_events": r["over_grant_events"],
