@@ -31,12 +31,12 @@ PROFILES = {"knee-a20": "configs/sim-a20-c0.5.yaml", "knee-a10": "configs/sim-a1
 def code_version() -> dict[str, Any]:
     """The commit the figures ran on, and whether the tree differed from it in code they use."""
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout.strip()
+    def git(*args: str) -> str:  # porcelain lines start with a space: strip only the ends of lines
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout.rstrip()
 
     status = git("status", "--porcelain", "--", "gpubroker", "broker", "deployments", "quotas", "bench")
     dirty = [p for p in (line[3:] for line in status.splitlines()) if p.endswith(".py") and "/results/" not in p]
-    return {"commit": git("rev-parse", "--short=12", "HEAD"), "dirty_paths": dirty}
+    return {"commit": git("rev-parse", "--short=12", "HEAD").strip(), "dirty_paths": dirty}
 
 
 def knee_figures(config: str, say: Any) -> dict[str, Any]:
