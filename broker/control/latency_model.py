@@ -52,7 +52,15 @@ FitSums = tuple[int, float, float, float, float]  # n, sum b, sum ms, sum b^2, s
 
 def fit_sums(timings: Iterable[tuple[float, float]]) -> FitSums:
     """The sums a fit needs over the valid (batch > 0, exec_ms >= 0) pairs, each added in order."""
-    valid = [p for p in timings if p[0] > 0 and p[1] >= 0]
+    pairs = tuple(timings)
+    if not pairs:
+        return 0, 0.0, 0.0, 0.0, 0.0
+    bs, ms = zip(*pairs)
+    sb, sl = sum(bs, 0.0), sum(ms, 0.0)
+    # every pair valid (a NaN anywhere makes its sum NaN): the sums over all of them
+    if sb == sb and sl == sl and min(bs) > 0 and min(ms) >= 0:
+        return len(pairs), sb, sl, sum(map(mul, bs, bs), 0.0), sum(map(mul, bs, ms), 0.0)
+    valid = [p for p in pairs if p[0] > 0 and p[1] >= 0]
     if not valid:
         return 0, 0.0, 0.0, 0.0, 0.0
     bs, ms = zip(*valid)
