@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        t0 = time.time()
+        t0, code = time.time(), code_version()  # the code the run starts on
         doc = todo[name](lambda m, n=name: print(f"[{n}] {m}", file=sys.stderr, flush=True))
         doc["command"] = f"python -m bench.sim_figures --only {name}"
-        doc["code"] = code_version()
+        doc["code"] = code
         doc["runtime_s"] = round(time.time() - t0, 1)
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
         print(f"wrote {out / name}.json in {doc['runtime_s']:.0f} s", file=sys.stderr, flush=True)
