@@ -44,6 +44,7 @@ def _replicas(deployment: str) -> set[str]:
     return {a["name"] for a in named if f"#llm-{deployment}#" in a["name"]}
 
 
+@pytest.mark.timeout(2400)  # three vLLM starts, then a fourth after the loss: minutes each on two shared cores
 def test_a_lost_engine_comes_back_on_a_live_card_and_the_other_keeps_running(fleet):
     import ray
 
