@@ -360,7 +360,15 @@ def tick_budget(cards_row: dict[str, Any], quick: bool, say: Any) -> dict[str, A
     instructions = None
     if shutil.which("valgrind") is not None:
         tree = Path(__file__).resolve().parents[1]
-        instructions = tick_instructions.measure(tree, 16, 100, 5.0 if quick else 20.0, say=say)["per_tick"]
+        instructions = tick_instructions.measure(
+            tree,
+            16,
+            100,
+            5.0 if quick else 20.0,
+            say=say,
+            control_interval_s=CONTROL_INTERVAL_S,
+            report_interval_s=REPORT_INTERVAL_S,
+        )["per_tick"]
     share = cards_row["tick_share"]
     return {
         "case": cards_row["case"],

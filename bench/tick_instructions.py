@@ -79,17 +79,25 @@ def _count(tree: Path, cards: int, models: int, seconds: float, mode: str) -> in
     return int(found.group(1))
 
 
-def measure(tree: Path, cards: int = 16, models: int = 100, seconds: float = 20.0, say: Any = print) -> dict[str, Any]:
-    """Instructions per tick and per report round of ``tree``'s broker core (module docstring)."""
-    from bench.scale import CONTROL_INTERVAL_S, REPORT_INTERVAL_S
-
+def measure(
+    tree: Path,
+    cards: int = 16,
+    models: int = 100,
+    seconds: float = 20.0,
+    say: Any = print,
+    *,
+    control_interval_s: float = 1.0,  # bench.scale's CONTROL_INTERVAL_S (passed by it; a test checks the default)
+    report_interval_s: float = 0.5,  # bench.scale's REPORT_INTERVAL_S
+) -> dict[str, Any]:
+    """Instructions per tick and per report round of ``tree``'s broker core (module docstring).
+    The intervals are passed in, not imported: bench.scale imports this module."""
     runs = {"warmup": (0.0, "ticks"), "ticks": (seconds, "ticks"), "reports": (seconds, "reports")}
     say(f"{tree}: 3 callgrind runs of {cards} cards x {models} models, two at a time (about 2 x 100 s) ...")
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {k: pool.submit(_count, tree, cards, models, s, m) for k, (s, m) in runs.items()}
         got = {k: f.result() for k, f in futures.items()}
-    ticks = int(round(seconds / CONTROL_INTERVAL_S))
-    rounds = int(round(seconds / REPORT_INTERVAL_S))
+    ticks = int(round(seconds / control_interval_s))
+    rounds = int(round(seconds / report_interval_s))
     return {
         "tree": str(tree),
         "cards": cards,

@@ -40,3 +40,13 @@ def test_a_failed_run_names_its_mode_and_shows_valgrinds_last_lines(monkeypatch)
     monkeypatch.setattr(ti.subprocess, "run", lambda *a, **k: Done())
     with pytest.raises(RuntimeError, match=r"(?s)callgrind run \(reports, 20 s\).*some valgrind complaint"):
         ti._count(ROOT, 2, 4, 20.0, "reports")
+
+
+def test_its_interval_defaults_are_bench_scales():
+    import inspect
+
+    from bench import scale
+
+    params = inspect.signature(ti.measure).parameters
+    assert params["control_interval_s"].default == scale.CONTROL_INTERVAL_S
+    assert params["report_interval_s"].default == scale.REPORT_INTERVAL_S
