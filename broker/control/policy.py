@@ -32,8 +32,9 @@ from broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, Mo
 from broker.control.violation import WATCH_SLACK_BYTES, over_grant
 from broker.control.vocab import Rule, Trigger
 from broker.wire import ModelSettings
-from quotas.config import FleetConfig, ModelSpec, ProfileSpec
+from quotas.config import FleetConfig, ModelSpec
 from quotas.ledger import ModelQuota, QuotaLedger
+from quotas.schedule import ProfileSpec
 
 # The anti-oscillation's caps (control.band_scale_max, control.hold_max_intervals), the
 # emergency recovery (control.emergency_recovery_intervals) and the bounded admission pause
