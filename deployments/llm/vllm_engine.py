@@ -538,6 +538,7 @@ class VllmEngine:
             if self._resize_task is not None:
                 await asyncio.shield(self._resize_task)
             else:
+                self._maybe_resize()  # idempotent: a pending target whose restart was not begun begins here
                 await asyncio.sleep(0.01)
 
     def block_bytes(self) -> int:
