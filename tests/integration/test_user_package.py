@@ -183,3 +183,39 @@ def test_a_project_deployments_folder_under_a_model_path_stops_up_with_the_fix(t
     assert r.returncode != 0, out
     assert str(tmp_path / "deployments") in " ".join(out.split()) and "rename" in out, out
     assert not (tmp_path / "state" / "fleet.json").exists()
+
+
+SLOW = """
+import time
+
+
+class Slow:
+    def predict(self, items):
+        time.sleep(3.0)  # longer than its request_timeout_s: every request answers 504
+        return [1 for _ in items]
+
+    def example_input(self, cost=None):
+        return {}
+"""
+
+
+def test_a_model_whose_first_requests_keep_failing_stops_up_within_wait(project):
+    """``--wait 5``: the model's first requests answer 504 (over its request_timeout_s) for 5 s;
+    ``up`` exits non-zero with the model's name, its last answer and what to do."""
+    root, env = project["root"], project["env"]
+    (root / "acme" / "slow.py").write_text(SLOW)
+    (root / "slow.yaml").write_text(
+        (root / "fleet.yaml").read_text().split("models:")[0]
+        + "models:\n  slow:\n    model: acme.slow:Slow\n    request_timeout_s: 1\n"
+        + "    quota: {min: 64MiB, base: 256MiB, max: 256MiB}\n    batch: {floor: 1, ceiling: 8}\n"
+    )
+    r = run(root, env, "up", "slow.yaml", "--num-cpus", "2", "--wait", "5", timeout=600)
+    try:
+        out = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode != 0, out
+        assert "model 'slow' did not answer its first request with 200 in 5s" in out, out
+        assert "HTTP 504" in out and "request_timeout_s" in out and "--wait SECONDS" in out, out
+        assert "fleet up" not in out
+    finally:
+        down = run(root, env, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
