@@ -61,7 +61,19 @@ def local_module(project_dir: Path, name: str) -> Path | None:
 
 
 def _is_ours(path: Path, name: str) -> bool:
-    return path.resolve() in ((_ROOT / name).resolve(), (_ROOT / f"{name}.py").resolve())
+    """The folder is this installation's package, or the same package in a gpubroker checkout
+    (a clone with its own pyproject naming the project gpubroker: its folders are ours, not a user's)."""
+    if path.resolve() in ((_ROOT / name).resolve(), (_ROOT / f"{name}.py").resolve()):
+        return True
+    return _is_gpubroker_checkout(path.parent)
+
+
+def _is_gpubroker_checkout(folder: Path) -> bool:
+    try:
+        text = (folder / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return 'name = "gpubroker"' in text
 
 
 def shadow_message(name: str, path: Path, models: list[str]) -> str:

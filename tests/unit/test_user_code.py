@@ -47,3 +47,14 @@ def test_our_own_checkout_is_not_a_shadow():
     root = Path(__file__).resolve().parents[2]
     check = check_project([("mlp", "mlp")], root)
     assert not check.errors and not check.warnings
+
+
+def test_another_gpubroker_checkout_is_not_a_shadow_but_a_user_project_named_so_is(tmp_path):
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("broker", "deployments", "quotas", "gpubroker"):
+        _package(clone, name)
+    (clone / "pyproject.toml").write_text('[project]\nname = "gpubroker"\n')
+    assert not check_project([("mlp", "mlp")], clone).warnings  # a clone with a non-editable install
+    (clone / "pyproject.toml").write_text('[project]\nname = "acme-serving"\n')
+    assert len(check_project([("mlp", "mlp")], clone).warnings) == 4
