@@ -5,6 +5,7 @@ Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -13,13 +14,19 @@ SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 
 
 def _require_bench() -> None:
-    """bench/ lives in the repository, not in the wheel: say so instead of a bare ImportError."""
+    """bench/ lives in the repository, not in the wheel. From a clone's root (the console script
+    does not put the current directory on the path, ``python -m`` does) the clone's bench/ is
+    used; elsewhere say where it lives instead of a bare ImportError."""
     try:
-        import bench  # noqa: F401, PLC0415 - only to see whether this is a clone
+        import bench  # noqa: F401, PLC0415 - only to see whether it is importable
     except ImportError:
+        here = Path.cwd()
+        if (here / "bench" / "__init__.py").is_file() and (here / "gpubroker").is_dir():
+            sys.path.insert(0, str(here))
+            return
         typer.echo(
             "gpubroker bench: the benchmarks live in the repository's bench/ folder, which pip does not "
-            "install. Run it from a clone: `git clone ... && cd gpubroker && make bench-setup`.",
+            "install. Run it from the root of a clone of the gpubroker repository (`make bench-setup` first).",
             err=True,
         )
         raise typer.Exit(2) from None
