@@ -32,7 +32,7 @@ from quotas.cards import GpusSection, PlacementSpec
 from quotas.config_errors import MISSING, ConfigError, ConfigIssue, duplicate_keys, issue_from_pydantic
 from quotas.llm_spec import LLM_ENGINES, LlmSpec
 from quotas.placement import check_fleet_cards
-from quotas.schedule import ProfileSpec, ProfilesSection  # noqa: F401 - re-exported
+from quotas.schedule import ProfilesSection
 from quotas.sizes import UNITS_REQUIRED, ExactSize, Size, format_size
 from quotas.vocab import BatchFormation, Strategy
 
