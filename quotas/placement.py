@@ -1,26 +1,12 @@
 """Placement: the card of every replica, decided once when the fleet is deployed (pure).
 
-Design note. A model's quota is per card it is placed on: every card a model runs on holds
-its own ``min <= base <= max`` in that card's ledger, and the replicas of one model on one
-card share that grant. So a replica on a new card costs the model's base there; a replica
-next to one of its own costs only its process (the CUDA context on a real card).
-
-1. **Bin-pack the bases** (first-fit decreasing): models by base, largest first (ties by
-   name), each model's first replica on the first allowed card, in the fleet's card order,
-   whose Σ base stays within usable. Every model is placed before any second replica, so
-   spreading never costs a model its place.
-2. **Spread the rest** in rounds (every model's 2nd replica, then every 3rd, ...): a model
-   with ``placement.spread`` takes a card it is not on yet, on a node it is not on yet
-   first, then another node of its own, first fit; when no new card has room for its base,
-   the replica joins its own group with the fewest replicas (no new base).
-3. Nothing fits: ``PlacementError`` naming the model, what it needs and every allowed
-   card's free usable bytes.
-
-After a node loss (or join) ``replace_after_loss`` keeps every replica that still runs where it
-runs and places the lost ones by the same rules on the live cards; what fits nowhere is
-counted in ``Placement.unplaced``, never over-granted.
-
-The result is deterministic (no randomness, no dict-order dependence) and frozen.
+A model's quota is per card: every card it runs on holds its own ``min <= base <= max``, shared
+by its replicas there, so a replica on a new card costs a base and one beside its own costs only
+its process. First-fit decreasing places every model's first replica (largest base first) before
+any second one, then spreads the rest in rounds (``placement.spread``: a new card, a new node
+first; else the model's own smallest group). Nothing fits: ``PlacementError`` naming the model, its
+need and each card's free bytes. ``replace_after_loss`` keeps the surviving replicas and places the
+lost ones by the same rules, counting the rest in ``unplaced``. Deterministic and frozen.
 """
 
 from __future__ import annotations

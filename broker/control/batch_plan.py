@@ -1,19 +1,10 @@
 """The latency model's batch plan: from L(b) = a + c*b and an arrival rate to a batch and wait.
 
-Design note. Ray 2.60's ``@serve.batch`` forms batches eagerly: as soon as a request
-arrives its loop starts a batch, closes it at ``max_batch_size`` or after
-``batch_wait_timeout_s``, and only then queues it for one of ``max_concurrent_batches``
-slots. A batch does not grow while the replica is busy, so with a zero wait timeout every
-request under load becomes a batch of one and the replica saturates at 1/a. The wait timeout,
-not the cap, sets the batch size under load; the cap bounds what a burst may form. With
-``L(b) = a + c*b`` and arrival rate lambda, a batch b runs at utilisation
-``lambda (a + c b) / b``; the plan picks the batch (and the wait that fills it) that keeps the
-estimated P95 lowest. With ``broker.batch_formation: lazy`` (the next batch forms when the
-replica is free) batches size themselves instead, at ``lambda a / (1 - lambda c)``, and the
-plan keeps the wait short.
-
-The batch rules (``broker.control.batch_rules``) turn a plan (or, without one, the queue) into
-the wait timeout, inside [min_ms, max_ms]. Pure.
+Ray 2.60's ``@serve.batch`` forms batches eagerly, so under load the wait timeout, not the cap,
+sets the batch size (with no wait a loaded replica saturates at 1/a); the cap bounds what a burst
+may form. A batch b runs at utilisation ``lambda (a + c b) / b``: the plan picks the batch and the
+wait that fills it with the lowest estimated P95. With lazy formation batches size themselves
+(``lambda a / (1 - lambda c)``) and the plan keeps the wait short. Pure.
 """
 
 from __future__ import annotations

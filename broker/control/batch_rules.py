@@ -1,36 +1,12 @@
 """Per-model batch rules: from one model's load to a wanted batch cap and wait timeout.
 
-Design note. Each rule is a small function ``rule(s: Inputs) -> BatchWant | None``: ``None``
-means "my condition does not hold, ask the next one". ``control.strategy`` picks a tuple of
-rules in precedence order (``RULE_SETS``) and the first rule that answers wins; the last row
-of every adaptive set is ``hold``, which always answers. docs/RULES.md is the same table in
-prose (a test keeps the two equal).
-
-- ``queue``: emergency, idle, the queue dead band (above its top scale up in proportion,
-  below its bottom scale down, inside hold). No latency model.
-- ``aimd``: emergency, P95 near the cap (grow when it is queueing, else shrink
-  multiplicatively), idle, P95 well below the cap with a backlog (grow by a step). No model.
-- ``model``: emergency, idle, the latency model's plan (``broker.control.batch_plan``).
-- ``hybrid`` (default): the model plan, guarded by the others. The guards come first in the
-  tuple and act whenever their condition holds; a guard that grows or vetoes growth leaves
-  the cap to the plan when the plan already does what it asks (so the plan stays the main
-  driver, and with no fit yet the guards are the rules). The SM rules are hybrid's only.
-- ``static``: never moves.
-
-Guard details with a plan (hybrid): "work waiting" means more queued than the plan's cap
-takes in one batch; the P95 shrink never goes below the batch the plan needs at this rate;
-the queue band's top acts on a backlog beyond the plan's cap, and its bottom shrinks only down
-to the plan's cap (the plan's burst headroom is what a short queue leaves room for); the P95
-shrink acts only when the plan also puts the cap above its own; the SM rule's hold vetoes the
-plan's growth.
-
-The wait timeout is the plan's fill time (without a plan it holds, except under a backlog:
-then the time to fill the cap at the arrival rate within half the SLO), inside
-[min_ms, max_ms]. The arrival rate is the rate window's, or the last two reports' when they
-run ``control.burst_factor`` over it (a burst is seen at once, a lull only after the window).
-
-Everything here is pure; guard-rails (floor, ceiling, memory ceiling) and the
-anti-oscillation hold are applied by the caller (``broker.control.policy``) in one place.
+Each rule is ``rule(s: Inputs) -> BatchWant | None`` (``None``: ask the next one);
+``control.strategy`` picks a tuple in precedence order (``RULE_SETS``: queue, aimd, model, hybrid,
+static), the first answer wins and every adaptive set ends in ``hold``. In ``hybrid`` (the default)
+the latency model's plan drives and the emergency, queue, P95 and SM rules guard it, leaving the cap
+to the plan when it already does what they ask. docs/RULES.md is this table in prose (a test keeps
+them equal). Pure: floor, ceilings and the anti-oscillation hold are applied by the caller
+(``broker.control.policy``) in one place.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Online batch latency model L(b) = a + c*b, fitted by least squares over a bounded window.
 
-Design note: the fit is what lets the policy jump straight to a good batch size instead of
-creeping there by +1 steps. It is clamped (a >= 0, c >= C_MIN_MS) because a noisy window can
-produce a negative slope, and a model with c <= 0 would ask for infinite batches. When every
-sample has the same batch size the slope cannot be identified; then the previous fit is kept,
-or, with none, the latency is split evenly between fixed and per-item cost (a prior that the
-next distinct batch size corrects).
+The fit lets the policy jump to a good batch instead of creeping there by +1 steps. It is
+clamped (a >= 0, c >= C_MIN_MS): a noisy window can give a negative slope, which would ask for
+infinite batches. With a single batch size the slope is unidentified: the previous fit is kept,
+or, with none, the latency is split evenly between fixed and per-item cost.
 """
 
 from __future__ import annotations

@@ -1,59 +1,12 @@
 """Quota moves for one tick: lend from idle models to memory-bound busy ones, reclaim base.
 
-Design note. The ledger (``quotas.ledger``) guarantees the arithmetic (sum of grants within
-usable at every step, min <= grant <= max, two-phase transfers). This module decides *which*
-moves to make, and when a move may complete, in this order, each tick:
-
-1. abort lends whose donor has not been confirmed within ``broker.transfer_timeout_s`` (the
-   donor gets the amount back). Reclaims and releases are never aborted: they escalate (3);
-2. confirm (``confirm_gate``): a donor's pending transfers complete only on a report from
-   *every* live replica of the donor (at least ``replicas`` of them, each reported within the
-   window's ``stale_after_s``) that arrived after the transfer began, each running the
-   settings version that carries the lowered grant, with their measured memory summed at or
-   under that grant. No report, no confirmation: a silent donor, or a broker restarted before
-   the reports arrive, confirms nothing;
-3. escalate a reclaim (or a release) its borrower has not honoured: the reclaim itself lowered
-   the borrower's grant and so its cap (step 0); after each further ``transfer_timeout_s`` (T)
-   without a confirmation the next step, each a logged move of its own kind
-   (``RECLAIM_STEPS``): release caches (``ModelSettings.release_cache``), pause admission and
-   drain (``drain``), restart the replicas (``restart_token`` bumps, once: the old process
-   keeps failing its health check and each replacement starts on the new token, so a second
-   bump while Serve is still replacing it would only kill a healthy replacement). **Bound**: the owner has its base back within
-   ``3 T + restart + stale_after_s + control_interval_s`` of the reclaim, where ``restart``
-   is the time Serve takes to replace a replica that fails its health check and the new one
-   to report (its old replica's last report drops out of the window after ``stale_after_s``);
-   measured 16 s on CPU with the fleet's ``health_check_period_s`` of 5 s
-   (``tests/integration/test_reclaim_restart.py``), so about 110 s with the default T of 30 s.
-   Memory from the free pool comes back at once;
-4. reclaim: an owner under its base whose load has been back for ``reclaim_hold_s``
-   (hysteresis) takes its whole base back (base is guaranteed, whatever it needs right now),
-   from the free pool first, then from borrowers' loans (two-phase);
-5. release: a borrower gone idle hands its loan (grant above base) back to the pool (never
-   below its observed working set); a busy borrower keeps it until an owner reclaims. A
-   borrower is idle only if its arrivals would keep it under ``idle_util_frac`` at the batch its
-   base holds as well (its latency fit): at the bigger batches a loan buys, the same requests may
-   keep it under that share, and a loan given back then leaves it behind, borrowing it again. A
-   release is two-phase too: the grant drops now, the pool gets the bytes at its confirm;
-6. lend: a busy model whose wanted batch does not fit its grant grows from the free pool, then
-   borrows from models idle (busy share under ``idle_util_frac``, no backlog) for
-   ``idle_hold_s``, which give what they hold above their working set, highest priority first.
-   A move must buy more than it costs: the borrower must be held back by its memory now
-   (``pressed``: its window's biggest batch at the ceiling its grant holds, and a backlog or a
-   recent P95 over its SLO; with lazy formation every model *wants* a large cap), the loan must
-   raise its batch ceiling, and a lender keeps, up to its base, the memory for what its own
-   demand at the window's peak needs (``peak_batch``: all of its biggest batch if it missed its
-   SLO in the window, else the smallest batch whose scaled P99 stays within ``LEND_TAIL_FRAC``
-   of its SLO). Measured on ``bench lending``'s independent load (every model bursting, gamma
-   CV 4): lenders lowered to the floor batch missed their next burst before the reclaim
-   landed, and loans of memory a borrower could not use bought nothing;
-7. restore: an owner still under its base takes it back from the free pool (memory nobody
-   asked for this tick); if it is idle it will lend it again when someone needs it.
-
-Every grow from the pool is limited to ``quotas.holding.measured_free_bytes`` as well as the
-ledger's free bytes, so the sum of max(grant + in flight from it, measured use) over models
-stays within usable. A model's need is ``replicas x grant_for(wanted cap)`` from its
-calibrated memory model; an uncalibrated model neither borrows nor is sized (it keeps its
-base). ``plan_quota`` never changes its arguments: it returns a ``QuotaPlan``.
+The ledger (``quotas.ledger``) keeps the arithmetic safe; this module decides which moves to make
+and when one completes, in seven steps a tick: abort lends not confirmed in time; confirm a donor
+only on fresh reports from all its live replicas on the new settings, memory within the grant;
+escalate an unhonoured reclaim (``RECLAIM_STEPS``: release caches, drain, restart once); reclaim
+base after ``reclaim_hold_s``; release idle loans; lend only to a model its memory holds back, only
+what raises its ceiling, lenders keeping their peak need; restore base from the pool. Every grow is
+also bounded by measured free memory. ``plan_quota`` changes nothing: it returns a ``QuotaPlan``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,12 @@
 """LLM engine rules: from one engine's load to its bounds and KV-cache size.
 
-Design note. A continuous-batching engine batches every step, so the broker sets its bounds
-instead of a batch: ``max_num_seqs`` (sequences in flight), ``max_batched_tokens`` (tokens
-per step), whether new prefills are admitted, and the KV cache size inside the model's
-grant. The problem statement's rules, as a table in precedence order (first match wins):
-
-- ``squeeze``: card free memory under ``squeeze_free_frac`` (15%): halve ``max_num_seqs`` and
-  pause new prefills; running sequences keep decoding. Halves again at most every ``hold_s``.
-- ``resume``: prefills paused and free memory back over ``resume_free_frac``: admit again
-  (at the halved bound). Between the two thresholds it holds the pause (hysteresis).
-- ``prefill_bound``: TTFT P95 over its SLO while TPOT P95 is within its SLO and prefill holds
-  most of the sequence time (``prefill_dominant_frac``): lower ``max_num_seqs`` (x
-  ``seqs_backoff``) and ``max_batched_tokens`` (halved): fewer prefills compete, and shorter
-  steps let the scheduler run more often.
-- ``recover``: after a squeeze, step ``max_num_seqs`` back toward its pre-squeeze value,
-  ``seqs_step`` per ``hold_s``, while free memory stays over ``resume_free_frac``.
-- ``idle_shrink``: nothing running or waiting for ``idle_hold_s``: shrink the KV cache to
-  ``kv_blocks_min``, so the grant's rest can be lent.
-- ``busy_grow``: sequences waiting (or the cache's reservations over ``busy_used_frac``):
-  grow the KV cache to what the grant allows (``kv_blocks_max`` at most) in one step, and only
-  by at least ``grow_min_gain_frac`` (a resize drains the engine; a small one costs more than it buys).
-- ``seqs_grow``: sequences waiting behind a binding ``max_num_seqs`` while TTFT and TPOT are
-  within their SLOs: raise it by ``seqs_step``, or by half the queue up to doubling (it starts
-  at half the expected peak; the grant's cache caps it).
-- ``hold``: nothing to do.
-
-``start`` (no state yet) sets ``max_num_seqs`` to half the expected peak concurrency, capped
-by what memory allows: the KV blocks that fit in the grant after ``base_bytes``, divided by
-the blocks one sequence of ``seq_tokens`` tokens reserves. Guard-rails (floors, ceilings, the
-grant) are applied after the rule in one place (``_clamp``). Pure: no clock, no torch or ray.
+A continuous-batching engine batches every step, so the broker sets its bounds instead of a batch:
+``max_num_seqs``, ``max_batched_tokens``, prefill admission, and the KV cache inside the grant. The
+rules, first match wins: ``squeeze`` (low free memory: halve seqs, pause prefills), ``resume``,
+``prefill_bound`` (TTFT over its SLO with TPOT within), ``recover``, ``idle_shrink`` (lend the
+cache), ``busy_grow`` (only by ``grow_min_gain_frac``: a resize drains the engine), ``seqs_grow``,
+``hold`` (docs/llm.md). ``start`` sets half the expected peak concurrency, capped by memory;
+guard-rails are applied after the rule in one place (``_clamp``). Pure.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """LLM engines inside the broker core: their reports over a window, the rules per engine, the bounds in the reply.
 
-Design note. A ``kind: llm`` model's replica (``deployments.llm.server.LlmServer``) sends the
-same ``StatsReport`` as a batch replica, with its engine's report in ``StatsReport.engine``,
-and gets its ``ModelSettings`` back in the same round trip; the engine bounds ride in
-``ModelSettings.engine``. Nothing calls the engine from the broker. Per tick
-(``LlmControl.step``), after the fleet policy has moved the ledger, every engine with a fresh
-report goes through ``broker.control.llm_rules.decide_llm`` with its grant from the ledger, so the
-KV cache the decision keeps stays inside the grant. The engine's ``want_grant_bytes`` is the
-lending planner's need for that model (``need_bytes``, read by the next tick's policy), the
-way a batch model's wanted cap is. The batch rules never run on these models (broker.control.policy).
-
-``EngineWindow`` keeps each replica's engine reports for ``window_s`` (the freshest one is the
-engine's state; the oldest and the freshest of one replica give tokens/s from the cumulative
-counters); a replica silent for ``stale_after_s`` no longer counts. With several replicas the
-first live one (by id) stands for the model and the grant is split evenly. Pure: time is an
-argument, no clock, ray or torch.
+An LLM replica sends the usual ``StatsReport`` with its engine's report in ``engine`` and gets its
+bounds back in ``ModelSettings.engine``; the broker never calls the engine. Each tick, after the
+fleet policy has moved the ledger, ``LlmControl.step`` runs ``llm_rules.decide_llm`` for every
+engine with a fresh report, under its grant, and its ``want_grant_bytes`` is the lending need (the
+batch rules never run on these models). ``EngineWindow`` keeps reports for ``window_s`` (tokens/s
+from the cumulative counters); the first live replica stands for the model. Pure.
 """
 
 from __future__ import annotations

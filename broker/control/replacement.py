@@ -1,13 +1,10 @@
 """Re-placement after cards are lost or join (pure): what moves, what stays, what fits nowhere.
 
-Design note. ``quotas.placement.replace_after_loss`` keeps every replica that runs on a live
-card where it runs and places the lost ones by the deploy-time rules on the live cards,
-counting what fits nowhere in ``unplaced`` (never over the card's usable). This module wraps it
-for the broker: the result keeps *every* card of the fleet in fleet order (a lost card stays,
-empty, so status still shows it ``live: false``), says which models' card groups changed
-(their Serve apps must be redeployed) and which cards' model sets changed (their broker cores
-must be rebuilt), and gives each unplaced model a reason naming the model, what it needs and
-what each allowed live card has free. No Ray, no clock: the broker passes the lost cards in.
+Wraps ``quotas.placement.replace_after_loss`` for the broker: the result keeps every card of the
+fleet in order (a lost card stays, empty, so status shows it ``live: false``), names the models
+whose card groups changed (their Serve apps are redeployed) and the cards whose model sets changed
+(their cores are rebuilt), and gives each unplaced model a reason naming its need and each live
+card's free bytes. No Ray, no clock: the broker passes the lost cards in.
 """
 
 from __future__ import annotations

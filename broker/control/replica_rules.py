@@ -1,31 +1,12 @@
 """Replica targets under price profiles: fewer instances when larger batches carry the load.
 
-Design note. The peak (``throughput``) profile plans larger batches: each batch pays the fixed
-cost ``a`` of L(b) = a + c*b once for more requests, so one replica serves more per second. A
-model therefore needs fewer replicas at peak prices. Per model on one card, at arrival rate
-lambda (batch units per second), ``n`` replicas *carry* the load when the batch each plans at
-the throughput objective's utilisation ``rho`` (``RHO_MAX`` in ``broker.control.profiles``),
-``b = lambda_n a / (rho - lambda_n c)`` with ``lambda_n = lambda / n``, exists (``rho > lambda_n c``),
-fits the grant-limited batch cap, and keeps the estimated latency within the SLO: the time to
-fill the batch at that rate plus twice its execution time (``(b - u) / lambda_n + 2 L(b)``, the
-plan's burst proxy). Fewer replicas raise ``lambda_n``, so ``b``, the fill time and L(b) all grow:
-carrying is monotone in ``n``, and the target is the fewest that carry, inside
-``[min_replicas, configured]``. No fit yet, or a rate no count carries: the configured count.
-
-Under any other objective (``latency``, ``balanced``: off-peak) the target is the configured
-count, restored at once. The rules, first match wins (``RULES``):
-
-- ``replicas_configured``: objective is not ``throughput`` (or no latency fit): configured.
-- ``replicas_raise``: the current target does not carry the rate: raise at once to the fewest
-  that do (a burst is never left on too few replicas).
-- ``replicas_lower``: a lower count carries the rate with ``lower_margin_frac`` to spare, the live
-  replicas are at least the current target (Serve is not still starting some), and it has done
-  so for ``lower_after_s``: lower to the highest count wanted during that spell.
-- ``replicas_hold``: keep the target.
-
-Pure: time comes in ``now_s``; the guard-rail (``[min_replicas, configured]``) is applied in one
-place, ``_clamp``. The fleet broker (``broker.control.replica_targets``) feeds it each tick and logs the
-changes; the deploying layer (``deployments.scaler``) applies them to Serve.
+At peak (``throughput``) a model plans larger batches, each paying L(b)'s fixed cost once for
+more requests, so fewer replicas carry its rate. ``n`` replicas carry it when the batch planned at
+utilisation ``RHO_MAX`` exists, fits the grant's cap and keeps fill time + 2 L(b) within the SLO;
+carrying is monotone in ``n``, so the target is the fewest that carry. Rules, first match wins
+(``RULES``): ``replicas_configured`` (another objective, or no fit), ``replicas_raise`` (at once),
+``replicas_lower`` (with ``lower_margin_frac`` to spare for ``lower_after_s``), ``replicas_hold``.
+Pure (time is ``now_s``); ``[min_replicas, configured]`` is applied in one place, ``_clamp``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Replica targets of a fleet: the replica rule (``broker.control.replica_rules``) for every model on every card.
 
-Design note. ``FleetBroker.tick`` runs every card's core, then ``ReplicaTargets.step``: per live
-card and model it reads what the core's tick just left (the snapshot's arrival rate, live
-replicas and units per request; the policy state's latency fit and grant; the config's replicas,
-ceiling and SLO, and the active profile's objective and slack), decides the replica target and
-returns one decision-log entry per change (``kind: replicas``, with rule, trigger, value, inputs,
-old and new). A model on several cards has a target per card (each card's group is its own Serve
-deployment); its fleet target is their sum. The targets live here, not in the cores, so the core
-stays as it is; they are not checkpointed: a restarted broker starts from the configured counts
-and lowers again after the hysteresis. The deploying layer (``deployments.scaler``) applies them.
-
-Pure: the cores come in as objects to read (duck-typed, no import of the core), time as ``now_s``.
+After every card's core has ticked, ``ReplicaTargets.step`` reads what the tick left (rate, live
+replicas, latency fit, grant, active profile) and decides a target per card and model (each card's
+group is its own Serve deployment), with one ``kind: replicas`` log entry per change. The targets
+live here so the core stays as it is; they are not checkpointed (a restarted broker starts from the
+configured counts). Pure: the cores are read duck-typed, time is ``now_s``.
 """
 
 from __future__ import annotations

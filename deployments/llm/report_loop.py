@@ -1,16 +1,10 @@
 """An LLM replica's side of the broker's report/reply path: one report per interval, bounds in the reply.
 
-Design note. The LLM server reports like a batch replica (``deployments.broker_link``): one
-``StatsReport`` delta per ``report_interval_s`` (arrivals, completions, end-to-end latency
-samples, busy time, queue = running + waiting, memory) with its engine's report in
-``StatsReport.engine``, and gets its ``ModelSettings`` back in the same round trip. The
-engine bounds the broker set ride in ``ModelSettings.engine``; ``apply`` sets them on the
-running engine (bounds at once, the KV cache at the next drain). The broker never calls
-the server. Memory is the engine's own account, weights plus the KV cache: what the grant
-governs (on CPU the processes' RSS is mostly torch and vLLM, not the model).
-
-A report that does not reach the broker leaves the engine on its last bounds; the link merges
-the unsent counters into the next delta. The clock and the broker handle are injected.
+Like a batch replica (``deployments.broker_link``), the server sends one ``StatsReport`` delta per
+``report_interval_s`` with its engine's report in ``engine``, and ``apply`` sets the bounds from
+``ModelSettings.engine`` (bounds at once, the KV cache at the next drain); the broker never calls
+the server. Memory is the engine's own account (weights + KV cache), what the grant governs. A lost
+report leaves the last bounds in force. The clock and the broker handle are injected.
 """
 
 from __future__ import annotations

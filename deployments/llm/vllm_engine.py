@@ -1,30 +1,11 @@
 """The LLM engine: vLLM's ``AsyncLLM`` behind the engine protocol, the same code on CPU and CUDA.
 
-Design note. vLLM schedules every step itself (continuous batching, a paged KV cache, chunked
-prefill, preemption by recompute). What the broker sets maps onto it as follows:
-
-- ``max_num_seqs``: vLLM's scheduler bound is fixed at start (``max_num_seqs_max`` here), so an
-  admission layer in front of the engine holds requests in a FIFO and hands at most
-  ``max_num_seqs`` to vLLM; lowering it preempts nothing, new admissions wait. The admission
-  also keeps the running sequences' average footprints (prompt + half of ``max_tokens``) inside
-  the cache in force: past it vLLM's sequences preempt each other in turn, and a drain for a
-  resize would never end.
-- the squeeze (pause new prefills): the admission layer stops handing requests over; the
-  ones already in vLLM keep decoding.
-- the KV cache: fixed when the engine starts (``num_gpu_blocks_override`` blocks). A new size
-  is a target; the engine admits nothing new, waits for the running sequences to drain, shuts
-  vLLM down and starts it again with the new size (``restarts``, ``last_restart_s`` measure the
-  cost). Requests that arrive meanwhile wait in the FIFO: none is lost.
-- ``max_batched_tokens``: vLLM's ``max_num_batched_tokens`` is also fixed at start; a new value
-  is applied with the next restart (``EngineStats.max_batched_tokens`` is the one in force).
-- on CUDA, ``gpu_memory_utilization`` comes from the grant at start, and an idle engine asked
-  for its smallest cache sleeps (``AsyncLLM.sleep(level=1)``: KV cache freed, weights to host)
-  instead of restarting; the next request wakes it (``wake_up``).
-
-vLLM's own signals come from a stat logger (``_Signals``): its running and waiting sequences,
-KV-cache usage, preemptions and prefix-cache queries and hits. TTFT and TPOT are measured here,
-from acceptance (the admission wait counts, as the user sees it).
-All engine state lives on the event loop thread; call the engine's methods from its loop.
+vLLM fixes its scheduler bound, batched tokens and KV cache at start, so the broker's bounds are
+applied around it: an admission FIFO hands at most ``max_num_seqs`` requests to vLLM (and keeps the
+running sequences' footprints inside the cache, or they preempt each other and a drain never ends)
+and stops handing over for a squeeze; a new KV size or ``max_batched_tokens`` drains and restarts
+vLLM (on CUDA an idle engine sleeps instead). No request is lost meanwhile. TTFT and TPOT are
+measured from acceptance. All engine state lives on the event loop thread.
 """
 
 from __future__ import annotations

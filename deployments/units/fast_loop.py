@@ -1,23 +1,10 @@
 """The replica's fast loop: one pure step per batch, from a memory reading to a local cap.
 
-Design note. The broker's slow loop sets the batch cap every control interval; between ticks
-the replica guards each batch itself. Before every batch it reads the free share of memory
-(the card's on CUDA, the replica's own grant on cpu) and:
-
-- under ``emergency_free_frac``: halve the local cap at once, never below the floor (event
-  ``shrink``);
-- still under it at the floor, or under ``emergency_free_frac x critical_free_factor``: pause
-  admission (event ``pause``) until headroom returns;
-- headroom back: admit again and widen the local cap toward the broker's cap by
-  ``recover_step_frac`` of it per batch (event ``recover``).
-
-Blame goes to the model over its grant: where the reading is the card's (CUDA) and this replica
-holds no more than its grant (``within_grant``), the card is short because of someone else (a
-neighbour over its grant, which the watchers of ``deployments.watch`` stop): this replica neither
-shrinks nor pauses.
-
-No reading, no decision: the cap and the pause stay as they are. The replica
-(``deployments.replica``) and the simulator (``gpubroker.sim.engine``) both call ``fast_loop_step``.
+Between the broker's ticks the replica guards each batch: under ``emergency_free_frac`` it halves
+its local cap (never below the floor), pauses admission when still short at the floor or critical,
+and widens back by ``recover_step_frac`` per batch once headroom returns. A replica within its grant
+on a short card (CUDA) is not to blame: it neither shrinks nor pauses. No reading, no change. The
+replica and the simulator both call ``fast_loop_step``.
 """
 
 from __future__ import annotations

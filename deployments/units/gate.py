@@ -1,27 +1,11 @@
 """The admission gate for lazy batch formation: a pure state machine with an injected clock.
 
-Design note. Ray 2.60's ``@serve.batch`` forms batches eagerly: its loop starts a batch as
-soon as a request is queued, closes it at ``max_batch_size`` or ``batch_wait_timeout_s``
-after its first request, queues it for a ``max_concurrent_batches`` slot and starts forming
-the next one at once, busy or not. While a long batch runs, arrivals leave in a string of
-small batches that each pay the fixed cost, and a backlog cut into small batches never merges
-again. The gate sits in front of that batcher: a request waits here while every batch slot is
-busy; when a batch ends, up to one cap's worth of the waiting requests enters the batcher in
-the same event-loop turn, so the next batch takes all of them and batches grow with the load
-(lazy formation). An idle replica admits at once and the broker's wait applies.
-
-Two details, both found live:
-
-- A request may enter only for a batch that is still forming (inside its wait window and
-  under the cap). One let in after its batch closed starts a batch of its own that queues for
-  the slot, and every later batch then waits one batch longer (a queue of formed batches
-  persists at any load).
-- Serve drops a cancelled request (a request timeout) from its batch without calling the
-  model, so the owner must ``settle`` such a request itself, or a few timeouts would keep
-  ``released`` above zero and close the gate for good.
-
-The gate never touches asyncio or Serve: the replica (``deployments.replica``) maps its
-tokens to futures, the simulator (``gpubroker.sim.engine``) to request ids; both run this same code.
+Ray 2.60's ``@serve.batch`` forms batches eagerly: while a long batch runs, arrivals leave in small
+batches that each pay the fixed cost. The gate holds requests while every batch slot is busy and,
+when a batch ends, lets up to one cap's worth into the batcher in one event-loop turn, so batches
+grow with the load. A request enters only a batch still forming (else formed batches queue for
+good), and the owner must ``settle`` a cancelled request (else ``released`` never returns to zero).
+The replica maps tokens to futures, the simulator to request ids; both run this same code.
 """
 
 from __future__ import annotations

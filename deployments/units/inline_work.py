@@ -1,18 +1,9 @@
 """Cheap per-request work on the event loop, costly work in a thread: decided from measured time.
 
-Design note. A replica validates each request off its event loop (``asyncio.to_thread``), so a
-slow validator (a tokenizer on a long text) never stalls the loop that admits and batches
-requests. For most models validation takes microseconds, and the thread hop costs more than
-the work: the thread pool was a fifth of a fleet replica's busy samples (bench/RESULTS.md,
-"Cost per request"). ``InlineOrThread`` measures the work and moves it:
-
-- it starts in a thread; once ``warm`` runs in a row each took under ``inline_below_ms``, the
-  work runs inline on the loop;
-- inline, one run over ``back_above_ms`` (the loop was blocked that long) sends it back to the
-  thread for ``cooldown`` runs before it is tried inline again.
-
-The state machine (``observe`` / ``inline``) is pure: times come in as arguments; ``run`` is
-the thin timed layer around it.
+Validation runs off the event loop so a slow validator never stalls admission, but for most models
+the thread hop costs more than the work. ``InlineOrThread`` starts in a thread, runs inline after
+``warm`` runs in a row under ``inline_below_ms``, and goes back to the thread for ``cooldown`` runs
+after one inline run over ``back_above_ms``. ``observe``/``inline`` are pure; ``run`` times the work.
 """
 
 from __future__ import annotations

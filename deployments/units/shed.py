@@ -1,30 +1,11 @@
 """Shedding requests that can no longer answer within their SLO (``models.<name>.shed_late``).
 
-Design note. Under an overload that outlasts the queue, a FIFO replica answers every request
-late: each one waits behind a backlog that never drains, runs, and misses its SLO, so the
-model's goodput falls towards zero while its card is busy all the time. Measured in the
-simulator on ``gpubroker bench lending``'s in-turn load (a burst of 550 req/s on a model whose
-memory holds a batch of 4), quotas fixed: 19.4 req/s within the SLO without shedding, 300.9
-with it (docs/BENCHMARKS.md, "Where memory binds: lending").
-
-A request held at the lazy gate (``deployments.units.gate``) is let into a batch only if it can still
-answer within ``slo_p95_ms``: its wait so far plus the replica's last batch time (measured, the
-estimate of how long its own batch will run) must fit. One that cannot is answered 504 at once,
-naming its wait, the batch time and the SLO, and its place goes to a request that can still
-make it. What is not shed: a request already let into a batch (it runs), a request on an idle
-replica (it is let in at once), a model without ``shed_late`` (the default: a late answer is
-still an answer). The config refuses ``shed_late`` where there is no gate (``strategy: static``
-or ``broker.batch_formation: eager``). Shed requests count as timeouts in the report (``timeouts``, the broker's
-misses) and apart in ``shed`` (the ``shed`` outcome on the requests metric).
-
-``LateShed`` is pure: the owner passes the waits and batch times. The replica
-(``deployments.replica``) and the simulator (``gpubroker.sim.engine``) run this same code. A request of
-several items is judged as a whole: when its first held item is next to leave the gate, it needs
-ceil(cost of its items still held / cap) batches, each counted at the last batch's time
-(``check``, ``HeldRequest``), and the verdict holds for all of its items. ``wait_items`` is the
-replica's asyncio glue: the request is answered 504 as soon as one of its items is shed, and its
-other items are cancelled (they leave the gate, or Serve drops them from their batch before the
-model), so a shed request costs no more model time.
+Under an overload that outlasts the queue a FIFO replica answers every request late and its goodput
+falls towards zero. So a request held at the lazy gate enters a batch only if its wait so far plus
+the last batch time (for each batch its held items still need) fits ``slo_p95_ms``; else it is
+answered 504 at once, naming its wait, the batch time and the SLO, and its other items are
+cancelled. Shed requests count as timeouts, and apart in ``shed``. ``LateShed`` is pure and runs in
+the replica and the simulator; ``wait_items`` is the replica's asyncio glue.
 """
 
 from __future__ import annotations

@@ -1,51 +1,11 @@
 """Discrete-event simulator: the real policy code on a virtual clock against emulated models.
 
-Design notes (what is emulated, and how):
-
-- **Clock.** A heap of timed events (batch timers, batch completions, reports, control
-  ticks, samples) plus the pre-generated arrivals merged in time order. Virtual time runs
-  from 0; snapshots and reports carry ``start_epoch_s + t`` as their epoch time.
-- **Batching** mimics Ray Serve's ``@serve.batch`` with ``max_concurrent_batches`` slots
-  per replica (1 by default): when a slot is free, a batch starts as soon as
-  ``max_batch_size`` cost units are queued or ``batch_wait_timeout_s`` has passed since the
-  oldest queued request arrived. It takes queued requests in order while their summed cost
-  stays within ``max_batch_size`` (token models count tokens, like ``batch_size_fn``); a
-  single request costlier than the cap runs alone and is counted as ``oversize``. When
-  ``max_ongoing_requests`` is set (> 0) the replica sees only that many requests at once,
-  as Serve's router holds the rest back.
-  Eager formation is Ray 2.60's loop: the next batch starts forming as soon as a request is
-  queued, takes every queued request that fits, closes at the cap or when its wait timer runs
-  out, then waits for a slot. Lazy formation (``--batching lazy``, static arms only) is
-  BENCHMARK.md's quick model: a batch forms only when a slot is free, from everything queued.
-- **Latency.** A batch of cost b (requests, or tokens for token models) holding ``tokens``
-  tokens needs ``a + c·b + token_ms·tokens`` ms of the card, as the ``profiled`` adapter
-  sleeps (see ``gpubroker.sim.profile``).
-- **GPU sharing: processor sharing.** When k batches (of any models) execute at once on the
-  card, each progresses at 1/k speed; a batch's wall time therefore grows with the
-  neighbours' load, and the replica reports that wall time (as a real one would).
-- **Memory.** A batch needs ``weights + bytes_per_item·cost``; if that exceeds the
-  replica's grant (the model's grant split evenly over its replicas) the batch OOMs after
-  ``a_ms`` of wasted card time, is split in two, and each half is retried in turn, as the
-  replica does (``oom_splits`` counts the splits). A single request that cannot fit fails
-  (counted in ``errors``). All requests of a batch complete together when its last half ends.
-- **Admission.** An arrival finding ``max_queued`` requests waiting at its replica, or
-  admission paused, is rejected; a request waiting longer than ``request_timeout_s`` times
-  out when the replica next looks at its queue. Replicas of one model are picked by
-  shortest queue.
-- **Arms.** ``static:B[:WAIT_MS]`` is plain Serve: batch cap B (token models: B × the mean
-  request length in tokens), wait WAIT_MS (default 10), grant = ``quota.base``, no broker.
-  ``broker`` runs the live broker core (``gpubroker.sim.broker``): each replica registers with its
-  calibration, sends one ``StatsReport`` delta every ``report_interval_s`` through
-  ``BrokerCore.report`` and applies the settings in the reply when their version changes; every
-  ``control_interval_s`` the simulator calls ``BrokerCore.tick``. Its replicas run the
-  replica's own ``LazyGate`` in front of the eager batcher (``broker.batch_formation: lazy``) and
-  the replica's ``fast_loop_step`` before each batch, on the emulated card's free share: halve
-  under ``gpu.emergency_free_frac``, pause admission when still critical at the floor, widen
-  back when headroom returns. ``max_ongoing_requests`` is the deployment's
-  (``ModelSpec.max_ongoing_requests``).
-- **Run end.** Arrivals come in ``[0, duration_s)``; the run goes on for ``drain_s`` more;
-  requests not done by then count as ``unfinished`` (misses). Metrics cover requests that
-  arrived in ``[warmup_s, duration_s)``.
+A heap of timed events and the arrivals drive replicas that batch as Ray Serve's ``@serve.batch``
+does (eager; lazy for static arms), run ``a + c*b + token_ms*tokens`` ms under processor sharing of
+the card, OOM and split a batch over the grant, and reject or time out as the replica does.
+``static:B[:WAIT_MS]`` arms are plain Serve; ``broker`` drives the live broker core (reports, ticks)
+with the replica's own ``LazyGate`` and ``fast_loop_step``. Metrics cover arrivals in
+``[warmup_s, duration_s)``; a request not done ``drain_s`` after the last arrival is a miss.
 """
 
 from __future__ import annotations
