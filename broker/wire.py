@@ -14,6 +14,60 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict
 
 
+class EngineReport(TypedDict, total=False):
+    """A continuous-batching engine's stats in a report (``deployments.llm.server.engine_report``):
+    the engine's counters and bounds, TTFT/TPOT percentiles of recent completions, its cache and
+    ceilings. What ``broker.control.llm_window`` reads; plain data over Ray, as a TypedDict is."""
+
+    model: str  # model name
+    running: int  # sequences admitted to the engine and not finished
+    waiting: int  # sequences held by the admission layer
+    engine_running: int  # sequences the engine's own scheduler runs
+    engine_waiting: int  # sequences the engine's own scheduler holds waiting
+    max_num_seqs: int  # bound in force
+    max_batched_tokens: int  # bound in force
+    prefill_paused: bool  # squeeze in force
+    kv_blocks_total: int  # blocks in the KV cache now
+    kv_blocks_used: int  # blocks holding KV entries now
+    kv_blocks_reserved: int  # blocks the admission layer reserved
+    kv_blocks_target: int  # cache size asked for (differs from total until the next rebuild)
+    kv_blocks_free: int  # total - used
+    kv_block_tokens: int  # tokens per block
+    kv_block_bytes: int  # bytes per block (all layers, K and V)
+    kv_usage_frac: float  # the engine's KV cache usage, 0..1
+    kv_cache_bytes: int  # the cache in bytes
+    preemptions: int  # sequences evicted and recomputed (cumulative)
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of them, found (cumulative)
+    tokens_in: int  # prompt tokens of admitted sequences (cumulative)
+    tokens_out: int  # generated tokens (cumulative)
+    finished: int  # sequences ended by stop or length (cumulative)
+    cancelled: int  # sequences cancelled (cumulative)
+    failed: int  # sequences the engine failed (cumulative)
+    rebuilds: int  # KV cache resizes (engine restarts between drains)
+    last_restart_s: float  # the last resize's shutdown + start
+    restart_s_total: float  # every resize's shutdown + start, summed
+    prefill_s: float  # sequence-seconds from admission to first token
+    decode_s: float  # sequence-seconds from first to last token
+    prefill_time_frac: float  # prefill's share of the engine's time
+    seq_tokens_mean: float  # mean prompt + output tokens of recent completions
+    seq_tokens: int | None  # what a sequence holds in the cache, rounded up (None: not known yet)
+    samples: int  # completions behind the percentiles
+    ttft_p50_ms: float | None  # time to first token, percentiles of recent completions
+    ttft_p95_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None  # time per output token after the first
+    tpot_p95_ms: float | None
+    tpot_p99_ms: float | None
+    max_model_len: int  # the context length
+    max_num_seqs_max: int  # the engine's ceilings from its options
+    max_batched_tokens_max: int
+    kv_cache_blocks_min: int
+    kv_cache_blocks_max: int
+    idle_for_s: float  # seconds since the engine last had work
+    asleep: bool  # CUDA sleep mode level 1: the cache is freed
+
+
 @dataclass(frozen=True)
 class StatsReport:
     """One replica's stats since its previous report (a delta, not a running total)."""
@@ -46,7 +100,7 @@ class StatsReport:
     oom_costs: tuple[
         float, ...
     ] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.units.oom)
-    engine: dict[str, Any] | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
+    engine: EngineReport | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
 
     def to_dict(self) -> dict[str, Any]:
         """``asdict`` without its deep copy (tuples of numbers are immutable already)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.wire import ModelSettings, StatsReport
+from broker.wire import EngineReport, ModelSettings, StatsReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -101,7 +101,7 @@ def build_report(
     delta: StatsDelta,
     now_s: float,
     g: ReplicaGauges,
-    engine: dict[str, Any] | None = None,
+    engine: EngineReport | None = None,
     card_id: str = "",
 ) -> StatsReport:
     return StatsReport(
@@ -202,7 +202,7 @@ class BrokerLink:
         self._ok()
         return ModelSettings.from_dict(reply)  # plain data over Ray, typed from here on
 
-    async def report(self, gauges: ReplicaGauges, engine: dict[str, Any] | None = None) -> ModelSettings | None:
+    async def report(self, gauges: ReplicaGauges, engine: EngineReport | None = None) -> ModelSettings | None:
         """Send the delta since the last report (``engine``: an LLM engine's report); the settings reply, or None."""
         now = self.clock()
         delta, self.delta = self.delta, StatsDelta(now)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from broker.wire import ModelSettings
+from broker.wire import EngineReport, ModelSettings
 from deployments.broker_link import BrokerLink, ReplicaGauges
 from deployments.llm.vllm_engine import VllmEngine
 
@@ -38,7 +38,7 @@ class EngineReporter:
         get_handle: Callable[[], Any],
         *,
         report_interval_s: float,
-        engine_report: Callable[[], dict[str, Any]],
+        engine_report: Callable[[], EngineReport],
         clock: Callable[[], float] = time.time,
         card_id: str = "",
     ) -> None:

@@ -22,9 +22,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, cast
 
-from broker.wire import ModelSettings
+from broker.wire import EngineReport, ModelSettings
 from deployments.llm.engine import (
     EngineRequestError,
     FinishReason,
@@ -74,7 +74,7 @@ def _sse(obj: dict[str, Any]) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> dict[str, Any]:
+def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> EngineReport:
     """Engine stats as a JSON-safe dict: the ``EngineStats`` counters and bounds, TTFT/TPOT
     P50/P95/P99 over the recent completions, the KV cache in bytes, the engine's ceilings and
     geometry (what ``broker.control.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
@@ -100,7 +100,7 @@ def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> dict
         # what a sequence holds in the cache, for the rules' blocks per sequence (None: the worst case)
         seq_tokens=math.ceil(s.seq_tokens_mean) if s.seq_tokens_mean else None,
     )
-    return out
+    return cast(EngineReport, out)
 
 
 class LlmServer:
