@@ -50,7 +50,7 @@ CLOCKS = frozenset({"time"})
 CLOCK_CALLS = frozenset({"now", "utcnow", "today", "time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"})
 PROBES = "broker.probes"
 # importlib loads only what a user's config names ('pkg.module:Class'), never a module of ours.
-IMPORTLIB_ALLOWED = frozenset({"deployments.models", "bench.metrics_tick"})
+IMPORTLIB_ALLOWED = frozenset({"deployments.models"})
 
 
 @dataclass(frozen=True)
