@@ -26,7 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpubroker.sim.knee import RunSettings, bound, cap_s, knee, knee_on_seeds, passes_at, reference_for, with_cap
+from gpubroker.sim.knee import (
+    RunSettings,
+    Search,
+    bound,
+    cap_s,
+    knee,
+    knee_on_seeds,
+    passes_at,
+    reference_for,
+    with_cap,
+)
 from gpubroker.sim.profile import profile_for
 from quotas.config import FleetConfig, load_config
 
@@ -48,7 +58,7 @@ def best_static(config: FleetConfig, start_rate: float, rs: RunSettings, gated: 
             if best > 0 and not passes_at(config, arm, best, rs):  # cannot beat the best (as knee.oracle)
                 rows.append({"arm": arm, "knee_rps": None, "skipped": f"fails at {best:.1f}/s"})
                 continue
-            k = knee(config, arm, best if best > 0 else start_rate, rs, bisect_iters=4).knee_rps
+            k = knee(config, arm, best if best > 0 else start_rate, rs, search=Search(bisect_iters=4)).knee_rps
             rows.append({"arm": arm, "knee_rps": round(k, 2)})
             if k > best:
                 best, best_arm = k, arm

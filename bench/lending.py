@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from gpubroker.sim import arrivals as arr
-from gpubroker.sim.engine import Simulator, parse_arm
+from gpubroker.sim.engine import SimOptions, Simulator, parse_arm
 from gpubroker.sim.profile import profile_for
 from gpubroker.sim.types import DONE
 from gpubroker.sim.workload import finish
@@ -166,9 +166,7 @@ def run_arm(
         parse_arm(arm),
         _workload(cfg, times),
         duration_s,
-        warmup_s=warmup_s,
-        drain_s=10.0,
-        batching="lazy" if arm != "eager" else "eager",
+        SimOptions(warmup_s=warmup_s, drain_s=10.0, batching="lazy" if arm != "eager" else "eager"),
     )
     res = sim.run()
     span = duration_s - warmup_s
@@ -385,7 +383,11 @@ def run(
 def _run_eager(cfg, arm, times, duration, warmup, windows):
     """A static arm on Ray's eager formation (the ablation's starting point)."""
     sim = Simulator(
-        cfg, parse_arm(arm), _workload(cfg, times), duration, warmup_s=warmup, drain_s=10.0, batching="eager"
+        cfg,
+        parse_arm(arm),
+        _workload(cfg, times),
+        duration,
+        opts=SimOptions(warmup_s=warmup, drain_s=10.0, batching="eager"),
     )
     res = sim.run()
     span = duration - warmup

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from bench import lending as L
-from gpubroker.sim.engine import Simulator, parse_arm
+from gpubroker.sim.engine import SimOptions, Simulator, parse_arm
 from gpubroker.sim.types import DONE, EV_TIMER, SimReplica
 from quotas.config import FleetConfig
 
@@ -81,7 +81,11 @@ def batch_of(starts: np.ndarray, done_t: np.ndarray) -> np.ndarray:
 
 def _sim(cfg: FleetConfig, arm: str, times: list[np.ndarray], duration_s: float) -> Simulator:
     sim = Simulator(
-        cfg, parse_arm(arm), L._workload(cfg, times), duration_s, warmup_s=WARMUP_S, drain_s=10.0, batching="lazy"
+        cfg,
+        parse_arm(arm),
+        L._workload(cfg, times),
+        duration_s,
+        opts=SimOptions(warmup_s=WARMUP_S, drain_s=10.0, batching="lazy"),
     )
     sim.run()
     return sim

@@ -154,7 +154,7 @@ def screen_knees(w: Workload, cap_ms: float, start_rps: float, top: int, o: Opts
     less the HTTP path): the ``top`` arms with the highest knees, the candidates ``oracle-knee``
     searches live. (Ranking by goodput at one overloaded rate would favour arms whose waits
     alone exceed the cap.)"""
-    from gpubroker.sim.knee import RunSettings, knee
+    from gpubroker.sim.knee import RunSettings, Search, knee
     from quotas.config import parse_config_text
 
     k = o.time_scale
@@ -163,7 +163,9 @@ def screen_knees(w: Workload, cap_ms: float, start_rps: float, top: int, o: Opts
     scored = []
     for bt in GRID_BATCHES:
         for wt in GRID_WAITS_MS:
-            kn = knee(cfg, f"static:{bt}:{wt * k:g}", 0.5 * start_rps, rs, step=1.2, bisect_iters=3).knee_rps
+            kn = knee(
+                cfg, f"static:{bt}:{wt * k:g}", 0.5 * start_rps, rs, search=Search(step=1.2, bisect_iters=3)
+            ).knee_rps
             scored.append((-round(kn, 2), bt, wt * k))
     scored.sort()
     picked, seen = [], set()

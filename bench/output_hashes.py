@@ -52,10 +52,12 @@ def scale_hashes(cards: int, models: int, seconds: float, seed: int = 3) -> tupl
 
 
 def sim_hash(models: int = 100, seconds: float = 300.0, seed: int = 0) -> str:
-    from gpubroker.sim.engine import run_sim
+    from gpubroker.sim.engine import SimOptions, run_sim
 
     cfg = synthetic_config(models)
-    res = dataclasses.asdict(run_sim(cfg, "broker", {n: 0.5 for n in cfg.models}, seconds, arrivals="trace", seed=seed))
+    res = dataclasses.asdict(
+        run_sim(cfg, "broker", {n: 0.5 for n in cfg.models}, seconds, arrivals="trace", opts=SimOptions(seed=seed))
+    )
     res.pop("wall_s", None)
     return digest(res)
 

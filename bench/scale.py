@@ -330,11 +330,13 @@ def by_load(models: int = 100, cards: int = 16, seconds: float = 60.0, seed: int
 
 def bench_sim(models: int = 100, duration_s: float = 3600.0, rate_rps: float = 0.5, seed: int = 0) -> dict[str, Any]:
     """The simulator's broker arm on ``models`` x ``duration_s`` of trace arrivals, wall-clock timed."""
-    from gpubroker.sim.engine import run_sim
+    from gpubroker.sim.engine import SimOptions, run_sim
 
     cfg = synthetic_config(models)
     started = time.perf_counter()
-    result = run_sim(cfg, "broker", {name: rate_rps for name in cfg.models}, duration_s, arrivals="trace", seed=seed)
+    result = run_sim(
+        cfg, "broker", {name: rate_rps for name in cfg.models}, duration_s, arrivals="trace", opts=SimOptions(seed=seed)
+    )
     wall = time.perf_counter() - started
     per_model = list(result.models.values())
     return {

@@ -85,7 +85,7 @@ def simulate(
     """Run the real policy on a virtual clock against emulated models (deterministic, fast)."""
     from rich.console import Console  # noqa: PLC0415
 
-    from gpubroker.sim.engine import parse_arm, run_sim  # noqa: PLC0415
+    from gpubroker.sim.engine import SimOptions, parse_arm, run_sim  # noqa: PLC0415
     from gpubroker.sim.knee import RunSettings, knee, rates_for, seed_validation  # noqa: PLC0415
     from gpubroker.sim.workload import parse_arrivals  # noqa: PLC0415
     from quotas.config import ConfigError, load_config  # noqa: PLC0415
@@ -183,7 +183,9 @@ def simulate(
         return
 
     rates = rates_for(cfg, total, split) if rate is not None else default_rates(cfg)
-    result = run_sim(cfg, arm, rates, duration_s, arrivals=arrivals, seed=seed, warmup_s=warmup_s, batching=batching)
+    result = run_sim(
+        cfg, arm, rates, duration_s, arrivals=arrivals, opts=SimOptions(seed=seed, warmup_s=warmup_s, batching=batching)
+    )
     if as_json:
         print(json.dumps(result.to_dict(series=series), indent=2))
         return

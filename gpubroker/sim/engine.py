@@ -14,6 +14,7 @@ import heapq
 import math
 import time as _time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,19 @@ from quotas.config import FleetConfig
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SimOptions:
+    """How one run is measured and what it keeps; the config, the arm and the workload apart."""
+
+    warmup_s: float = 0.0  # arrivals before this are left out of the metrics
+    drain_s: float = 5.0  # the run goes on this long after the arrivals end; what is not done is a miss
+    seed: int | None = None  # recorded in the result (``run_sim`` draws the workload with it, 0 when None)
+    batching: str = "eager"  # how plain @serve.batch forms batches: eager (Ray 2.60) or lazy
+    start_epoch_s: float = START_EPOCH_S  # the epoch time of virtual time 0
+    keep_decisions: int = 2000
+    record: bool = False  # the broker arm keeps a trace of its calls (gpubroker.sim.broker)
+
+
 class Simulator:
     """One run of one arm over one workload. ``run()`` once."""
 
@@ -60,15 +74,9 @@ class Simulator:
         arm: Arm,
         workload: Mapping[str, ModelArrivals],
         duration_s: float,
-        *,
-        warmup_s: float = 0.0,
-        drain_s: float = 5.0,
-        seed: int | None = None,
-        start_epoch_s: float = START_EPOCH_S,
-        keep_decisions: int = 2000,
-        batching: str = "eager",
-        record: bool = False,
+        opts: SimOptions = SimOptions(),
     ):
+        warmup_s, drain_s, batching = opts.warmup_s, opts.drain_s, opts.batching
         capacity = config.gpu.capacity_bytes
         if capacity is None:
             raise ValueError(
@@ -92,11 +100,11 @@ class Simulator:
         self.duration_s = float(duration_s)
         self.warmup_s = float(warmup_s)
         self.end_t = float(duration_s) + float(drain_s)
-        self.seed = seed
-        self.epoch0 = float(start_epoch_s)
+        self.seed = opts.seed
+        self.epoch0 = float(opts.start_epoch_s)
         self.capacity = int(capacity)
         self.usable = config.usable_bytes()
-        self.keep_decisions = keep_decisions
+        self.keep_decisions = opts.keep_decisions
         self.names = list(config.models)
         self.profiles = {n: profile_for(n, s) for n, s in config.models.items()}
         missing = [n for n in workload if n not in config.models]
@@ -124,7 +132,7 @@ class Simulator:
         self.decisions: list[dict[str, Any]] = []
         self.broker: SimBroker | None = None
         self.broker_options: dict[str, Any] = {}  # SimBroker's: a card of a many-card fleet (gpubroker.sim.broker)
-        self.record = record
+        self.record = opts.record
         self.fast: dict[str, FastLoopParams] = {n: params_for(s, config) for n, s in config.models.items()}
 
     def _take_requests(self, workload: Mapping[str, ModelArrivals]) -> None:
@@ -676,20 +684,19 @@ def run_sim(
     policy: str | Arm,
     rates: Mapping[str, float],
     duration_s: float,
+    opts: SimOptions = SimOptions(),
     *,
     arrivals: str = "poisson",
-    seed: int = 0,
-    warmup_s: float = 0.0,
-    drain_s: float = 5.0,
     workload: Mapping[str, ModelArrivals] | None = None,
-    batching: str = "eager",
 ) -> SimResult:
-    """Draw the workload (unless given) and run one arm: the one-call entry point."""
+    """Draw the workload (unless given) with ``opts.seed`` (0 when None) and run one arm: the
+    one-call entry point."""
     from gpubroker.sim.workload import make_workload  # noqa: PLC0415
 
     arm = parse_arm(policy) if isinstance(policy, str) else policy
+    seed = 0 if opts.seed is None else opts.seed
+    opts = replace(opts, seed=seed)
     if workload is None:
         profiles = {n: profile_for(n, s) for n, s in config.models.items()}
         workload = make_workload(profiles, rates, duration_s, arrivals, seed)
-    sim = Simulator(config, arm, workload, duration_s, warmup_s=warmup_s, drain_s=drain_s, seed=seed, batching=batching)
-    return sim.run()
+    return Simulator(config, arm, workload, duration_s, opts).run()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpubroker.sim.arrivals import split_rates
-from gpubroker.sim.engine import run_sim
+from gpubroker.sim.engine import SimOptions, run_sim
 from gpubroker.sim.profile import Profile, profile_for
 from gpubroker.sim.types import Arm, SimResult, parse_arm
 from quotas.config import FleetConfig
@@ -101,6 +101,20 @@ class RunSettings:
     split: str = "even"  # how a total rate is spread over the config's models
     batching: str = "eager"  # how @serve.batch forms batches: eager (Ray 2.60) or lazy (gpubroker.sim.engine)
 
+    def sim_options(self) -> SimOptions:
+        """The simulator's options for one run at these settings."""
+        return SimOptions(warmup_s=self.warmup_s, drain_s=self.drain_s, seed=self.seed, batching=self.batching)
+
+
+@dataclass(frozen=True)
+class OracleGrid:
+    """The static grid the oracle searches: every batch x wait x formation is its own arm
+    (``gates``: False is Ray's eager formation, True the lazy gate, ``static:B:W:gate``)."""
+
+    batches: tuple[int, ...] = ORACLE_BATCHES
+    waits_ms: tuple[float, ...] = ORACLE_WAITS_MS
+    gates: tuple[bool, ...] = (False, True)
+
 
 @dataclass
 class KneeResult:
@@ -156,7 +170,7 @@ def measured_saturation(
         config.model_copy(update={"models": {model: config.models[model]}}), {model: 10.0 * (prof.a_ms + prof.c_ms * b)}
     )
     quick = RunSettings(duration_s=60.0, warmup_s=15.0, seed=rs.seed, arrivals=rs.arrivals, batching=rs.batching)
-    return knee(loose, arm, 0.25 * saturation(prof, b), quick, bisect_iters=4).knee_rps
+    return knee(loose, arm, 0.25 * saturation(prof, b), quick, search=Search(bisect_iters=4)).knee_rps
 
 
 def reference_for(config: FleetConfig, model: str, rs: RunSettings = RunSettings()) -> tuple[float, float]:
@@ -208,11 +222,8 @@ def run_at(
         arm,
         rates_for(config, total, rs.split),
         rs.duration_s,
+        rs.sim_options(),
         arrivals=rs.arrivals,
-        seed=rs.seed,
-        warmup_s=rs.warmup_s,
-        drain_s=rs.drain_s,
-        batching=rs.batching,
     )
 
 
@@ -243,19 +254,10 @@ def knee(
     *,
     search: Search = Search(),
     rules: ArmRules = ArmRules(),
-    step: float | None = None,
-    bisect_iters: int | None = None,
-    max_rate: float | None = None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> KneeResult:
-    """λ_max of one arm under ``rules``: ``search`` from ``start_rate`` (``step`` and
-    ``bisect_iters`` override the search's). If ``start_rate`` already fails, step down until one
-    passes. ``max_rate`` stops the climb (the knee is then reported as at least that rate)."""
-    search = replace(
-        search,
-        step=search.step if step is None else step,
-        bisect_iters=search.bisect_iters if bisect_iters is None else bisect_iters,
-    )
+    """λ_max of one arm under ``rules``: ``search`` from ``start_rate``. If ``start_rate`` already
+    fails, step down until one passes."""
     label = policy.label if isinstance(policy, Arm) else str(policy)
     rows: list[dict[str, Any]] = []
 
@@ -274,7 +276,6 @@ def knee(
         start_rate,
         step=search.step,
         bisect_iters=search.bisect_iters,
-        max_rate=max_rate,
         max_runs=search.max_runs,
     )
     return KneeResult(label, caps, k, rows, rules, search)
@@ -429,20 +430,11 @@ def knee_on_seeds(
     seeds: Sequence[int] = (0, 1, 2),
     *,
     rules: ArmRules = ArmRules(),
-    bisect_iters: int = 5,
-    max_rate: float | None = None,
+    search: Search = Search(),
 ) -> dict[str, Any]:
-    """Seed 0's knee (``knee`` with ``rs.seed = seeds[0]``) and the knee that holds on every seed,
-    both under ``rules``."""
-    k0 = knee(
-        config,
-        policy,
-        start_rate,
-        replace(rs, seed=seeds[0]),
-        rules=rules,
-        bisect_iters=bisect_iters,
-        max_rate=max_rate,
-    )
+    """Seed 0's knee (``knee`` with ``rs.seed = seeds[0]``, searched by ``search``) and the knee
+    that holds on every seed, both under ``rules``."""
+    k0 = knee(config, policy, start_rate, replace(rs, seed=seeds[0]), search=search, rules=rules)
     tried: list[dict[str, Any]] = []
 
     def passes(rate: float, seed: int) -> bool:
@@ -473,17 +465,15 @@ def oracle(
     config: FleetConfig,
     start_rate: float,
     rs: RunSettings = RunSettings(),
-    batches: tuple[int, ...] = ORACLE_BATCHES,
-    waits_ms: tuple[float, ...] = ORACLE_WAITS_MS,
+    grid: OracleGrid = OracleGrid(),
     *,
-    gates: tuple[bool, ...] = (False, True),
     rules: ArmRules = ArmRules(),
-    bisect_iters: int = 5,
+    search: Search = Search(),
 ) -> tuple[float, str, list[dict[str, Any]]]:
     """Best λ_max over the static grid at the config's caps: (knee, arm label, per-arm rows).
 
-    Each grid point (batch × wait × formation: Ray's eager one, and the lazy gate when ``gates``
-    has True) is its own arm, under ``rules``. A point that cannot pass at the best knee found so
+    Each grid point (batch × wait × formation: Ray's eager one, and the lazy gate when
+    ``grid.gates`` has True) is its own arm, under ``rules``, its knee found by ``search``. A point that cannot pass at the best knee found so
     far cannot beat it (λ_max is taken as monotone in the rate) and is skipped after that one run;
     one whose saturated throughput is under the best knee is skipped without a run.
     """
@@ -491,10 +481,10 @@ def oracle(
     prof = profile_for(name0, config.models[name0])
     best, best_arm = 0.0, ""
     arms: list[dict[str, Any]] = []
-    for gated in gates:
-        for b in batches:
+    for gated in grid.gates:
+        for b in grid.batches:
             sat = saturation(prof, b) if len(config.models) == 1 else float("inf")
-            for w in waits_ms:
+            for w in grid.waits_ms:
                 arm = Arm("static", b, w, gated)
                 if best > 0 and sat < best:
                     arms.append({"arm": arm.label, "knee_rps": None, "skipped": "saturates below the best knee"})
@@ -503,7 +493,7 @@ def oracle(
                     arms.append({"arm": arm.label, "knee_rps": None, "skipped": f"fails at {best:.1f}/s"})
                     continue
                 start = best if best > 0 else start_rate
-                k = knee(config, arm, start, rs, rules=rules, bisect_iters=bisect_iters).knee_rps
+                k = knee(config, arm, start, rs, search=search, rules=rules).knee_rps
                 arms.append({"arm": arm.label, "knee_rps": round(k, 2)})
                 if k > best:
                     best, best_arm = k, arm.label
@@ -515,17 +505,7 @@ def cap_s(config: FleetConfig, model: str, rs: RunSettings = RunSettings(), ref:
     one = config.model_copy(update={"models": {model: config.models[model]}})
     if ref is None:
         ref = reference_for(config, model, rs)[1]
-    res = run_sim(
-        one,
-        "static:8:10",
-        {model: ref},
-        rs.duration_s,
-        arrivals=rs.arrivals,
-        seed=rs.seed,
-        warmup_s=rs.warmup_s,
-        drain_s=rs.drain_s,
-        batching=rs.batching,
-    )
+    res = run_sim(one, "static:8:10", {model: ref}, rs.duration_s, rs.sim_options(), arrivals=rs.arrivals)
     p95 = res.models[model].p95_ms
     if p95 is None:
         raise ValueError(f"models.{model}: static 8 completed nothing at the reference rate; check its profile")

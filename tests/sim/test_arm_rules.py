@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpubroker.sim.knee import ArmRules, RunSettings, Search, evaluate, knee, oracle, run_at, with_cap
+from gpubroker.sim.knee import ArmRules, OracleGrid, RunSettings, Search, evaluate, knee, oracle, run_at, with_cap
 from gpubroker.sim.types import ModelResult, SimResult
 from tests.sim.conftest import fleet, profiled
 
@@ -74,6 +74,8 @@ def test_every_arm_records_the_same_rules_and_search():
 def test_the_oracle_grid_holds_gated_static_settings():
     cfg = fleet({"prof": profiled(20, 0.5, slo_ms=60)})
     rs = RunSettings(duration_s=20.0, warmup_s=5.0)
-    _, arm, arms = oracle(cfg, 40.0, rs, batches=(32,), waits_ms=(10.0,), bisect_iters=1)
+    _, arm, arms = oracle(
+        cfg, 40.0, rs, grid=OracleGrid(batches=(32,), waits_ms=(10.0,)), search=Search(bisect_iters=1)
+    )
     assert [a["arm"] for a in arms] == ["static:32:10", "static:32:10:gate"]
     assert arm == "static:32:10:gate"  # the lazy gate forms fuller batches: it wins here

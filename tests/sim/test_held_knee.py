@@ -46,12 +46,12 @@ def test_gated_static_arm_parses_and_labels():
 
 
 def test_the_gate_makes_a_static_arm_form_bigger_batches():
-    from gpubroker.sim.engine import run_sim
+    from gpubroker.sim.engine import SimOptions, run_sim
     from quotas.config import load_config
 
     cfg = load_config("configs/sim-a20-c0.5.yaml")
-    eager = run_sim(cfg, "static:32:10", {"prof": 200.0}, 60.0, warmup_s=15.0).models["prof"]
-    gated = run_sim(cfg, "static:32:10:gate", {"prof": 200.0}, 60.0, warmup_s=15.0).models["prof"]
+    eager = run_sim(cfg, "static:32:10", {"prof": 200.0}, 60.0, opts=SimOptions(warmup_s=15.0)).models["prof"]
+    gated = run_sim(cfg, "static:32:10:gate", {"prof": 200.0}, 60.0, opts=SimOptions(warmup_s=15.0)).models["prof"]
     assert gated.mean_batch > 2 * eager.mean_batch  # eager closes a batch 10 ms after its first request
     assert gated.completed >= eager.completed
 

@@ -8,7 +8,17 @@ import pytest
 from typer.testing import CliRunner
 
 from gpubroker.cli.main import app
-from gpubroker.sim.knee import RunSettings, bound, bound_batch, knee, oracle, reference_rate, with_cap
+from gpubroker.sim.knee import (
+    OracleGrid,
+    RunSettings,
+    Search,
+    bound,
+    bound_batch,
+    knee,
+    oracle,
+    reference_rate,
+    with_cap,
+)
 from gpubroker.sim.profile import profile_for
 from tests.sim.conftest import fleet, profiled
 
@@ -31,7 +41,7 @@ def test_static8_knee_near_benchmark(a20):
     cfg = with_cap(a20, {"prof": 43.4})
     rs = RunSettings(duration_s=60.0, warmup_s=10.0, batching="lazy")  # BENCHMARK.md's quick model
     ref = reference_rate(profile_for("prof", a20.models["prof"]))
-    k = knee(cfg, "static:8:10", ref, rs, bisect_iters=4)
+    k = knee(cfg, "static:8:10", ref, rs, search=Search(bisect_iters=4))
     # BENCHMARK.md's 164/s was the knee by P95 ≤ S; S is static 8's P95 at the reference rate, so
     # there ~5 % of its answers are late: by attainment (a late answer is a miss) the knee is lower
     assert 0.5 * ref < k.knee_rps < ref
@@ -42,7 +52,13 @@ def test_static8_knee_near_benchmark(a20):
 def test_oracle_prefers_large_batch_with_no_wait():
     cfg = fleet({"prof": profiled(20, 0.5, slo_ms=52)})
     rs = RunSettings(duration_s=30.0, warmup_s=5.0, batching="lazy")
-    best, arm, arms = oracle(cfg, 166.7, rs, batches=(128, 8), waits_ms=(0.0, 10.0), gates=(False,), bisect_iters=2)
+    best, arm, arms = oracle(
+        cfg,
+        166.7,
+        rs,
+        grid=OracleGrid(batches=(128, 8), waits_ms=(0.0, 10.0), gates=(False,)),
+        search=Search(bisect_iters=2),
+    )
     assert arm == "static:128:0" and best > 350  # bound (1 − 2a/C)/c = 461/s bounds the maximum latency
     assert len(arms) == 4
 
@@ -53,10 +69,14 @@ def test_oracle_needs_a_wait_with_eager_batching():
     cfg = fleet({"prof": profiled(20, 0.5, slo_ms=60)})
     rs = RunSettings(duration_s=30.0, warmup_s=5.0, batching="eager")
     best, arm, arms = oracle(
-        cfg, 40.0, rs, batches=(128, 8), waits_ms=(0.0, 10.0, 30.0), gates=(False,), bisect_iters=2
+        cfg,
+        40.0,
+        rs,
+        grid=OracleGrid(batches=(128, 8), waits_ms=(0.0, 10.0, 30.0), gates=(False,)),
+        search=Search(bisect_iters=2),
     )
     assert not arm.endswith(":0") and best > 150
-    zero = knee(cfg, "static:128:0", 20.0, rs, bisect_iters=2).knee_rps
+    zero = knee(cfg, "static:128:0", 20.0, rs, search=Search(bisect_iters=2)).knee_rps
     assert zero < 55
 
 

@@ -194,11 +194,11 @@ def test_a_borrower_keeps_its_loan_through_its_burst_though_the_loan_makes_it_lo
     went back in the burst one to three times a run on seeds 0-2, each time it fell behind at cap
     1 and borrowed again, and it answered 91-96 % within its SLO (the demo's ``prof``, 27 % on
     2026-12-03); now the loan goes back only after the burst, and 96-99 %."""
-    from gpubroker.sim.engine import run_sim
+    from gpubroker.sim.engine import SimOptions, run_sim
 
     for seed in range(3):
         config, workload = _demo_prof(seed)
-        result = run_sim(config, "broker", {}, 80.0, workload=workload, batching="lazy")
+        result = run_sim(config, "broker", {}, 80.0, workload=workload, opts=SimOptions(batching="lazy"))
         releases = [d["t"] for d in result.decisions if d.get("move") == "release"]
         burst_end = float(workload["prof"].times[-1])
         assert releases and min(releases) > burst_end, (seed, releases, burst_end)

@@ -15,7 +15,7 @@ import yaml
 from broker.fleet_core import FleetBroker
 from broker.wire import StatsReport
 from gpubroker.sim import arrivals as arr
-from gpubroker.sim.engine import Simulator, parse_arm
+from gpubroker.sim.engine import SimOptions, Simulator, parse_arm
 from gpubroker.sim.profile import profile_for
 from gpubroker.sim.workload import finish
 from tests.sim.conftest import GiB, MiB, fleet, profiled
@@ -43,7 +43,7 @@ def _fleet_and_workload():
 
 def test_live_core_and_simulator_core_decide_the_same():
     cfg, w = _fleet_and_workload()
-    sim = Simulator(cfg, parse_arm("broker"), w, 70.0, record=True)
+    sim = Simulator(cfg, parse_arm("broker"), w, 70.0, opts=SimOptions(record=True))
     sim.run()
     trace = sim.broker.trace
     sim_log = sim.broker.broker.decisions()
@@ -73,7 +73,7 @@ def test_the_replicas_waiting_count_matches_the_requests_it_holds():
     from gpubroker.sim.types import PENDING
 
     cfg, w = _fleet_and_workload()
-    sim = Simulator(cfg, parse_arm("broker"), w, 70.0, drain_s=0.0)  # stops with requests in flight
+    sim = Simulator(cfg, parse_arm("broker"), w, 70.0, opts=SimOptions(drain_s=0.0))  # stops with requests in flight
     sim.run()
     for m, reps in enumerate(sim.replicas):
         pending = int(np.sum((sim.status == PENDING) & (sim.m_np == m)))

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from gpubroker.sim import arrivals as arr
-from gpubroker.sim.engine import Simulator, parse_arm, run_sim
-from gpubroker.sim.knee import RunSettings, bound, cap_s, knee, reference_for, reference_rate, with_cap
+from gpubroker.sim.engine import SimOptions, Simulator, parse_arm, run_sim
+from gpubroker.sim.knee import RunSettings, Search, bound, cap_s, knee, reference_for, reference_rate, with_cap
 from gpubroker.sim.profile import profile_for
 from gpubroker.sim.workload import finish
 from quotas.config import load_config
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not have_policy(), reason="broker.control.policy
 
 
 def test_broker_arm_is_deterministic(a20):
-    a = run_sim(a20, "broker", {"prof": 300.0}, 20.0, seed=3).to_dict()
-    b = run_sim(a20, "broker", {"prof": 300.0}, 20.0, seed=3).to_dict()
+    a = run_sim(a20, "broker", {"prof": 300.0}, 20.0, opts=SimOptions(seed=3)).to_dict()
+    b = run_sim(a20, "broker", {"prof": 300.0}, 20.0, opts=SimOptions(seed=3)).to_dict()
     for d in (a, b):
         d.pop("wall_s")
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
@@ -35,13 +35,19 @@ def test_broker_knee_beats_static8_on_a20_c05():
     sat, ref = reference_for(cfg, "prof", rs)
     assert sat < 0.5 * 8 / (0.020 + 8 * 0.0005)  # static 8:10 saturates far below 8/(a + 8c)
     s_ms = cap_s(cfg, "prof", rs, ref)
-    k8 = knee(with_cap(cfg, {"prof": 1.2 * s_ms}), "static:8:10", ref, rs, bisect_iters=3)  # one cap for both
-    kb = knee(with_cap(cfg, {"prof": 1.2 * s_ms}), "broker", k8.knee_rps * 4.0, rs, step=1.15, bisect_iters=3)
+    k8 = knee(
+        with_cap(cfg, {"prof": 1.2 * s_ms}), "static:8:10", ref, rs, search=Search(bisect_iters=3)
+    )  # one cap for both
+    kb = knee(
+        with_cap(cfg, {"prof": 1.2 * s_ms}), "broker", k8.knee_rps * 4.0, rs, search=Search(step=1.15, bisect_iters=3)
+    )
     gain = kb.knee_rps / k8.knee_rps
     assert gain >= 2.5, f"broker knee {kb.knee_rps:.1f}/s vs static 8 {k8.knee_rps:.1f}/s: gain {gain:.2f}"
     # and at least 0.9 of the best static arm tried at the same cap
     best = max(
-        knee(with_cap(cfg, {"prof": 1.2 * s_ms}), arm, k8.knee_rps * 4.0, rs, step=1.15, bisect_iters=3).knee_rps
+        knee(
+            with_cap(cfg, {"prof": 1.2 * s_ms}), arm, k8.knee_rps * 4.0, rs, search=Search(step=1.15, bisect_iters=3)
+        ).knee_rps
         for arm in ("static:24:30", "static:32:20")
     )
     assert kb.knee_rps >= 0.9 * best, f"broker {kb.knee_rps:.1f}/s vs best static {best:.1f}/s"
@@ -56,9 +62,13 @@ def test_broker_beats_static8_with_lazy_batching_too():
     prof = profile_for("prof", cfg.models["prof"])
     s_ms = cap_s(cfg, "prof", rs, reference_rate(prof))
     assert s_ms == pytest.approx(43.0, rel=0.08)
-    k8 = knee(with_cap(cfg, {"prof": 1.2 * s_ms}), "static:8:10", reference_rate(prof), rs, bisect_iters=3)
-    k8s = knee(with_cap(cfg, {"prof": s_ms}), "static:8:10", reference_rate(prof), rs, bisect_iters=3)
-    kb = knee(with_cap(cfg, {"prof": 1.2 * s_ms}), "broker", k8.knee_rps * 2.0, rs, step=1.15, bisect_iters=3)
+    k8 = knee(
+        with_cap(cfg, {"prof": 1.2 * s_ms}), "static:8:10", reference_rate(prof), rs, search=Search(bisect_iters=3)
+    )
+    k8s = knee(with_cap(cfg, {"prof": s_ms}), "static:8:10", reference_rate(prof), rs, search=Search(bisect_iters=3))
+    kb = knee(
+        with_cap(cfg, {"prof": 1.2 * s_ms}), "broker", k8.knee_rps * 2.0, rs, search=Search(step=1.15, bisect_iters=3)
+    )
     assert kb.knee_rps / k8.knee_rps >= 1.5  # at one cap (lazy formation leaves static 8 less behind)
     assert kb.knee_rps / k8s.knee_rps >= 2.5  # the named variant: static 8 at S
     assert kb.knee_rps >= 0.8 * bound(prof.a_ms, prof.c_ms, 1.2 * s_ms)
@@ -109,7 +119,7 @@ def test_ten_minutes_of_three_models_runs_fast():
     cfg = load_config("configs/sim-three.yaml")
     rates = dict(zip(cfg.models, arr.split_rates(300.0, 3, "powerlaw")))
     t0 = time.perf_counter()
-    res = run_sim(cfg, "broker", rates, 60.0, seed=0)
+    res = run_sim(cfg, "broker", rates, 60.0, opts=SimOptions(seed=0))
     wall = time.perf_counter() - t0
     assert wall < 6.0, f"60 simulated seconds took {wall:.1f}s; 10 minutes would not fit well under a minute"
     assert sum(m.offered for m in res.models.values()) > 15_000
