@@ -5,7 +5,10 @@ Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
 
 from __future__ import annotations
 
+import json
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -77,35 +80,54 @@ def bench(
     The live scenarios start and tear down their own apps; report writes bench/RESULTS.md and the
     README's results table from the JSON committed under bench/results/ (bench.results)."""
     _require_bench()
-    import json
-    import sys
-    import time
+    args = BenchArgs(scenario, out, quick, time_scale, seeds, peer, arrivals, models, direct, as_json)
+    if not _run_offline(args):
+        _run_live(args)
 
-    if scenario == "scale":  # the broker core on a fake clock and the simulator: no Ray (bench/scale.py)
+
+@dataclass(frozen=True)
+class BenchArgs:
+    """The options of one ``gpubroker bench`` run, as the command line gave them."""
+
+    scenario: str
+    out: Path
+    quick: bool
+    time_scale: float
+    seeds: int
+    peer: bool | None
+    arrivals: str
+    models: str
+    direct: bool
+    as_json: bool
+
+
+def _run_offline(a: BenchArgs) -> bool:
+    """The scenarios without Ray (scale, llm, lending) and the report; False for a live one."""
+    if a.scenario == "scale":  # the broker core on a fake clock and the simulator: no Ray (bench/scale.py)
         from bench import scale
 
-        res = scale.run(quick=quick, out=out, on_progress=lambda m: typer.echo(m, err=True))
-        print(json.dumps(res) if as_json else scale.table(res))
-        typer.echo(f"wrote {out / 'scale.json'}", err=True)
-        return
-    if scenario == "llm":  # LLM engines in process, broker vs static bounds, lending between two (bench/llm_bench.py)
+        res = scale.run(quick=a.quick, out=a.out, on_progress=lambda m: typer.echo(m, err=True))
+        print(json.dumps(res) if a.as_json else scale.table(res))
+        typer.echo(f"wrote {a.out / 'scale.json'}", err=True)
+        return True
+    if a.scenario == "llm":  # LLM engines in process, broker vs static bounds, lending between two (bench/llm_bench.py)
         from bench import llm_bench
 
-        res = llm_bench.run(quick=quick, out=out, log=lambda msg: typer.echo(msg, err=True))
-        print(json.dumps(res, default=str) if as_json else llm_bench.table(res))
-        typer.echo(f"wrote {out / 'llm.json'}", err=True)
-        return
-    if scenario == "lending":  # where memory binds: static split vs broker with quotas fixed vs lending (simulator)
+        res = llm_bench.run(quick=a.quick, out=a.out, log=lambda msg: typer.echo(msg, err=True))
+        print(json.dumps(res, default=str) if a.as_json else llm_bench.table(res))
+        typer.echo(f"wrote {a.out / 'llm.json'}", err=True)
+        return True
+    if a.scenario == "lending":  # where memory binds: static split vs broker with quotas fixed vs lending (simulator)
         from bench import lending
 
         # the independent load runs every seed, --quick too (its target must hold on each)
         res = lending.run(
-            quick=quick, out=out, seeds=tuple(range(seeds)), on_progress=lambda m: typer.echo(m, err=True)
+            quick=a.quick, out=a.out, seeds=tuple(range(a.seeds)), on_progress=lambda m: typer.echo(m, err=True)
         )
-        print(json.dumps(res, default=str) if as_json else lending.table(res))
-        typer.echo(f"wrote {out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
-        return
-    if scenario == "report":  # RESULTS.md and the README's table from the JSON committed under bench/results/
+        print(json.dumps(res, default=str) if a.as_json else lending.table(res))
+        typer.echo(f"wrote {a.out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
+        return True
+    if a.scenario == "report":  # RESULTS.md and the README's table from the JSON committed under bench/results/
         from bench import results
 
         try:
@@ -114,17 +136,22 @@ def bench(
             typer.echo(f"gpubroker bench report: {exc}", err=True)
             raise typer.Exit(2) from None
         typer.echo(f"wrote bench/RESULTS.md and README.md's results table from {results.ROOT}/")
-        return
-    if scenario not in SCENARIO_NAMES:
+        return True
+    return False
+
+
+def _run_live(a: BenchArgs) -> None:
+    """A live scenario on Ray Serve: run it, then write SCENARIO.json, SCENARIO.md and plots under --out."""
+    if a.scenario not in SCENARIO_NAMES:
         typer.echo(
-            f"unknown scenario '{scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale, llm)",
+            f"unknown scenario '{a.scenario}'; choose one of {', '.join(SCENARIO_NAMES)} (or report, scale, llm)",
             err=True,
         )
         raise typer.Exit(2) from None
     from bench.live_runs import parse_arrivals
 
     try:
-        parse_arrivals(arrivals)
+        parse_arrivals(a.arrivals)
     except ValueError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
@@ -136,32 +163,32 @@ def bench(
         print(msg, file=sys.stderr, flush=True)
 
     o = live.Opts.make(
-        quick,
-        time_scale=time_scale,
-        peer=(not quick) if peer is None else peer,
+        a.quick,
+        time_scale=a.time_scale,
+        peer=(not a.quick) if a.peer is None else a.peer,
         log=log,
-        seed_json=str(out / "seed.json"),
-        arrivals=arrivals,
-        direct=direct,
+        seed_json=str(a.out / "seed.json"),
+        arrivals=a.arrivals,
+        direct=a.direct,
     )
-    if not quick:
-        o.seeds = tuple(range(seeds))
+    if not a.quick:
+        o.seeds = tuple(range(a.seeds))
     t0 = time.time()
-    if scenario == "seed" and models:
-        res = live.seed(o, tuple(m.strip() for m in models.split(",") if m.strip()))
+    if a.scenario == "seed" and a.models:
+        res = live.seed(o, tuple(m.strip() for m in a.models.split(",") if m.strip()))
     else:
-        res = live.SCENARIOS[scenario](o)
+        res = live.SCENARIOS[a.scenario](o)
     res["runtime_s"] = round(time.time() - t0, 1)
     res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
-    res["quick"] = quick
-    res["arrivals"] = arrivals
-    res["direct_ingress"] = direct
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{scenario}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
-    md = MD[scenario](res) + f"\n\nRuntime {res['runtime_s']:.0f} s{' (--quick)' if quick else ''}.\n"
-    (out / f"{scenario}.md").write_text(md, encoding="utf-8")
-    pngs = plots.plot(scenario, res, out)
-    if as_json:
+    res["quick"] = a.quick
+    res["arrivals"] = a.arrivals
+    res["direct_ingress"] = a.direct
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{a.scenario}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+    md = MD[a.scenario](res) + f"\n\nRuntime {res['runtime_s']:.0f} s{' (--quick)' if a.quick else ''}.\n"
+    (a.out / f"{a.scenario}.md").write_text(md, encoding="utf-8")
+    pngs = plots.plot(a.scenario, res, a.out)
+    if a.as_json:
         print(json.dumps(res, default=str))
     else:
         print(md)

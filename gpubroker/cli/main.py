@@ -139,20 +139,9 @@ def _valid_json(cfg: FleetConfig, config: Path, placement, explain: bool, warnin
 # In the order `gpubroker --help` lists them.
 app.command(name="simulate")(simulate.simulate)
 app.command(name="calibrate")(calibrate.calibrate)
-for _name, _command in (
-    ("up", fleet.up),
-    ("status", fleet.status),
-    ("apply", fleet.apply),
-    ("decisions", fleet.decisions),
-    ("down", fleet.down),
-):
-    app.command(name=_name)(_command)
+app.command(name="up")(fleet.up)
+app.command(name="status")(fleet.status)
+app.command(name="apply")(fleet.apply)
+app.command(name="decisions")(fleet.decisions)
+app.command(name="down")(fleet.down)
 app.command(name="bench")(bench.bench)
-
-
-def main() -> None:  # pragma: no cover - console entry
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    app()
