@@ -1,35 +1,15 @@
 """``gpubroker bench lending``: where memory binds, does lending buy goodput?
 
-Design note. Lending proves something only where the static split runs out of memory. Four
-models share one card (16 GiB, 14.1 GiB usable); each model's batch memory (1 GiB of weights
-+ 512 MiB per item) is what limits it: its 3.5 GiB base holds a batch of 4 (with the 10% allocator
-headroom the memory model keeps). Each model bursts in turn (gamma arrivals, CV 2) to 1.5x what
-back-to-back batches of 4 serve, while the others run at their base rate. All arms form batches
-the same way (lazy: the replica's gate for the broker, the simulator's lazy batcher for static
-arms), so formation is not what differs:
-
-- ``static-split``: base quotas, a static cap that fits them (4), Serve's defaults otherwise;
-- ``broker-fixed``: the broker's batch control, quotas fixed at base (min = base = max);
-- ``broker``: the broker with lending on;
-- ``static-split-timeout`` (beside, not in the targets): the static split with
-  ``request_timeout_s`` at the SLO, the nearest plain Serve comes to shedding.
-
-Both broker arms shed late requests (``shed_late``, ``deployments.units.shed``). Without it the
-quotas-fixed arm's queue collapses under a burst its batches cannot serve (it answers nearly all
-of it late), and a gain over that arm measures the collapse, not the borrowed memory.
-
-Memory is enforced as the simulator enforces it (``gpubroker.sim.engine``): a batch over its
-replica's grant runs out of memory, is split in two and retried; an over-grant event is a
-sample (every control interval) at which a model's measured memory is above its grant by more
-than the allocator's granularity. The ablation starts from the static cap with Ray's eager formation,
-quotas fixed and no emergency shrink, and turns each part on alone: lazy formation, late
-shedding (with the gate it needs), batch control, lending, emergency shrink; then all of them.
-A second load has every model burst independently (gamma CV 4 at the same mean), all contending
-for the card: the broker's attainment on each model must be at least the static split's.
-
-The live stack (``gpubroker up`` with RLIMIT_DATA enforcement, ``docs/ENFORCEMENT.md``) runs the
-same policy code; this benchmark runs in the simulator so that the arms x 2 loads x the ablation fit
-in minutes and are deterministic.
+Lending proves something only where the static split runs out of memory: four models on one
+16 GiB card, each limited by its batch memory (1 GiB of weights + 512 MiB per item, so a 3.5 GiB
+base holds a batch of 4), each bursting in turn (gamma CV 2) past what batches of 4 serve. Arms,
+all with the same lazy batch formation: ``static-split``, ``broker-fixed`` (quotas fixed at base),
+``broker`` (lending on); ``static-split-timeout`` beside them. Both broker arms shed late
+requests, so a gain over ``broker-fixed`` is the borrowed memory, not a queue's collapse. An
+ablation turns each part on alone; a second load has every model burst on its own, where the
+broker must match the static split on each model. Memory is enforced as ``gpubroker.sim.engine``
+enforces it; the simulator keeps the runs fast and deterministic (the live stack runs the same
+policy code).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Why the broker falls short of the static split on some model-seeds of bench lending's independent load.
 
-Design note. ``bench lending``'s second load (every model bursts on its own, gamma CV 4 at 40/s,
-quotas 3.5 GiB) asks the broker's attainment on each model to be at least the static split's.
-This module takes the per-model differences apart, in requests, two ways:
-
-- ``per_request``: for one seed, the static split against the broker with quotas fixed
-  (``broker-fixed``): which requests meet the SLO under one arm only, and, for each such group
-  and each arm, how long they waited for their own batch to start, how many of their own
-  model's batches started in between, and how many other models' batches started on the
-  processor-shared card before they were done. It also reports the caps each arm ran (the batch
-  rules hold the memory ceiling, 4, throughout) and the broker's wait timeouts.
-- ``variants``: the broker-fixed arm with one thing changed at a time (the wait pinned to a
-  value; ``OldestWindowSim``: a gate whose released batch's wait window counts from its oldest
-  request rather than from its release), on several seeds: per model, requests served within
-  the SLO minus the static split's.
-
-``OldestWindowSim`` is an experiment, not the replica: the live gate (``deployments.units.gate``) and
-Ray's batcher open a fresh wait window when a batch's first request is pulled, as the simulator
-emulates. ``python -m bench.lending_gap --seeds 0,1,2 [--out DIR]``.
-
-Since 2026-12-03 the benchmark's broker arms shed late requests (``shed_late``,
-``deployments.units.shed``), which puts them above the static split on every model-seed; this module
-studies the arms without it, where the difference is the wait's reshuffle measured here.
+It takes the per-model differences apart, in requests, for the arms without late shedding (the
+benchmark's broker arms shed; this studies what is left without it): ``per_request`` (one seed,
+the static split against ``broker-fixed``: the requests that meet the SLO under one arm only, how
+long they waited and which batches ran in between) and ``variants`` (``broker-fixed`` with one
+thing changed at a time, on several seeds). ``OldestWindowSim`` is an experiment, not the
+replica: the live gate and Ray's batcher open a fresh wait window when a batch's first request
+is pulled, as the simulator emulates. ``python -m bench.lending_gap --seeds 0,1,2 [--out DIR]``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Hashes of what the control plane outputs, to check that a change to its speed changed nothing.
 
-Design note. A refactor of the report window, the rules or the broker core for speed must give
-the same answers. This runs the synthetic fleets of ``bench.scale`` on a fake clock (seed 3) and
-hashes every settings reply, the decision log and the final status (16 cards x 100 models,
-1 card x 100, 1 card x 10; 150 s each), and the simulator's broker arm on 100 models x 300 s of
-trace arrivals (its result without the wall time). Run it on two trees and compare the lines:
+A refactor of the window, the rules or the broker core must give the same answers. This runs
+``bench.scale``'s synthetic fleets on a fake clock (seed 3; 16 cards x 100 models, 1 x 100,
+1 x 10; 150 s each) and hashes every settings reply, the decision log and the final status, and
+the simulator's broker arm on 100 models x 300 s of trace arrivals (without its wall time). Run
+it on two trees and compare the lines:
 
     python -m bench.output_hashes            # one line per case
     git worktree add /tmp/base <commit> && (cd /tmp/base && python -m bench.output_hashes)

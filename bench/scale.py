@@ -1,31 +1,13 @@
 """``gpubroker bench scale``: how the control plane grows with models and cards.
 
-Design note. The broker core (``broker.core.BrokerCore``) runs on a fake clock with synthetic
-replica reports, so what is timed is the core's own work, not Ray: every report interval each
-replica sends one ``StatsReport`` (arrivals, completions, latency samples, batches, queue,
-memory under its grant, the settings version it runs), and every control interval the core
-ticks; only ``tick()`` is timed (``time.perf_counter``), reports are timed apart. Load is
-synthetic but moving: each model is busy in one phase of four (phases shifted per model), so
-models go idle, lend, get busy and reclaim while the clock runs, and lending has work to do.
-
-Cases:
-
-- ``models``: one card, 10 / 100 / 1000 models: median and p99 tick, per-report cost.
-- ``cards``: 16 emulated cards x 100 models (100 models in all, 6-7 per card; also 100 per
-  card, 1600 in all), one ``broker.fleet_core.FleetBroker`` (one ``BrokerCore`` and ledger per
-  card, one tick for all; every replica names its card), as the live broker runs a ``gpus:``
-  fleet. ``cores`` in the JSON is how many per-card cores ticked.
-- ``live``: the same fleets as the broker actor holds them, with what the core cases leave out:
-  its checkpoints written after every tick (to a temporary directory: temp file, fsync, rename)
-  and its Prometheus metrics updated every tick and report (a fresh ``CollectorRegistry``). The
-  core cases time the control step; this is what a tick costs the live broker.
-- ``sim``: the simulator (``gpubroker.sim.engine.run_sim``, broker arm) on 100 models x 1 hour of Azure
-  trace arrivals (``gpubroker.sim.arrivals``), wall-clock timed.
-
-The budget (``BUDGET``): a 16 cards x 100 models tick at most 50 M instructions (counted under
-valgrind by ``bench.tick_instructions``, when valgrind is installed) and its median time as the
-actor runs it (the live case) at most 5 % of ``control_interval_s`` on the machine that runs it. The result is printed as a table and
-written to ``bench/out/scale.json``.
+The broker core runs on a fake clock with synthetic, moving replica reports (each model busy in
+one phase of four, so models idle, lend, get busy and reclaim); only ``tick()`` and the reports
+are timed, not Ray. Cases: ``models`` (one card, 10 / 100 / 1000 models), ``cards`` (16 cards x
+100 models, one ``broker.fleet_core.FleetBroker``), ``live`` (the same fleets with the actor's
+checkpoint and Prometheus metrics every tick: what a tick costs the live broker) and ``sim`` (the
+simulator on 100 models x 1 hour of trace arrivals). ``BUDGET``: a 16 x 100 tick within 50 M
+instructions (``bench.tick_instructions``, when valgrind is installed) and a live median within
+5 % of ``control_interval_s``. Prints a table and writes ``bench/out/scale.json``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ in one scenario see the same arrivals (same seed) and run side by side in one pr
 their *ratios* are the result; absolute numbers on a shared 2-core machine are noisy.
 
 Time scale. On a 2-core host the Serve HTTP path (proxy, ingress, replica, client) tops out
-near 100 req/s, well under the a=20 ms / c=0.5 ms profile's knee (~455/s). The ``profiled``
+well under the a=20 ms / c=0.5 ms profile's knee (~455/s, BENCHMARK.md's model). The ``profiled``
 emulation is therefore run slowed down by ``time_scale`` k (default 10: a=200 ms, c=5 ms,
 and the static arm's 10 ms wait becomes 100 ms): rates fall by k and every ratio the
 benchmark reports (knee gain, oracle ratio, knee/bound) is unchanged by the scale. It is an

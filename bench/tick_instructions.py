@@ -1,27 +1,15 @@
 """Instructions per control tick, counted under valgrind: a speed measure that holds across machines.
 
-Design note. Wall-clock tick times on the shared 2-core machines move by a third between runs
-minutes apart and by 2x or more between machines of the same CPU name (docs/BENCHMARKS.md, "The
-control plane's cost"), so a change of a few percent cannot be seen in them, even side by side.
-The instructions the CPU runs for the same code, inputs and hash seed do not move: valgrind's
-callgrind counts them (the same total twice, with the other core loaded or not). This runs
-``bench.scale``'s synthetic fleet (``_Cores``: the broker core on a fake clock) under callgrind
-three times, with ``PYTHONHASHSEED=0``:
-
-1. the window's warm-up only (30 s of reports and ticks);
-2. the warm-up, then ``seconds`` more of reports and ticks;
-3. the warm-up, then ``seconds`` more of reports only (the tick replaced by nothing).
-
-Ticks cost (2) - (3), reports (3) - (1); divided by the ticks and report rounds run. Startup,
-imports and the warm-up cancel out. Each run takes about 100 s on these machines (valgrind runs
-Python about 50x slower); they run two at a time. ``--tree DIR`` runs another checkout (a ``git
-worktree`` of the commit to compare with) in the same way, so two trees print comparable lines.
+Wall-clock tick times on shared machines move too much to show a change of a few percent; the
+instructions callgrind counts for the same code, inputs and hash seed (``PYTHONHASHSEED=0``) do
+not. This runs ``bench.scale``'s synthetic fleet under callgrind three times: the warm-up only;
+the warm-up then ``seconds`` of reports and ticks; the warm-up then reports only. Ticks cost the
+second minus the third, reports the third minus the first, per tick and report round. ``--tree
+DIR`` runs another checkout the same way. valgrind comes from the system (Debian: ``apt-get
+install valgrind``); without it this says so and exits 2. A tool for speed work, not a test.
 
     python -m bench.tick_instructions                     # 16 cards x 100 models, 20 s
     python -m bench.tick_instructions --tree /tmp/base    # the same for another checkout
-
-valgrind comes from the system (Debian: ``apt-get install valgrind``); without it this says so
-and exits 2. It is a tool for speed work, not part of ``make test``.
 """
 
 from __future__ import annotations

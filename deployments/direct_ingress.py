@@ -5,10 +5,9 @@ Ray starts with): every replica of an ingress deployment runs its own HTTP serve
 its node (30000-31000 by default), bound to the same host as Serve's proxy, and answers its
 application's routes there. gpubroker's model apps are each their own ingress, so with it on a
 client can send ``POST /v1/models/<name>/infer`` straight to a replica: no proxy process, no
-replica-to-proxy callback for the body, no Ray actor call per request. Measured on this 2-core
-machine (``python -m bench.cost_per_request --arms fleet,fleet-direct``): the serving path's
-CPU per request drops about six-fold (docs/BENCHMARKS.md). Serve's proxy keeps working beside
-it, on its one port, for every route.
+replica-to-proxy callback for the body, no Ray actor call per request: less CPU per request on
+the serving path (``python -m bench.cost_per_request --arms fleet,fleet-direct`` measures it;
+docs/BENCHMARKS.md). Serve's proxy keeps working beside it, on its one port, for every route.
 
 What it does not give: one address for all replicas (each replica has its own port; a client or
 a load balancer in front picks one, and a replica that stops takes its port with it; Ray's own

@@ -199,8 +199,8 @@ class CpuRlimitLimiter:
         and the refusal is when it is measured; docs/ENFORCEMENT.md says what that misses).
 
         A soft limit at or under VmData refuses every allocation of the process, the runtime's
-        included: on 2026-12-02 Ray's output serializer then failed and the worker exited (a
-        restart outside the broker's escalation). So while the process holds over its grant,
+        included: Ray's output serializer then fails and the worker exits (a restart outside the
+        broker's escalation). So while the process holds over its grant,
         soft's floor is what it holds + slack, lowered as it frees, never raised (the replica runs
         no batch meanwhile: nothing of the model's grows into the slack); the floor goes once the
         process is measured under its grant."""

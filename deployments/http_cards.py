@@ -10,7 +10,7 @@ handles (async: no blocking Ray call). That is one hop more than a one-card mode
 one card keeps its one hop (``deployments.http_model.HttpModel``).
 
 Lost cards. Serve holds a request sent to a group whose replicas died on a lost node until the
-group is redeployed (20-35 s on the test cluster), so the router follows the broker's view of
+group is redeployed (tens of seconds), so the router follows the broker's view of
 the cards (``BrokerActor.card_health``, read every control interval by a task of its own, never
 on a request's path). A *silent* card (its replicas missed five reports: the node may be gone,
 the broker has not said so yet) gets no new request while another card of the model is not
