@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
 from deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
 from quotas.config import ConfigError, FleetConfig, parse_config_text
+
+if TYPE_CHECKING:
+    from deployments.user_code import ProjectCheck
 
 
 # =============================================================================== deploy
@@ -238,42 +241,78 @@ class UpEvent:
     total: int = 1  # units in the stage (1, or one per model)
 
 
+@dataclass(frozen=True)
+class UpOptions:
+    """Where and how ``up_fleet`` brings a fleet up (the ``gpubroker up`` options)."""
+
+    address: str | None = None  # a running Ray cluster; None starts a local head
+    num_cpus: int | None = None  # CPUs of a local head (None: all)
+    ray_port: int = 0  # GCS port of a local head (0: a free one)
+    timeout_s: float = 600.0  # for the Serve apps to run and every model to answer
+    wait_s: float | None = None  # how long a model may go without a 200 (None: first_requests.WAIT_S)
+    project_dir: str | None = None  # where the user's model packages live (None: the current directory)
+
+
 def up_fleet(
     cfg: FleetConfig,
     text: str,
     source: str,
-    *,
-    address: str | None = None,
-    num_cpus: int | None = None,
-    ray_port: int = 0,
-    timeout_s: float = 600.0,
-    wait_s: float | None = None,
+    opts: UpOptions = UpOptions(),
     on_event: Callable[[UpEvent], None] | None = None,
-    project_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Ray (local unless ``address``), broker, Serve app, one answered request per model; returns the state.
+    """Ray (local unless ``opts.address``), broker, Serve app, one answered request per model; returns the state.
 
-    Before Ray starts, every model is built here (``first_examples``) from ``project_dir`` (default:
-    the current directory; ``deployments.user_code``): a model that cannot be built, or a project
-    folder that shadows one of gpubroker's packages under a model path, stops ``up`` at once. The
-    user's packages found there are shipped to the replicas (Ray ``py_modules``). ``wait_s``: how
-    long a model may go without a 200 on its first request (``first_requests.WAIT_S``).
-    The state file is written as soon as a local Ray is up, so ``down_fleet`` can clean up
-    after a failure; a failure after that emits ``UpStage.FAILED`` with the error and re-raises.
+    Before Ray starts, every model is built here (``first_examples``) from ``opts.project_dir``
+    (``deployments.user_code``): a model that cannot be built, or a project folder that shadows one
+    of gpubroker's packages under a model path, stops ``up`` at once. The user's packages found
+    there are shipped to the replicas (Ray ``py_modules``). The state file is written as soon as
+    a local Ray is up, so ``down_fleet`` can clean up after a failure; a failure after that emits
+    ``UpStage.FAILED`` with the error and re-raises.
     """
-    import ray
-
-    from broker.actor import start_broker
-    from deployments.user_code import check_project, on_sys_path
-
     emit = on_event or (lambda event: None)
     t0 = time.time()
+    project = _checked_project(cfg, opts.project_dir)
+    examples = first_examples(cfg)  # every model builds here, or up stops naming it
+    state = _first_state(cfg, text, source, opts.address, project)
+    _start_ray(cfg, state, opts, project, emit)
+    progress = _UpProgress(cfg, emit)
+    try:
+        _start_broker_and_models(cfg, text, state, opts, progress)
+        wait_serving(
+            cfg,
+            state["http_url"],
+            timeout_s=opts.timeout_s,
+            on_answer=progress.on_answer,
+            wait_s=opts.wait_s,
+            examples=examples,
+        )
+        progress.calibration(len(cfg.models))
+        if cfg.broker.direct_ingress:  # each replica's own port (deployments.direct_ingress)
+            _list_direct_urls(cfg, state)
+    except Exception as exc:
+        emit(UpEvent(UpStage.FAILED, str(exc)))
+        raise
+    state["up_s"] = round(time.time() - t0, 1)
+    write_state(state)
+    return state
+
+
+def _checked_project(cfg: FleetConfig, project_dir: str | None) -> ProjectCheck:
+    """The user's project, put on this process's path; a collision with our packages is a FleetError."""
+    from deployments.user_code import check_project, on_sys_path
+
     project = check_project(((n, m.model) for n, m in cfg.models.items() if m.kind != "llm"), project_dir)
     if project.errors:
         raise FleetError("; ".join(project.errors))
     on_sys_path(project.project_dir)
-    examples = first_examples(cfg)  # every model builds here, or up stops naming it
-    state: dict[str, Any] = {
+    return project
+
+
+def _first_state(
+    cfg: FleetConfig, text: str, source: str, address: str | None, project: ProjectCheck
+) -> dict[str, Any]:
+    """The state file's content before anything started."""
+    return {
         "config": source,
         "config_text": text,
         "config_hash": cfg.config_hash(),
@@ -286,26 +325,18 @@ def up_fleet(
         "shipped": list(project.py_modules),  # the user's packages sent to the replicas
         "project_warnings": list(project.warnings),
     }
-    n = len(cfg.models)
+
+
+def _start_ray(
+    cfg: FleetConfig, state: dict[str, Any], opts: UpOptions, project: ProjectCheck, emit: Callable[[UpEvent], None]
+) -> None:
+    """Connect to Ray at ``opts.address`` or to a local head started here (recorded in the state
+    file at once), shipping the user's packages; a listed gpus: fleet needs its cards there."""
     emit(UpEvent(UpStage.RAY, "Starting Ray", 0, 1))
-    if address:
-        emit(UpEvent(UpStage.RAY, f"Connecting to Ray at {address}", total=1))
+    if opts.address:
+        emit(UpEvent(UpStage.RAY, f"Connecting to Ray at {opts.address}", total=1))
     else:
-        if not port_free(cfg.broker.http_port, cfg.broker.http_host):
-            raise FleetError(
-                f"HTTP port {cfg.broker.http_host}:{cfg.broker.http_port} is in use; "
-                "set broker.http_port to a free port or stop what holds it"
-            )
-        info = start_local_ray(num_cpus, ray_port, direct_ingress=cfg.broker.direct_ingress)
-        state.update(
-            address=info["address"],
-            pgid=info["pgid"],
-            started_ray=True,
-            dashboard=info["dashboard"],
-            auth_mode=info["auth_mode"],
-            join=info["join"],
-        )
-        write_state(state)  # so `down` can clean up even if the rest fails
+        _start_local_head(cfg, state, opts)
     try:
         connect(state["address"], runtime_env=project.runtime_env())  # the user's packages, to every replica
     except FleetError:
@@ -315,57 +346,93 @@ def up_fleet(
         raise
     where = _check_cards(cfg, state)
     emit(UpEvent(UpStage.RAY, f"Ray at {state['address']}{where}", 1, 1))
-    emit(UpEvent(UpStage.BROKER, "Starting broker", 0, 1))
-    emit(UpEvent(UpStage.MODELS, "Loading models", 0, n))
-    emit(UpEvent(UpStage.CALIBRATION, "Calibrating", 0, n))
-    emit(UpEvent(UpStage.REQUESTS, "First requests", 0, n))
-    broker_ref: list[Any] = [None]
 
-    def calibrated() -> int:
-        st = ray.get(broker_ref[0].status.remote(), timeout=5)
+
+def _start_local_head(cfg: FleetConfig, state: dict[str, Any], opts: UpOptions) -> None:
+    if not port_free(cfg.broker.http_port, cfg.broker.http_host):
+        raise FleetError(
+            f"HTTP port {cfg.broker.http_host}:{cfg.broker.http_port} is in use; "
+            "set broker.http_port to a free port or stop what holds it"
+        )
+    info = start_local_ray(opts.num_cpus, opts.ray_port, direct_ingress=cfg.broker.direct_ingress)
+    state.update(
+        address=info["address"],
+        pgid=info["pgid"],
+        started_ray=True,
+        dashboard=info["dashboard"],
+        auth_mode=info["auth_mode"],
+        join=info["join"],
+    )
+    write_state(state)  # so `down` can clean up even if the rest fails
+
+
+class _UpProgress:
+    """``up_fleet``'s events for the broker, model and calibration bars, from ``deploy``'s
+    progress and the broker's status, and for the first requests, from their answers."""
+
+    def __init__(self, cfg: FleetConfig, emit: Callable[[UpEvent], None]) -> None:
+        self.cfg = cfg
+        self.emit = emit
+        self.n = len(cfg.models)
+        self.broker: Any = None  # the broker's handle, once it started
+        emit(UpEvent(UpStage.BROKER, "Starting broker", 0, 1))
+        emit(UpEvent(UpStage.MODELS, "Loading models", 0, self.n))
+        emit(UpEvent(UpStage.CALIBRATION, "Calibrating", 0, self.n))
+        emit(UpEvent(UpStage.REQUESTS, "First requests", 0, self.n))
+
+    def calibrated(self, timeout_s: float) -> int:
+        """How many models the broker has calibrated."""
+        import ray
+
+        st = ray.get(self.broker.status.remote(), timeout=timeout_s)
         return sum(1 for m in st["models"].values() if m.get("calibrated"))
 
-    def on_progress(stage: str, info: dict[str, Any]) -> None:
+    def calibration(self, done: int) -> None:
+        self.emit(UpEvent(UpStage.CALIBRATION, done=done, total=self.n))
+
+    def on_deploy(self, stage: str, info: dict[str, Any]) -> None:
+        """``deploy``'s ``on_progress``: the broker is up, or the Serve apps moved."""
         if stage == "broker-up":
-            emit(UpEvent(UpStage.BROKER, f"Broker {cfg.broker.namespace}/{cfg.broker.name}", 1, 1))
+            self.emit(UpEvent(UpStage.BROKER, f"Broker {self.cfg.broker.namespace}/{self.cfg.broker.name}", 1, 1))
         elif stage == "deploying":
             deps = info.get("deployments", {})
-            healthy = sum(1 for k, v in deps.items() if k in cfg.models and v == "HEALTHY")
-            emit(UpEvent(UpStage.MODELS, f"Loading models ({info.get('app')})", healthy, n))
+            healthy = sum(1 for k, v in deps.items() if k in self.cfg.models and v == "HEALTHY")
+            self.emit(UpEvent(UpStage.MODELS, f"Loading models ({info.get('app')})", healthy, self.n))
             try:
-                emit(UpEvent(UpStage.CALIBRATION, done=calibrated(), total=n))
+                self.calibration(self.calibrated(5))
             except Exception:  # noqa: BLE001 - the broker may not answer yet; the count waits
                 pass
 
-    def on_answer(first: Any) -> None:  # each model's last answer, in the bar's label
-        emit(UpEvent(UpStage.REQUESTS, first.label(), done=first.settled(), total=n))
+    def on_answer(self, first: Any) -> None:
+        """``wait_serving``'s ``on_answer``: each model's last answer, in the bar's label."""
+        self.emit(UpEvent(UpStage.REQUESTS, first.label(), done=first.settled(), total=self.n))
 
-    try:
-        broker_ref[0] = start_broker(text)
-        on_progress("broker-up", {})
-        write_state(state)
-        deploy(cfg, text, on_progress=on_progress, timeout_s=timeout_s)
-        emit(UpEvent(UpStage.MODELS, "Models loaded", n, n))
-        st = ray.get(broker_ref[0].status.remote(), timeout=10)
-        emit(UpEvent(UpStage.CALIBRATION, done=sum(1 for m in st["models"].values() if m.get("calibrated")), total=n))
-        wait_serving(cfg, state["http_url"], timeout_s=timeout_s, on_answer=on_answer, wait_s=wait_s, examples=examples)
-        emit(UpEvent(UpStage.CALIBRATION, done=n, total=n))
-        if cfg.broker.direct_ingress:  # each replica's own port (deployments.direct_ingress)
-            from deployments.app import model_app_name
-            from deployments.direct_ingress import wait_model_urls
 
-            apps = {name: model_app_name(name) for name, spec in cfg.models.items() if spec.kind != "llm"}
-            try:
-                state["direct_urls"] = wait_model_urls(apps, cfg.broker.http_host)
-            except Exception as exc:  # noqa: BLE001 - the fleet is up; only the listing failed
-                state["direct_urls"] = {name: [] for name in apps}
-                state["direct_error"] = f"could not list the replica ports: {exc!r}; GET /v1/models lists them"
-    except Exception as exc:
-        emit(UpEvent(UpStage.FAILED, str(exc)))
-        raise
-    state["up_s"] = round(time.time() - t0, 1)
+def _start_broker_and_models(
+    cfg: FleetConfig, text: str, state: dict[str, Any], opts: UpOptions, progress: _UpProgress
+) -> None:
+    """The broker actor, then the Serve apps, until every model's deployment runs."""
+    from broker.actor import start_broker
+
+    progress.broker = start_broker(text)
+    progress.on_deploy("broker-up", {})
     write_state(state)
-    return state
+    deploy(cfg, text, on_progress=progress.on_deploy, timeout_s=opts.timeout_s)
+    progress.emit(UpEvent(UpStage.MODELS, "Models loaded", progress.n, progress.n))
+    progress.calibration(progress.calibrated(10))
+
+
+def _list_direct_urls(cfg: FleetConfig, state: dict[str, Any]) -> None:
+    """broker.direct_ingress: each model's replica ports into the state (or why there are none)."""
+    from deployments.app import model_app_name
+    from deployments.direct_ingress import wait_model_urls
+
+    apps = {name: model_app_name(name) for name, spec in cfg.models.items() if spec.kind != "llm"}
+    try:
+        state["direct_urls"] = wait_model_urls(apps, cfg.broker.http_host)
+    except Exception as exc:  # noqa: BLE001 - the fleet is up; only the listing failed
+        state["direct_urls"] = {name: [] for name in apps}
+        state["direct_error"] = f"could not list the replica ports: {exc!r}; GET /v1/models lists them"
 
 
 def _check_cards(cfg: FleetConfig, state: dict[str, Any], nodes: list[dict[str, Any]] | None = None) -> str:

@@ -45,7 +45,7 @@ os.environ.setdefault("GPUBROKER_STATE_DIR", tempfile.mkdtemp(prefix="gpubroker-
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from deployments.fleet import example_inputs  # noqa: E402
+from deployments.fleet import UpOptions, example_inputs  # noqa: E402
 from deployments.local_ray import free_port, port_free  # noqa: E402
 from gpubroker.cli.fleet import down, up_with_progress  # noqa: E402
 from gpubroker.cli.views import describe_decision, status_table  # noqa: E402
@@ -210,7 +210,7 @@ def main() -> int:
         return 2
     console.rule("[bold]1. gpubroker up")
     try:
-        state = up_with_progress(cfg, text, args.config, num_cpus=2)
+        state = up_with_progress(cfg, text, args.config, UpOptions(num_cpus=2))
     except Exception as exc:  # noqa: BLE001
         console.print(f"[red]up failed: {exc}[/]")
         _down()
@@ -285,7 +285,7 @@ def main() -> int:
         fixed_text = fixed_split(text)
         fixed_cfg = parse_config_text(fixed_text, args.config + " (fixed split)")
         try:
-            state = up_with_progress(fixed_cfg, fixed_text, args.config, num_cpus=2)
+            state = up_with_progress(fixed_cfg, fixed_text, args.config, UpOptions(num_cpus=2))
             seen, watched = [], []
             asyncio.run(run_load(state["http_url"], sched, total, models, seen, (args.burst, watched)))
             st = httpx.get(f"{state['http_url']}/v1/status", timeout=30).json()

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 
 from deployments import fleet, fleet_client
 from deployments.first_requests import WAIT_S
-from deployments.fleet import FleetError, Note, UpEvent, UpStage
+from deployments.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
 from deployments.user_code import check_project
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import (
@@ -73,7 +73,7 @@ class UpBars:
         self.progress.update(task, **update)
 
 
-def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) -> dict[str, Any]:
+def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions | None = None) -> dict[str, Any]:
     """``deployments.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
     with Progress(
         SpinnerColumn(),
@@ -84,7 +84,7 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, **kwargs: Any) ->
         console=console,
         transient=False,
     ) as progress:
-        state = fleet.up_fleet(cfg, text, source, on_event=UpBars(progress), **kwargs)
+        state = fleet.up_fleet(cfg, text, source, opts or UpOptions(), on_event=UpBars(progress))
     console.print(
         f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
         f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
@@ -150,11 +150,13 @@ def up(
             cfg,
             text,
             str(config),
-            address=address or os.environ.get("RAY_ADDRESS"),
-            num_cpus=num_cpus,
-            ray_port=ray_port,
-            timeout_s=timeout_s,
-            wait_s=wait_s,
+            UpOptions(
+                address=address or os.environ.get("RAY_ADDRESS"),
+                num_cpus=num_cpus,
+                ray_port=ray_port,
+                timeout_s=timeout_s,
+                wait_s=wait_s,
+            ),
         )
     except FleetError as exc:
         _fail(exc)
