@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ from deployments.fleet import UpOptions, example_inputs  # noqa: E402
 from deployments.local_ray import free_port, port_free  # noqa: E402
 from gpubroker.cli.fleet import down, up_with_progress  # noqa: E402
 from gpubroker.cli.views import describe_decision, status_table  # noqa: E402
-from quotas.config import parse_config_text  # noqa: E402
+from quotas.config import FleetConfig, parse_config_text  # noqa: E402
 from quotas.sizes import format_size  # noqa: E402
 
 console = Console()
@@ -179,6 +180,40 @@ async def run_load(
 
 
 def main() -> int:
+    args = _parse_args()
+    started = time.time()
+    cfg, text = _demo_config(args.config)
+    if args.burst not in cfg.models:
+        console.print(f"[red]--burst {args.burst}: not a model of {args.config} ({', '.join(cfg.models)})[/]")
+        return 2
+    console.rule("[bold]1. gpubroker up")
+    try:
+        state = up_with_progress(cfg, text, args.config, UpOptions(num_cpus=2))
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[red]up failed: {exc}[/]")
+        _down()
+        return 1
+    try:
+        lending = _lending_arm(state["http_url"], cfg, args)
+    finally:
+        console.rule("[bold]4. gpubroker down")
+        _down()
+    code = lending.code
+    if code == 0 and not args.no_compare:
+        arms = {"broker (lending)": lending.line}
+        fixed = _fixed_split_arm(text, args, lending.load)
+        if fixed is None:
+            code = 1  # the demo's comparison did not run: not a success
+        else:
+            arms["fixed split"] = fixed
+        console.rule(f"[bold]{args.burst} during its burst: lending against a fixed split")
+        for arm, line in arms.items():
+            console.print(f"  {arm:17s} {line}", highlight=False)
+    console.print(f"demo finished in {time.time() - started:.0f}s")
+    return code
+
+
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     ap.add_argument("--burst", default="prof", help="model that gets the burst")
@@ -195,111 +230,123 @@ def main() -> int:
     )
     ap.add_argument("--burst-items", type=int, default=16, help="items per request to the burst model (others: 4)")
     ap.add_argument("--no-compare", action="store_true", help="skip the fixed-split run of the same burst")
-    args = ap.parse_args()
-    started = time.time()
+    return ap.parse_args()
 
-    text = Path(args.config).read_text(encoding="utf-8")
-    cfg = parse_config_text(text, args.config)
+
+def _demo_config(path: str) -> tuple[FleetConfig, str]:
+    """The demo's config and its text, on a free HTTP port when its own is taken."""
+    text = Path(path).read_text(encoding="utf-8")
+    cfg = parse_config_text(text, path)
     if not port_free(cfg.broker.http_port, cfg.broker.http_host):
         port = free_port()
         console.print(f"port {cfg.broker.http_port} is taken: using {port}")
         text = re.sub(r"(?m)^(\s*http_port:\s*)\d+", rf"\g<1>{port}", text)
-        cfg = parse_config_text(text, args.config)
-    if args.burst not in cfg.models:
-        console.print(f"[red]--burst {args.burst}: not a model of {args.config} ({', '.join(cfg.models)})[/]")
-        return 2
-    console.rule("[bold]1. gpubroker up")
-    try:
-        state = up_with_progress(cfg, text, args.config, UpOptions(num_cpus=2))
-    except Exception as exc:  # noqa: BLE001
-        console.print(f"[red]up failed: {exc}[/]")
-        _down()
-        return 1
-    url = state["http_url"]
-    code = 0
-    try:
-        models = list(cfg.models)
-        if args.burst_rps is None:
-            args.burst_rps = calibrated_burst_rps(url, cfg, args.burst, args.burst_items)
-        phases = [
-            ("warm", args.warm_s, args.base_rps, args.base_rps),
-            ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
-            ("cool-down", args.cool_s, args.base_rps / 2, 0.0),
-        ]
-        sched = build_schedule(models, args.burst, example_inputs(cfg), phases, burst_items=args.burst_items)
-        total = sum(p[1] for p in phases)
-        since = httpx.get(f"{url}/v1/status", timeout=30).json()["decision_seq"]
-        console.rule(
-            f"[bold]2. open-loop load: {len(sched)} requests over {total:.0f}s "
-            f"(warm {args.warm_s:.0f}s, burst on {args.burst} {args.burst_s:.0f}s, cool-down {args.cool_s:.0f}s)"
+        cfg = parse_config_text(text, path)
+    return cfg, text
+
+
+@dataclass(frozen=True)
+class Load:
+    """The open-loop load, drawn before the run; both arms get the same."""
+
+    sched: list[tuple[float, str, dict]]  # (time, model, body), sorted
+    total_s: float
+    models: list[str]
+
+
+@dataclass(frozen=True)
+class LendingRun:
+    """The broker arm: its load, its burst line, and the demo's exit code so far."""
+
+    load: Load
+    line: str
+    code: int
+
+
+def _draw_load(url: str, cfg: FleetConfig, args: argparse.Namespace) -> Load:
+    """Warm, burst and cool-down phases; without --burst-rps the burst rate is timed here first."""
+    if args.burst_rps is None:
+        args.burst_rps = calibrated_burst_rps(url, cfg, args.burst, args.burst_items)
+    phases = [
+        ("warm", args.warm_s, args.base_rps, args.base_rps),
+        ("burst", args.burst_s, args.base_rps / 2, args.burst_rps),
+        ("cool-down", args.cool_s, args.base_rps / 2, 0.0),
+    ]
+    models = list(cfg.models)
+    sched = build_schedule(models, args.burst, example_inputs(cfg), phases, burst_items=args.burst_items)
+    return Load(sched, sum(p[1] for p in phases), models)
+
+
+def _lending_arm(url: str, cfg: FleetConfig, args: argparse.Namespace) -> LendingRun:
+    """Steps 2 and 3: the load on the fleet as configured (lending on), then its status and decisions."""
+    load = _draw_load(url, cfg, args)
+    since = httpx.get(f"{url}/v1/status", timeout=30).json()["decision_seq"]
+    console.rule(
+        f"[bold]2. open-loop load: {len(load.sched)} requests over {load.total_s:.0f}s "
+        f"(warm {args.warm_s:.0f}s, burst on {args.burst} {args.burst_s:.0f}s, cool-down {args.cool_s:.0f}s)"
+    )
+    seen: list[tuple[float, str, int, float]] = []
+    watched: list[tuple[float, int, int]] = []
+    codes = asyncio.run(run_load(url, load.sched, load.total_s, load.models, seen, (args.burst, watched)))
+    st = httpx.get(f"{url}/v1/status", timeout=30).json()
+    line = burst_line(seen, args, cfg, st, watched)
+    for name, c in codes.items():
+        console.print(f"  {name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=str)), highlight=False)
+    time.sleep(2.0)
+    _show_status_and_decisions(url, since, args.burst)
+    bad = sum(v for c in codes.values() for k, v in c.items() if k not in (200, 503, SHED))
+    if bad:
+        console.print(f"[red]{bad} requests failed[/]")
+    return LendingRun(load, line, 1 if bad else 0)
+
+
+def _show_status_and_decisions(url: str, since: int, burst: str) -> None:
+    """The status table, then the decisions since ``since``: the burst model's batch caps, the quota moves."""
+    console.rule("[bold]3. gpubroker status")
+    st = httpx.get(f"{url}/v1/status", timeout=30).json()
+    console.print(status_table(st))
+    decisions = httpx.get(f"{url}/v1/decisions", params={"since_seq": since}, timeout=30).json()
+    moves = [d for d in decisions if d["kind"] == "move"]
+    grants = [d for d in decisions if d["kind"] == "settings" and d["old"]["grant_bytes"] != d["new"]["grant_bytes"]]
+    caps = [
+        d
+        for d in decisions
+        if d["kind"] == "settings" and d["model"] == burst and d["old"]["max_batch_size"] != d["new"]["max_batch_size"]
+    ]
+    console.rule(f"[bold]gpubroker decisions: batch cap of {burst} ({len(caps)} changes)")
+    for d in caps[:12] + (caps[-6:] if len(caps) > 18 else caps[12:]):
+        console.print(describe_decision(d), highlight=False, markup=False)
+    console.rule(f"[bold]gpubroker decisions: quota ({len(moves)} moves, {len(grants)} grant changes)")
+    for d in sorted(moves + grants, key=lambda d: d["seq"]):
+        console.print(describe_decision(d), highlight=False, markup=False)
+    if not moves:
+        calib = ", ".join(
+            f"{n}: used {format_size(m['used_bytes'])} of {format_size(m['grant_bytes'])}"
+            for n, m in st["models"].items()
         )
+        console.print(
+            f"[yellow]no quota moved:[/] every model's calibrated need at its batch cap fit its base "
+            f"({calib}); quota moves when a busy model's wanted batch needs more than its grant."
+        )
+
+
+def _fixed_split_arm(text: str, args: argparse.Namespace, load: Load) -> str | None:
+    """Step 5: the same load on a fixed split (quotas pinned at base); its burst line, None when it failed."""
+    console.rule("[bold]5. the same burst on a fixed split (quotas pinned at base: nothing lends)")
+    fixed_text = fixed_split(text)
+    fixed_cfg = parse_config_text(fixed_text, args.config + " (fixed split)")
+    try:
+        state = up_with_progress(fixed_cfg, fixed_text, args.config, UpOptions(num_cpus=2))
         seen: list[tuple[float, str, int, float]] = []
         watched: list[tuple[float, int, int]] = []
-        codes = asyncio.run(run_load(url, sched, total, models, seen, (args.burst, watched)))
-        st = httpx.get(f"{url}/v1/status", timeout=30).json()
-        arms = {"broker (lending)": burst_line(seen, args, cfg, st, watched)}
-        for name, c in codes.items():
-            console.print(
-                f"  {name}: " + ", ".join(f"{k}: {v}" for k, v in sorted(c.items(), key=str)), highlight=False
-            )
-        time.sleep(2.0)
-        console.rule("[bold]3. gpubroker status")
-        st = httpx.get(f"{url}/v1/status", timeout=30).json()
-        console.print(status_table(st))
-        decisions = httpx.get(f"{url}/v1/decisions", params={"since_seq": since}, timeout=30).json()
-        moves = [d for d in decisions if d["kind"] == "move"]
-        grants = [
-            d for d in decisions if d["kind"] == "settings" and d["old"]["grant_bytes"] != d["new"]["grant_bytes"]
-        ]
-        caps = [
-            d
-            for d in decisions
-            if d["kind"] == "settings"
-            and d["model"] == args.burst
-            and d["old"]["max_batch_size"] != d["new"]["max_batch_size"]
-        ]
-        console.rule(f"[bold]gpubroker decisions: batch cap of {args.burst} ({len(caps)} changes)")
-        for d in caps[:12] + (caps[-6:] if len(caps) > 18 else caps[12:]):
-            console.print(describe_decision(d), highlight=False, markup=False)
-        console.rule(f"[bold]gpubroker decisions: quota ({len(moves)} moves, {len(grants)} grant changes)")
-        for d in sorted(moves + grants, key=lambda d: d["seq"]):
-            console.print(describe_decision(d), highlight=False, markup=False)
-        if not moves:
-            calib = ", ".join(
-                f"{n}: used {format_size(m['used_bytes'])} of {format_size(m['grant_bytes'])}"
-                for n, m in st["models"].items()
-            )
-            console.print(
-                f"[yellow]no quota moved:[/] every model's calibrated need at its batch cap fit its base "
-                f"({calib}); quota moves when a busy model's wanted batch needs more than its grant."
-            )
-        bad = sum(v for c in codes.values() for k, v in c.items() if k not in (200, 503, SHED))
-        if bad:
-            console.print(f"[red]{bad} requests failed[/]")
-            code = 1
+        asyncio.run(run_load(state["http_url"], load.sched, load.total_s, load.models, seen, (args.burst, watched)))
+        st = httpx.get(f"{state['http_url']}/v1/status", timeout=30).json()
+        return burst_line(seen, args, fixed_cfg, st, watched)
+    except Exception as exc:  # noqa: BLE001
+        console.print(f"[red]fixed-split run failed: {exc}[/]")
+        return None
     finally:
-        console.rule("[bold]4. gpubroker down")
         _down()
-    if code == 0 and not args.no_compare:
-        console.rule("[bold]5. the same burst on a fixed split (quotas pinned at base: nothing lends)")
-        fixed_text = fixed_split(text)
-        fixed_cfg = parse_config_text(fixed_text, args.config + " (fixed split)")
-        try:
-            state = up_with_progress(fixed_cfg, fixed_text, args.config, UpOptions(num_cpus=2))
-            seen, watched = [], []
-            asyncio.run(run_load(state["http_url"], sched, total, models, seen, (args.burst, watched)))
-            st = httpx.get(f"{state['http_url']}/v1/status", timeout=30).json()
-            arms["fixed split"] = burst_line(seen, args, fixed_cfg, st, watched)
-        except Exception as exc:  # noqa: BLE001
-            console.print(f"[red]fixed-split run failed: {exc}[/]")
-            code = 1  # the demo's comparison did not run: not a success
-        finally:
-            _down()
-        console.rule(f"[bold]{args.burst} during its burst: lending against a fixed split")
-        for arm, line in arms.items():
-            console.print(f"  {arm:17s} {line}", highlight=False)
-    console.print(f"demo finished in {time.time() - started:.0f}s")
-    return code
 
 
 BURST_OVER_BASE = 1.6  # the burst's items/s over what the burst model's base batch serves
