@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -109,25 +110,31 @@ def _legend(fmt: str, labels: dict) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt)
 
 
+@dataclass(frozen=True)
+class Window:
+    """The Prometheus to read and the run's time range, at one step."""
+
+    prom: str
+    start: float
+    end: float
+    step_s: int = 1
+
+    def query(self, expr: str, model: str | None) -> list[dict]:
+        """A panel's PromQL with Grafana's variables substituted, over the run."""
+        return _query(self.prom, _subst(expr, model, self.step_s), self.start, self.end, self.step_s)
+
+
 def render(prom: str, start: float, end: float, out: Path, models: list[str], step_s: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    win = Window(prom, start, end, step_s)
     dash = json.loads(DASHBOARD.read_text())
     by_title = {p["title"]: p for p in dash["panels"]}
-    ann = next(a for a in dash["annotations"]["list"] if a.get("name") == "Broker decisions")
-    marks = []
-    for series in _query(prom, _subst(ann["expr"], None, step_s), start, end, step_s):
-        last = None
-        for t, _v in series["values"]:  # one mark where a run of non-zero steps starts
-            t = float(t)
-            if last is None or t - last > step_s:
-                marks.append((t - start, series["metric"].get("model", "")))
-            last = t
+    marks = _decision_marks(dash, win)
     colors = {m: c for m, c in zip(models, ("tab:blue", "tab:orange", "tab:green", "tab:red"))}
-
     cards = [("$model: batch cap, P95 and queue", m) for m in models] + [
         ("Quota granted by model vs card", None),
         ("Cost per 1k requests", None),
@@ -137,50 +144,11 @@ def render(prom: str, start: float, end: float, out: Path, models: list[str], st
     ]
     fig, axes = plt.subplots(4, 2, figsize=(16, 17))
     for ax, (title, model) in zip(axes.flat, cards):
-        panel = by_title[title]
-        unit = panel["fieldConfig"]["defaults"].get("unit", "short")
-        right = ax.twinx() if model else None
-        stacked: list = []
-        for t in panel["targets"]:
-            for series in _query(prom, _subst(t["expr"], model, step_s), start, end, step_s):
-                xs = [float(x) - start for x, _ in series["values"]]
-                ys = [float(y) for _, y in series["values"]]
-                if not any(ys):
-                    continue  # an all-zero series (e.g. no errors) only clutters the legend
-                label = _legend(t["legendFormat"], series["metric"])
-                if model and label.startswith("P95"):
-                    style = "--" if "cap" in label else ("-" if "window" in label else ":")
-                    right.plot(xs, [y * 1000 for y in ys], style, color="tab:red", label=label, lw=1.4)
-                    continue
-                if unit == "bytes":
-                    ys = [y / 2**20 for y in ys]
-                if title.startswith("Quota") and t["refId"] == "A":
-                    stacked.append((xs, ys, label))
-                    continue
-                ax.plot(
-                    xs,
-                    ys,
-                    "--" if label in ("usable", "capacity") or label.startswith("base") else "-",
-                    label=label,
-                    lw=1.4,
-                )
-        if stacked:
-            n = min(len(s[0]) for s in stacked)
-            ax.stackplot(stacked[0][0][:n], *[s[1][:n] for s in stacked], labels=[s[2] for s in stacked], alpha=0.6)
+        right = _plot_panel(ax, by_title[title], model, win)
         for x, m in marks:
             if model is None or m == model:
                 ax.axvline(x, color=colors.get(m, "grey"), alpha=0.25, lw=0.8)
-        ax.set_title(title.replace("$model", model) if model else title)
-        ax.set_xlabel("seconds into the run")
-        ax.set_ylabel({"bytes": "MiB", "currencyUSD": "USD", "reqps": "req/s"}.get(unit, ""))
-        if right is not None:
-            right.set_ylabel("P95 ms")
-            h1, l1 = ax.get_legend_handles_labels()
-            h2, l2 = right.get_legend_handles_labels()
-            ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
-        else:
-            ax.legend(fontsize=7, loc="upper left")
-        ax.grid(alpha=0.3)
+        _label_panel(ax, right, by_title[title], model)
     for ax in list(axes.flat)[len(cards) :]:
         ax.axis("off")
     fig.suptitle(
@@ -191,6 +159,66 @@ def render(prom: str, start: float, end: float, out: Path, models: list[str], st
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
+
+
+def _decision_marks(dash: dict, win: Window) -> list[tuple[float, str]]:
+    """(seconds into the run, model) where each run of non-zero steps of the decision annotation starts."""
+    ann = next(a for a in dash["annotations"]["list"] if a.get("name") == "Broker decisions")
+    marks = []
+    for series in win.query(ann["expr"], None):
+        last = None
+        for t, _v in series["values"]:
+            t = float(t)
+            if last is None or t - last > win.step_s:
+                marks.append((t - win.start, series["metric"].get("model", "")))
+            last = t
+    return marks
+
+
+def _plot_panel(ax, panel: dict, model: str | None, win: Window):  # noqa: ANN001, ANN202 - matplotlib Axes
+    """Every target's series of one panel; a per-model panel draws its P95 on a right axis, which it returns."""
+    unit = panel["fieldConfig"]["defaults"].get("unit", "short")
+    right = ax.twinx() if model else None
+    stacked: list = []
+    for t in panel["targets"]:
+        for series in win.query(t["expr"], model):
+            xs = [float(x) - win.start for x, _ in series["values"]]
+            ys = [float(y) for _, y in series["values"]]
+            if not any(ys):
+                continue  # an all-zero series (e.g. no errors) only clutters the legend
+            label = _legend(t["legendFormat"], series["metric"])
+            if model and label.startswith("P95"):
+                style = "--" if "cap" in label else ("-" if "window" in label else ":")
+                right.plot(xs, [y * 1000 for y in ys], style, color="tab:red", label=label, lw=1.4)
+                continue
+            if unit == "bytes":
+                ys = [y / 2**20 for y in ys]
+            if panel["title"].startswith("Quota") and t["refId"] == "A":
+                stacked.append((xs, ys, label))
+                continue
+            style = "--" if label in ("usable", "capacity") or label.startswith("base") else "-"
+            ax.plot(xs, ys, style, label=label, lw=1.4)
+    if stacked:
+        n = min(len(s[0]) for s in stacked)
+        ax.stackplot(stacked[0][0][:n], *[s[1][:n] for s in stacked], labels=[s[2] for s in stacked], alpha=0.6)
+    return right
+
+
+def _label_panel(ax, right, panel: dict, model: str | None) -> None:  # noqa: ANN001 - matplotlib Axes
+    """Title, axis labels, one legend (both axes' lines), grid."""
+    unit = panel["fieldConfig"]["defaults"].get("unit", "short")
+    title = panel["title"]
+    ax.set_title(title.replace("$model", model) if model else title)
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel({"bytes": "MiB", "currencyUSD": "USD", "reqps": "req/s"}.get(unit, ""))
+    if right is not None:
+        right.set_ylabel("P95 ms")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = right.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
+    else:
+        ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
 
 
 def main() -> None:
