@@ -118,13 +118,14 @@ class Stack:
         model_cls: type | None = None,
     ) -> FleetTarget:
         from broker.actor import start_broker
-        from deployments.app import fleet_apps, run_fleet
+        from deployments.app import AppLayout, fleet_apps, run_fleet
+        from deployments.http_model import HttpModel
         from quotas.config import parse_config_text
 
         cfg = parse_config_text(config_text, "bench fleet")
         start_broker(config_text)
-        extra = {"model_cls": model_cls} if model_cls is not None else {}
-        apps = fleet_apps(cfg, config_text, fleet_app=app, prefix=route_prefix, **extra)  # one app per model: one hop
+        layout = AppLayout(fleet_app=app, prefix=route_prefix, model_cls=model_cls or HttpModel)
+        apps = fleet_apps(cfg, config_text, layout)  # one app per model: one hop
         run_fleet(apps, wait=True)
         self._models[app] = [a.name for a in apps[1:]]
         base = self.base_url + route_prefix.rstrip("/")

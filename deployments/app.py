@@ -31,7 +31,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import Application
@@ -40,7 +40,10 @@ from deployments.http_model import HttpModel
 from deployments.ingress import FleetApi
 from deployments.llm.openai_api import llm_app
 from deployments.versions import code_digest, deployment_version
-from quotas.config import FleetConfig, ModelSpec, parse_config_text
+from quotas.config import FleetConfig, parse_config_text
+
+if TYPE_CHECKING:
+    from deployments.placement_resources import DeploymentPlan
 
 FLEET_APP = "gpubroker"  # the fleet API's application name; model apps are "<fleet app>-<model>"
 INGRESS_NAME = "fleet-api"  # the fleet API's deployment
@@ -87,26 +90,37 @@ def config_text_from_args(args: dict[str, Any]) -> str:
     raise ValueError("build_app args need 'config' (a path to a fleet YAML) or 'config_text' (the YAML itself)")
 
 
+@dataclass(frozen=True)
+class AppLayout:
+    """How a fleet's Serve apps are named, routed and built: the same at deploy time and for every
+    re-placement (``deployments.reconcile``)."""
+
+    fleet_app: str = FLEET_APP  # the fleet API's app; model apps are "<fleet app>-<model>"
+    prefix: str = "/"  # the fleet API's route; models under <prefix>/v1/models/<model>
+    model_num_cpus: float = MODEL_NUM_CPUS  # logical CPUs per model replica
+    model_cls: type = HttpModel  # the batch models' deployment class, HttpModel or a subclass
+
+
 def model_deployment(
     name: str,
-    spec: ModelSpec,
     cfg: FleetConfig,
     config_text: str,
+    layout: AppLayout = AppLayout(),
     *,
-    model_num_cpus: float = MODEL_NUM_CPUS,
-    model_cls: type = HttpModel,
-    placement: Any = None,
-    plans: Sequence[Any] | None = None,
+    plans: Sequence[DeploymentPlan] | None = None,
     router: bool | None = None,
 ) -> Application:
-    """One model's application graph: the ``HttpModel`` deployment (or a subclass), its own ingress.
+    """One model's application graph: the ``layout.model_cls`` deployment, its own ingress.
 
-    A fleet with ``gpus:`` places every replica on a card (``placement``, ``quotas.placement``): a
-    model on one card is one deployment asking for that card's resource; a model on several cards
-    is one deployment per card (``<model>@<card>``) behind a ``CardRouter`` ingress. ``plans``
-    (``DeploymentPlan``s of this model) replace the placement's; ``router`` keeps the router
-    ingress even for one group (``deployments.reconcile`` after a re-placement)."""
+    Without ``plans`` (a fleet without ``gpus:``) the model is one deployment of its configured
+    replicas. A fleet with ``gpus:`` places every replica on a card (``deployment_plans``): a model on
+    one card is one deployment asking for that card's resource; a model on several cards is one
+    deployment per card (``<model>@<card>``) behind a ``CardRouter`` ingress. ``router`` keeps the
+    router ingress even for one group (``deployments.reconcile`` after a re-placement)."""
     from ray.serve.config import BackpressureConfig
+
+    spec = cfg.models[name]
+    model_cls = layout.model_cls
 
     def one(dep_name: str, replicas: int, actor_options: dict[str, Any], *args: Any) -> Application:
         actor_options = with_job_modules(actor_options)
@@ -130,11 +144,7 @@ def model_deployment(
         )
 
     if plans is None:
-        if placement is None or cfg.gpus is None:
-            return one(name, spec.replicas, {"num_cpus": model_num_cpus})
-        from deployments.placement_resources import deployment_plans
-
-        plans = [p for p in deployment_plans(placement, model_num_cpus=model_num_cpus) if p.model == name]
+        return one(name, spec.replicas, {"num_cpus": layout.model_num_cpus})
     from deployments.http_cards import CardRouter
 
     if len(plans) == 1 and not router:
@@ -193,45 +203,34 @@ def fleet_api(config_text: str, app_names: dict[str, str] | None = None, reconci
 def fleet_apps(
     cfg: FleetConfig,
     config_text: str,
+    layout: AppLayout = AppLayout(),
     *,
-    model_num_cpus: float = MODEL_NUM_CPUS,
-    fleet_app: str = FLEET_APP,
-    prefix: str = "/",
-    model_cls: type = HttpModel,
     cards: tuple[Any, ...] | None = None,
     reconciler: Any = None,
 ) -> list[ServeApp]:
-    """The fleet's Serve applications: the fleet API at ``prefix``, each model under it
-    (``model_cls``: the batch models' deployment class, ``HttpModel`` or a subclass). With
-    ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus: auto``)
-    and, given a ``reconciler`` (``deployments.reconcile.ServeReconciler``), the fleet API applies
-    the broker's re-placements to Serve."""
+    """The fleet's Serve applications: the fleet API at ``layout.prefix``, each model under it.
+    With ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus:
+    auto``) and, given a ``reconciler`` (``deployments.reconcile.ServeReconciler``), the fleet API
+    applies the broker's re-placements to Serve."""
     placement = None
     if cfg.gpus is not None:
         from quotas.placement import place_fleet
 
         placement = place_fleet(cfg, cards)
+    fleet_app, prefix = layout.fleet_app, layout.prefix
     scaled = {n: model_app_name(n, fleet_app) for n, m in cfg.models.items() if m.kind != "llm"}
     apps = [ServeApp(fleet_app, prefix, fleet_api(config_text, scaled, reconciler))]
+    plans = None
+    if placement is not None:
+        from deployments.placement_resources import deployment_plans
+
+        plans = deployment_plans(placement, model_num_cpus=layout.model_num_cpus)
     for name, spec in cfg.models.items():
         if spec.kind == "llm":  # LLM engines: one OpenAI-compatible app for all of them (deployments.llm)
             continue
-        apps.append(
-            ServeApp(
-                model_app_name(name, fleet_app),
-                model_route(name, prefix),
-                model_deployment(
-                    name,
-                    spec,
-                    cfg,
-                    config_text,
-                    model_num_cpus=model_num_cpus,
-                    model_cls=model_cls,
-                    placement=placement,
-                ),
-                scalable=True,
-            )
-        )
+        mine = None if plans is None else [p for p in plans if p.model == name]
+        app = model_deployment(name, cfg, config_text, layout, plans=mine)
+        apps.append(ServeApp(model_app_name(name, fleet_app), model_route(name, prefix), app, scalable=True))
     if any(m.kind == "llm" for m in cfg.models.values()):
         llms = llm_app(cfg, config_text, placement=placement)  # each engine on its placed card
         apps.append(ServeApp(f"{fleet_app}-{LLM_APP}", llm_route(prefix), llms))
@@ -287,7 +286,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
             f"build_model_app args: model {name!r} is not in the config; use one of {', '.join(cfg.models)}"
         )
     return model_deployment(
-        name, cfg.models[name], cfg, text, model_num_cpus=float(args.get("model_num_cpus", MODEL_NUM_CPUS))
+        name, cfg, text, AppLayout(model_num_cpus=float(args.get("model_num_cpus", MODEL_NUM_CPUS)))
     )
 
 

@@ -67,7 +67,7 @@ def deploy(
     from ray import serve
 
     from broker.actor import start_broker
-    from deployments.app import MODEL_NUM_CPUS, fleet_apps, http_options, run_fleet
+    from deployments.app import MODEL_NUM_CPUS, AppLayout, fleet_apps, http_options, run_fleet
     from deployments.reconcile import ServeReconciler
 
     notify = on_progress or (lambda stage, info: None)
@@ -90,7 +90,8 @@ def deploy(
         if cfg.gpus is not None
         else None
     )
-    apps = fleet_apps(cfg, config_text, model_num_cpus=num_cpus, fleet_app=APP_NAME, cards=cards, reconciler=follow)
+    layout = AppLayout(fleet_app=APP_NAME, model_num_cpus=num_cpus)
+    apps = fleet_apps(cfg, config_text, layout, cards=cards, reconciler=follow)
     run_fleet(apps, logging_config={"enable_access_log": False})  # not waiting: progress below
     deadline = time.time() + timeout_s
     while True:

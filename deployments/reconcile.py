@@ -43,6 +43,7 @@ from deployments.app import (
     INGRESS_NUM_CPUS,
     LLM_APP,
     MODEL_NUM_CPUS,
+    AppLayout,
     ServeApp,
     llm_route,
     model_app_name,
@@ -224,16 +225,8 @@ class ServeReconciler:
                 kept[model] = []
                 continue
             kept[model] = [p.name for p in plans if p in as_deployed]
-            app = model_deployment(
-                model,
-                spec,
-                cfg,
-                self.config_text,
-                model_num_cpus=self.model_num_cpus,
-                model_cls=self.model_cls,
-                plans=plans,
-                router=router,
-            )
+            layout = AppLayout(self.fleet_app, self.prefix, self.model_num_cpus, self.model_cls)
+            app = model_deployment(model, cfg, self.config_text, layout, plans=plans, router=router)
             apps.append(ServeApp(app_name, route, app))
         if moved_llms:
             apps.append(self._llm_app(groups, moved_llms, redeployed, unplaced, changed, kept))

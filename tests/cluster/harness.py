@@ -115,7 +115,7 @@ def deployed_fleet(
     from ray import serve
 
     from broker.actor import start_broker
-    from deployments.app import fleet_apps, run_fleet
+    from deployments.app import AppLayout, fleet_apps, run_fleet
     from deployments.local_ray import free_port
     from deployments.reconcile import ServeReconciler
     from quotas.config import parse_config_text
@@ -127,7 +127,8 @@ def deployed_fleet(
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         rec = ServeReconciler(config_text, fleet_app=fleet_app, model_num_cpus=model_num_cpus) if follow else None
-        apps = fleet_apps(cfg, config_text, model_num_cpus=model_num_cpus, fleet_app=fleet_app, reconciler=rec)
+        layout = AppLayout(fleet_app=fleet_app, model_num_cpus=model_num_cpus)
+        apps = fleet_apps(cfg, config_text, layout, reconciler=rec)
         run_fleet(apps, wait=True)
         yield cc, f"http://127.0.0.1:{port}", broker
     finally:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.app import fleet_apps, model_app_name, model_route, serve_config
+from deployments.app import AppLayout, fleet_apps, model_app_name, model_route, serve_config
 from quotas.config import load_config, parse_config_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_model_is_its_own_app_under_the_fleet_prefix():
     cfg = load_config(ROOT / "configs/demo.yaml")
     text = (ROOT / "configs/demo.yaml").read_text()
-    apps = fleet_apps(cfg, text, fleet_app="f", prefix="/arm")
+    apps = fleet_apps(cfg, text, AppLayout(fleet_app="f", prefix="/arm"))
     assert apps[0].name == "f" and apps[0].route_prefix == "/arm"
     assert {(a.name, a.route_prefix) for a in apps[1:]} == {(f"f-{n}", f"/arm/v1/models/{n}") for n in cfg.models}
     assert model_app_name("mlp") == "gpubroker-mlp" and model_route("mlp") == "/v1/models/mlp"
