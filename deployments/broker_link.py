@@ -94,47 +94,6 @@ class ReplicaGauges:
     settings_version: int
 
 
-def build_report(
-    model: str,
-    replica_id: str,
-    seq: int,
-    delta: StatsDelta,
-    now_s: float,
-    g: ReplicaGauges,
-    engine: EngineReport | None = None,
-    card_id: str = "",
-) -> StatsReport:
-    return StatsReport(
-        model=model,
-        replica_id=replica_id,
-        seq=seq,
-        now_s=now_s,
-        interval_s=max(1e-3, now_s - delta.started_s),
-        arrivals=delta.arrivals,
-        completions=delta.completions,
-        rejections=delta.rejections,
-        timeouts=delta.timeouts,
-        errors=delta.errors,
-        latency_ms=tuple(round(x, 3) for x in delta.latency_ms),
-        batches=tuple(delta.batches),
-        batch_requests=tuple(delta.batch_requests),
-        busy_s=delta.busy_s,
-        queue_depth=g.queue_depth,
-        mem_used_bytes=g.mem_used_bytes,
-        mem_peak_bytes=max(delta.mem_peak_bytes, g.mem_used_bytes),
-        device_free_frac=g.device_free_frac,
-        sm_util_frac=g.sm_util_frac,
-        oom_splits=delta.oom_splits,
-        emergency_shrinks=delta.emergency_shrinks,
-        held_refusals=delta.held_refusals,
-        shed=delta.shed,
-        settings_version=g.settings_version,
-        oom_costs=tuple(delta.oom_costs),
-        engine=engine,
-        card_id=card_id,
-    )
-
-
 class BrokerLink:
     """Register once, then one report per interval; settings come back in each reply."""
 
@@ -202,11 +161,45 @@ class BrokerLink:
         self._ok()
         return ModelSettings.from_dict(reply)  # plain data over Ray, typed from here on
 
+    def report_of(
+        self, delta: StatsDelta, now_s: float, g: ReplicaGauges, engine: EngineReport | None = None
+    ) -> StatsReport:
+        """This replica's report of ``delta`` and the gauges read now, numbered ``self.seq``."""
+        return StatsReport(
+            model=self.model,
+            replica_id=self.replica_id,
+            seq=self.seq,
+            now_s=now_s,
+            interval_s=max(1e-3, now_s - delta.started_s),
+            arrivals=delta.arrivals,
+            completions=delta.completions,
+            rejections=delta.rejections,
+            timeouts=delta.timeouts,
+            errors=delta.errors,
+            latency_ms=tuple(round(x, 3) for x in delta.latency_ms),
+            batches=tuple(delta.batches),
+            batch_requests=tuple(delta.batch_requests),
+            busy_s=delta.busy_s,
+            queue_depth=g.queue_depth,
+            mem_used_bytes=g.mem_used_bytes,
+            mem_peak_bytes=max(delta.mem_peak_bytes, g.mem_used_bytes),
+            device_free_frac=g.device_free_frac,
+            sm_util_frac=g.sm_util_frac,
+            oom_splits=delta.oom_splits,
+            emergency_shrinks=delta.emergency_shrinks,
+            held_refusals=delta.held_refusals,
+            shed=delta.shed,
+            settings_version=g.settings_version,
+            oom_costs=tuple(delta.oom_costs),
+            engine=engine,
+            card_id=self.card_id,
+        )
+
     async def report(self, gauges: ReplicaGauges, engine: EngineReport | None = None) -> ModelSettings | None:
         """Send the delta since the last report (``engine``: an LLM engine's report); the settings reply, or None."""
         now = self.clock()
         delta, self.delta = self.delta, StatsDelta(now)
-        report = build_report(self.model, self.replica_id, self.seq, delta, now, gauges, engine, self.card_id)
+        report = self.report_of(delta, now, gauges, engine)
         try:
             handle = self._handle_or_lookup()
         except Exception as exc:  # noqa: BLE001 - no broker: keep the counts for the next try
