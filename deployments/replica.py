@@ -268,7 +268,7 @@ class ModelReplica(ReplicaMemory):
         self.reclaim.on_settings(new)  # a reclaim's escalation (deployments.units.reclaim): caches, drain, restart
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
-        from deployments.units.oom import run_items
+        from deployments.units.oom import ItemPricing, run_items
 
         self._fast_loop()
         held = self._held_over_grant()
@@ -291,9 +291,11 @@ class ModelReplica(ReplicaMemory):
                 run_items,
                 self._predict,
                 values,
-                cost=lambda v: costs.get(id(v), 1.0),
-                need_bytes=need_from_calibration(self.calibration),
-                grant_bytes=self._grant_per_replica(self.settings),
+                pricing=ItemPricing(
+                    cost=lambda v: costs.get(id(v), 1.0),
+                    need_bytes=need_from_calibration(self.calibration),
+                    grant_bytes=self._grant_per_replica(self.settings),
+                ),
                 on_split=on_split,
                 release=self.limiter.release_caches,
                 held=self._held_after_oom,

@@ -109,26 +109,34 @@ class BatchResult:
         return tuple(o for o in self.outputs if isinstance(o, ItemOOM))
 
 
+@dataclass(frozen=True)
+class ItemPricing:
+    """How ``run_items`` prices items and explains one that runs out of memory alone (``ItemOOM``)."""
+
+    cost: Callable[[Any], float] = lambda item: 1.0  # an item's cost in the model's unit
+    need_bytes: Callable[[float], int | None] = lambda cost: None  # memory a batch of that cost needs
+    grant_bytes: int | None = None  # this replica's grant (None: unlimited)
+
+
 def run_items(
     run_batch: Callable[[list], Sequence[Any]],
     items: Sequence[Any],
     *,
-    cost: Callable[[Any], float] = lambda item: 1.0,
-    need_bytes: Callable[[float], int | None] = lambda cost: None,
-    grant_bytes: int | None = None,
+    pricing: ItemPricing = ItemPricing(),
     on_split: Callable[[int], None] | None = None,
     release: Callable[[], None] = _release_cached_memory,
     held: Callable[[], Any] = lambda: None,
 ) -> BatchResult:
     """Outputs of ``run_batch`` for every item, in order, splitting batches that run out of memory.
 
-    ``cost(item)`` prices an item in the model's unit; ``need_bytes(cost)`` estimates the memory
-    a batch of that cost needs (the replica's memory model); ``release()`` gives cached memory
-    back before a retry (CUDA's cache, the heap); ``on_split(n)`` is called for each batch of
-    ``n`` items that was split. ``held()``, asked after each out-of-memory error and its release,
-    returns a marker (``HeldOverGrant``) when the process now holds over its grant: then the
-    model runs no more, and every item not yet run gets the marker as its output (its memory
-    would come out of the runtime's slack). Errors other than out-of-memory propagate unchanged."""
+    ``pricing`` prices an item in the model's unit and estimates the memory a batch of that cost
+    needs (the replica's memory model); ``release()`` gives cached memory back before a retry
+    (CUDA's cache, the heap); ``on_split(n)`` is called for each batch of ``n`` items that was
+    split. ``held()``, asked after each out-of-memory error and its release, returns a marker
+    (``HeldOverGrant``) when the process now holds over its grant: then the model runs no more,
+    and every item not yet run gets the marker as its output (its memory would come out of the
+    runtime's slack). Errors other than out-of-memory propagate unchanged."""
+    cost = pricing.cost
     items = list(items)
     costs: list[float] = []
     splits = [0]
@@ -159,7 +167,7 @@ def run_items(
             return [stop[0]] * len(chunk), False
         if len(chunk) == 1:
             c = float(cost(chunk[0]))
-            return [ItemOOM(start, c, need_bytes(c), attempted_bytes(text), grant_bytes, text)], False
+            return [ItemOOM(start, c, pricing.need_bytes(c), attempted_bytes(text), pricing.grant_bytes, text)], False
         splits[0] += 1
         if on_split is not None:
             on_split(len(chunk))

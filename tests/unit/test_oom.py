@@ -17,6 +17,7 @@ from deployments.units.oom import (
     HeldOverGrant,
     ItemOOM,
     ItemOutOfMemory,
+    ItemPricing,
     attempted_bytes,
     run_items,
     split_retry,
@@ -60,9 +61,7 @@ def test_one_oversize_item_fails_alone_and_the_rest_succeed():
     result = run_items(
         fake_predict(3, calls, oversize=frozenset({5})),
         list(range(8)),
-        cost=lambda item: 1.0,
-        need_bytes=lambda c: int(c * 300 * MiB),
-        grant_bytes=256 * MiB,
+        pricing=ItemPricing(cost=lambda item: 1.0, need_bytes=lambda c: int(c * 300 * MiB), grant_bytes=256 * MiB),
         release=lambda: released.append(1),
     )
     assert isinstance(result, BatchResult)
@@ -116,7 +115,9 @@ def test_an_oom_that_leaves_the_process_over_its_grant_stops_the_model():
 
 
 def test_oom_costs_count_batches_too_big_as_batches():
-    result = run_items(fake_predict(3, []), list(range(8)), cost=lambda item: 2.0, release=lambda: None)
+    result = run_items(
+        fake_predict(3, []), list(range(8)), pricing=ItemPricing(cost=lambda item: 2.0), release=lambda: None
+    )
     assert result.failed == () and sorted(result.oom_costs) == [8.0, 8.0, 16.0]  # 8 items, then two halves of 4
 
 
