@@ -100,6 +100,15 @@ def set_mps_memory_limit(device: str, limit_bytes: int, environ: dict | None = N
 # inside the replica
 
 
+@dataclass(frozen=True)
+class WatchReadings:
+    """What the watcher thread reads for each ``watch_step``."""
+
+    used: Callable[[], int | None]  # the replica's memory in use (None: the process's reading is gone)
+    limits: Callable[[], WatchLimits]  # its grant, slack, grace and drain as of now
+    lifted: Callable[[], str] = lambda: ""  # why the in-process limit is found lifted ("": it holds)
+
+
 class ReplicaWatch:
     """The watcher thread of one replica: every ``period_s`` one ``watch_step``; the callbacks
     carry the steps out (``on_violation`` once, ``on_end`` once)."""
@@ -107,17 +116,15 @@ class ReplicaWatch:
     def __init__(
         self,
         model: str,
-        used: Callable[[], int | None],
-        limits: Callable[[], WatchLimits],
+        readings: WatchReadings,
         *,
-        lifted: Callable[[], str] = lambda: "",
         on_violation: Callable[[str], None] = lambda why: None,
         on_end: Callable[[str], None] = lambda why: None,
         clock: Callable[[], float] = time.monotonic,
         period_s: float = WATCH_PERIOD_S,
     ):
         self.model = model
-        self._used, self._limits, self._lifted = used, limits, lifted
+        self.readings = readings
         self._on_violation, self._on_end = on_violation, on_end
         self._clock, self.period_s = clock, period_s
         self.state = WatchState()
@@ -127,10 +134,10 @@ class ReplicaWatch:
         self._thread: threading.Thread | None = None
 
     def step(self) -> WatchResult | None:
-        used = self._used()
+        used = self.readings.used()
         if used is None:
             return None
-        res = watch_step(self.model, used, self._limits(), self._clock(), self.state, self._lifted())
+        res = watch_step(self.model, used, self.readings.limits(), self._clock(), self.state, self.readings.lifted())
         was, self.verdict, self.state = self.verdict, res.verdict, res.state
         if res.verdict == Verdict.OVER and was == Verdict.WITHIN:
             logger.warning("gpubroker watch: %s", res.reason)

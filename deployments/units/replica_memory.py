@@ -59,7 +59,7 @@ class ReplicaMemory:
         """The layer the model cannot lift (``deployments.watch``): the watchdog process (and its
         cgroup where the node allows) and the watcher thread. Started before the limiter, so the
         watchdog does not inherit the replica's soft limit; not for a replica outside Serve."""
-        from deployments.watch import ReplicaWatch, WatchdogHandle, end_own_process
+        from deployments.watch import ReplicaWatch, WatchdogHandle, WatchReadings, end_own_process
 
         self.watch = self.watchdog = None
         self.lifted = ""  # set when the in-process limit is found lifted (``_reassert``)
@@ -80,9 +80,8 @@ class ReplicaMemory:
                 self.watchdog.why_not,
             )
         self._sync_watchdog()
-        self.watch = ReplicaWatch(
-            self.name, self._watch_used, self._watch_limits, lifted=lambda: self.lifted, on_end=end_own_process
-        )
+        readings = WatchReadings(self._watch_used, self._watch_limits, lifted=lambda: self.lifted)
+        self.watch = ReplicaWatch(self.name, readings, on_end=end_own_process)
         self.watch.start()
 
     def _watch_used(self) -> int | None:

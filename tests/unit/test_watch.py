@@ -16,7 +16,7 @@ import pytest
 
 from broker.control.violation import Verdict, WatchLimits, WatchState, over_grant, watch_step
 from deployments.units.fast_loop import FastEvent, FastLoopParams, fast_loop_step
-from deployments.watch import ReplicaWatch, set_mps_memory_limit
+from deployments.watch import ReplicaWatch, WatchReadings, set_mps_memory_limit
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,8 +82,7 @@ def test_replica_watch_steps_call_violation_once_and_end_once():
     events: list[tuple[str, str]] = []
     w = ReplicaWatch(
         "hog",
-        lambda: used[0],
-        lambda: LIMITS,
+        WatchReadings(lambda: used[0], lambda: LIMITS),
         on_violation=lambda why: events.append(("violation", why)),
         on_end=lambda why: events.append(("end", why)),
         clock=lambda: clock[0],
