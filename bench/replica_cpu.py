@@ -66,7 +66,7 @@ class _Handle:
 async def _replica(ckpt: Path) -> ModelReplica:
     """A replica whose broker handle is the in-process core (set on the instance: the class is
     left as it is)."""
-    handle = _Handle(BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint_path=ckpt))
+    handle = _Handle(BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint=ckpt))
     r = ModelReplica.__new__(ModelReplica)
     r._broker_handle = lambda: handle  # type: ignore[method-assign]
     await r.__init__("prof", CONFIG)

@@ -68,15 +68,14 @@ class BrokerCore:
         config: str | FleetConfig,
         *,
         capacity_bytes: int | None = None,
-        checkpoint_path: str | Path | None = None,
+        checkpoint: str | Path | CheckpointFile | CardSlot | None = None,
         clock: Callable[[], float] = time.time,
         metrics: BrokerMetrics | NullMetrics | None = None,
         log: DecisionLog | None = None,
         card_id: str = "",
-        checkpoint: CheckpointFile | CardSlot | None = None,
     ) -> None:
-        """``checkpoint_path``: a checkpoint file of the core's own; ``checkpoint``: where else it
-        checkpoints (a card's slot in a fleet's one file, ``broker.checkpoint.CardCheckpoints``)."""
+        """``checkpoint``: where the core checkpoints: a path (a file of its own), a card's slot in a
+        fleet's one file (``broker.checkpoint.CardCheckpoints``), or None (nowhere)."""
         self._clock = clock
         self._started_s = clock()
         if isinstance(config, FleetConfig):
@@ -95,7 +94,9 @@ class BrokerCore:
                 "Pass the measured capacity (broker.actor does) or set gpu.capacity in the config"
             )
         self._capacity = int(capacity_bytes)
-        self._checkpoint = checkpoint or (CheckpointFile(checkpoint_path) if checkpoint_path else None)
+        if isinstance(checkpoint, str | Path):
+            checkpoint = CheckpointFile(checkpoint) if checkpoint else None
+        self._checkpoint = checkpoint
         # the decision log; the cores of a many-card fleet share one (broker.fleet_core), which
         # the fleet journals once (broker.fleet_store): a core saves only a log it owns
         self._log = log if log is not None else DecisionLog(cfg.broker.decision_log_size)

@@ -110,8 +110,7 @@ class FleetBroker:
         return BrokerCore(
             config,
             capacity_bytes=int(self._placement.card(card_id).capacity_bytes),
-            checkpoint_path=path,
-            checkpoint=slot,
+            checkpoint=slot or path,
             clock=self._clock,
             metrics=metrics,
             log=self.log,

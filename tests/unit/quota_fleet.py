@@ -169,7 +169,7 @@ def check(core: BrokerCore, fleet: Fleet, core_log: bool = True) -> None:
 
 
 def new_core(path: Path | None, clock: Clock, text: str) -> BrokerCore:
-    return BrokerCore(text, capacity_bytes=USABLE, checkpoint_path=path, clock=clock)
+    return BrokerCore(text, capacity_bytes=USABLE, checkpoint=path, clock=clock)
 
 
 def moves(core: BrokerCore, *kinds: str) -> list[dict]:

@@ -70,7 +70,7 @@ def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(t
     text = CONFIG.read_text(encoding="utf-8")
     now = [1000]
     ckpt = tmp_path / "broker.json"
-    core = BrokerCore(text, clock=lambda: float(now[0]), checkpoint_path=ckpt)
+    core = BrokerCore(text, clock=lambda: float(now[0]), checkpoint=ckpt)
     capacity = core.status()["capacity_bytes"]
 
     async def body():
@@ -123,7 +123,7 @@ def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(t
 
     asyncio.run(body())
     # the rule state survives a broker restart: the next decision continues, it does not start over
-    restarted = BrokerCore(text, clock=lambda: float(now[0]), checkpoint_path=ckpt)
+    restarted = BrokerCore(text, clock=lambda: float(now[0]), checkpoint=ckpt)
     assert restarted.restored and restarted.settings("chat").engine.max_num_seqs == 4
     assert restarted._llm.to_dict()["states"]["chat"]["max_num_seqs"] == 4
 

@@ -139,7 +139,7 @@ def step(core: BrokerCore, fleet: FakeFleet, clock: Clock) -> None:
 
 
 def new_core(path: Path, clock: Clock) -> BrokerCore:
-    return BrokerCore(CONFIG, capacity_bytes=384 * MIB, checkpoint_path=path, clock=clock)
+    return BrokerCore(CONFIG, capacity_bytes=384 * MIB, checkpoint=path, clock=clock)
 
 
 def restart(path: Path, clock: Clock) -> BrokerCore:

@@ -49,7 +49,7 @@ class Rig:
 
 
 async def make(name: str, monkeypatch, tmp_path) -> Rig:
-    core = BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / f"{name}.json")
+    core = BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint=tmp_path / f"{name}.json")
     link = CoreLink(core)
     monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
     # Serve's batcher reads max_ongoing_requests from the replica context only to warn.

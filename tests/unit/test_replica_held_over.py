@@ -83,7 +83,7 @@ class FakeLimiter:
 
 
 async def _replica(monkeypatch, tmp_path, used_bytes: list[int]) -> tuple[BrokerCore, ModelReplica, FakeLimiter]:
-    core = BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint_path=tmp_path / "ckpt.json")
+    core = BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint=tmp_path / "ckpt.json")
     link = CoreLink(core)
     monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
     from ray.serve import batching

@@ -36,7 +36,7 @@ models:
 async def _replica(text: str, monkeypatch, ckpt) -> tuple[ModelReplica, list[int]]:
     """A replica on Serve's real batcher beside an in-process broker core; the sizes of the
     batches it runs from now on."""
-    core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint_path=ckpt)
+    core = BrokerCore(text, capacity_bytes=1024 * MIB, checkpoint=ckpt)
     link = CoreLink(core)
     monkeypatch.setattr(ModelReplica, "_broker_handle", lambda self: link)
     from ray.serve import batching
