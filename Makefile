@@ -124,10 +124,13 @@ chaos-llm: venv-vllm
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Live benchmarks (bench/RESULTS.md): each scenario starts its own local Ray + Serve. seed goes
-# first (oracle, oracle-knee and trace take its measured S and reference rate); `report`
-# rebuilds RESULTS.md's tables from the JSON. Full: under 15 min per scenario on 2 cores, but
-# seed (its knees held on 3 seeds: ~30 min; --models profiled / minilm split it); --quick: under 3 min each. The BentoML peer gets its own venv (bench/peer, once).
+# Live benchmarks: each scenario starts its own local Ray + Serve and writes SCENARIO.json, its
+# table SCENARIO.md and plots under BENCH_OUT. seed goes first (oracle, oracle-knee and trace take
+# its measured S and reference rate). Then `report` rebuilds bench/RESULTS.md and README.md's table
+# from the JSON committed under bench/results/ (not from BENCH_OUT: a run is reported once its JSON
+# is committed there). Full: under 15 min per scenario on 2 cores, but seed (its knees held on 3
+# seeds: ~30 min; --models profiled / minilm split it); --quick: under 3 min each. The BentoML
+# peer gets its own venv (bench/peer, once).
 SCENARIOS := seed oracle oracle-knee burst overhead trace
 BENCH_OUT ?= bench/out
 
@@ -137,11 +140,11 @@ bench-setup: $(STAMP)
 
 bench: bench-setup
 	@for s in $(SCENARIOS); do $(PY) -m gpubroker bench $$s --out $(BENCH_OUT) || exit 1; done
-	$(PY) -m gpubroker bench report --out $(BENCH_OUT)
+	$(PY) -m gpubroker bench report
 
 bench-quick: bench-setup
 	@for s in $(SCENARIOS); do $(PY) -m gpubroker bench $$s --quick --out $(BENCH_OUT)/quick || exit 1; done
-	$(PY) -m gpubroker bench report --out $(BENCH_OUT)
+	$(PY) -m gpubroker bench report
 
 bench-peer-venv:
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"

@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
+DEFAULT_OUT = Path("bench/out")
 
 
 def _require_bench() -> None:
@@ -46,7 +47,7 @@ def bench(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(
-        Path("bench/out"), "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots."
+        DEFAULT_OUT, "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots (not for report)."
     ),
     quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
     time_scale: float = typer.Option(
@@ -130,6 +131,13 @@ def _run_offline(a: BenchArgs) -> bool:
     if a.scenario == "report":  # RESULTS.md and the README's table from the JSON committed under bench/results/
         from bench import results
 
+        if a.out != DEFAULT_OUT:  # the report has one source, the committed JSON: a --out would be ignored
+            typer.echo(
+                f"gpubroker bench report: --out {a.out} is not read: the report reads the JSON committed under "
+                f"{results.ROOT}/ (commit a run's JSON there to report it); drop --out",
+                err=True,
+            )
+            raise typer.Exit(2)
         try:
             results.write()
         except (OSError, ValueError) as exc:
