@@ -25,7 +25,6 @@ from broker.control.decision_log import DecisionLog
 from broker.control.replacement import (
     FleetEntry,
     Replacement,
-    groups_of,
     read_placement,
     replace_fleet,
     write_placement,
@@ -289,9 +288,9 @@ class FleetBroker:
         if self._placement_path is not None:
             write_placement(self._placement_path, rep.placement, self.lost, self.placement_version, self._launch_hash)
         for m in rep.models_changed:
-            now = groups_of(rep.placement, m)
+            now = rep.placement.groups_of(m)
             self._event(
-                f"{m}: {why}; re-placed from {groups_of(old, m) or 'nowhere'} to {now or 'nowhere'}"
+                f"{m}: {why}; re-placed from {old.groups_of(m) or 'nowhere'} to {now or 'nowhere'}"
                 + (f"; {rep.unplaced[m]} replica(s) unplaced: {rep.reasons[m]}" if rep.unplaced.get(m) else ""),
                 m,
                 FleetEntry.PLACEMENT,
@@ -404,7 +403,7 @@ class FleetBroker:
         live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}
         return ServePlan(
             version=self.placement_version,
-            groups={m: groups_of(self._placement, m) for m in self._cfg.models},
+            groups={m: self._placement.groups_of(m) for m in self._cfg.models},
             unplaced={m: self.unplaced_reasons.get(m, "") for m in self._placement.unplaced},
             replica_targets=tuple(
                 ReplicaTarget(m, cid, self._target(cid, m)) for cid, core in live.items() for m in core.config.models

@@ -115,13 +115,16 @@ class Placement:
     def models_on(self, card_id: str) -> Mapping[str, int]:
         return self.card_plan(card_id).models
 
+    def groups_of(self, model: str) -> dict[str, int]:
+        """Card id -> replicas of ``model`` on it, cards in fleet order; {} for a model placed nowhere."""
+        ids = self.replicas.get(model, ())
+        return {cid: ids.count(cid) for cid in self.cards_of(model)} if ids else {}
+
     def groups(self) -> tuple[ReplicaGroup, ...]:
         """One (model, card, replicas) group per model per card, models by name, cards in fleet order."""
-        out: list[ReplicaGroup] = []
-        for model in sorted(self.replicas):
-            ids = self.replicas[model]
-            out.extend(ReplicaGroup(model, cid, ids.count(cid)) for cid in self.cards_of(model))
-        return tuple(out)
+        return tuple(
+            ReplicaGroup(model, cid, n) for model in sorted(self.replicas) for cid, n in self.groups_of(model).items()
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

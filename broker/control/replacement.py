@@ -52,12 +52,6 @@ class Replacement:
         return bool(self.models_changed or self.cards_changed)
 
 
-def groups_of(placement: Placement, model: str) -> dict[str, int]:
-    """card id -> replicas of ``model`` on it."""
-    ids = placement.replicas.get(model, ())
-    return {cid: ids.count(cid) for cid in placement.cards_of(model)} if ids else {}
-
-
 def _why(d: ModelDemand, placement: Placement, alive: set[str], budget: CardBudget) -> str:
     allowed = [p for p in placement.cards if p.card.id in alive and d.allows(p.card)]
     if not allowed:
@@ -121,9 +115,7 @@ def replace_fleet(previous: Placement, cfg: Any, lost: Iterable[str]) -> Replace
     new = replace_after_loss(previous, demands, alive, budget)
     placement = _every_card(new, cards, budget)
     models = tuple(
-        m
-        for m in sorted(set(previous.replicas) | set(new.replicas))
-        if groups_of(previous, m) != groups_of(placement, m)
+        m for m in sorted(set(previous.replicas) | set(new.replicas)) if previous.groups_of(m) != placement.groups_of(m)
     )
     before = {p.card.id: dict(p.models) for p in previous.cards}
     changed_cards = tuple(p.card.id for p in placement.cards if dict(p.models) != before.get(p.card.id, {}))

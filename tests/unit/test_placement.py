@@ -53,6 +53,7 @@ def test_spread_false_keeps_replicas_together():
     p = place([demand("x", 100, replicas=3, spread=False)], FOUR, NO_RESERVE)
     assert p.replicas["x"] == ("a0", "a0", "a0")
     assert [(g.model, g.card_id, g.replicas) for g in p.groups()] == [("x", "a0", 3)]
+    assert p.groups_of("x") == {"a0": 3} and p.groups_of("not-placed") == {}
 
 
 def test_every_model_gets_its_first_replica_before_any_spreads():
