@@ -1,61 +1,108 @@
 """``gpubroker bench oracle`` and ``oracle-knee``: the broker against the best static arms.
 
-The static grid is screened in the simulator (``screen_grid``, ``screen_knees``); only the
+The static grid (``screen_arms``: batch x wait x formation, Ray's eager one and the lazy gate, as
+the simulator's oracle) is screened in the simulator (``screen_grid``, ``screen_knees``); only the
 best candidates run live beside the broker.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from bench import scenarios as sc
 from bench.live_runs import Opts, Workload, fleet_target, measured_reference, profiled_workload, run_arm, say_row
+from gpubroker.sim.knee import OracleGrid
+from gpubroker.sim.types import Arm
 
 GRID_BATCHES = (8, 16, 32, 64, 128)
 GRID_WAITS_MS = (0.0, 5.0, 10.0, 20.0, 30.0, 50.0)  # BENCHMARK's 0-20 ms plus 30, 50 (eager batching needs them)
+GRID_GATES = OracleGrid().gates  # the simulator oracle's formations: Ray's eager one (False) and the lazy gate (True)
 HTTP_MS = 50.0  # what the Serve HTTP path adds on 2 cores (client P95 - replica P95), kept out of the screen's cap
 
 
+def screen_arms(k: float) -> list[Arm]:
+    """The static grid both live oracles screen: GRID_BATCHES x GRID_WAITS_MS (slowed by the time
+    scale ``k``) x GRID_GATES: ``static:B:W`` with Ray's eager formation and ``static:B:W:gate`` with
+    the replica's lazy gate in front, each its own arm, as in the simulator's oracle."""
+    return [Arm("static", b, w * k, gated) for gated in GRID_GATES for b in GRID_BATCHES for w in GRID_WAITS_MS]
+
+
+def candidate(arm: Arm, **sim: float) -> dict[str, Any]:
+    """A screened arm as the live runs take it: its label, batch, wait and formation, and the screen's figures."""
+    return {"arm": arm.label, "batch": arm.batch, "wait_ms": arm.wait_ms, "gated": arm.gated, **sim}
+
+
+def _tie_order(arm: Arm) -> tuple[int, float, bool]:
+    """Among equal results: the smallest batch, then the shortest wait, then Ray's formation."""
+    return arm.batch, arm.wait_ms, arm.gated
+
+
 def screen_grid(w: Workload, cap_ms: float, rates: list[float], top: int, o: Opts) -> dict[float, list[dict[str, Any]]]:
-    """The static grid (GRID_BATCHES x GRID_WAITS_MS, scaled) run in the simulator at each rate
-    (Ray 2.60's eager batching, the same L(b) as the emulation, cap less the HTTP path): the
-    ``top`` arms by goodput (then P95), one per distinct result, smallest batch first among ties.
-    The whole grid live would take hours on 2 cores; the live sweep runs these candidates."""
+    """The static grid (``screen_arms``) run in the simulator at each rate (Ray 2.60's eager
+    batching, with the lazy gate in front for a gated arm; the same L(b) as the emulation; cap less
+    the HTTP path): the ``top`` arms by goodput (then P95), one per distinct result (``_tie_order``
+    among ties). The whole grid live would take hours on 2 cores; the live sweep runs these."""
     from gpubroker.sim.knee import RunSettings, run_at
     from quotas.config import parse_config_text
 
-    k = o.time_scale
     cfg = parse_config_text(sc.fleet_yaml({w.model: w.spec(cap_ms - HTTP_MS)}, broker_name="screen"))
     rs = RunSettings(duration_s=60.0, warmup_s=5.0, drain_s=2.0, seed=0, batching="eager")
     out: dict[float, list[dict[str, Any]]] = {}
     for r in rates:
         scored = []
-        for bt in GRID_BATCHES:
-            for wt in GRID_WAITS_MS:
-                m = run_at(cfg, f"static:{bt}:{wt * k:g}", r, rs).models[w.model]
-                p95 = m.p95_ms if m.p95_ms is not None else float("inf")
-                scored.append((-round(m.goodput_rps, 2), round(p95), bt, wt * k))
-        scored.sort()
+        for arm in screen_arms(o.time_scale):
+            m = run_at(cfg, arm, r, rs).models[w.model]
+            p95 = m.p95_ms if m.p95_ms is not None else float("inf")
+            scored.append(((-round(m.goodput_rps, 2), round(p95)), arm))
+        scored.sort(key=lambda t: (t[0], _tie_order(t[1])))
         picked, seen = [], set()
-        for g, p95, bt, wt in scored:
+        for (g, p95), arm in scored:
             if (g, p95) in seen:
                 continue
             seen.add((g, p95))
-            picked.append(
-                {"arm": f"static:{bt}:{wt:g}", "batch": bt, "wait_ms": wt, "sim_goodput_rps": -g, "sim_p95_ms": p95}
-            )
+            picked.append(candidate(arm, sim_goodput_rps=-g, sim_p95_ms=p95))
             if len(picked) == top:
                 break
         out[r] = picked
     return out
 
 
+def run_static(
+    stack: sc.Stack,
+    w: Workload,
+    cap_ms: float,
+    o: Opts,
+    cands: list[dict[str, Any]],
+    run: Callable[[sc.FleetTarget, dict[str, Any]], None],
+) -> None:
+    """``run(target, candidate)`` for every static candidate, on one static-pinned fleet per
+    formation (a gated one deployed as ``bench.gated_static.GatedStaticModel``), pinned live to
+    each candidate by ``set_static``; one formation's fleet is gone before the next one starts."""
+    from bench.gated_static import GatedStaticModel
+
+    for gated in GRID_GATES:
+        group = [c for c in cands if c["gated"] == gated]
+        if not group:
+            continue
+        spec = w.static_spec(cap_ms, group[0]["batch"], group[0]["wait_ms"], o.rules)
+        tag, cls = ("static-gate", GatedStaticModel) if gated else ("static", None)
+        st = fleet_target(stack, {w.model: spec}, tag, {w.model: w.body}, model_cls=cls)
+        try:
+            for c in group:
+                st.set_static({w.model: (c["batch"], c["wait_ms"])})
+                run(st, c)
+        finally:
+            st.delete()
+
+
 def oracle(o: Opts) -> dict[str, Any]:
     """Broker goodput / best static goodput at each rate of a sweep, at cap 1.2·S.
 
     The static grid is batch 8..128 x wait 0, 5, 10, 20, 30, 50 ms (x time scale; with eager
-    batching a static arm's batch is 1 + rate x wait, so only long waits form big batches).
+    batching a static arm's batch is 1 + rate x wait, so only long waits form big batches) x
+    formation (Ray's eager one, and the lazy gate in front of it: ``screen_arms``).
     Every grid point is run in the simulator at each rate and the best ``top`` candidates are
     run live beside the broker (``screen_grid``). The broker runs every seed; the ratio pairs
     its seed-0 run with the static candidates' (same arrivals). Since no static arm completes
@@ -84,7 +131,7 @@ def oracle(o: Opts) -> dict[str, Any]:
         "reference_rps": ref,
         "reference": ref_doc,
         "time_scale": k,
-        "grid": [f"static:{b}:{wt * k:g}" for b in GRID_BATCHES for wt in GRID_WAITS_MS],
+        "grid": [arm.label for arm in screen_arms(k)],
         "screen": {f"{r:.3f}": c for r, c in cands.items()},
         "rates": [],
     }
@@ -99,22 +146,19 @@ def oracle(o: Opts) -> dict[str, Any]:
                     say_row(o, f"broker s{m.seed}")(m.row())
         finally:
             br.delete()
-        arms: dict[tuple[int, float], list[float]] = {}
+        arms: dict[str, tuple[dict[str, Any], list[float]]] = {}  # label: (candidate, its rates)
         for r in rates:
             for c in cands[r]:
-                arms.setdefault((c["batch"], c["wait_ms"]), []).append(r)
-        (b0, w0), _ = next(iter(arms.items()))
-        st = fleet_target(stack, {w.model: w.static_spec(cap, b0, w0, o.rules)}, "grid", warm)
+                arms.setdefault(c["arm"], (c, []))[1].append(r)
         static_rows: dict[float, dict[str, sc.Measurement]] = {r: {} for r in rates}
-        try:
-            for (b, wt), rs_ in arms.items():
-                st.set_static({w.model: (b, wt)})
-                for r in rs_:
-                    m = run_arm(st, w.model, r, o.seeds[0], cap, o, w.body)
-                    static_rows[r][f"static:{b}:{wt:g}"] = m
-                    say_row(o, f"static {b}/{wt:g}")(m.row())
-        finally:
-            st.delete()
+
+        def at_its_rates(st: sc.FleetTarget, c: dict[str, Any]) -> None:
+            for r in arms[c["arm"]][1]:
+                m = run_arm(st, w.model, r, o.seeds[0], cap, o, w.body)
+                static_rows[r][c["arm"]] = m
+                say_row(o, c["arm"])(m.row())
+
+        run_static(stack, w, cap, o, [c for c, _ in arms.values()], at_its_rates)
     for r in rates:
         b0m = broker_rows[r][0]
         gb = b0m.goodput_rps
@@ -150,30 +194,26 @@ def oracle(o: Opts) -> dict[str, Any]:
 
 
 def screen_knees(w: Workload, cap_ms: float, start_rps: float, top: int, o: Opts) -> list[dict[str, Any]]:
-    """Every static grid arm's knee at ``cap_ms`` in the simulator (eager batching, the cap
-    less the HTTP path): the ``top`` arms with the highest knees, the candidates ``oracle-knee``
-    searches live. (Ranking by goodput at one overloaded rate would favour arms whose waits
-    alone exceed the cap.)"""
+    """Every static grid arm's knee (``screen_arms``: both formations) at ``cap_ms`` in the
+    simulator (eager batching, the gate in front for a gated arm, the cap less the HTTP path): the
+    ``top`` arms with the highest knees, the candidates ``oracle-knee`` searches live. (Ranking by
+    goodput at one overloaded rate would favour arms whose waits alone exceed the cap.)"""
     from gpubroker.sim.knee import RunSettings, Search, knee
     from quotas.config import parse_config_text
 
-    k = o.time_scale
     cfg = parse_config_text(sc.fleet_yaml({w.model: w.spec(cap_ms - HTTP_MS)}, broker_name="screen"))
     rs = RunSettings(duration_s=60.0, warmup_s=5.0, drain_s=2.0, seed=0, batching="eager")
     scored = []
-    for bt in GRID_BATCHES:
-        for wt in GRID_WAITS_MS:
-            kn = knee(
-                cfg, f"static:{bt}:{wt * k:g}", 0.5 * start_rps, rs, search=Search(step=1.2, bisect_iters=3)
-            ).knee_rps
-            scored.append((-round(kn, 2), bt, wt * k))
-    scored.sort()
+    for arm in screen_arms(o.time_scale):
+        kn = knee(cfg, arm, 0.5 * start_rps, rs, search=Search(step=1.2, bisect_iters=3)).knee_rps
+        scored.append((-round(kn, 2), arm))
+    scored.sort(key=lambda t: (t[0], _tie_order(t[1])))
     picked, seen = [], set()
-    for kn, bt, wt in scored:  # one arm per distinct knee: bigger caps the wait never fills tie
+    for kn, arm in scored:  # one arm per distinct knee: bigger caps the wait never fills tie
         if kn in seen:
             continue
         seen.add(kn)
-        picked.append({"arm": f"static:{bt}:{wt:g}", "batch": bt, "wait_ms": wt, "sim_knee_rps": -kn})
+        picked.append(candidate(arm, sim_knee_rps=-kn))
         if len(picked) == top:
             break
     return picked
@@ -217,27 +257,21 @@ def oracle_knee(o: Opts) -> dict[str, Any]:
         "screen": cands,
         "arms": [],
     }
-    warm = {w.model: w.body}
-    with sc.Stack(direct_ingress=o.direct) as stack:
-        st = fleet_target(
-            stack, {w.model: w.static_spec(cap, cands[0]["batch"], cands[0]["wait_ms"], o.rules)}, "oknee", warm
+
+    def search(st: sc.FleetTarget, c: dict[str, Any]) -> None:
+        kn, rows = sc.live_knee(
+            lambda r: run_arm(st, w.model, r, 0, cap, o, w.body),
+            start,
+            step=o.search.step,
+            bisect_iters=o.search.bisect_iters,
+            max_runs=o.search.max_runs or 12,
+            on_row=say_row(o, c["arm"]),
         )
-        try:
-            for c in cands:
-                b, wt = c["batch"], c["wait_ms"]
-                st.set_static({w.model: (b, wt)})
-                kn, rows = sc.live_knee(
-                    lambda r: run_arm(st, w.model, r, 0, cap, o, w.body),
-                    start,
-                    step=o.search.step,
-                    bisect_iters=o.search.bisect_iters,
-                    max_runs=o.search.max_runs or 12,
-                    on_row=say_row(o, f"static {b}/{wt:g}"),
-                )
-                res["arms"].append({"arm": c["arm"], "knee_rps": kn, "rows": rows})
-                o.log(f"[oracle-knee] {c['arm']} knee at 1.2·S: {kn:.1f}/s")
-        finally:
-            st.delete()
+        res["arms"].append({"arm": c["arm"], "knee_rps": kn, "rows": rows})
+        o.log(f"[oracle-knee] {c['arm']} knee at 1.2·S: {kn:.1f}/s")
+
+    with sc.Stack(direct_ingress=o.direct) as stack:
+        run_static(stack, w, cap, o, cands, search)
     best = max(res["arms"], key=lambda a: a["knee_rps"])
     res["oracle_knee_rps"], res["oracle_arm"] = best["knee_rps"], best["arm"]
     res["broker_vs_oracle"] = broker_knee / best["knee_rps"] if broker_knee and best["knee_rps"] else None

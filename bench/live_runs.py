@@ -287,12 +287,19 @@ def minilm_workload(tokens: int = 64) -> Workload:
 
 
 def fleet_target(
-    stack: sc.Stack, specs: dict[str, dict[str, Any]], tag: str, warm: dict[str, bytes], capacity: str = "8GiB"
+    stack: sc.Stack,
+    specs: dict[str, dict[str, Any]],
+    tag: str,
+    warm: dict[str, bytes],
+    capacity: str = "8GiB",
+    model_cls: type | None = None,
 ) -> sc.FleetTarget:
+    """One fleet app (its own broker) on ``stack``; ``model_cls`` replaces the model deployment's
+    class (``bench.gated_static.GatedStaticModel`` for a gated static arm)."""
     text = sc.fleet_yaml(
         specs, broker_name=f"bench-{tag}-{int(time.time() * 1000) % 10**8}", http_port=stack.port, capacity=capacity
     )
-    return stack.deploy_fleet(text, app=f"fleet-{tag}", warm_models=warm)
+    return stack.deploy_fleet(text, app=f"fleet-{tag}", warm_models=warm, model_cls=model_cls)
 
 
 def peer_max_latency_ms(cap_ms: float, rules: ArmRules) -> float:

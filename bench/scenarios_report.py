@@ -83,9 +83,10 @@ def oracle_md(res: dict[str, Any]) -> str:
         f"### oracle: {res['workload']}, cap {res['cap_ms']:.0f} ms ({_machine(res)})",
         "",
         f"Reference {res['reference_rps']:.2f}/s, S {_f(ref.get('S_ms'), 0)} ms: {ref.get('source', '')}. "
-        f"Static grid: {len(res['grid'])} arms (batch × wait) screened in the simulator at each rate; the best "
-        "candidates ran live beside the broker (seed 0, same arrivals). Broker attainment over every seed is a "
-        "floor of its oracle ratio (no arm completes more than was offered).",
+        f"Static grid: {len(res['grid'])} arms (batch × wait × formation: Ray's eager one, the lazy gate) "
+        "screened in the simulator at each rate; the best candidates ran live beside the broker (seed 0, same "
+        "arrivals). Broker attainment over every seed is a floor of its oracle ratio (no arm completes more than "
+        "was offered).",
         "",
         "| rate | broker goodput | broker P95 | broker batch | broker set cap / wait | best static (live) | its goodput | its P95 | oracle ratio | broker attainment, all seeds |",
         "|---|---|---|---|---|---|---|---|---|---|",
