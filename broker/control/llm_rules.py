@@ -62,6 +62,8 @@ class LlmRuleConfig:
     min_samples: int = 8  # TTFT/TPOT samples before latency rules fire
     hold_s: float = 2.0  # seconds between non-safety changes (and between recovery steps)
     idle_hold_s: float = 5.0
+    lend_floor_bytes: int = 0  # the model's quota min: an idle cache shrinks only to what this grant holds
+    resize_hold_factor: float = 2.0  # idle at least this many times the last resize's seconds before a shrink
     busy_used_frac: float = 0.8  # cache reservations over this share count as busy
     seqs_backoff: float = 0.75
     seqs_step: int = 2  # smallest max_num_seqs raise; with a longer queue up to half of it (at most doubling)
@@ -88,6 +90,7 @@ class EngineLoad:
     free_mem_frac: float  # free share of the card (host memory quota on cpu)
     grant_bytes: int  # the model's grant now
     idle_for_s: float = 0.0  # how long nothing has run or waited (0 when busy)
+    last_resize_s: float = 0.0  # what the engine's last cache resize cost (drain excluded; 0: none yet)
 
 
 @dataclass(frozen=True)
@@ -236,16 +239,23 @@ def _recover(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
     )
 
 
+def lend_floor_blocks(cfg: LlmRuleConfig) -> int:
+    """The smallest cache an idle engine keeps: what its quota min holds, never under the engine's minimum."""
+    return max(cfg.kv_blocks_min, kv_blocks_in_grant(cfg, cfg.lend_floor_bytes))
+
+
 def _idle_shrink(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
-    if load.running or load.waiting or load.idle_for_s < cfg.idle_hold_s or s.kv_blocks <= cfg.kv_blocks_min:
+    floor = lend_floor_blocks(cfg)
+    hold = max(cfg.idle_hold_s, cfg.resize_hold_factor * load.last_resize_s)  # a shrink now, a regrow later
+    if load.running or load.waiting or load.idle_for_s < hold or s.kv_blocks <= floor:
         return None
-    lent = cache_bytes(cfg, s.kv_blocks) - cache_bytes(cfg, cfg.kv_blocks_min)
+    lent = cache_bytes(cfg, s.kv_blocks) - cache_bytes(cfg, floor)
     return _Want(
-        replace(s, kv_blocks=cfg.kv_blocks_min),
+        replace(s, kv_blocks=floor),
         LlmTrigger.IDLE_FOR_S,
         load.idle_for_s,
-        f"idle_for_s {load.idle_for_s:.1f} >= {cfg.idle_hold_s:g}: shrink KV cache {s.kv_blocks}->"
-        f"{cfg.kv_blocks_min} blocks (frees {lent} bytes to lend)",
+        f"idle_for_s {load.idle_for_s:.1f} >= {hold:g}: shrink KV cache {s.kv_blocks}->"
+        f"{floor} blocks (frees {lent} bytes to lend; the quota min keeps {floor})",
     )
 
 
@@ -415,4 +425,5 @@ def load_from_report(report: Mapping[str, Any], now_s: float, free_mem_frac: flo
         free_mem_frac=float(free_mem_frac),
         grant_bytes=int(grant_bytes),
         idle_for_s=float(report.get("idle_for_s", 0.0)),
+        last_resize_s=float(report.get("last_restart_s") or 0.0),
     )

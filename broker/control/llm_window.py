@@ -158,6 +158,7 @@ class LlmControl:
                 report,
                 base_bytes=int(report.get("weights_bytes", 0)),
                 idle_hold_s=spec.control.idle_hold_s,
+                lend_floor_bytes=int(spec.quota.min) // replicas,
             )
             grant = int(grants.get(name, spec.quota.base)) // replicas
             load = load_from_report(report, now_s, free_frac, grant)

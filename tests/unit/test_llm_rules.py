@@ -132,6 +132,24 @@ def test_idle_shrinks_the_kv_cache_to_lend():
     assert "idle_for_s 6.0" in d.reason
 
 
+def test_idle_shrink_keeps_what_the_quota_min_holds():
+    floor_grant = CFG.base_bytes + cache_bytes(CFG, 40)  # the quota min holds a 40-block cache
+    cfg = replace(CFG, lend_floor_bytes=floor_grant)
+    idle = load(running=0, waiting=0, idle_for_s=6.0, kv_blocks_reserved=0)
+    d, _ = decide_llm(idle, cfg, state(kv_blocks=64))
+    assert d.rule is LlmRule.IDLE_SHRINK and d.kv_blocks == 40
+    d, _ = decide_llm(idle, cfg, state(kv_blocks=40))  # at its floor: a fixed quota (min = base) never shrinks
+    assert d.rule is not LlmRule.IDLE_SHRINK and d.kv_blocks == 40
+
+
+def test_idle_shrink_waits_twice_the_last_resize():
+    slow = load(running=0, waiting=0, idle_for_s=30.0, kv_blocks_reserved=0, last_resize_s=20.0)
+    d, _ = decide_llm(slow, CFG, state(kv_blocks=64))
+    assert d.rule is not LlmRule.IDLE_SHRINK and d.kv_blocks == 64  # 30 s idle < 2 x 20 s of resize
+    d, _ = decide_llm(replace(slow, idle_for_s=41.0), CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.IDLE_SHRINK and "idle_for_s 41.0 >= 40" in d.reason
+
+
 def test_busy_grows_the_kv_cache_up_to_what_the_grant_allows():
     grant = CFG.base_bytes + (100 + 2) * BLOCK
     d, _ = decide_llm(load(waiting=5, running=8, grant_bytes=grant), CFG, state(kv_blocks=64))
