@@ -119,8 +119,10 @@ class ModelReplica(ReplicaMemory):
         self.oom_ceiling = OomCeiling(self.spec.batch.floor, self.spec.control.window_s)
         # Lazy formation (see _admit_to_batcher): requests wait at a gate while the executor is
         # busy and enter Serve's batcher together when it frees. On unless the model is pinned
-        # static, or the config says the runtime's own formation is to be left alone.
-        self.lazy_gate = self.spec.control.strategy != "static" and cfg.broker.batch_formation == "lazy"
+        # static (a class with GATE_STATIC, bench.gated_static, keeps it), or the config says the
+        # runtime's own formation is to be left alone.
+        static = self.spec.control.strategy == "static" and not getattr(self, "GATE_STATIC", False)
+        self.lazy_gate = not static and cfg.broker.batch_formation == "lazy"
         # shed_late: a request held at the gate that can no longer meet the SLO gets 504 (deployments.units.shed)
         self.shed = LateShed(self.spec.slo_p95_ms / 1000.0) if self.spec.shed_late and self.lazy_gate else None
         self.next_start = NextBatchStart(self.lazy_gate and getattr(self, "START_NEXT_FIRST", True))
