@@ -31,6 +31,7 @@ from deployments.llm.engine import (
     TokenDelta,
     TokenStream,
 )
+from deployments.llm.reaper import REAPER, descendants
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +252,11 @@ class VllmEngine:
             need_gib = num_blocks * self.block_bytes() / (1 << 30)
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(need_gib) + 1))
         args = self._engine_args(num_blocks, max_batched_tokens)
-        return AsyncLLM.from_engine_args(args, stat_loggers=[self._signals.factory])
+        before = descendants(os.getpid()) if REAPER.enabled else set()
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._signals.factory])
+        if REAPER.enabled:  # its engine core and workers die with this process, even a killed one
+            REAPER.track(descendants(os.getpid()) - before)
+        return llm
 
     async def stop(self) -> None:
         self._stopped = True
@@ -267,6 +272,7 @@ class VllmEngine:
         if self._llm is not None:
             llm, self._llm = self._llm, None
             await asyncio.to_thread(llm.shutdown)
+            REAPER.forget_gone()
 
     def is_running(self) -> bool:
         """False once vLLM's engine core died (Serve's health check restarts the replica)."""
@@ -475,6 +481,7 @@ class VllmEngine:
         try:
             old, self._llm = self._llm, None
             await asyncio.to_thread(old.shutdown)
+            REAPER.forget_gone()
             if self._stopped:
                 return
             try:
