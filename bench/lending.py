@@ -113,7 +113,8 @@ def independent(mean_rps: float, duration_s: float, seed: int) -> list[np.ndarra
     return [arr.gamma(mean_rps, duration_s, 4.0, seed * 100 + 50 + i) for i in range(len(MODELS))]
 
 
-def _workload(cfg: FleetConfig, times: list[np.ndarray]):
+def workload(cfg: FleetConfig, times: list[np.ndarray]):
+    """Each model's requests (arrival times, with their cost and memory from its profile) for the simulator."""
     return {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in zip(MODELS, times)}
 
 
@@ -144,7 +145,7 @@ def run_arm(
     sim = sim_cls(
         cfg,
         parse_arm(arm),
-        _workload(cfg, times),
+        workload(cfg, times),
         duration_s,
         SimOptions(warmup_s=warmup_s, drain_s=10.0, batching="lazy" if arm != "eager" else "eager"),
     )
@@ -365,7 +366,7 @@ def _run_eager(cfg, arm, times, duration, warmup, windows):
     sim = Simulator(
         cfg,
         parse_arm(arm),
-        _workload(cfg, times),
+        workload(cfg, times),
         duration,
         opts=SimOptions(warmup_s=warmup, drain_s=10.0, batching="eager"),
     )

@@ -68,7 +68,7 @@ def _sim(cfg: FleetConfig, arm: str, times: list[np.ndarray], duration_s: float)
     sim = Simulator(
         cfg,
         parse_arm(arm),
-        L._workload(cfg, times),
+        L.workload(cfg, times),
         duration_s,
         opts=SimOptions(warmup_s=WARMUP_S, drain_s=10.0, batching="lazy"),
     )

@@ -34,9 +34,9 @@ def seed_md(res: dict[str, Any]) -> str:
             f"| {r['workload']} | {_f(fb.get('a_ms'), 2)} / {_f(fb.get('c_ms'), 3)} | "
             f"{_f(r.get('static8_saturation_lazy_rps'))} / {_f(r.get('static8_saturation_eager_model_rps'))} / **{_f(r.get('static8_saturation_rps'))}**/s | "
             f"{_f(r['reference_rps'])}/s | {_f(r['S_ms'], 0)} ms | "
-            f"{_f(r['cap_ms'], 0)} ms | {_held(r['static8'])} | {_held(r['broker'])} | "
-            f"{_held(bento) if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
-            f"{_f(r['bound_rps'])}/s | **{_f(r['gain'], 2)}** | {_held(r.get('static8_at_S') or {})} | "
+            f"{_f(r['cap_ms'], 0)} ms | {held_cell(r['static8'])} | {held_cell(r['broker'])} | "
+            f"{held_cell(bento) if 'knee_rps' in bento else 'n/a (' + str(bento.get('error', 'off'))[:60] + ')'} | "
+            f"{_f(r['bound_rps'])}/s | **{_f(r['gain'], 2)}** | {held_cell(r.get('static8_at_S') or {})} | "
             f"{_f(r.get('gain_vs_static8_at_S'), 2)} | {_f(r['broker_vs_bound'], 2)} | {_f(r.get('broker_vs_bentoml'), 2)} |"
         )
     lines.append("")
@@ -68,7 +68,7 @@ def seed_md(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _held(doc: dict[str, Any]) -> str:
+def held_cell(doc: dict[str, Any]) -> str:
     """A knee held on every seed, with seed 0's beside it (older results: seed 0's only)."""
     if doc.get("seed0_knee_rps") is None:
         return f"{_f(doc.get('knee_rps'))}/s (seed 0)"

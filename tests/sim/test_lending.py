@@ -85,7 +85,7 @@ def test_a_lender_whose_loans_keep_coming_back_waits_longer_before_it_lends_agai
     from gpubroker.sim.engine import Simulator, parse_arm
 
     cfg = L.fleet()
-    sim = Simulator(cfg, parse_arm("broker"), L._workload(cfg, times), 90.0)
+    sim = Simulator(cfg, parse_arm("broker"), L.workload(cfg, times), 90.0)
     sim.run()
     core = next(iter(sim.broker.broker.cores.values()))  # the one card's core
     scales = core._state.lend_scale  # noqa: SLF001 - the policy's state

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.live_runs import Opts
 from bench.live_seed import hold
-from bench.scenarios_report import _held
+from bench.scenarios_report import held_cell
 from gpubroker.sim.knee import HOLD_RUNS_PER_SEED
 
 
@@ -42,7 +42,7 @@ def test_a_hold_the_budget_stops_is_not_held_rather_than_a_knee_of_zero():
     assert doc["knee_rps"] is None and doc["held_resolved"] is False and doc["seed0_knee_rps"] == 40.0
     assert len(doc["seeds_at_knee"]) == HOLD_RUNS_PER_SEED * 3 and doc["held_below_rps"] < 40.0
     assert f"not held within {HOLD_RUNS_PER_SEED * 3} runs" in lines[-1]
-    assert _held(doc).startswith("**not held** above")
+    assert held_cell(doc).startswith("**not held** above")
     held = {"knee_rps": 40.0, "rows": []}
     assert hold(held, lambda r, s: FakeRun(r, s, 99.0), o, "broker") == 40.0
-    assert held["held_resolved"] is True and _held(held).startswith("**40.0/s**")
+    assert held["held_resolved"] is True and held_cell(held).startswith("**40.0/s**")
