@@ -251,7 +251,13 @@ def seed_one(stack: sc.Stack, w: Workload, o: Opts) -> dict[str, Any]:
 
 def seed(o: Opts, models: tuple[str, ...] | None = None) -> dict[str, Any]:
     models = models or (("profiled",) if o.quick else ("profiled", "minilm"))
-    res: dict[str, Any] = {"scenario": "seed", "machine": sc.machine_info(), "time_scale": o.time_scale, "results": []}
+    res: dict[str, Any] = {
+        "scenario": "seed",
+        "machine": sc.machine_info(),
+        "time_scale": o.time_scale,
+        "seeds": list(o.seeds),
+        "results": [],
+    }
     with sc.Stack(direct_ingress=o.direct) as stack:
         for m in models:
             w = profiled_workload(o.time_scale) if m == "profiled" else minilm_workload()

@@ -18,6 +18,7 @@ from gpubroker.sim.numbers import fmt
 
 ROOT = Path("bench/results")
 SIM = "sim"
+LIVE_ONE_RULE = "2026-12-05-one-rule"  # broker vs static 8 vs BentoML under one rule, direct and through the proxy
 LIVE_SEED = "2026-12-02-exact-windows"
 LIVE_SEED_CODE = "77d7fe4 (2026-12-02; the JSON committed in 39c7b26)"
 OLD_LIVE_RULE = (
@@ -49,6 +50,13 @@ def load(root: Path = ROOT) -> dict[str, Any]:
         runs = [_read(root, f"{LIVE_SEED}/seed-{w}-run{i}.json") for i in (1, 2, 3)]
         live[w] = [r for r in runs if r is not None]
     docs["live-seed"] = live
+    one = {}
+    for w in ("profiled", "minilm"):
+        for path in ("direct", "proxy"):
+            doc = _read(root, f"{LIVE_ONE_RULE}/seed-{w}-{path}.json")
+            if doc is not None:
+                one[(w, path)] = {**doc, "_file": f"bench/results/{LIVE_ONE_RULE}/seed-{w}-{path}.json"}
+    docs["live-one-rule"] = one
     return docs
 
 
@@ -207,6 +215,43 @@ def _live_row(doc: dict[str, Any]) -> str:
     )
 
 
+def _one_rule_row(w: str, path: str, doc: dict[str, Any]) -> str:
+    r = doc["results"][0]
+
+    def knee(arm: str) -> str:
+        v = (r.get(arm) or {}).get("knee_rps")
+        return "–" if v is None else f"{fmt(v, 1)}/s"
+
+    return (
+        f"| {r['workload']} | {path} | {fmt(r['S_ms'], 0)} ms | {knee('static8_at_S')} | {knee('static8')} "
+        f"| {knee('broker')} | {knee('bentoml')} | **{_x(r.get('gain'))}** | {_x(r.get('gain_vs_static8_at_S'))} "
+        f"| {fmt(r.get('broker_vs_bentoml'), 2)} |"
+    )
+
+
+def one_rule_section(docs: dict[str, Any]) -> list[str]:
+    one = docs.get("live-one-rule") or {}
+    if not one:
+        return []
+    first = next(iter(one.values()))
+    arm = first["results"][0]["broker"]
+    return [
+        "## Live stack under one rule: static 8, broker, BentoML (Ray Serve on 2 CPUs)",
+        "",
+        "| workload | ingress | S | static 8 at S | static 8 at 1.2·S | broker at 1.2·S | BentoML at 1.2·S "
+        "| **gain, same cap** | gain, broker 1.2·S / static 8 S | broker / BentoML |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *[_one_rule_row(w, path, d) for (w, path), d in one.items()],
+        "",
+        _rules({**arm, "seeds": first.get("seeds") or arm.get("seeds")}),
+        "A knee is the largest rate held on every seed; `–` where none held. BentoML's `max_latency_ms` is "
+        "the deadline every arm runs under. direct: each replica's own port (`--direct`); proxy: Serve's "
+        "HTTP proxy.",
+        "",
+        "Sources: " + "; ".join(_origin(d) for d in one.values()) + ".",
+    ]
+
+
 def live_section(docs: dict[str, Any]) -> list[str]:
     live = docs.get("live-seed") or {}
     if not any(live.values()):
@@ -216,7 +261,7 @@ def live_section(docs: dict[str, Any]) -> list[str]:
         "",
         f"These runs predate the one-rule protocol: they ran on {LIVE_SEED_CODE} under {OLD_LIVE_RULE}. "
         "They are not comparable with the simulator's figures above and are shown as they were measured; "
-        "a rerun under one rule is issue 39 item 5.",
+        "the rerun under one rule is the section above where its JSON is committed.",
     ]
     for w, runs in live.items():
         if not runs:
@@ -251,7 +296,7 @@ A rerun that commits its JSON here comes back through this command.
 def build(root: Path = ROOT) -> str:
     docs = load(root)
     parts = [HEAD.rstrip("\n")]
-    for section in (knee_section, ablation_section, lending_section, live_section):
+    for section in (knee_section, ablation_section, lending_section, one_rule_section, live_section):
         lines = section(docs)
         if lines:
             parts.append("\n".join(lines))

@@ -48,3 +48,18 @@ def test_the_headline_is_the_gain_at_one_cap_and_names_the_variant(tmp_path):
 def test_the_readme_needs_its_markers():
     with pytest.raises(ValueError, match="results:begin"):
         results.with_glance("# a README without the block\n", "table")
+
+
+def test_the_one_rule_live_runs_are_reported_with_their_ingress_and_rule(tmp_path):
+    name = "seed-profiled-direct.json"
+    doc = json.loads((ROOT / f"bench/results/{results.LIVE_ONE_RULE}/{name}").read_text(encoding="utf-8"))
+    doc["results"][0].update(gain=4.0, broker_vs_bentoml=0.5)
+    doc["results"][0]["bentoml"]["knee_rps"] = None  # no rate held on every seed
+    (tmp_path / results.LIVE_ONE_RULE).mkdir()
+    (tmp_path / results.LIVE_ONE_RULE / name).write_text(json.dumps(doc))
+    text = results.build(tmp_path)
+    assert "## Live stack under one rule" in text
+    row = next(line for line in text.splitlines() if line.startswith("| profiled"))
+    assert "| direct |" in row and "| **4.00×** |" in row and "| – |" in row and row.endswith("| 0.50 |")
+    assert "no arm sheds" in text and "every seed of [0, 1, 2]" in text
+    assert f"bench/results/{results.LIVE_ONE_RULE}/{name}" in text
