@@ -318,6 +318,10 @@ def glance(root: Path = ROOT) -> str:
     if d:
         b, f = d["arms"]["broker"]["fleet_goodput_rps"], d["arms"]["broker-fixed"]["fleet_goodput_rps"]
         rows.append(f"| lending / fixed quotas | {_x(b / f if f else None)} |")
+    direct = {w: d for (w, path), d in (docs.get("live-one-rule") or {}).items() if path == "direct"}
+    if direct:
+        vals = ", ".join(fmt(d["results"][0].get("broker_vs_bentoml"), 2) for d in direct.values())
+        rows.append(f"| live: broker / BentoML knee ({', '.join(direct)}) | {vals} |")
     return "\n".join([README_BEGIN, *rows, README_END])
 
 
