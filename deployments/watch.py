@@ -320,4 +320,9 @@ def watchdog_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(watchdog_main())
+    code = watchdog_main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the grant reader is a daemon thread blocked reading stdin: a normal exit finalizes stdin
+    # under it and can abort the interpreter (SIGABRT, "could not acquire lock ... at shutdown")
+    os._exit(code)
