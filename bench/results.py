@@ -287,8 +287,11 @@ hand (a test compares this file with what the command writes). How each figure i
 `.venv/bin/python -m bench.sim_figures`, then `.venv/bin/gpubroker bench report`.
 
 Not reported, for want of a committed result: the live burst, oracle, oracle-knee, overhead, trace
-and cost-per-request runs, the LLM engines, and the memory limiter's figures; the scale runs'
-JSON is under `bench/results/2026-12-0*-scale/` (read by `bench/notes/2026-12-04-control-plane-cost.md`).
+and cost-per-request runs on the final code. Kept elsewhere: the scale runs' JSON under
+`bench/results/2026-12-0*-scale/` (read by `bench/notes/2026-12-04-control-plane-cost.md`), the memory
+limiter's accuracy under `bench/results/2026-12-05-enforce-accuracy/` (read by `docs/ENFORCEMENT.md`),
+the LLM engines' runs under `bench/results/2026-12-0*-llm-vllm/` (read by `docs/llm.md`) and `make
+chaos` under `bench/results/2026-12-05-chaos/`.
 A rerun that commits its JSON here comes back through this command.
 """
 
