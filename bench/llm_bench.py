@@ -410,11 +410,11 @@ def single_text() -> str:
 
 
 async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = None) -> dict:
-    """One engine at several rates: the broker's bounds against every static max_num_seqs of the grid,
-    the same requests for each arm. The target: broker >= 0.9 x the best static setting at every rate."""
+    """One engine at several rates (Poisson arrivals, the trace's lengths): the broker's bounds against
+    every static max_num_seqs of the grid, the same requests for each arm. The target: broker >= 0.9 x the best static setting at every rate."""
     from deployments.llm.vllm_engine import VllmEngine
 
-    rates, dur = ((12.0,), 45.0) if quick else ((6.0, 12.0, 18.0), 60.0)
+    rates, dur = ((24.0,), 45.0) if quick else ((8.0, 16.0, 24.0), 60.0)
     seeds = seeds or ((0,) if quick else (0, 1, 2))
     engine = VllmEngine(engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
     await engine.start()
@@ -422,7 +422,8 @@ async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = 
     try:
         for seed in seeds:
             for rate in rates:
-                loads = {"a": workload(rate, dur, seed=seed * 10 + 7)}
+                # Poisson arrivals: the offered rate is the rate (a stretch of the trace offers less or more)
+                loads = {"a": workload(rate, dur, seed=seed * 10 + 7, poisson=True)}
                 log(f" single engine, seed {seed}, {rate:g} req/s: {len(loads['a'])} requests")
                 arms = [await run_arm(f"static-{g}", {"a": engine}, loads, dur, log=log, seqs=g) for g in SEQS_GRID]
                 arms.append(await run_arm("broker", {"a": engine}, loads, dur, single_text(), log=log))
