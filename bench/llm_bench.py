@@ -252,7 +252,7 @@ async def run_arm(
     """One arm on running engines (reset to their options first, ``seqs`` as their static
     max_num_seqs when given), the broker when ``config_text``."""
     from broker.core import BrokerCore
-    from deployments.llm.report_loop import EngineReporter
+    from deployments.llm.report_loop import EngineReporter, engine_link
     from deployments.llm.server import engine_report
 
     for e in engines.values():
@@ -274,7 +274,8 @@ async def run_arm(
                     idle_since[m] = time.monotonic()
                 return engine_report(e, 0.0 if (st.running or st.waiting) else time.monotonic() - idle_since[m], m)
 
-            return EngineReporter(m, f"{m}-bench", e, lambda: _Handle(core), report_interval_s=0.5, engine_report=rep)
+            link = engine_link(m, f"{m}-bench", lambda: _Handle(core), 0.5)
+            return EngineReporter(e, link, report_interval_s=0.5, engine_report=rep)
 
         reps = [reporter(m) for m in engines]
         for r in reps:

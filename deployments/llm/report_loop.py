@@ -27,26 +27,28 @@ def weights_bytes(engine: VllmEngine) -> int:
     return engine.weights_bytes()
 
 
+def engine_link(
+    model: str, replica_id: str, get_handle: Callable[[], Any], report_interval_s: float, card_id: str = ""
+) -> BrokerLink:
+    """The broker link an engine reports over: an RPC may take up to four report intervals (2 s at least)."""
+    return BrokerLink(model, replica_id, get_handle, rpc_timeout_s=max(2.0, 4.0 * report_interval_s), card_id=card_id)
+
+
 class EngineReporter:
     """Counts one engine's requests into a ``BrokerLink`` delta; ``report_once`` sends it and applies the reply."""
 
     def __init__(
         self,
-        model: str,
-        replica_id: str,
         engine: VllmEngine,
-        get_handle: Callable[[], Any],
+        link: BrokerLink,
         *,
         report_interval_s: float,
         engine_report: Callable[[], EngineReport],
         clock: Callable[[], float] = time.time,
-        card_id: str = "",
     ) -> None:
         self.engine = engine
         self.report_interval_s = float(report_interval_s)
-        self.link = BrokerLink(
-            model, replica_id, get_handle, rpc_timeout_s=max(2.0, 4.0 * report_interval_s), clock=clock, card_id=card_id
-        )
+        self.link = link  # engine_link(...): the model, replica and card it reports as
         self._engine_report = engine_report
         self._clock = clock
         self.settings: ModelSettings | None = None  # the broker's last reply

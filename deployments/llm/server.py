@@ -32,7 +32,7 @@ from deployments.llm.engine import (
     TokenDelta,
     percentile,
 )
-from deployments.llm.report_loop import EngineReporter
+from deployments.llm.report_loop import EngineReporter, engine_link
 from deployments.llm.tiny_model import DEFAULT_DIR, TinyLlamaSpec, ensure_tiny_llama
 from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
@@ -137,14 +137,12 @@ class LlmServer:
         self._report_task: asyncio.Task | None = None
         if cfg is not None:
             broker = cfg.broker
+            handle = get_broker or (lambda: _broker_actor(broker.name, broker.namespace))
             self.reporter = EngineReporter(
-                name,
-                _replica_id(name),
                 self.engine,
-                get_broker or (lambda: _broker_actor(broker.name, broker.namespace)),
+                engine_link(name, _replica_id(name), handle, broker.report_interval_s, card_id),
                 report_interval_s=broker.report_interval_s,
                 engine_report=self._engine_report,
-                card_id=card_id,
             )
 
     async def _ready(self) -> None:
