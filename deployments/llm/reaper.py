@@ -103,6 +103,7 @@ class Reaper:
         return sys.platform.startswith("linux") and PROC.is_dir()
 
     def _watcher(self) -> subprocess.Popen[str]:
+        """The watcher, started on first use and again if it ended (handed everything held so far)."""
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", _WATCHER, str(os.getpid())],
@@ -110,13 +111,23 @@ class Reaper:
                 text=True,
                 start_new_session=True,
             )
+            self._write(self._proc, "".join(f"{pid} {began}\n" for pid, began in self._held.items()))
         return self._proc
 
+    @staticmethod
+    def _write(proc: subprocess.Popen[str], text: str) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(text)
+        proc.stdin.flush()
+
     def _send(self, line: str) -> None:
-        stdin = self._watcher().stdin
-        assert stdin is not None
-        stdin.write(line + "\n")
-        stdin.flush()
+        try:
+            self._write(self._watcher(), line + "\n")
+        except OSError:  # the watcher ended between the check and the write: a new one is handed it all
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.wait()
+            self._watcher()
 
     def track(self, pids: set[int]) -> list[int]:
         """Hand the watcher these processes (an engine's, started just now); the ones it took."""

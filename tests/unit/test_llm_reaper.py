@@ -75,6 +75,24 @@ def test_a_killed_parent_takes_its_tracked_children_with_it():
     assert _gone_within(pids, 20) == []
 
 
+def test_a_watcher_that_ended_is_replaced_and_handed_everything_held():
+    script = """
+        import os, subprocess, sys, time
+        from deployments.llm.reaper import REAPER, descendants
+        def engine():
+            before = descendants(os.getpid())
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            return REAPER.track(descendants(os.getpid()) - before)
+        first = engine()
+        REAPER._proc.kill(); REAPER._proc.wait()  # the watcher is gone: the next track starts another
+        second = engine()
+        print("PIDS", *first, *second, flush=True)
+        time.sleep(600)
+    """
+    pids = _killed_parent(script, 10)
+    assert len(pids) == 2 and _gone_within(pids, 20) == []
+
+
 def test_an_ended_process_is_forgotten_and_an_untracked_one_survives():
     reaper = Reaper()
     keep = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
