@@ -471,8 +471,8 @@ def run(quick: bool = False, out: Path | None = None, log=print, part: str = "al
         "quick": quick,
         "targets": "broker >= 1.3x both other arms on bursty; never below either on independent",
     }
-    log("llm: two vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
     if part in ("all", "lending"):
+        log("llm: two vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
         res["kv_bound"] = asyncio.run(kv_bound(quick, log))
     if part in ("all", "single"):
         log("llm: one vLLM engine, the broker's bounds against a grid of static max_num_seqs")

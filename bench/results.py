@@ -215,7 +215,7 @@ def _live_row(doc: dict[str, Any]) -> str:
     )
 
 
-def _one_rule_row(w: str, path: str, doc: dict[str, Any]) -> str:
+def _one_rule_row(path: str, doc: dict[str, Any]) -> str:
     r = doc["results"][0]
 
     def knee(arm: str) -> str:
@@ -241,9 +241,9 @@ def one_rule_section(docs: dict[str, Any]) -> list[str]:
         "| workload | ingress | S | static 8 at S | static 8 at 1.2·S | broker at 1.2·S | BentoML at 1.2·S "
         "| **gain, same cap** | gain, broker 1.2·S / static 8 S | broker / BentoML |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        *[_one_rule_row(w, path, d) for (w, path), d in one.items()],
+        *[_one_rule_row(path, d) for (_, path), d in one.items()],
         "",
-        _rules({**arm, "seeds": first.get("seeds") or arm.get("seeds")}),
+        _rules({**arm, "seeds": first.get("seeds")}),
         "A knee is the largest rate held on every seed; `–` where none held. BentoML's `max_latency_ms` is "
         "the deadline every arm runs under. direct: each replica's own port (`--direct`); proxy: Serve's "
         "HTTP proxy.",

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # The watcher: reads "pid start" lines ("pid -" forgets one); when its input ends or its parent is
@@ -62,26 +64,27 @@ for pid, began in held.items():
 PROC = Path("/proc")
 
 
-def start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone."""
+def _stat_after_name(pid: int | str) -> list[bytes] | None:
+    """``/proc/PID/stat`` from the state field on (the name may hold spaces); None if the process is gone."""
     try:
-        raw = (PROC / str(pid) / "stat").read_bytes()
+        return (PROC / str(pid) / "stat").read_bytes().rsplit(b")", 1)[1].split()
     except OSError:
         return None
-    return raw.rsplit(b")", 1)[1].split()[19].decode()
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone."""
+    fields = _stat_after_name(pid)
+    return None if fields is None else fields[19].decode()
 
 
 def descendants(pid: int) -> set[int]:
     """Every living process under ``pid`` (children, their children, ...), read from ``/proc``."""
     parent_of: dict[int, int] = {}
     for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        parent_of[int(entry.name)] = int(fields[1])
+        fields = _stat_after_name(entry.name) if entry.name.isdigit() else None
+        if fields is not None:
+            parent_of[int(entry.name)] = int(fields[1])
     found: set[int] = set()
     frontier = {pid}
     while frontier:
@@ -137,12 +140,20 @@ class Reaper:
             taken = []
             for pid in sorted(pids):
                 began = start_time(pid)
-                if began is None or self._held.get(pid) == began or (self._proc and pid == self._proc.pid):
+                if began is None or self._held.get(pid) == began:
                     continue
                 self._held[pid] = began
                 self._send(f"{pid} {began}")
                 taken.append(pid)
             return taken
+
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Hand the watcher every process started under this one inside the block (an engine's start)."""
+        before = descendants(os.getpid()) if self.enabled else set()
+        yield
+        if self.enabled:
+            self.track(descendants(os.getpid()) - before)
 
     def forget_gone(self) -> None:
         """Drop the processes that ended (call after an engine shut down)."""

@@ -31,7 +31,7 @@ from deployments.llm.engine import (
     TokenDelta,
     TokenStream,
 )
-from deployments.llm.reaper import REAPER, descendants
+from deployments.llm.reaper import REAPER
 
 logger = logging.getLogger(__name__)
 
@@ -252,11 +252,8 @@ class VllmEngine:
             need_gib = num_blocks * self.block_bytes() / (1 << 30)
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(need_gib) + 1))
         args = self._engine_args(num_blocks, max_batched_tokens)
-        before = descendants(os.getpid()) if REAPER.enabled else set()
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._signals.factory])
-        if REAPER.enabled:  # its engine core and workers die with this process, even a killed one
-            REAPER.track(descendants(os.getpid()) - before)
-        return llm
+        with REAPER.tracking():  # its engine core and workers die with this process, even a killed one
+            return AsyncLLM.from_engine_args(args, stat_loggers=[self._signals.factory])
 
     async def stop(self) -> None:
         self._stopped = True
