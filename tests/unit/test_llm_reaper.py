@@ -119,7 +119,7 @@ def test_vllm_engine_processes_end_with_a_killed_replica():
 
         async def main():
             engine = VllmEngine(VllmEngineOptions(model_dir=str(ensure_tiny_llama()), max_model_len=256,
-                                                  kv_cache_blocks=4, kv_cache_blocks_min=3))
+                                                  kv_cache_blocks=4, kv_cache_blocks_min=3, in_process=False))
             await engine.start()
             print("PIDS", *REAPER.tracked(), flush=True)
             await asyncio.sleep(600)

@@ -1,0 +1,165 @@
+"""vLLM's ``LLMEngine`` in the replica's own process, stepped on one thread, behind ``AsyncLLM``'s calls.
+
+Why: a KV cache of another size means a new vLLM engine. ``AsyncLLM`` runs its engine core in a
+spawned process, and on CPU vLLM's executor spawns one more for the worker, so each resize pays two
+imports of torch and vLLM; in the replica's process a resize is a model load and a cache allocation
+(``python -m bench.vllm_restart`` measures both; ``bench/results/2026-12-05-vllm-restart/``). On a GPU the separate engine
+core overlaps scheduling with the model's step, and sleep mode frees an idle cache without a
+restart, so ``VllmEngineOptions.in_process`` defaults to this driver on CPU only.
+
+The engine belongs to the step thread: the event loop hands it requests, aborts and calls through a
+queue, and gets each step's outputs back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how long the step thread blocks for a command when nothing runs
+
+
+class EngineDead(RuntimeError):
+    """The in-process engine's step thread ended (an exception in vLLM, or shutdown)."""
+
+
+class InlineLLM:
+    """The calls ``VllmEngine`` makes of ``AsyncLLM`` (generate, sleep, wake_up, shutdown, errored)."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop):
+        self._engine = engine
+        self._loop = loop
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[Any]] = {}  # event-loop thread only
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-inline-step", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: Any, stat_loggers: list[Any], loop: asyncio.AbstractEventLoop) -> InlineLLM:
+        """Build vLLM's engine in this process (blocking: call it off the event loop)."""
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
+        # our stat logger only: vLLM adds its periodic log line when this logger is at INFO
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+        args.disable_log_stats = False  # the stat loggers are called only when stats are on
+        return cls(LLMEngine.from_engine_args(args, stat_loggers=stat_loggers), loop)
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None or not self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the event loop's side
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+        """vLLM's outputs for one request; cancelling the iteration aborts it."""
+        if self.errored:
+            raise EngineDead(f"vLLM's in-process engine has stopped: {self._error!r}")
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt, params))
+        done = False
+        try:
+            while not done:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                done = bool(out.finished)
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not done:
+                self._inbox.put(("abort", request_id))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self) -> None:
+        await self._call(lambda engine: engine.wake_up())
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        done: Future[Any] = Future()
+        self._inbox.put(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
+    def shutdown(self) -> None:
+        """Stop stepping and free the engine (blocking: the thread is joined)."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join()
+        self._engine.engine_core.shutdown()
+        self._engine = None
+        if self._error is None:
+            self._error = EngineDead("vLLM's in-process engine was shut down")
+        self._post(self._fail_all, self._error)
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # ------------------------------------------------------------------ the step thread's side
+
+    def _run(self) -> None:
+        engine = self._engine
+        try:
+            while not self._stop.is_set():
+                self._take_commands(engine, block=not engine.has_unfinished_requests())
+                if engine.has_unfinished_requests() and not self._stop.is_set():
+                    outputs = engine.step()
+                    if outputs:
+                        self._post(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - every waiting stream is told, then the replica's health check
+            logger.exception("vLLM's in-process engine failed")
+            self._error = exc
+            self._post(self._fail_all, EngineDead(f"vLLM's in-process engine failed: {exc!r}"))
+
+    def _take_commands(self, engine: Any, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            while True:
+                self._do(engine, command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _do(self, engine: Any, command: tuple[Any, ...]) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params = command
+            try:
+                engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # noqa: BLE001 - vLLM refused this request: only its stream fails
+                self._post(self._fail, request_id, exc)
+        elif kind == "abort":
+            engine.abort_request([command[1]])
+        elif kind == "call":
+            _, fn, done = command
+            try:
+                done.set_result(fn(engine))
+            except Exception as exc:  # noqa: BLE001 - the caller awaits the exception
+                done.set_exception(exc)
