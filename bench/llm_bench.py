@@ -328,7 +328,7 @@ def _engine_delta(a: Any, b: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ scenarios
-CONTROL = {"window_s": 6, "idle_hold_s": 3, "reclaim_hold_s": 2}
+CONTROL = {"window_s": 6, "idle_hold_s": 3, "reclaim_hold_s": 4}
 LLM = {"expected_peak_concurrency": 16, "ttft_slo_ms": TTFT_SLO_MS, "tpot_slo_ms": TPOT_SLO_MS}
 SPLIT_SEQS = 8  # the static arm's max_num_seqs (the broker starts at half the expected peak, 8, too)
 
@@ -352,13 +352,13 @@ def loads_for(kind: str, names: tuple[str, ...], phase_s: float, hi: float, lo: 
     total = phase_s * len(names)
     if kind == "independent":
         mean = (hi + lo * (len(names) - 1)) / len(names)
-        return {n: workload(mean, total, seed=seed * 10 + i) for i, n in enumerate(names)}
+        return {n: workload(mean, total, seed=seed * 10 + i, poisson=True) for i, n in enumerate(names)}
     out: dict[str, list[Req]] = {}
     for i, n in enumerate(names):
         reqs: list[Req] = []
         for j in range(len(names)):
             rate = hi if j == i else lo
-            reqs += workload(rate, phase_s, seed=seed * 10 + i * 3 + j, start_s=j * phase_s)
+            reqs += workload(rate, phase_s, seed=seed * 10 + i * 3 + j, start_s=j * phase_s, poisson=True)
         out[n] = reqs
     return out
 
@@ -368,7 +368,7 @@ async def kv_bound(quick: bool, log=print, phase_s: float | None = None, seeds: 
     from deployments.llm.vllm_engine import VllmEngine
 
     names = ("a", "b")
-    phase, hi, lo = (60.0, 16.0, 0.2) if quick else (90.0, 16.0, 0.2)
+    phase, hi, lo = (40.0, 72.0, 0.2) if quick else (40.0, 72.0, 0.2)
     phase = phase_s or phase
     seeds = seeds or ((0,) if quick else (0, 1, 2))
     opts = engine_options(KV_SPLIT, SPLIT_SEQS)
@@ -415,7 +415,7 @@ async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = 
     every static max_num_seqs of the grid, the same requests for each arm. The target: broker >= 0.9 x the best static setting at every rate."""
     from deployments.llm.vllm_engine import VllmEngine
 
-    rates, dur = ((24.0,), 45.0) if quick else ((8.0, 16.0, 24.0), 60.0)
+    rates, dur = ((120.0,), 20.0) if quick else ((40.0, 80.0, 120.0), 20.0)
     seeds = seeds or ((0,) if quick else (0, 1, 2))
     engine = VllmEngine(engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
     await engine.start()

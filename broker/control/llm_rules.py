@@ -259,10 +259,17 @@ def _idle_shrink(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | N
     )
 
 
+def cache_pressed(load: EngineLoad, cfg: LlmRuleConfig) -> bool:
+    """The cache binds: what runs plus what waits would fill over ``busy_used_frac`` of it. A queue
+    behind ``max_num_seqs`` alone is seqs_grow's; one request arriving at a quiet engine is neither
+    (it used to regrow an engine that had just shrunk to lend, at every stray request)."""
+    demand = load.kv_blocks_reserved + load.waiting * cfg.blocks_per_seq
+    return demand >= cfg.busy_used_frac * max(1, load.kv_blocks_total)
+
+
 def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | None:
     cap = kv_blocks_in_grant(cfg, load.grant_bytes)
-    full = load.kv_blocks_reserved >= cfg.busy_used_frac * max(1, load.kv_blocks_total)
-    if not (load.waiting > 0 or full) or s.kv_blocks >= cap or _held(load, cfg, s):
+    if not cache_pressed(load, cfg) or s.kv_blocks >= cap or _held(load, cfg, s):
         return None
     new = cap  # straight to what the grant allows: every resize drains the engine once
     if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
@@ -364,7 +371,7 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
     if _settings(new) != (_settings(state) if state is not None else None):
         new = replace(new, last_change_s=load.now_s)
     busy_blocks = kv_blocks_in_grant(cfg, 1 << 62)  # the largest cache it may grow to
-    want_blocks = new.kv_blocks if (load.running == 0 and load.waiting == 0) else busy_blocks
+    want_blocks = busy_blocks if cache_pressed(load, cfg) else new.kv_blocks  # what it asks the lending planner for
     decision = LlmDecision(
         max_num_seqs=new.max_num_seqs,
         max_batched_tokens=new.max_batched_tokens,

@@ -8,7 +8,13 @@ core overlaps scheduling with the model's step, and sleep mode frees an idle cac
 restart, so ``VllmEngineOptions.in_process`` defaults to this driver on CPU only.
 
 The engine belongs to the step thread: the event loop hands it requests, aborts and calls through a
-queue, and gets each step's outputs back with ``call_soon_threadsafe``.
+queue, and gets each step's outputs back with ``call_soon_threadsafe``. vLLM keeps its forward
+context and its process groups in module globals, so two engines in one process (the benchmark's
+two engines; a replica has one) build, step and stop one at a time under ``VLLM_LOCK``: two
+unserialised step threads crashed the process (``munmap_chunk(): invalid pointer``). An engine's
+shutdown tears those groups down (``cleanup_dist_env_and_memory``); the engines still running in the
+process get them back at once (one process, world size 1), or their next step fails
+("pipeline model parallel group is not initialized").
 """
 
 from __future__ import annotations
@@ -20,11 +26,52 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from itertools import count
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how long the step thread blocks for a command when nothing runs
+_INIT_FILES = count()
+
+
+class FairLock:
+    """A lock taken in arrival order: ``threading.Lock`` lets a step thread that releases it take it
+    straight back, and a second engine's thread starved (two engines at 20 req/s each: 0.46 of
+    requests within SLO, one engine's almost none)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._issued = 0  # tickets handed out
+        self._serving = 0  # the ticket that holds the lock
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._issued
+            self._issued += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+VLLM_LOCK = FairLock()  # one engine of this process in vLLM at a time (see the module note)
+
+
+def restore_process_groups(vllm_config: Any) -> None:
+    """vLLM's process groups for one process of world size 1, as its CPU worker makes them."""
+    import tempfile
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
+
+    init_file = Path(tempfile.gettempdir()) / f"gpubroker-vllm-dist-{os.getpid()}-{next(_INIT_FILES)}"
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(1, 0, f"file://{init_file}", 0, "gloo")
+        ensure_model_parallel_initialized(1, 1)
 
 
 class EngineDead(RuntimeError):
@@ -34,6 +81,8 @@ class EngineDead(RuntimeError):
 class InlineLLM:
     """The calls ``VllmEngine`` makes of ``AsyncLLM`` (generate, sleep, wake_up, shutdown, errored)."""
 
+    live: list[InlineLLM] = []  # engines of this process built and not yet shut down (under VLLM_LOCK)
+
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop):
         self._engine = engine
         self._loop = loop
@@ -42,6 +91,8 @@ class InlineLLM:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-inline-step", daemon=True)
+        with VLLM_LOCK:
+            InlineLLM.live.append(self)
         self._thread.start()
 
     @classmethod
@@ -53,7 +104,9 @@ class InlineLLM:
         # our stat logger only: vLLM adds its periodic log line when this logger is at INFO
         logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
         args.disable_log_stats = False  # the stat loggers are called only when stats are on
-        return cls(LLMEngine.from_engine_args(args, stat_loggers=stat_loggers), loop)
+        with VLLM_LOCK:
+            engine = LLMEngine.from_engine_args(args, stat_loggers=stat_loggers)
+        return cls(engine, loop)
 
     @property
     def errored(self) -> bool:
@@ -97,7 +150,11 @@ class InlineLLM:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join()
-        self._engine.engine_core.shutdown()
+        with VLLM_LOCK:
+            self._engine.engine_core.shutdown()
+            InlineLLM.live.remove(self)
+            if InlineLLM.live:
+                restore_process_groups(InlineLLM.live[0]._engine.vllm_config)
         self._engine = None
         if self._error is None:
             self._error = EngineDead("vLLM's in-process engine was shut down")
@@ -130,7 +187,8 @@ class InlineLLM:
             while not self._stop.is_set():
                 self._take_commands(engine, block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests() and not self._stop.is_set():
-                    outputs = engine.step()
+                    with VLLM_LOCK:
+                        outputs = engine.step()
                     if outputs:
                         self._post(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - every waiting stream is told, then the replica's health check
@@ -148,6 +206,10 @@ class InlineLLM:
             return
 
     def _do(self, engine: Any, command: tuple[Any, ...]) -> None:
+        with VLLM_LOCK:
+            self._do_locked(engine, command)
+
+    def _do_locked(self, engine: Any, command: tuple[Any, ...]) -> None:
         kind = command[0]
         if kind == "add":
             _, request_id, prompt, params = command

@@ -196,3 +196,17 @@ def test_a_borrower_its_loan_made_efficient_is_idle_only_if_its_base_would_be():
         d.step({"a": _calibrated("a", **dict(efficient, arrival_rate_rps=100.0)), "b": _lender()})
     assert d.grant("a") == 3 * GiB and d.grant("b") == 3 * GiB
     assert [m.kind for h in d.history for m in h.moves if m.donor == "a"] == ["release", "confirm"]
+
+
+def test_dust_is_a_share_of_the_card_so_a_small_card_still_moves_memory():
+    """A fixed 4 MiB floor made every move on a card of a few MiB dust: the LLM benchmark's engines
+    (1.3 MiB of KV cache to lend on 8 MiB) never moved quota. From 1 GiB up nothing changed."""
+    from broker.control.lending import min_move_bytes
+    from quotas.ledger import ModelQuota, QuotaLedger
+
+    def dust(usable: int) -> int:
+        return min_move_bytes(QuotaLedger(usable, {"a": ModelQuota(0, 0, usable)}))
+
+    assert dust(8 * MiB) == 64 * 1024 < 1_300_000  # the floor; the benchmark's lend is no longer dust
+    assert dust(512 * MiB) == 2 * MiB  # a 256th of the card
+    assert dust(GiB) == 4 * MiB and dust(80 * GiB) == 320 * MiB

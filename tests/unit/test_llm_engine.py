@@ -178,3 +178,45 @@ def test_a_kv_resize_under_load_loses_no_request(engine, loop):
     s = engine.stats()
     assert (s.kv_blocks_total, s.kv_blocks_target, s.rebuilds) == (10, 10, 1)
     assert s.last_restart_s > 0 and engine.kv_cache_bytes() == 10 * s.kv_block_bytes
+
+
+def test_two_in_process_engines_one_resizing_both_keep_answering(loop):
+    """Two in-process engines share vLLM's module globals (the benchmark's set-up): one resizes twice
+    under load while the other serves; every request of both ends normally (without the process
+    groups restored after a shutdown the other engine's next step failed)."""
+
+    def opts():
+        return VllmEngineOptions(
+            model_dir=str(ensure_tiny_llama()),
+            max_model_len=256,
+            kv_cache_blocks=6,
+            kv_cache_blocks_min=3,
+            max_num_seqs=SEQS,
+            in_process=True,
+        )
+
+    async def body():
+        one, two = VllmEngine(opts()), VllmEngine(opts())
+        await one.start()
+        await two.start()
+        try:
+            results = []
+            for size in (8, 5):
+                streams = [
+                    e.submit(f"{n}-{size}-{i}", TOK.encode(f"{n} {i} " * 6), 20)
+                    for n, e in (("one", one), ("two", two))
+                    for i in range(SEQS + 1)
+                ]
+                one.set_kv_cache_blocks(size)
+                results += await asyncio.gather(*(s.collect() for s in streams))
+                await one.wait_resized()
+            after = await two.submit("two-after", PROMPT, 8).collect()
+            return results, after, one.stats(), two.stats()
+        finally:
+            await one.stop()
+            await two.stop()
+
+    results, after, s1, s2 = loop.run_until_complete(body())
+    assert all(last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) and toks for toks, last in results)
+    assert after[1].finish_reason is FinishReason.LENGTH and len(after[0]) == 8
+    assert (s1.rebuilds, s1.kv_blocks_total, s2.rebuilds) == (2, 5, 0)

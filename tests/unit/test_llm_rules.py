@@ -152,8 +152,8 @@ def test_idle_shrink_waits_twice_the_last_resize():
 
 def test_busy_grows_the_kv_cache_up_to_what_the_grant_allows():
     grant = CFG.base_bytes + (100 + 2) * BLOCK
-    d, _ = decide_llm(load(waiting=5, running=8, grant_bytes=grant), CFG, state(kv_blocks=64))
-    assert d.rule is LlmRule.BUSY_GROW and d.trigger is LlmTrigger.WAITING
+    d, _ = decide_llm(load(waiting=5, running=8, kv_blocks_reserved=40, grant_bytes=grant), CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.BUSY_GROW and d.trigger is LlmTrigger.WAITING  # 40 + 5 x 4 blocks >= 0.8 x 64
     assert d.kv_blocks == kv_blocks_in_grant(CFG, grant) == 100  # doubling capped by the grant
     assert d.want_grant_bytes == CFG.base_bytes + cache_bytes(CFG, 256)  # asks for its max
     assert "waiting 5" in d.reason
@@ -200,7 +200,7 @@ def test_squeeze_comes_first_even_when_ttft_breaches(free):
 
 def test_busy_grow_waits_when_the_grant_allows_only_a_small_gain():
     grant = CFG.base_bytes + (70 + 2) * BLOCK  # 64 -> 70 blocks: under the 50% a drain is worth
-    d, _ = decide_llm(load(waiting=5, running=8, grant_bytes=grant), CFG, state(kv_blocks=64))
+    d, _ = decide_llm(load(waiting=5, running=8, kv_blocks_reserved=40, grant_bytes=grant), CFG, state(kv_blocks=64))
     assert d.rule is not LlmRule.BUSY_GROW and d.kv_blocks == 64
 
 
@@ -213,3 +213,23 @@ def test_seqs_grow_by_half_a_long_queue_at_most_doubling():
 def test_start_keeps_a_larger_cache_the_grant_holds():
     d, _ = decide_llm(load(kv_blocks_total=200, grant_bytes=BIG_GRANT), CFG, None)
     assert d.rule is LlmRule.START and d.kv_blocks == 200  # no resize (a drain) at the first decision
+
+
+def test_busy_grow_only_when_the_cache_binds_not_for_a_stray_request():
+    """An engine that shrank to lend keeps its small cache (and asks for no more) when a request
+    arrives that fits it; a queue that would fill the cache grows it and asks for the engine's max."""
+    grant = CFG.base_bytes + (64 + 2) * BLOCK
+    shrunk = state(kv_blocks=8)
+    stray = load(running=0, waiting=1, kv_blocks_total=8, kv_blocks_reserved=0, grant_bytes=grant)
+    d, _ = decide_llm(stray, CFG, shrunk)  # 0 + 1 x 4 blocks < 0.8 x 8
+    assert d.rule is not LlmRule.BUSY_GROW and d.kv_blocks == 8
+    assert d.want_grant_bytes == CFG.base_bytes + cache_bytes(CFG, 8)
+    queue = replace(stray, running=1, waiting=2, kv_blocks_reserved=4)  # 4 + 2 x 4 >= 6.4
+    d, _ = decide_llm(queue, CFG, shrunk)
+    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 64
+    assert d.want_grant_bytes == CFG.base_bytes + cache_bytes(CFG, 256)
+
+
+def test_a_queue_behind_max_num_seqs_alone_does_not_grow_the_cache():
+    d, _ = decide_llm(load(waiting=3, running=8, kv_blocks_reserved=16), CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.SEQS_GROW and d.kv_blocks == 64  # 16 + 3 x 4 < 0.8 x 64: seqs, not cache
