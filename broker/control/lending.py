@@ -397,6 +397,8 @@ def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
         short = spec.quota.base - r.holds(owner)
         if short < r.dust or r.idle(owner) or r.busy_for(owner) < spec.control.reclaim_hold_s:
             continue
+        if owner in r.inputs.need_bytes and (r.need(owner) or 0) <= r.holds(owner):
+            continue  # an LLM engine takes its base back when its cache binds, not for a stray request
         load = r.loads[owner]
         why = (
             f"{owner} load back for {r.busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "

@@ -103,7 +103,14 @@ class Driver:
         self.state: PolicyState = initial_state(config, usable)
         self.history: list[FleetDecision] = []
 
-    def step(self, loads: dict[str, ModelLoad], gpu_load: GpuLoad | None = None, advance: int = 1) -> FleetDecision:
+    def step(
+        self,
+        loads: dict[str, ModelLoad],
+        gpu_load: GpuLoad | None = None,
+        advance: int = 1,
+        need_bytes: dict[str, int] | None = None,
+    ) -> FleetDecision:
+        """One tick; ``need_bytes``: the LLM engines' wanted grants (broker.control.llm_window)."""
         now = self.clock.advance(advance)
         full = {n: loads.get(n, load(n)) for n in self.config.models}
         # replicas report running the current settings unless the test says otherwise
@@ -117,7 +124,7 @@ class Driver:
             for n, l in full.items()
         }
         snap = FleetSnapshot(now_s=now, gpu=gpu_load or gpu(), models=full)
-        decision, self.state = decide(snap, self.config, self.state)
+        decision, self.state = decide(snap, self.config, self.state, need_bytes)
         self.history.append(decision)
         self.state.ledger.check()
         return decision

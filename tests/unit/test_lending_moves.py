@@ -210,3 +210,22 @@ def test_dust_is_a_share_of_the_card_so_a_small_card_still_moves_memory():
     assert dust(8 * MiB) == 64 * 1024 < 1_300_000  # the floor; the benchmark's lend is no longer dust
     assert dust(512 * MiB) == 2 * MiB  # a 256th of the card
     assert dust(GiB) == 4 * MiB and dust(80 * GiB) == 320 * MiB
+
+
+def test_an_llm_engine_reclaims_its_base_when_its_cache_binds_not_for_a_stray_request():
+    """An engine that lent serves a few requests from the cache it kept (busy, but its wanted grant
+    within what it holds): its loan stays out. When its cache binds (it wants more than it holds)
+    it takes its base back after reclaim_hold_s."""
+    d = _two_models()
+    quiet = dict(busy_frac=0.0, queue_depth=0, arrival_rate_rps=0.0)
+    busy = dict(busy_frac=0.6, queue_depth=3, arrival_rate_rps=5.0)
+    wants = {"a": 6 * GiB, "b": 1 * GiB}  # a's cache binds; b shrank to its min
+    for _ in range(10):
+        d.step({"a": load("a", **busy), "b": load("b", **quiet)}, need_bytes=wants)
+    assert d.grant("b") == 1 * GiB and d.grant("a") == 5 * GiB  # b lent down to what it keeps
+    for _ in range(10):  # b busy with stray requests its small cache serves
+        d.step({"a": load("a", **busy), "b": load("b", **busy)}, need_bytes=wants)
+    assert d.grant("b") == 1 * GiB
+    for _ in range(10):  # b's cache binds: it wants its largest cache
+        d.step({"a": load("a", **busy), "b": load("b", **busy)}, need_bytes={"a": 6 * GiB, "b": 6 * GiB})
+    assert d.grant("b") >= 3 * GiB  # its base back
