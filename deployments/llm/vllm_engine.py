@@ -96,6 +96,11 @@ class VllmEngineOptions:
                 "must be in [0, 1): the card's share this engine may use",
             ),
             ("sample_window", self.sample_window >= 1, "must be at least 1"),
+            (
+                "in_process",
+                self.in_process is None or isinstance(self.in_process, bool),
+                "must be true, false or null (null: in process on cpu only)",
+            ),
         )
         for name, ok, why in checks:
             if not ok:

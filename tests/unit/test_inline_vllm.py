@@ -151,6 +151,7 @@ def test_shutdown_fails_what_is_still_waiting_and_calls_run_on_the_step_thread()
         while fake.steps < 2:
             await asyncio.sleep(0.01)
         await asyncio.to_thread(llm.shutdown)
+        llm.shutdown()  # a second shutdown does nothing
         return slept, await asyncio.gather(task, return_exceptions=True), llm.errored
 
     slept, (res,), errored = run(body())

@@ -52,6 +52,9 @@ def test_engine_options_refuse_unknown_keys_naming_them():
         engine_options({"model_dir": "/models/x", "num_layers": 3})
     with pytest.raises(ValueError, match="kv_cache_blocks_min=2 must be in \\[5,"):
         engine_options({"model_dir": "/models/x", "max_model_len": 512, "kv_cache_blocks_min": 2})
+    with pytest.raises(ValueError, match="in_process='yes' must be true, false or null"):
+        engine_options({"model_dir": "/models/x", "in_process": "yes"})
+    assert engine_options({"model_dir": "/models/x", "in_process": False}).in_process is False
 
 
 def test_openai_bodies_fill_defaults_and_name_the_bad_field():
