@@ -268,8 +268,15 @@ class QuotaRound:
         memory: a burst that ended 20 s ago, served on borrowed memory, must not pin it for the
         next model's burst) times the margin, its min, the memory for a floor batch, and up to
         its base what its own demand at the window's peak needs (peak_batch). A lender still
-        above a lowered grant is not confirmed until it is measured under it (two-phase)."""
+        above a lowered grant is not confirmed until it is measured under it (two-phase).
+
+        An LLM engine allocates its whole KV cache at start, so its memory in use is its cache
+        size, not its demand: idle, it keeps its quota min (the cache its rules shrink it to).
+        Counting its cache made a lend wait for the engine's own idle shrink, a restart, and a
+        reclaim of its base cost a second restart before it could lend (2026-12-05 runs)."""
         spec, load, mm = self.config.models[name], self.loads[name], self.mm(name)
+        if name in self.inputs.need_bytes:
+            return spec.quota.min
         ws = max(int(load.mem_used_bytes * spec.control.working_set_margin), spec.quota.min)
         if mm.calibrated:
             ws = max(ws, self.replicas(name) * mm.grant_for(spec.batch.floor))

@@ -274,12 +274,15 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     new = cap  # straight to what the grant allows: every resize drains the engine once
     if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
         return None  # not worth a drain: wait for more grant
+    # the sequences waiting for blocks may run once the cache holds them: seqs_grow's steps of 2 s
+    # each took 10 s after a resize to fill a cache grown mid-burst (2026-12-05 runs)
+    seqs = max(s.max_num_seqs, min(new // cfg.blocks_per_seq, s.max_num_seqs + load.waiting))
     return _Want(
-        replace(s, kv_blocks=new),
+        replace(s, kv_blocks=new, max_num_seqs=seqs),
         LlmTrigger.WAITING,
         load.waiting,
         f"waiting {load.waiting} with {load.kv_blocks_reserved}/{load.kv_blocks_total} KV blocks reserved: "
-        f"grow KV cache {s.kv_blocks}->{new} blocks (grant allows {cap})",
+        f"grow KV cache {s.kv_blocks}->{new} blocks (grant allows {cap}), max_num_seqs {s.max_num_seqs}->{seqs}",
     )
 
 

@@ -300,6 +300,8 @@ def model_step(view: _TickView, name: str, spec: ModelSpec) -> ModelStep:
     # utilisation decides lending: quiet = busy share under idle_util_frac with no backlog; a
     # replica refusing requests because it holds over its grant is not quiet (it wants memory)
     quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1 and not load.held_over
+    if spec.kind == "llm":  # an engine's queue is exact (running + waiting): the window's busy share
+        quiet = load.queue_depth <= 1  # trailed a burst's end by the window (5 s of 6, 2026-12-05 runs)
     fit = fit_for_load(load, old.latency_fit)
     mm = memory_model(load)
     # a model is idle from its last arrival, or from the first tick it was seen

@@ -229,3 +229,36 @@ def test_an_llm_engine_reclaims_its_base_when_its_cache_binds_not_for_a_stray_re
     for _ in range(10):  # b's cache binds: it wants its largest cache
         d.step({"a": load("a", **busy), "b": load("b", **busy)}, need_bytes={"a": 6 * GiB, "b": 6 * GiB})
     assert d.grant("b") >= 3 * GiB  # its base back
+
+
+def _two_engines() -> Driver:
+    engine = {"kind": "llm", "model": "tiny-llama", "llm": {"expected_peak_concurrency": 16}}
+    return Driver(make_config(gpu={"capacity": "6.7GiB"}, models={"a": engine, "b": engine}), usable=6 * GiB)
+
+
+def test_an_idle_llm_engine_lends_down_to_its_quota_min_though_its_cache_fills_its_grant():
+    """An engine allocates its whole KV cache at start: its memory in use is its grant whether or not
+    a sequence runs. Counted as its working set, an idle engine lent nothing until its own idle
+    shrink had restarted it smaller; it lends what it holds above its quota min at once."""
+    d = _two_engines()
+    busy = dict(busy_frac=1.0, queue_depth=300, mem_used_bytes=3 * GiB)
+    idle = dict(busy_frac=0.0, queue_depth=0, mem_used_bytes=3 * GiB)  # its cache, allocated
+    for _ in range(7):
+        d.step({"a": load("a", **busy), "b": load("b", **idle)}, need_bytes={"a": 6 * GiB, "b": 3 * GiB})
+    lends = _lends(d)
+    assert [(m.donor, m.recipient, m.amount_bytes) for m in lends] == [("b", "a", 2 * GiB)]
+
+
+def test_an_llm_engine_is_quiet_once_its_queue_empties_not_when_its_window_forgets_the_burst():
+    """An engine's queue (running + waiting) is exact; the window's busy share trailed a burst's end
+    by most of the window, so the engine lent 5 s late into its neighbour's burst."""
+    d = _two_engines()
+    trailing = dict(busy_frac=0.9, queue_depth=0, mem_used_bytes=3 * GiB)  # burst over, window still busy
+    busy = dict(busy_frac=1.0, queue_depth=300, mem_used_bytes=3 * GiB)
+    for _ in range(7):
+        d.step({"a": load("a", **busy), "b": load("b", **trailing)}, need_bytes={"a": 6 * GiB, "b": 3 * GiB})
+    assert _lends(d), "b's empty queue makes it idle after idle_hold_s whatever its window's busy share"
+    d = _two_models()  # a request model keeps the busy share: its queue is a sample of its backlog
+    for _ in range(7):
+        d.step({"a": _calibrated("a", **busy), "b": _calibrated("b", **trailing)})
+    assert not _lends(d)

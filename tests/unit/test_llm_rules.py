@@ -233,3 +233,13 @@ def test_busy_grow_only_when_the_cache_binds_not_for_a_stray_request():
 def test_a_queue_behind_max_num_seqs_alone_does_not_grow_the_cache():
     d, _ = decide_llm(load(waiting=3, running=8, kv_blocks_reserved=16), CFG, state(kv_blocks=64))
     assert d.rule is LlmRule.SEQS_GROW and d.kv_blocks == 64  # 16 + 3 x 4 < 0.8 x 64: seqs, not cache
+
+
+def test_busy_grow_raises_max_num_seqs_to_what_the_grown_cache_holds():
+    """The sequences waiting for blocks run once the cache holds them, not a seqs_grow step of 2 s at a time."""
+    grant = CFG.base_bytes + (100 + 2) * BLOCK
+    d, _ = decide_llm(load(waiting=50, running=8, kv_blocks_reserved=60, grant_bytes=grant), CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.BUSY_GROW and d.max_num_seqs == 100 // CFG.blocks_per_seq == 25
+    d, _ = decide_llm(load(waiting=5, running=8, kv_blocks_reserved=60, grant_bytes=grant), CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.BUSY_GROW and d.max_num_seqs == 8 + 5  # no more than what waits
+    assert "max_num_seqs 8->13" in d.reason
