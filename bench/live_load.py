@@ -66,6 +66,7 @@ def burst(o: Opts) -> dict[str, Any]:
         "base_rate_rps": base_rate,
         "burst": {"start_s": pre, "length_s": length, "factor": 5.0},
         "capacity": "192MiB",
+        "quota_base_bytes": 64 * sc.MiB,  # each model's base under the broker, the static split's share
         "arms": {},
     }
     warm = {n: body for n in names}

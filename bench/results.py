@@ -19,6 +19,7 @@ from gpubroker.sim.numbers import fmt
 ROOT = Path("bench/results")
 SIM = "sim"
 LIVE_ONE_RULE = "2026-12-05-one-rule"  # broker vs static 8 vs BentoML under one rule, direct and through the proxy
+LIVE_BURST = "2026-12-05-burst"  # three models on one card, one bursting 5x: broker vs a static equal split
 LIVE_SEED = "2026-12-02-exact-windows"
 LIVE_SEED_CODE = "77d7fe4 (2026-12-02; the JSON committed in 39c7b26)"
 OLD_LIVE_RULE = (
@@ -57,6 +58,9 @@ def load(root: Path = ROOT) -> dict[str, Any]:
             if doc is not None:
                 one[(w, path)] = {**doc, "_file": f"bench/results/{LIVE_ONE_RULE}/seed-{w}-{path}.json"}
     docs["live-one-rule"] = one
+    burst = _read(root, f"{LIVE_BURST}/burst.json")
+    if burst is not None:
+        docs["live-burst"] = {**burst, "_file": f"bench/results/{LIVE_BURST}/burst.json"}
     return docs
 
 
@@ -252,6 +256,44 @@ def one_rule_section(docs: dict[str, Any]) -> list[str]:
     ]
 
 
+def _mib(v: Any) -> str:
+    return "–" if v is None else f"{v / 2**20:.0f} MiB"
+
+
+def burst_section(docs: dict[str, Any]) -> list[str]:
+    """The live burst: each model's attainment over the run and in the burst, its batches, and the
+    memory the busy model used against its base (whether the burst was won on borrowed memory)."""
+    d = docs.get("live-burst")
+    if not d:
+        return []
+    busy, base = d["models"][0], d.get("quota_base_bytes")
+    out = [
+        "## Live stack: one model bursting (Ray Serve on 2 CPUs)",
+        "",
+        f"Three emulated models (a={fmt(d['a_ms'], 0)} ms, c={fmt(d['c_ms'], 1)} ms) on a {d['capacity']} card; "
+        f"`{busy}` runs at {d['burst']['factor']:g}× its {fmt(d['base_rate_rps'], 1)} req/s for "
+        f"{d['burst']['length_s']:g} s. Attainment: answered within the {fmt(d['cap_ms'], 0)} ms cap / offered.",
+        "",
+        "| arm | model | attainment, run | attainment, burst | mean batch | peak memory used | OOM splits |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, a in d["arms"].items():
+        for n in d["models"]:
+            out.append(
+                f"| {arm} | {n} | {fmt(a['summary'].get(n, {}).get('attainment'), 3)} "
+                f"| {fmt(a['in_burst'].get(n, {}).get('attainment'), 3)} | {fmt(a['batch'][n].get('mean_batch'), 1)} "
+                f"| {_mib(a['peak_used_bytes'].get(n))} | {a['ooms'].get(n)} |"
+            )
+    peak = d["arms"].get("broker", {}).get("peak_used_bytes", {}).get(busy)
+    if peak is not None and base:
+        won = "borrowed memory" if peak > base else "batch control within its base, not borrowed memory"
+        out += [
+            "",
+            f"`{busy}` peaked at {_mib(peak)} under the broker against a base of {_mib(base)}: {won} won its burst.",
+        ]
+    return out + ["", f"Source: {_origin(d)}."]
+
+
 def live_section(docs: dict[str, Any]) -> list[str]:
     live = docs.get("live-seed") or {}
     if not any(live.values()):
@@ -299,7 +341,7 @@ A rerun that commits its JSON here comes back through this command.
 def build(root: Path = ROOT) -> str:
     docs = load(root)
     parts = [HEAD.rstrip("\n")]
-    for section in (knee_section, ablation_section, lending_section, one_rule_section, live_section):
+    for section in (knee_section, ablation_section, lending_section, one_rule_section, burst_section, live_section):
         lines = section(docs)
         if lines:
             parts.append("\n".join(lines))

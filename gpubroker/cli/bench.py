@@ -166,6 +166,7 @@ def _run_live(a: BenchArgs) -> None:
     from bench import plots
     from bench import scenarios_live as live
     from bench.scenarios_report import MD
+    from bench.sim_figures import code_version
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -181,13 +182,14 @@ def _run_live(a: BenchArgs) -> None:
     )
     if not a.quick:
         o.seeds = tuple(range(a.seeds))
-    t0 = time.time()
+    t0, code = time.time(), code_version()  # the commit the run starts on (bench report names it)
     if a.scenario == "seed" and a.models:
         res = live.seed(o, tuple(m.strip() for m in a.models.split(",") if m.strip()))
     else:
         res = live.SCENARIOS[a.scenario](o)
     res["runtime_s"] = round(time.time() - t0, 1)
     res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    res["code"] = code
     res["quick"] = a.quick
     res["arrivals"] = a.arrivals
     res["direct_ingress"] = a.direct

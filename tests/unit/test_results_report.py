@@ -63,3 +63,40 @@ def test_the_one_rule_live_runs_are_reported_with_their_ingress_and_rule(tmp_pat
     assert "| direct |" in row and "| **4.00×** |" in row and "| – |" in row and row.endswith("| 0.50 |")
     assert "no arm sheds" in text and "every seed of [0, 1, 2]" in text
     assert f"bench/results/{results.LIVE_ONE_RULE}/{name}" in text
+
+
+def _burst_doc(peak_mib: int) -> dict:
+    arm = {
+        "summary": {n: {"attainment": 0.9} for n in ("alpha", "beta", "gamma")},
+        "in_burst": {n: {"attainment": 0.8} for n in ("alpha", "beta", "gamma")},
+        "batch": {n: {"mean_batch": 3.0} for n in ("alpha", "beta", "gamma")},
+        "peak_used_bytes": {"alpha": peak_mib * 2**20, "beta": 20 * 2**20, "gamma": 20 * 2**20},
+        "ooms": {n: 0 for n in ("alpha", "beta", "gamma")},
+    }
+    return {
+        "models": ["alpha", "beta", "gamma"],
+        "a_ms": 300.0,
+        "c_ms": 5.0,
+        "cap_ms": 1200.0,
+        "base_rate_rps": 2.0,
+        "burst": {"start_s": 50.0, "length_s": 60.0, "factor": 5.0},
+        "capacity": "192MiB",
+        "quota_base_bytes": 64 * 2**20,
+        "arms": {"broker": arm, "static-split": arm},
+        "command": "gpubroker bench burst --out x",
+        "code": {"commit": "abc1234", "dirty_paths": []},
+    }
+
+
+@pytest.mark.parametrize(("peak", "won"), [(60, "batch control within its base"), (150, "borrowed memory won")])
+def test_the_live_burst_says_whether_borrowed_memory_won_it(tmp_path, peak, won):
+    """The burst headline credited borrowed memory where the busy model peaked under its base."""
+    (tmp_path / results.LIVE_BURST).mkdir()
+    (tmp_path / results.LIVE_BURST / "burst.json").write_text(json.dumps(_burst_doc(peak)))
+    text = results.build(tmp_path)
+    assert "## Live stack: one model bursting" in text and "| broker | alpha | 0.900 | 0.800 | 3.0 |" in text
+    assert f"peaked at {peak} MiB under the broker against a base of 64 MiB: {won}" in text
+    assert (
+        f"bench/results/{results.LIVE_BURST}/burst.json`, written by `gpubroker bench burst --out x` on commit abc1234"
+        in text
+    )
