@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.scenarios_report import burst_md
 from gpubroker.sim.numbers import fmt
 
 ROOT = Path("bench/results")
@@ -276,16 +277,8 @@ def burst_section(docs: dict[str, Any]) -> list[str]:
         f"Both arms: deadline {fmt(rules.get('deadline_caps'), 1)} caps, "
         f"{'both shed at the cap' if rules.get('shed_at_cap') else 'neither sheds'}, a late answer is a miss; one run.",
         "",
-        "| arm | model | attainment, run | attainment, burst | mean batch | peak memory used | OOM splits |",
-        "|---|---|---|---|---|---|---|",
+        *burst_md(d).splitlines()[2:],  # the scenario's own table, without its heading
     ]
-    for arm, a in d["arms"].items():
-        for n in d["models"]:
-            out.append(
-                f"| {arm} | {n} | {fmt(a['summary'].get(n, {}).get('attainment'), 3)} "
-                f"| {fmt(a['in_burst'].get(n, {}).get('attainment'), 3)} | {fmt(a['batch'][n].get('mean_batch'), 1)} "
-                f"| {_mib(a['peak_used_bytes'].get(n))} | {a['ooms'].get(n)} |"
-            )
     out += ["", _burst_won(d, busy)] if "broker" in d["arms"] and "static-split" in d["arms"] else []
     return out + ["", f"Source: {_origin(d)}."]
 
@@ -385,7 +378,7 @@ def glance(root: Path = ROOT) -> str:
     if burst and {"broker", "static-split"} <= set(burst["arms"]):
         n = burst["models"][0]
         att = [fmt(burst["arms"][a]["in_burst"].get(n, {}).get("attainment"), 2) for a in ("broker", "static-split")]
-        rows.append(f"| live burst: attainment in the burst, broker / static split | {att[0]} / {att[1]} |")
+        rows.append(f"| live burst: attainment in it, broker / static | {att[0]} / {att[1]} |")
     return "\n".join([README_BEGIN, *rows, README_END])
 
 
