@@ -49,7 +49,11 @@ def bench(
     out: Path = typer.Option(
         DEFAULT_OUT, "--out", help="Directory for SCENARIO.json, SCENARIO.md and PNG plots (not for report)."
     ),
-    quick: bool = typer.Option(False, "--quick", help="Short runs, one seed, small grids (about 3 minutes)."),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="Short runs, one seed, small grids (about 3 minutes; llm: one seed of each load, about 15).",
+    ),
     time_scale: float = typer.Option(
         10.0,
         "--time-scale",
