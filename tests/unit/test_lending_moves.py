@@ -259,6 +259,6 @@ def test_an_llm_engine_is_quiet_once_its_queue_empties_not_when_its_window_forge
         d.step({"a": load("a", **busy), "b": load("b", **trailing)}, need_bytes={"a": 6 * GiB, "b": 3 * GiB})
     assert _lends(d), "b's empty queue makes it idle after idle_hold_s whatever its window's busy share"
     d = _two_models()  # a request model keeps the busy share: its queue is a sample of its backlog
-    for _ in range(7):
-        d.step({"a": _calibrated("a", **busy), "b": _calibrated("b", **trailing)})
+    for _ in range(7):  # a pressed borrower, a lender whose window is still busy with an empty queue
+        d.step({"a": _calibrated("a", **BUSY), "b": _lender(busy_frac=0.9)})
     assert not _lends(d)
