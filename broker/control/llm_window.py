@@ -140,15 +140,9 @@ class LlmControl:
 
     # ------------------------------------------------------------ one tick
     def step(
-        self,
-        now_s: float,
-        free_frac: float,
-        grants: Mapping[str, int],
-        dry_run: bool = False,
-        incoming: Mapping[str, int] | None = None,
+        self, now_s: float, free_frac: float, grants: Mapping[str, int], dry_run: bool = False
     ) -> list[tuple[dict[str, Any], str]]:
-        """Run the rules for every engine with a fresh report; the decision-log entries of the changes.
-        ``incoming``: per model, the grant on its way to it (transfers begun, not yet confirmed)."""
+        """Run the rules for every engine with a fresh report; the decision-log entries of the changes."""
         out = []
         for name in self.models:
             seen = self.window.latest(name, now_s)
@@ -167,8 +161,7 @@ class LlmControl:
                 lend_floor_bytes=int(spec.quota.min) // replicas,
             )
             grant = int(grants.get(name, spec.quota.base)) // replicas
-            coming = int((incoming or {}).get(name, 0)) // replicas
-            load = load_from_report(report, now_s, free_frac, grant, coming)
+            load = load_from_report(report, now_s, free_frac, grant)
             old = self._states.get(name)
             decision, state = decide_llm(load, cfg, old)
             self._states[name], self._decisions[name] = state, decision
@@ -267,7 +260,6 @@ def _engine_inputs(load: Any, grant: int) -> dict[str, Any]:
         "kv_blocks_reserved": load.kv_blocks_reserved,
         "idle_for_s": round(load.idle_for_s, 2),
         "grant_bytes": grant,
-        "incoming_bytes": load.incoming_bytes,
     }
 
 

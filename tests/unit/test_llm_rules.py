@@ -243,28 +243,3 @@ def test_busy_grow_raises_max_num_seqs_to_what_the_grown_cache_holds():
     d, _ = decide_llm(load(waiting=5, running=8, kv_blocks_reserved=60, grant_bytes=grant), CFG, state(kv_blocks=64))
     assert d.rule is LlmRule.BUSY_GROW and d.max_num_seqs == 8 + 5  # no more than what waits
     assert "max_num_seqs 8->13" in d.reason
-
-
-def test_busy_grow_waits_for_the_grant_in_flight_and_grows_once_when_it_lands():
-    """A bursting engine whose base came back while a lend to it was already begun grew to its base
-    (a drain and restart) and again a few seconds later when the lend landed: two restarts in the
-    first seconds of its burst (2026-12-05 runs). With grant in flight it keeps its cache and grows
-    once, to what the landed grant holds."""
-    pressed = dict(waiting=5, running=8, kv_blocks_reserved=40)
-    grant = CFG.base_bytes + (100 + 2) * BLOCK
-    d, s = decide_llm(load(grant_bytes=grant, incoming_bytes=80 * BLOCK, **pressed), CFG, state(kv_blocks=64))
-    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 64 and s.last_change_s == 0.0  # no resize yet
-    assert "in flight" in d.reason and "then 180" in d.reason
-    assert d.want_grant_bytes == CFG.base_bytes + cache_bytes(CFG, 256)  # still asks for its max
-    d, _ = decide_llm(load(grant_bytes=grant + 80 * BLOCK, **pressed), CFG, s)  # landed
-    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 180
-
-
-def test_grant_in_flight_that_adds_no_block_does_not_hold_a_grow():
-    grant = CFG.base_bytes + (100 + 2) * BLOCK
-    d, _ = decide_llm(
-        load(waiting=5, running=8, kv_blocks_reserved=40, grant_bytes=grant, incoming_bytes=BLOCK // 2),
-        CFG,
-        state(kv_blocks=64),
-    )
-    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 100
