@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.sim_figures import code_version
 from gpubroker.sim.arrivals import trace_path
 
 TTFT_SLO_MS, TPOT_SLO_MS = 4000.0, 1000.0  # generous: two shared CPU cores run every arm
@@ -315,7 +316,7 @@ async def run_arm(
                 )
 
         tasks = [asyncio.create_task(r.run()) for r in reps] + [asyncio.create_task(ticks())]
-    t0 = time.perf_counter() + 0.5
+    t0, t_wall = time.perf_counter() + 0.5, time.time() + 0.5  # the broker's clock is time.time
     try:
         recs = await replay(engines, loads, t0, duration_s + GRACE_S)
     finally:
@@ -328,12 +329,20 @@ async def run_arm(
         entries = [e for e in core.decisions() if e["kind"] in ("engine", "move")]
         out["rules"] = sorted({str(e.get("rule") or e.get("move")) for e in entries})
         out["moves"] = sum(1 for e in entries if e["kind"] == "move")
+        out["quota_moves"] = [move_row(e, t_wall) for e in entries if e["kind"] == "move"]
         out["bounds_trace"] = trace_bounds
     log(
         f"  {arm}: goodput {out['goodput_rps']}/s, attainment {out['attainment']}, TTFT P95 {out['ttft_p95_ms']} ms, "
         f"restarts {sum(v['restarts'] for v in out['engines'].values())}"
     )
     return out
+
+
+def move_row(e: dict[str, Any], t_wall: float) -> dict[str, Any]:
+    """A quota move of the decision log, timed from the arm's start (the bounds trace alone cannot
+    tell whose move shrank an engine)."""
+    keys = ("move", "donor", "recipient", "amount_bytes", "reason")
+    return {"t_s": round(float(e["time_s"]) - t_wall, 1)} | {k: e.get(k) for k in keys}
 
 
 def _engine_delta(a: Any, b: Any) -> dict[str, Any]:
@@ -493,6 +502,7 @@ def run(quick: bool = False, out: Path | None = None, log=print, part: str = "al
         "kv_blocks": {"min": KV_MIN, "split": KV_SPLIT, "max": KV_MAX, "block_tokens": 128},
         "quick": quick,
         "targets": "broker >= 1.3x both other arms on bursty; never below either on independent",
+        "code": code_version(),  # the commit it ran on, and any code that differed from it
     }
     if part in ("all", "lending"):
         log("llm: three vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
