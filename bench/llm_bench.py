@@ -14,10 +14,11 @@ blocks before it runs out of ``max_num_seqs``. (With two engines, 2026-12-05 run
 could grow only from 8 blocks to 13, which at the 90 req/s offered could serve at most 1.3x the
 static split's 62-70; with three, the two idle ones lend it 10 blocks, 18 in all, and the burst is
 120 req/s.) Loads: bursty (each engine bursts in turn while the others idle) and independent (every
-engine at ``INDEPENDENT_RPS``, a rate the static split serves). Arms, on the same engines reset to the same start, the same requests:
-``static-split`` (nothing moves), ``broker-fixed`` (the broker's rules on bounds and cache, quotas
-fixed at base), ``broker`` (the same with lending: an idle engine shrinks to ``KV_MIN`` and the
-bursting one grows, each resize a drain and restart of vLLM on CPU, whose seconds are reported).
+engine at ``INDEPENDENT_RPS``, a rate the static split serves). Arms, on the same engines reset to
+the same start, the same requests: ``static-split`` (nothing moves), ``broker-fixed`` (the broker's
+rules on bounds and cache, quotas fixed at base), ``broker`` (the same with lending: an idle engine
+shrinks to ``KV_MIN`` and the bursting one grows, each resize a drain and restart of vLLM on CPU,
+whose seconds are reported, and its quota moves).
 Goodput: requests per second within both the TTFT and the TPOT SLO. ``python -m bench.llm_bench
 --quick --out bench/out`` or ``gpubroker bench llm``.
 """

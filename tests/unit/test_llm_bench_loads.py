@@ -44,7 +44,7 @@ def test_gains_are_the_broker_over_each_other_arm_and_the_worst_seed():
     assert g["bursty"]["worst"] == 1.2 and g["independent"]["worst"] == 0.98
 
 
-def test_a_quotamove_row_is_timed_from_the_arm_start_and_names_both_ends():
+def test_a_quota_move_row_is_timed_from_the_arm_start_and_names_both_ends():
     entry = {"kind": "move", "time_s": 1012.3, "move": "reclaim", "donor": "b", "recipient": "a", "amount_bytes": 5}
     row = lb.move_row(entry | {"reason": "a load back", "dry_run": False}, 1000.0)
     assert row == {
