@@ -340,7 +340,7 @@ and cost-per-request runs on the final code. Kept elsewhere: the scale runs' JSO
 `bench/results/2026-12-0*-scale/` (read by `bench/notes/2026-12-04-control-plane-cost.md`), the memory
 limiter's accuracy under `bench/results/2026-12-05-enforce-accuracy/` (read by `docs/ENFORCEMENT.md`),
 the LLM engines' runs under `bench/results/2026-12-0*-llm-vllm/` (read by `docs/llm.md`) and `make
-chaos` under `bench/results/2026-12-05-chaos-final/` (on the final code; its README says what failed)
+chaos` under `bench/results/2026-12-05-chaos-final/` (two runs on the final code, the second exit 0)
 and `bench/results/2026-12-05-chaos/` (on 9bee7bc, read by `docs/ENFORCEMENT.md`).
 A rerun that commits its JSON here comes back through this command.
 """
