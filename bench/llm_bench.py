@@ -4,17 +4,21 @@ The Azure LLM inference trace 2023 (code; CC-BY 4.0, Patel et al., "Splitwise", 
 ContextTokens and GeneratedTokens, scaled to the tiny model's context (``scale_lengths``), and
 arrival gaps (``workload``); the loads here draw Poisson arrivals at the offered rate instead:
 scaled to a burst rate, the trace's gaps left lulls of 3 s and more inside a burst (an engine idled
-and lent in the middle of its own burst) and clumps of 10 requests in an idle phase. Requests are
-replayed open loop, in process, against ``deployments.llm.vllm_engine.VllmEngine`` (no Serve: the
-comparison needs none); TTFT counts from the scheduled arrival, so queueing at the admission counts.
+and lent in the middle of its own burst) and clumps of 10 requests in an idle phase. Each engine
+(``deployments.llm.vllm_engine.VllmEngine``) runs in a process of its own, a Ray actor, as a fleet's
+replicas do, and the broker is its Ray actor (``bench.llm_procs``; no Serve: the comparison needs
+none). Requests are replayed open loop inside each engine's process; TTFT counts from the scheduled
+arrival, so queueing at the admission counts, and every arm's engines shed a request still waiting
+for admission after ``QUEUE_WAIT_MS`` (a miss).
 
 Three engines share one card of three static shares of KV cache (``KV_SPLIT`` blocks each); a
 request of the scaled trace holds one or two 128-token blocks, so a bursting engine runs out of
 blocks before it runs out of ``max_num_seqs``. (With two engines, 2026-12-05 runs, a bursting engine
 could grow only from 8 blocks to 13, which at the 90 req/s offered could serve at most 1.3x the
-static split's 62-70; with three, the two idle ones lend it 10 blocks, 18 in all, and the burst is
-120 req/s.) Loads: bursty (each engine bursts in turn while the others idle) and independent (every
-engine at ``INDEPENDENT_RPS``, a rate the static split serves). Arms, on the same engines reset to
+static split's 62-70; with three, the two idle ones lend it 10 blocks, 18 in all.) The burst,
+``BURST_RPS``, is where 8 blocks bind and 18 do not (``python -m bench.llm_probe``). Loads: bursty
+(each engine bursts in turn while the others idle) and independent (every engine at
+``INDEPENDENT_RPS``, a rate the static split serves). Arms, on the same engines reset to
 the same start, the same requests: ``static-split`` (nothing moves), ``broker-fixed`` (the broker's
 rules on bounds and cache, quotas fixed at base), ``broker`` (the same with lending: an idle engine
 shrinks to ``KV_MIN`` and the bursting one grows, each resize a drain and restart of vLLM on CPU,
@@ -42,6 +46,10 @@ from gpubroker.sim.arrivals import trace_path
 TTFT_SLO_MS, TPOT_SLO_MS = 4000.0, 1000.0  # generous: two shared CPU cores run every arm
 MAX_MODEL_LEN = 256
 GEN_MAX = 64
+# Every arm's engines shed a request still waiting for admission after half the TTFT SLO (a miss):
+# without it an overloaded engine served its queue first in, first out, each request near its
+# deadline (TTFT P50 3.99 s in every arm at 180 req/s), and a backlog left by a restart never drained.
+QUEUE_WAIT_MS = TTFT_SLO_MS / 2
 GRACE_S = 10.0  # after the last arrival, requests still open this much later are cancelled (misses)
 # KV blocks of 128 tokens (256 KiB each on the tiny Llama); a request of the scaled trace is ~1-2 blocks.
 KV_MIN, KV_SPLIT, KV_MAX = 3, 8, 24  # an engine's smallest cache, its static share, its largest
@@ -50,7 +58,10 @@ ENGINES = ("a", "b", "c")  # the lending part's engines on one card
 # all three arms were overloaded on two cores (attainment 0.32-0.45) and ran identical bounds, yet
 # their goodput spread 0.77-1.15x (lending-3.json): noise no "never below" could be read through.
 # At a rate the static split serves, any cost of the broker's moves (a drain, a restart) shows.
-INDEPENDENT_RPS = 12.0
+INDEPENDENT_RPS = 40.0
+# The bursting engine's rate: where the static split's 8 blocks bind and 18 do not
+# (one engine alone on the first burst: python -m bench.llm_probe)
+BURST_RPS = 180.0
 WEIGHTS_KIB = 1545  # the tiny Llama's safetensors (what the engine reports as weights_bytes)
 
 
@@ -135,6 +146,7 @@ def engine_options(kv_blocks: int, seqs: int, kv_max: int | None = None) -> Any:
         max_num_seqs=seqs,
         max_num_seqs_max=32,
         max_batched_tokens=512,
+        max_queue_wait_ms=QUEUE_WAIT_MS,
     )
 
 
@@ -213,33 +225,13 @@ def summary(recs: list[Rec], duration_s: float, model: str | None = None) -> dic
     }
 
 
-# ------------------------------------------------------------------ the broker in process
-class _Remote:
-    def __init__(self, fn):
-        self._fn = fn
-
-    def remote(self, *args):
-        async def call():
-            return self._fn(*args)
-
-        return call()
-
-
-class _Handle:
-    """The broker actor's handle in front of an in-process core: plain data both ways, as over Ray."""
-
-    def __init__(self, core: Any):
-        from broker.wire import StatsReport
-
-        self.report = _Remote(lambda report: core.report(StatsReport.from_dict(report)).to_dict())
-
-
+# ------------------------------------------------------------------ the arms
 def broker_config(models: dict[str, dict[str, Any]], capacity: str, reserve_frac: float = 0.2) -> str:
     """A fleet YAML of ``kind: llm`` models (name -> {options, llm, quota, control})."""
     import yaml
 
     doc = {
-        "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5},
+        "broker": {"control_interval_s": 1.0, "report_interval_s": 0.5, "metrics_port": 0},
         "gpu": {"device": "cpu", "capacity": capacity, "reserve_frac": reserve_frac, "emergency_free_frac": 0.05},
         "models": {n: {"kind": "llm", "model": "tiny-llama", **m} for n, m in models.items()},
     }
@@ -271,63 +263,28 @@ async def run_arm(
     log=print,
     seqs: int | None = None,
 ) -> dict[str, Any]:
-    """One arm on running engines (reset to their options first, ``seqs`` as their static
-    max_num_seqs when given), the broker when ``config_text``."""
-    from broker.core import BrokerCore
-    from deployments.llm.report_loop import EngineReporter, engine_link
-    from deployments.llm.server import engine_report
+    """One arm on running engines (``bench.llm_procs.EngineProc``, reset to their options first,
+    ``seqs`` as their static max_num_seqs when given), under a broker actor when ``config_text``."""
+    from bench.llm_procs import start_broker_actor, stop_actor
 
-    for e in engines.values():
-        await reset(e, e.options)
-        if seqs is not None:
-            e.set_bounds(seqs, e.options.max_batched_tokens, False)
-    before = {m: e.stats() for m, e in engines.items()}
-    core, tasks, trace_bounds = None, [], []
-    if config_text is not None:
-        core = BrokerCore(config_text)
-        idle_since = {m: time.monotonic() for m in engines}
-
-        def reporter(m: str) -> EngineReporter:
-            e = engines[m]
-
-            def rep() -> dict[str, Any]:
-                st = e.stats()
-                if st.running or st.waiting:
-                    idle_since[m] = time.monotonic()
-                return engine_report(e, 0.0 if (st.running or st.waiting) else time.monotonic() - idle_since[m], m)
-
-            link = engine_link(m, f"{m}-bench", lambda: _Handle(core), 0.5)
-            return EngineReporter(e, link, report_interval_s=0.5, engine_report=rep)
-
-        reps = [reporter(m) for m in engines]
-        for r in reps:
-            await r.report_once()
-
-        async def ticks():
-            while True:
-                await asyncio.sleep(1.0)
-                core.tick()
-                st = core.status()["models"]
-                trace_bounds.append(
-                    {
-                        m: {k: (st[m].get("engine") or {}).get(k) for k in ("max_num_seqs", "kv_blocks")}
-                        | {"grant_bytes": st[m]["grant_bytes"]}
-                        for m in engines
-                    }
-                )
-
-        tasks = [asyncio.create_task(r.run()) for r in reps] + [asyncio.create_task(ticks())]
+    broker = None if config_text is None else await start_broker_actor(config_text)
+    await asyncio.gather(*(e.begin.remote(seqs, broker) for e in engines.values()))
+    trace_bounds: list[dict[str, Any]] = []
+    tracing = None if broker is None else asyncio.create_task(trace(broker, tuple(engines), trace_bounds))
     t0, t_wall = time.perf_counter() + 0.5, time.time() + 0.5  # the broker's clock is time.time
     try:
-        recs = await replay(engines, loads, t0, duration_s + GRACE_S)
+        parts = await asyncio.gather(*(e.replay.remote(loads[m], t0, duration_s + GRACE_S) for m, e in engines.items()))
+        deltas = await asyncio.gather(*(e.end.remote() for e in engines.values()))
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tracing is not None:
+            tracing.cancel()
+            await asyncio.gather(tracing, return_exceptions=True)
+    recs = [r for part in parts for r in part]
     out = {"arm": arm, **summary(recs, duration_s), "models": {m: summary(recs, duration_s, m) for m in engines}}
-    out["engines"] = {m: _engine_delta(before[m], e.stats()) for m, e in engines.items()}
-    if core is not None:
-        entries = [e for e in core.decisions() if e["kind"] in ("engine", "move")]
+    out["engines"] = dict(zip(engines, deltas, strict=True))
+    if broker is not None:
+        entries = [e for e in await broker.decisions.remote() if e["kind"] in ("engine", "move")]
+        stop_actor(broker)
         out["rules"] = sorted({str(e.get("rule") or e.get("move")) for e in entries})
         out["moves"] = sum(1 for e in entries if e["kind"] == "move")
         out["quota_moves"] = [move_row(e, t_wall) for e in entries if e["kind"] == "move"]
@@ -339,6 +296,20 @@ async def run_arm(
     return out
 
 
+async def trace(broker: Any, names: tuple[str, ...], into: list[dict[str, Any]]) -> None:
+    """Each engine's bounds, cache and grant as the broker holds them, once a second, until cancelled."""
+    while True:
+        await asyncio.sleep(1.0)
+        st = (await broker.status.remote())["models"]
+        into.append(
+            {
+                m: {k: (st[m].get("engine") or {}).get(k) for k in ("max_num_seqs", "kv_blocks")}
+                | {"grant_bytes": st[m]["grant_bytes"]}
+                for m in names
+            }
+        )
+
+
 def move_row(e: dict[str, Any], t_wall: float) -> dict[str, Any]:
     """A quota move of the decision log, timed from the arm's start (the bounds trace alone cannot
     tell whose move shrank an engine)."""
@@ -346,7 +317,7 @@ def move_row(e: dict[str, Any], t_wall: float) -> dict[str, Any]:
     return {"t_s": round(float(e["time_s"]) - t_wall, 1)} | {k: e.get(k) for k in keys}
 
 
-def _engine_delta(a: Any, b: Any) -> dict[str, Any]:
+def engine_delta(a: Any, b: Any) -> dict[str, Any]:
     """What vLLM did during the arm: restarts (KV resizes) and their seconds, preemptions, prefix hits."""
     return {
         "restarts": b.rebuilds - a.rebuilds,
@@ -397,17 +368,15 @@ def loads_for(
 
 async def kv_bound(quick: bool, log=print, phase_s: float | None = None, seeds: tuple[int, ...] | None = None) -> dict:
     """Three engines on one card whose static split leaves a bursting engine short of KV blocks."""
-    from deployments.llm.vllm_engine import VllmEngine
+    from bench.llm_procs import start_engines, stop_engines
 
     names = ENGINES
-    phase, hi, lo = 40.0, 120.0, 0.2  # quick runs one seed of the same loads
+    phase, hi, lo = 40.0, BURST_RPS, 0.2  # quick runs one seed of the same loads
     phase = phase_s or phase
     seeds = seeds or ((0,) if quick else (0, 1, 2))
     opts = engine_options(KV_SPLIT, SPLIT_SEQS)
-    engines = {n: VllmEngine(opts) for n in names}
     t0 = time.perf_counter()
-    for e in engines.values():
-        await e.start()
+    engines = await start_engines(names, opts)
     log(f"  engines up in {time.perf_counter() - t0:.0f} s")
     res: dict[str, Any] = {"phase_s": phase, "rate_hi": hi, "rate_lo": lo, "rate_independent": INDEPENDENT_RPS}
     res.update(seeds=list(seeds), runs=[])
@@ -424,8 +393,7 @@ async def kv_bound(quick: bool, log=print, phase_s: float | None = None, seeds: 
                 ]
                 res["runs"].append({"load": kind, "seed": seed, "arms": arms})
     finally:
-        for e in engines.values():
-            await e.stop()
+        await stop_engines(engines)
     res["gains"] = gains(res["runs"])
     return res
 
@@ -446,12 +414,11 @@ def single_text() -> str:
 async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = None) -> dict:
     """One engine at several rates (Poisson arrivals, the trace's lengths): the broker's bounds against
     every static max_num_seqs of the grid, the same requests for each arm. The target: broker >= 0.9 x the best static setting at every rate."""
-    from deployments.llm.vllm_engine import VllmEngine
+    from bench.llm_procs import start_engines, stop_engines
 
     rates, dur = ((120.0,), 20.0) if quick else ((40.0, 80.0, 120.0), 20.0)
     seeds = seeds or ((0,) if quick else (0, 1, 2))
-    engine = VllmEngine(engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
-    await engine.start()
+    engines = await start_engines(("a",), engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
     res: dict[str, Any] = {"kv_blocks": SINGLE_KV, "grid": list(SEQS_GRID), "duration_s": dur, "runs": []}
     try:
         for seed in seeds:
@@ -459,15 +426,15 @@ async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = 
                 # Poisson arrivals: the offered rate is the rate (a stretch of the trace offers less or more)
                 loads = {"a": workload(rate, dur, seed=seed * 10 + 7, poisson=True)}
                 log(f" single engine, seed {seed}, {rate:g} req/s: {len(loads['a'])} requests")
-                arms = [await run_arm(f"static-{g}", {"a": engine}, loads, dur, log=log, seqs=g) for g in SEQS_GRID]
-                arms.append(await run_arm("broker", {"a": engine}, loads, dur, single_text(), log=log))
+                arms = [await run_arm(f"static-{g}", engines, loads, dur, log=log, seqs=g) for g in SEQS_GRID]
+                arms.append(await run_arm("broker", engines, loads, dur, single_text(), log=log))
                 best = max(arms[:-1], key=lambda a: a["goodput_rps"])
                 ratio = round(arms[-1]["goodput_rps"] / best["goodput_rps"], 3) if best["goodput_rps"] else None
                 res["runs"].append(
                     {"seed": seed, "rate": rate, "arms": arms, "best_static": best["arm"], "ratio": ratio}
                 )
     finally:
-        await engine.stop()
+        await stop_engines(engines)
     ratios = [r["ratio"] for r in res["runs"] if r["ratio"] is not None]
     res["worst_ratio"] = min(ratios) if ratios else None
     return res
@@ -504,7 +471,13 @@ def run(quick: bool = False, out: Path | None = None, log=print, part: str = "al
         "quick": quick,
         "targets": "broker >= 1.3x both other arms on bursty; never below either on independent",
         "code": code_version(),  # the commit it ran on, and any code that differed from it
+        "engines_in": "a process each (Ray actors, bench/llm_procs.py), the broker a Ray actor",
+        "max_queue_wait_ms": QUEUE_WAIT_MS,
+        "rate_burst": BURST_RPS,
     }
+    from bench.llm_procs import ray_up
+
+    ray_up()
     if part in ("all", "lending"):
         log("llm: three vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")
         res["kv_bound"] = asyncio.run(kv_bound(quick, log))

@@ -288,7 +288,9 @@ class BrokerCore:
             snap = replace(snap, gpu=gpu)
         decision, new_state = policy.decide(snap, self._cfg, self._state, self._llm.need_bytes())
         self._state = new_state
-        for entry, line in self._llm.step(now, gpu.free_frac, new_state.ledger.grants, self._cfg.broker.dry_run):
+        ledger = new_state.ledger
+        incoming = {n: ledger.incoming_bytes(n) for n in self._llm.models}
+        for entry, line in self._llm.step(now, gpu.free_frac, ledger.grants, self._cfg.broker.dry_run, incoming):
             self._append(entry, line)  # engine bounds inside the new grants, before the settings table
         self._last_snapshot, self._last_decision = snap, decision
         self._ticks += 1

@@ -44,6 +44,7 @@ class EngineReport(TypedDict, total=False):
     finished: int  # sequences ended by stop or length (cumulative)
     cancelled: int  # sequences cancelled (cumulative)
     failed: int  # sequences the engine failed (cumulative)
+    shed: int  # sequences refused unstarted after waiting past max_queue_wait_ms (cumulative)
     rebuilds: int  # KV cache resizes (engine restarts between drains)
     last_restart_s: float  # the last resize's shutdown + start
     restart_s_total: float  # every resize's shutdown + start, summed

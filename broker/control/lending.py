@@ -402,7 +402,7 @@ def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
     ledger = r.ledger
     for owner, spec in by_priority:
         short = spec.quota.base - r.holds(owner)
-        if short < r.dust or r.idle(owner) or r.busy_for(owner) < spec.control.reclaim_hold_s:
+        if short < r.dust or r.idle(owner) or r.busy_for(owner) < reclaim_hold(r, owner, spec):
             continue
         if owner in r.inputs.need_bytes and (r.need(owner) or 0) <= r.holds(owner):
             continue  # an LLM engine takes its base back when its cache binds, not for a stray request
@@ -422,6 +422,17 @@ def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
             else:
                 r.transfer(borrower, owner, take, MoveKind.RECLAIM, why + f" from {borrower}'s loan")
                 short -= take
+
+
+def reclaim_hold(r: QuotaRound, owner: str, spec: ModelSpec) -> float:
+    """How long an owner's load must stay back before it reclaims: ``reclaim_hold_s``, which keeps a
+    clump of stray requests from pulling memory back; none for an LLM engine whose queue (running +
+    waiting) has reached its expected peak concurrency, a burst no clump makes (with the hold, a
+    bursting engine that had lent ran 4 s more on its smallest cache while its queue passed 600)."""
+    if owner in r.inputs.need_bytes and spec.llm is not None:
+        if r.loads[owner].queue_depth >= spec.llm.expected_peak_concurrency:
+            return 0.0
+    return spec.control.reclaim_hold_s
 
 
 def _lend_regret(r: QuotaRound, owner: str, spec: ModelSpec) -> str:

@@ -4,9 +4,10 @@ A continuous-batching engine batches every step, so the broker sets its bounds i
 ``max_num_seqs``, ``max_batched_tokens``, prefill admission, and the KV cache inside the grant. The
 rules, first match wins: ``squeeze`` (low free memory: halve seqs, pause prefills), ``resume``,
 ``prefill_bound`` (TTFT over its SLO with TPOT within), ``recover``, ``idle_shrink`` (lend the
-cache), ``busy_grow`` (only by ``grow_min_gain_frac``: a resize drains the engine), ``seqs_grow``,
-``hold`` (docs/llm.md). ``start`` sets half the expected peak concurrency, capped by memory;
-guard-rails are applied after the rule in one place (``_clamp``). Pure.
+cache), ``busy_grow`` (only by ``grow_min_gain_frac``, and once the grant in flight to it lands: a
+resize drains the engine), ``seqs_grow``, ``hold`` (docs/llm.md). ``start`` sets half the expected
+peak concurrency, capped by memory, and keeps the engine's ``max_batched_tokens``; guard-rails
+are applied after the rule in one place (``_clamp``). Pure.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class EngineLoad:
     grant_bytes: int  # the model's grant now
     idle_for_s: float = 0.0  # how long nothing has run or waited (0 when busy)
     last_resize_s: float = 0.0  # what the engine's last cache resize cost (drain excluded; 0: none yet)
+    incoming_bytes: int = 0  # grant on its way: transfers to it begun, not yet confirmed (a lend, a reclaim)
+    max_batched_tokens: int = 0  # the engine's max_num_batched_tokens in force (0: not reported)
 
 
 @dataclass(frozen=True)
@@ -271,6 +274,16 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     cap = kv_blocks_in_grant(cfg, load.grant_bytes)
     if not cache_pressed(load, cfg) or s.kv_blocks >= cap or _held(load, cfg, s):
         return None
+    soon = kv_blocks_in_grant(cfg, load.grant_bytes + load.incoming_bytes)
+    if soon > cap:  # every resize drains the engine: grow once, when the grant in flight lands
+        return _Want(
+            s,
+            LlmTrigger.WAITING,
+            load.waiting,
+            f"waiting {load.waiting} with {load.kv_blocks_reserved}/{load.kv_blocks_total} KV blocks reserved: "
+            f"keep {s.kv_blocks} blocks until the {load.incoming_bytes} bytes in flight land (then {soon}; "
+            f"the grant now allows {cap}), one resize instead of two",
+        )
     new = cap  # straight to what the grant allows: every resize drains the engine once
     if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
         return None  # not worth a drain: wait for more grant
@@ -362,6 +375,9 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
         rule, want = LlmRule.START, start_state(cfg, load.grant_bytes)
         if load.kv_blocks_total > want.state.kv_blocks:  # keep a larger cache the grant holds: a resize drains
             want = replace(want, state=replace(want.state, kv_blocks=load.kv_blocks_total))
+        if load.max_batched_tokens:  # keep the engine's step size: its ceiling cost a sixth of the
+            # throughput on CPU (2,048 prefill tokens a step against 512: python -m bench.llm_probe)
+            want = replace(want, state=replace(want.state, max_batched_tokens=load.max_batched_tokens))
     else:
         for rule, fn in RULES:  # noqa: B007 - the matching rule is used after the loop
             got = fn(load, cfg, state)
@@ -420,8 +436,11 @@ def rule_config_for(
     )
 
 
-def load_from_report(report: Mapping[str, Any], now_s: float, free_mem_frac: float, grant_bytes: int) -> EngineLoad:
-    """The rules' snapshot from an engine report plus what the broker knows (time, card, grant)."""
+def load_from_report(
+    report: Mapping[str, Any], now_s: float, free_mem_frac: float, grant_bytes: int, incoming_bytes: int = 0
+) -> EngineLoad:
+    """The rules' snapshot from an engine report plus what the broker knows (time, card, grant and
+    the grant in flight to it)."""
     return EngineLoad(
         now_s=float(now_s),
         running=int(report["running"]),
@@ -436,4 +455,6 @@ def load_from_report(report: Mapping[str, Any], now_s: float, free_mem_frac: flo
         grant_bytes=int(grant_bytes),
         idle_for_s=float(report.get("idle_for_s", 0.0)),
         last_resize_s=float(report.get("last_restart_s") or 0.0),
+        incoming_bytes=int(incoming_bytes),
+        max_batched_tokens=int(report.get("max_batched_tokens") or 0),
     )

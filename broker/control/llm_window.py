@@ -140,9 +140,15 @@ class LlmControl:
 
     # ------------------------------------------------------------ one tick
     def step(
-        self, now_s: float, free_frac: float, grants: Mapping[str, int], dry_run: bool = False
+        self,
+        now_s: float,
+        free_frac: float,
+        grants: Mapping[str, int],
+        dry_run: bool = False,
+        incoming: Mapping[str, int] | None = None,
     ) -> list[tuple[dict[str, Any], str]]:
-        """Run the rules for every engine with a fresh report; the decision-log entries of the changes."""
+        """Run the rules for every engine with a fresh report; the decision-log entries of the changes.
+        ``incoming``: per model, the grant on its way to it (transfers begun, not yet confirmed)."""
         out = []
         for name in self.models:
             seen = self.window.latest(name, now_s)
@@ -161,7 +167,8 @@ class LlmControl:
                 lend_floor_bytes=int(spec.quota.min) // replicas,
             )
             grant = int(grants.get(name, spec.quota.base)) // replicas
-            load = load_from_report(report, now_s, free_frac, grant)
+            coming = int((incoming or {}).get(name, 0)) // replicas
+            load = load_from_report(report, now_s, free_frac, grant, coming)
             old = self._states.get(name)
             decision, state = decide_llm(load, cfg, old)
             self._states[name], self._decisions[name] = state, decision
@@ -260,6 +267,7 @@ def _engine_inputs(load: Any, grant: int) -> dict[str, Any]:
         "kv_blocks_reserved": load.kv_blocks_reserved,
         "idle_for_s": round(load.idle_for_s, 2),
         "grant_bytes": grant,
+        "incoming_bytes": load.incoming_bytes,
     }
 
 

@@ -41,6 +41,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # cancel() or the stream was closed
     ERROR = "error"  # the engine failed the request
+    SHED = "shed"  # refused unstarted: it waited for admission past max_queue_wait_ms (overload)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class EngineStats:
     kv_usage_frac: float = 0.0  # the engine's KV cache usage, 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of them, found in the cache (cumulative)
+    shed: int = 0  # sequences refused unstarted after waiting past max_queue_wait_ms (cumulative)
     last_restart_s: float = 0.0  # the last KV resize's shutdown + start, in seconds
     restart_s_total: float = 0.0  # every KV resize's shutdown + start, summed
     seq_tokens_mean: float = (

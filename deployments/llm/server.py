@@ -72,6 +72,25 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+FAILED = (FinishReason.ERROR, FinishReason.SHED)  # ends that count as a failed request, not a completion
+
+
+def overloaded(message: str | None) -> dict[str, Any]:
+    """A request the engine shed unstarted (``max_queue_wait_ms``): OpenAI's answer to overload, a 503."""
+    return {
+        "status": 503,
+        "body": {"error": {"message": message, "type": "server_error", "param": None, "code": "overloaded"}},
+    }
+
+
+async def _after(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
+    """``first`` (already taken from the stream), then the rest of the stream."""
+    if first is None:
+        return
+    yield first
+    if not first.finished:
+        async for delta in rest:
+            yield delta
 
 
 def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> EngineReport:
@@ -241,7 +260,9 @@ class LlmServer:
                 last = delta
         finally:
             await stream.aclose()  # a cancelled caller cancels the sequence
-        self._finished(t0, last.finish_reason is not FinishReason.ERROR)
+        self._finished(t0, last.finish_reason not in FAILED)
+        if last.finish_reason is FinishReason.SHED:
+            return overloaded(last.error)
         if last.finish_reason is FinishReason.ERROR:
             return {
                 "status": 500,
@@ -271,15 +292,20 @@ class LlmServer:
             yield got
             return
         rid, _, stream = got
-        yield {"status": 200}
-        created = int(time.time())
-        env = dict(
-            self._envelope(kind, rid, created), object="chat.completion.chunk" if kind == CHAT else "text_completion"
-        )
         try:
+            first = await anext(stream, None)  # a request shed unstarted gets its 503 before any header
+            if first is not None and first.finish_reason is FinishReason.SHED:
+                self._finished(t0, False)
+                yield overloaded(first.error)
+                return
+            yield {"status": 200}
+            env = dict(
+                self._envelope(kind, rid, int(time.time())),
+                object="chat.completion.chunk" if kind == CHAT else "text_completion",
+            )
             if kind == CHAT:
                 yield _sse(dict(env, choices=[{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]))
-            async for delta in stream:
+            async for delta in _after(first, stream):
                 text = delta.text
                 reason = None
                 if delta.finished:
@@ -294,7 +320,7 @@ class LlmServer:
                     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
                 yield _sse(dict(env, choices=[choice]))
                 if delta.finished:
-                    self._finished(t0, delta.finish_reason is not FinishReason.ERROR)
+                    self._finished(t0, delta.finish_reason not in FAILED)
             yield DONE
         finally:
             await stream.aclose()

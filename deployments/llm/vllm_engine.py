@@ -61,6 +61,9 @@ class VllmEngineOptions:
     sleep_when_idle: bool = True  # cuda: the smallest cache means sleep(level=1), not a restart
     in_process: bool | None = None  # vLLM stepped in the replica (fast restarts); None: on cpu only
     sample_window: int = 256  # completions kept for the TTFT / TPOT samples
+    # overload: a request still waiting for admission after this long is shed (the API answers 503),
+    # so those admitted start within it instead of every one waiting out the queue; 0: never
+    max_queue_wait_ms: float = 0.0
     vocab_size: int = 0  # 0: read from the model's config.json
 
     def __post_init__(self):
@@ -96,6 +99,7 @@ class VllmEngineOptions:
                 "must be in [0, 1): the card's share this engine may use",
             ),
             ("sample_window", self.sample_window >= 1, "must be at least 1"),
+            ("max_queue_wait_ms", self.max_queue_wait_ms >= 0, "must be >= 0 (0: never shed)"),
             (
                 "in_process",
                 self.in_process is None or isinstance(self.in_process, bool),
@@ -191,6 +195,7 @@ class _Counters:
     finished: int = 0
     cancelled: int = 0
     failed: int = 0
+    shed: int = 0
     restarts: int = 0
     restart_s: float = 0.0  # the last restart's duration (drain excluded: shutdown + start)
     restart_s_total: float = 0.0  # every restart's duration, summed
@@ -368,7 +373,22 @@ class VllmEngine:
     def _reserved(self) -> int:
         return sum(self.blocks_for(s) for s in self._running.values())
 
+    def _shed_stale(self) -> None:
+        """Shed the queue's oldest while they have waited past ``max_queue_wait_ms``: admitted that
+        late a request would miss its first token's deadline and hold every one behind it past it."""
+        limit_s = self.options.max_queue_wait_ms / 1000.0
+        now = self._clock()
+        while limit_s > 0 and self._waiting and now - self._waiting[0].accepted_s > limit_s:
+            seq = self._waiting.popleft()
+            waited = (now - seq.accepted_s) * 1000.0
+            why = (
+                f"waited {waited:.0f} ms for admission, over max_queue_wait_ms={self.options.max_queue_wait_ms:g}: "
+                "the engine is overloaded, retry later"
+            )
+            self._end(seq, FinishReason.SHED, why)
+
     def _admit(self) -> None:
+        self._shed_stale()
         if self._asleep and self._waiting and self._resize_task is None and self._loop is not None:
             self._resize_task = self._loop.create_task(self._wake())
             return
@@ -437,6 +457,8 @@ class VllmEngine:
             c.cancelled += 1
         elif reason is FinishReason.ERROR:
             c.failed += 1
+        elif reason is FinishReason.SHED:
+            c.shed += 1
         else:
             c.finished += 1
             c.seq_tokens.append(
@@ -590,6 +612,7 @@ class VllmEngine:
             kv_usage_frac=sig.kv_usage_frac if self._running else 0.0,
             prefix_cache_queries=sig.prefix_queries,
             prefix_cache_hits=sig.prefix_hits,
+            shed=c.shed,
             last_restart_s=c.restart_s,
             restart_s_total=c.restart_s_total,
             seq_tokens_mean=sum(c.seq_tokens) / len(c.seq_tokens) if c.seq_tokens else 0.0,

@@ -43,7 +43,8 @@ def bench(
         "from the JSON committed under bench/results/), lending "
         "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), or scale "
         "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
-        "(CPU LLM engines in process: broker rules vs static max_num_seqs, lending between two LLMs; no Ray)",
+        "(vLLM CPU engines, each a Ray actor of its own, no Serve: broker rules vs static max_num_seqs, lending "
+        "between three LLMs)",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a markdown table."),
     out: Path = typer.Option(
@@ -80,7 +81,7 @@ def bench(
         "replica's own port, not through the proxy.",
     ),
 ) -> None:
-    """Run one benchmark scenario (live ones on Ray Serve; lending, scale, llm without Ray) or report.
+    """Run one benchmark scenario (live ones on Ray Serve; lending and scale without Ray; llm on Ray actors) or report.
 
     The live scenarios start and tear down their own apps; report writes bench/RESULTS.md and the
     README's results table from the JSON committed under bench/results/ (bench.results)."""
@@ -107,7 +108,7 @@ class BenchArgs:
 
 
 def _run_offline(a: BenchArgs) -> bool:
-    """The scenarios without Ray (scale, llm, lending) and the report; False for a live one."""
+    """The scenarios without Serve (scale, llm, lending) and the report; False for a live one."""
     if a.scenario == "scale":  # the broker core on a fake clock and the simulator: no Ray (bench/scale.py)
         from bench import scale
 
@@ -115,7 +116,9 @@ def _run_offline(a: BenchArgs) -> bool:
         print(json.dumps(res) if a.as_json else scale.table(res))
         typer.echo(f"wrote {a.out / 'scale.json'}", err=True)
         return True
-    if a.scenario == "llm":  # LLM engines in process, broker vs static bounds, lending between two (bench/llm_bench.py)
+    if (
+        a.scenario == "llm"
+    ):  # vLLM engines as Ray actors: broker vs static bounds, lending between three (bench/llm_bench.py)
         from bench import llm_bench
 
         res = llm_bench.run(quick=a.quick, out=a.out, log=lambda msg: typer.echo(msg, err=True))

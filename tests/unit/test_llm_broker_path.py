@@ -141,3 +141,37 @@ def test_batch_policy_holds_llm_models_and_lending_takes_the_engines_need():
     assert core._last_decision.models["chat"].reason == LLM_HOLD_REASON
     ctl = LlmControl(parse_config_text(text, "t"))
     assert ctl.models == ("chat", "code") and ctl.need_bytes() == {}
+
+
+def test_a_request_shed_for_overload_gets_openais_503_streamed_or_not():
+    """An engine with one sequence at a time and a 1 ms queue budget: the requests queued behind the
+    running one are shed when it ends, and the server answers each with a 503 whose code is
+    ``overloaded`` and whose message names ``max_queue_wait_ms`` (a stream's before any header);
+    the admitted one completes."""
+    options = {"max_num_seqs": 1, "max_queue_wait_ms": 1.0}
+
+    async def body():
+        server = LlmServer("solo", options=options)
+        await server._ready()
+        try:
+            req = {"model": "solo", "prompt": "hello there", "max_tokens": 24}
+
+            async def stream_head():
+                gen = server.generate_stream("completion", dict(req))
+                try:
+                    return await anext(gen)
+                finally:
+                    await gen.aclose()
+
+            return await asyncio.gather(*(server.generate("completion", dict(req)) for _ in range(3)), stream_head())
+        finally:
+            await server.engine.stop()
+
+    *plain, head = asyncio.run(body())
+    answers = [*plain, head]
+    ok = [a for a in answers if a["status"] == 200]
+    shed = [a for a in answers if a["status"] == 503]
+    assert len(ok) == 1 and len(shed) == 3, [a["status"] for a in answers]
+    for a in shed:
+        err = a["body"]["error"]
+        assert err["code"] == "overloaded" and "max_queue_wait_ms" in err["message"]

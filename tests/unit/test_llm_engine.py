@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -99,6 +100,30 @@ def test_paused_prefills_admit_nothing_until_resumed(engine, loop):
         assert last.finished and tokens
 
     loop.run_until_complete(body())
+
+
+def test_requests_waiting_past_max_queue_wait_ms_are_shed_naming_it(engine, loop):
+    """Overload: requests still waiting for admission past ``max_queue_wait_ms`` are refused unstarted
+    when the queue next moves (SHED, the error names the option); the admitted ones run, and the
+    engine counts what it shed."""
+
+    async def body():
+        opts = engine.options
+        engine.options = replace(opts, max_queue_wait_ms=1.0)  # the fixture's engine, restored below
+        try:
+            before = engine.stats().shed
+            streams = [engine.submit(f"shed{i}", PROMPT, 24) for i in range(SEQS + 3)]
+            results = await asyncio.gather(*(s.collect() for s in streams))
+        finally:
+            engine.options = opts
+        return results, engine.stats().shed - before
+
+    results, counted = loop.run_until_complete(body())
+    shed = [(toks, last) for toks, last in results if last.finish_reason is FinishReason.SHED]
+    done = [toks for toks, last in results if last.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)]
+    assert len(done) == SEQS and all(done), "the admitted ones ran"
+    assert len(shed) == len(results) - SEQS == counted
+    assert all(not toks and "max_queue_wait_ms" in (last.error or "") for toks, last in shed)
 
 
 def test_cancel_ends_the_stream_and_frees_the_sequence(engine, loop):

@@ -210,6 +210,15 @@ def test_seqs_grow_by_half_a_long_queue_at_most_doubling():
     assert d.rule is LlmRule.SEQS_GROW and d.max_num_seqs == 12  # 8 + min(30, 8) // 2
 
 
+def test_start_keeps_the_engines_max_batched_tokens_not_its_ceiling():
+    """A new max_batched_tokens takes a restart, and on CPU the ceiling (2,048 prefill tokens a step)
+    served a sixth fewer requests than the 512 the engine was configured with."""
+    d, _ = decide_llm(load(max_batched_tokens=512), CFG, None)
+    assert d.rule is LlmRule.START and d.max_batched_tokens == 512
+    d, _ = decide_llm(load(), CFG, None)  # an engine that reports none: the ceiling, as before
+    assert d.max_batched_tokens == CFG.max_batched_tokens_max
+
+
 def test_start_keeps_a_larger_cache_the_grant_holds():
     d, _ = decide_llm(load(kv_blocks_total=200, grant_bytes=BIG_GRANT), CFG, None)
     assert d.rule is LlmRule.START and d.kv_blocks == 200  # no resize (a drain) at the first decision
@@ -243,3 +252,28 @@ def test_busy_grow_raises_max_num_seqs_to_what_the_grown_cache_holds():
     d, _ = decide_llm(load(waiting=5, running=8, kv_blocks_reserved=60, grant_bytes=grant), CFG, state(kv_blocks=64))
     assert d.rule is LlmRule.BUSY_GROW and d.max_num_seqs == 8 + 5  # no more than what waits
     assert "max_num_seqs 8->13" in d.reason
+
+
+def test_busy_grow_waits_for_the_grant_in_flight_and_grows_once_when_it_lands():
+    """A bursting engine whose base came back while a lend to it was already begun grew to its base
+    (a drain and restart) and again a few seconds later when the lend landed: two restarts in the
+    first seconds of its burst (2026-12-05 runs). With grant in flight it keeps its cache and grows
+    once, to what the landed grant holds."""
+    pressed = dict(waiting=5, running=8, kv_blocks_reserved=40)
+    grant = CFG.base_bytes + (100 + 2) * BLOCK
+    d, s = decide_llm(load(grant_bytes=grant, incoming_bytes=80 * BLOCK, **pressed), CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 64 and s.last_change_s == 0.0  # no resize yet
+    assert "in flight" in d.reason and "then 180" in d.reason
+    assert d.want_grant_bytes == CFG.base_bytes + cache_bytes(CFG, 256)  # still asks for its max
+    d, _ = decide_llm(load(grant_bytes=grant + 80 * BLOCK, **pressed), CFG, s)  # landed
+    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 180
+
+
+def test_grant_in_flight_that_adds_no_block_does_not_hold_a_grow():
+    grant = CFG.base_bytes + (100 + 2) * BLOCK
+    d, _ = decide_llm(
+        load(waiting=5, running=8, kv_blocks_reserved=40, grant_bytes=grant, incoming_bytes=BLOCK // 2),
+        CFG,
+        state(kv_blocks=64),
+    )
+    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 100
