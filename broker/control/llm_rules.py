@@ -375,8 +375,8 @@ def decide_llm(load: EngineLoad, cfg: LlmRuleConfig, state: LlmState | None) -> 
         rule, want = LlmRule.START, start_state(cfg, load.grant_bytes)
         if load.kv_blocks_total > want.state.kv_blocks:  # keep a larger cache the grant holds: a resize drains
             want = replace(want, state=replace(want.state, kv_blocks=load.kv_blocks_total))
-        if load.max_batched_tokens:  # keep the engine's step size: its ceiling cost a sixth of the
-            # throughput on CPU (2,048 prefill tokens a step against 512: python -m bench.llm_probe)
+        if load.max_batched_tokens:  # keep the step size the engine was configured with: the ceiling
+            # took effect at its first restart unasked; prefill_bound moves it when TTFT says so
             want = replace(want, state=replace(want.state, max_batched_tokens=load.max_batched_tokens))
     else:
         for rule, fn in RULES:  # noqa: B007 - the matching rule is used after the loop

@@ -9,12 +9,12 @@ restart, so ``VllmEngineOptions.in_process`` defaults to this driver on CPU only
 
 The engine belongs to the step thread: the event loop hands it requests, aborts and calls through a
 queue, and gets each step's outputs back with ``call_soon_threadsafe``. vLLM keeps its forward
-context and its process groups in module globals, so two engines in one process (the benchmark's
-two engines; a replica has one) build, step and stop one at a time under ``VLLM_LOCK``: two
-unserialised step threads crashed the process (``munmap_chunk(): invalid pointer``). An engine's
-shutdown tears those groups down (``cleanup_dist_env_and_memory``); the engines still running in the
-process get them back at once (one process, world size 1), or their next step fails
-("pipeline model parallel group is not initialized").
+context and its process groups in module globals, so two engines in one process (a test's two; a
+replica has one, and so has each of the benchmark's engine processes) build, step and stop one at a
+time under ``VLLM_LOCK``: two unserialised step threads crashed the process (``munmap_chunk():
+invalid pointer``). An engine's shutdown tears those groups down (``cleanup_dist_env_and_memory``);
+the engines still running in the process get them back at once (one process, world size 1), or
+their next step fails ("pipeline model parallel group is not initialized").
 """
 
 from __future__ import annotations

@@ -206,9 +206,9 @@ def test_a_kv_resize_under_load_loses_no_request(engine, loop):
 
 
 def test_two_in_process_engines_one_resizing_both_keep_answering(loop):
-    """Two in-process engines share vLLM's module globals (the benchmark's set-up): one resizes twice
-    under load while the other serves; every request of both ends normally (without the process
-    groups restored after a shutdown the other engine's next step failed)."""
+    """Two in-process engines share vLLM's module globals (the benchmark's set-up until 294a4c6): one
+    resizes twice under load while the other serves; every request of both ends normally (without the
+    process groups restored after a shutdown the other engine's next step failed)."""
 
     def opts():
         return VllmEngineOptions(

@@ -211,8 +211,8 @@ def test_seqs_grow_by_half_a_long_queue_at_most_doubling():
 
 
 def test_start_keeps_the_engines_max_batched_tokens_not_its_ceiling():
-    """A new max_batched_tokens takes a restart, and on CPU the ceiling (2,048 prefill tokens a step)
-    served a sixth fewer requests than the 512 the engine was configured with."""
+    """The first decision keeps the step size the engine runs (configured by its operator): the
+    ceiling used to take effect at the engine's first restart, unasked."""
     d, _ = decide_llm(load(max_batched_tokens=512), CFG, None)
     assert d.rule is LlmRule.START and d.max_batched_tokens == 512
     d, _ = decide_llm(load(), CFG, None)  # an engine that reports none: the ceiling, as before
