@@ -33,17 +33,16 @@ import asyncio
 import csv
 import json
 import time
-import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.llm_replay import TPOT_SLO_MS, TTFT_SLO_MS, Rec, Req
 from bench.sim_figures import code_version
 from gpubroker.sim.arrivals import trace_path
 
-TTFT_SLO_MS, TPOT_SLO_MS = 4000.0, 1000.0  # generous: two shared CPU cores run every arm
 MAX_MODEL_LEN = 256
 GEN_MAX = 64
 # Every arm's engines shed a request still waiting for admission after half the TTFT SLO (a miss):
@@ -63,23 +62,6 @@ INDEPENDENT_RPS = 40.0
 # (one engine alone on the first burst: python -m bench.llm_probe)
 BURST_RPS = 180.0
 WEIGHTS_KIB = 1545  # the tiny Llama's safetensors (what the engine reports as weights_bytes)
-
-
-@dataclass(frozen=True)
-class Req:
-    t_s: float  # scheduled arrival from the start of the run
-    prompt: int  # prompt tokens
-    gen: int  # tokens to generate
-
-
-@dataclass(frozen=True)
-class Rec:
-    model: str
-    t_s: float
-    ok: bool
-    ttft_ms: float | None
-    tpot_ms: float | None
-    tokens: int
 
 
 def load_rows(path: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -150,53 +132,6 @@ def engine_options(kv_blocks: int, seqs: int, kv_max: int | None = None) -> Any:
     )
 
 
-async def _one(engine: Any, model: str, rid: str, req: Req, t0: float, out: list[Rec]) -> None:
-    await asyncio.sleep(max(0.0, t0 + req.t_s - time.perf_counter()))
-    rng = np.random.default_rng(zlib.crc32(rid.encode()))
-    stream = engine.submit(rid, [int(t) for t in rng.integers(0, 256, req.prompt)], req.gen)
-    first = last = None
-    n = 0
-    ok = False
-    deadline = t0 + req.t_s + TTFT_SLO_MS / 1000.0
-    while True:
-        # the client gives up on a request with no first token by its TTFT SLO (cancelled: a miss),
-        # every arm alike, so one backlog costs the requests in it, not every request after it
-        wait = None if first is not None else max(0.0, deadline - time.perf_counter())
-        try:
-            delta = await asyncio.wait_for(stream.__anext__(), wait)
-        except (StopAsyncIteration, TimeoutError):
-            break
-        now = time.perf_counter()
-        if delta.token_ids:
-            first = first or now
-            last = now
-            n += len(delta.token_ids)
-        if delta.finished:
-            ok = str(delta.finish_reason) in ("stop", "length")
-            break
-    ttft = None if first is None else (first - (t0 + req.t_s)) * 1000.0
-    tpot = None if first is None or n < 2 else (last - first) * 1000.0 / (n - 1)
-    out.append(Rec(model, req.t_s, ok, ttft, tpot, n))
-
-
-async def replay(engines: dict[str, Any], loads: dict[str, list[Req]], t0: float, until_s: float) -> list[Rec]:
-    """Every request at its time; at ``until_s`` after the start the ones still open are cancelled
-    (their streams closed, their sequences freed) and count as misses."""
-    recs: list[Rec] = []
-    tasks = [
-        asyncio.create_task(_one(engines[m], m, f"{m}-{i}", r, t0, recs))
-        for m, reqs in loads.items()
-        for i, r in enumerate(reqs)
-    ]
-    _, late = await asyncio.wait(tasks, timeout=max(0.0, t0 + until_s - time.perf_counter()))
-    for t in late:
-        t.cancel()
-    await asyncio.gather(*late, return_exceptions=True)
-    done = {(r.model, r.t_s) for r in recs}
-    recs += [Rec(m, r.t_s, False, None, None, 0) for m, reqs in loads.items() for r in reqs if (m, r.t_s) not in done]
-    return recs
-
-
 def summary(recs: list[Rec], duration_s: float, model: str | None = None) -> dict[str, Any]:
     rs = [r for r in recs if model is None or r.model == model]
     good = [
@@ -245,13 +180,6 @@ def _options_dict(o: Any) -> dict[str, Any]:
 def quota_kib(blocks: int) -> str:
     """The grant that holds the weights and a cache of ``blocks`` (the rules count 2 spare blocks)."""
     return f"{WEIGHTS_KIB + (blocks + 2) * 256 + 16}KiB"
-
-
-async def reset(engine: Any, opts: Any) -> None:
-    """Back to the arm's starting point: the configured bounds and cache (a restart if it moved)."""
-    engine.set_bounds(opts.max_num_seqs, opts.max_batched_tokens, False)
-    engine.set_kv_cache_blocks(opts.kv_cache_blocks)
-    await engine.wait_resized()
 
 
 async def run_arm(
@@ -315,17 +243,6 @@ def move_row(e: dict[str, Any], t_wall: float) -> dict[str, Any]:
     tell whose move shrank an engine)."""
     keys = ("move", "donor", "recipient", "amount_bytes", "reason")
     return {"t_s": round(float(e["time_s"]) - t_wall, 1)} | {k: e.get(k) for k in keys}
-
-
-def engine_delta(a: Any, b: Any) -> dict[str, Any]:
-    """What vLLM did during the arm: restarts (KV resizes) and their seconds, preemptions, prefix hits."""
-    return {
-        "restarts": b.rebuilds - a.rebuilds,
-        "restart_s": round(b.restart_s_total - a.restart_s_total, 1),
-        "preemptions": b.preemptions - a.preemptions,
-        "prefix_cache_hits": b.prefix_cache_hits - a.prefix_cache_hits,
-        "kv_blocks_end": b.kv_blocks_total,
-    }
 
 
 # ------------------------------------------------------------------ scenarios

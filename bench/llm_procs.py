@@ -6,7 +6,7 @@ shrinking its cache, about 3 s) stopped every other engine too, the bursting one
 runs each engine in a Serve replica of its own, where a lender's restart costs the lender; the
 benchmark's engines now run that way, as Ray actors (``EngineProc``) reporting to a
 ``broker.actor.BrokerActor`` over the same link a replica uses (``deployments.llm.report_loop``).
-The arms' requests are replayed inside each engine's process (``bench.llm_bench.replay``), timed
+The arms' requests are replayed inside each engine's process (``bench.llm_replay.replay``), timed
 from one ``t0`` on ``time.perf_counter``, the node's monotonic clock, which every process reads alike.
 """
 
@@ -74,7 +74,7 @@ class EngineProc:
 
     async def begin(self, seqs: int | None, broker: Any | None) -> None:
         """Back to the arm's start (``seqs``: a static max_num_seqs); with ``broker``, report to it."""
-        from bench.llm_bench import reset
+        from bench.llm_replay import reset
 
         e = self.engine
         await reset(e, e.options)
@@ -87,13 +87,13 @@ class EngineProc:
             self.reporting = asyncio.create_task(reporter.run())
 
     async def replay(self, reqs: list[Any], t0: float, until_s: float) -> list[Any]:
-        from bench.llm_bench import replay
+        from bench.llm_replay import replay
 
         return await replay({self.name: self.engine}, {self.name: reqs}, t0, until_s)
 
     async def end(self) -> dict[str, Any]:
-        """Stop reporting; what vLLM did since ``begin`` (``bench.llm_bench.engine_delta``)."""
-        from bench.llm_bench import engine_delta
+        """Stop reporting; what vLLM did since ``begin`` (``bench.llm_replay.engine_delta``)."""
+        from bench.llm_replay import engine_delta
 
         if self.reporting is not None:
             self.reporting.cancel()
