@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.llm_procs import ray_up, start_broker_actor, start_engines, stop_actor, stop_engines
 from bench.llm_replay import TPOT_SLO_MS, TTFT_SLO_MS, Rec, Req
 from bench.sim_figures import code_version
 from gpubroker.sim.arrivals import trace_path
@@ -193,8 +194,6 @@ async def run_arm(
 ) -> dict[str, Any]:
     """One arm on running engines (``bench.llm_procs.EngineProc``, reset to their options first,
     ``seqs`` as their static max_num_seqs when given), under a broker actor when ``config_text``."""
-    from bench.llm_procs import start_broker_actor, stop_actor
-
     broker = None if config_text is None else await start_broker_actor(config_text)
     await asyncio.gather(*(e.begin.remote(seqs, broker) for e in engines.values()))
     trace_bounds: list[dict[str, Any]] = []
@@ -285,8 +284,6 @@ def loads_for(
 
 async def kv_bound(quick: bool, log=print, phase_s: float | None = None, seeds: tuple[int, ...] | None = None) -> dict:
     """Three engines on one card whose static split leaves a bursting engine short of KV blocks."""
-    from bench.llm_procs import start_engines, stop_engines
-
     names = ENGINES
     phase, hi, lo = 40.0, BURST_RPS, 0.2  # quick runs one seed of the same loads
     phase = phase_s or phase
@@ -331,8 +328,6 @@ def single_text() -> str:
 async def single_engine(quick: bool, log=print, seeds: tuple[int, ...] | None = None) -> dict:
     """One engine at several rates (Poisson arrivals, the trace's lengths): the broker's bounds against
     every static max_num_seqs of the grid, the same requests for each arm. The target: broker >= 0.9 x the best static setting at every rate."""
-    from bench.llm_procs import start_engines, stop_engines
-
     rates, dur = ((120.0,), 20.0) if quick else ((40.0, 80.0, 120.0), 20.0)
     seeds = seeds or ((0,) if quick else (0, 1, 2))
     engines = await start_engines(("a",), engine_options(SINGLE_KV, SPLIT_SEQS, kv_max=SINGLE_KV))
@@ -392,8 +387,6 @@ def run(quick: bool = False, out: Path | None = None, log=print, part: str = "al
         "max_queue_wait_ms": QUEUE_WAIT_MS,
         "rate_burst": BURST_RPS,
     }
-    from bench.llm_procs import ray_up
-
     ray_up()
     if part in ("all", "lending"):
         log("llm: three vLLM engines on one card, the KV cache binding: static split, broker-fixed, broker")

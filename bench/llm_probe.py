@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import llm_bench as lb
+from bench.llm_procs import ray_up, start_engines, stop_engines
 from bench.sim_figures import code_version
 
 DURATION_S = 30.0
@@ -28,8 +29,6 @@ SETTINGS = {  # name -> (KV blocks, max_num_seqs, max_batched_tokens)
 
 
 async def probe(log=print) -> list[dict[str, Any]]:
-    from bench.llm_procs import start_engines, stop_engines
-
     loads = {"a": lb.workload(lb.BURST_RPS, DURATION_S, seed=0, poisson=True)}
     rows = []
     for name, (blocks, seqs, tokens) in SETTINGS.items():
@@ -43,8 +42,6 @@ async def probe(log=print) -> list[dict[str, Any]]:
 
 
 def main(out: Path) -> dict[str, Any]:
-    from bench.llm_procs import ray_up
-
     t0 = time.time()
     ray_up()
     res = {"rate": lb.BURST_RPS, "duration_s": DURATION_S, "code": code_version(), "runs": asyncio.run(probe())}

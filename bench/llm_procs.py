@@ -22,6 +22,8 @@ from typing import Any
 
 import ray
 
+from bench.llm_replay import engine_delta, replay, reset
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository: the actors import bench/ from here
 
 
@@ -31,9 +33,8 @@ def ray_up() -> None:
         return
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     env["VLLM_LOGGING_LEVEL"] = "WARNING"
-    # each engine keeps Ray's one OpenMP thread (OMP_NUM_THREADS=1 for an actor of num_cpus=0): with
-    # two, one engine alone served no more on the tiny model (kv8 84 req/s against 95, kv18 145 against 148-166)
-    # the actors' logs (vLLM's warnings, the broker's decisions) stay in Ray's session logs
+    # Each engine keeps Ray's one OpenMP thread (OMP_NUM_THREADS=1 for an actor of num_cpus=0); the
+    # actors' logs (vLLM's warnings, the broker's decisions) stay in Ray's session logs.
     ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False, runtime_env={"env_vars": env})
 
 
@@ -74,8 +75,6 @@ class EngineProc:
 
     async def begin(self, seqs: int | None, broker: Any | None) -> None:
         """Back to the arm's start (``seqs``: a static max_num_seqs); with ``broker``, report to it."""
-        from bench.llm_replay import reset
-
         e = self.engine
         await reset(e, e.options)
         if seqs is not None:
@@ -87,14 +86,10 @@ class EngineProc:
             self.reporting = asyncio.create_task(reporter.run())
 
     async def replay(self, reqs: list[Any], t0: float, until_s: float) -> list[Any]:
-        from bench.llm_replay import replay
-
         return await replay({self.name: self.engine}, {self.name: reqs}, t0, until_s)
 
     async def end(self) -> dict[str, Any]:
         """Stop reporting; what vLLM did since ``begin`` (``bench.llm_replay.engine_delta``)."""
-        from bench.llm_replay import engine_delta
-
         if self.reporting is not None:
             self.reporting.cancel()
             await asyncio.gather(self.reporting, return_exceptions=True)
