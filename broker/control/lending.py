@@ -241,6 +241,14 @@ class QuotaRound:
         # replicas a model's need is spread over: those reporting, else the config's count
         self._replicas = {n: max(1, load.replicas or config.models[n].replicas) for n, load in self.loads.items()}
         self.memory: dict[str, MemoryModel] = dict(inputs.memory)
+        # LLM engines holding a loan as the tick begins, a loan being reclaimed from them counted
+        # (``hands_over``: the tick's own release or lend must not end the handover it began)
+        self.engines_borrowing = {n for n in inputs.need_bytes if self._borrowed(n) >= self.dust}
+
+    def _borrowed(self, name: str) -> int:
+        base = self.config.models[name].quota.base
+        reclaiming = sum(t.amount_bytes for t in self.ledger.pending if t.donor == name and t.kind == "reclaim")
+        return self.ledger.grant(name) + reclaiming - base
 
     def mm(self, name: str) -> MemoryModel:
         if name not in self.memory:
@@ -286,12 +294,30 @@ class QuotaRound:
 
     def idle(self, name: str) -> bool:
         """Quiet for its idle hold (longer for a model whose loans keep coming back soon after it
-        lends), and, if it borrows, idle at the batch its base holds too (``busy_at_base``)."""
+        lends; none for an engine that hands its burst's memory over, ``hands_over``), and, if it
+        borrows, idle at the batch its base holds too (``busy_at_base``)."""
         st = self.inputs.states[name]
-        hold = self.config.models[name].control.idle_hold_s * self.scale.get(name, 1.0)
+        hold = 0.0 if self.hands_over(name) else self.config.models[name].control.idle_hold_s * self.scale.get(name, 1.0)
         if st.quiet_since_s is None or self.now_s - st.quiet_since_s < hold:
             return False
         return not self.ledger.loan_bytes(name) or not self.busy_at_base(name)
+
+    def hands_over(self, name: str) -> bool:
+        """An LLM engine that borrowed for its burst, while another engine's burst wants more than
+        it holds: the load has moved, so once its queue is empty it lends on at once instead of
+        after its idle hold. With the hold, the quiet borrower restarted twice (the owner's reclaim,
+        then its lend 3 s later) and the bursting engine twice (its base, then the loan): it was set
+        to 18 blocks 9-12 s into its 40 s burst (``bench/results/2026-12-05-llm-vllm/lending-5.json``).
+        Not for an engine whose lends came back soon (its idle hold scaled up): it waits out its hold."""
+        if name not in self.engines_borrowing or self.scale.get(name, 1.0) > 1.0:
+            return False
+        return any(other != name and self.presses(other) for other in self.inputs.need_bytes)
+
+    def presses(self, name: str) -> bool:
+        """Busy (its queue not empty) and wanting more than it holds."""
+        wanted = self.need(name)
+        quiet = self.inputs.states[name].quiet_since_s is not None
+        return not quiet and wanted is not None and wanted - self.holds(name) >= self.dust
 
     def busy_at_base(self, name: str) -> bool:
         """A loan can make its borrower look idle: at the bigger batches it buys, the same requests
@@ -508,15 +534,15 @@ def lend_to(r: QuotaRound, name: str) -> None:
     if not engine and offers and not load.held_over and not _lifts_ceiling(r, name, offers):
         return  # what the idle models can spare would not raise its batch: a move that buys nothing
     for donor, amount in offers:
-        quiet_for = r.now_s - (r.inputs.states[donor].quiet_since_s or r.now_s)
-        r.transfer(
-            donor,
-            name,
-            amount,
-            MoveKind.LEND,
-            reason + f": {donor} idle (busy_frac {r.loads[donor].busy_frac:.2f}) for "
-            f"{quiet_for:.0f}s lends {format_size(amount)}",
-        )
+        r.transfer(donor, name, amount, MoveKind.LEND, f"{reason}: {_lender_why(r, donor, amount)}")
+
+
+def _lender_why(r: QuotaRound, donor: str, amount: int) -> str:
+    load = r.loads[donor]
+    if r.hands_over(donor):
+        return f"{donor}'s burst is over (queue {load.queue_depth:.0f}): it hands over {format_size(amount)}"
+    quiet_for = r.now_s - (r.inputs.states[donor].quiet_since_s or r.now_s)
+    return f"{donor} idle (busy_frac {load.busy_frac:.2f}) for {quiet_for:.0f}s lends {format_size(amount)}"
 
 
 class _WantsWhy:

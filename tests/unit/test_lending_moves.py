@@ -288,3 +288,71 @@ def test_an_llm_engine_whose_queue_reaches_its_expected_peak_reclaims_at_once():
     assert _reclaim_ticks(16) == 1
     shallow = _reclaim_ticks(3)
     assert shallow is not None and shallow >= 3
+
+
+def _three_engines() -> Driver:
+    from tests.unit.policy_builders import BASE_CONFIG, deep_merge
+
+    engine = deep_merge(
+        BASE_CONFIG["models"]["a"],
+        {
+            "kind": "llm",
+            "model": "tiny-llama",
+            "llm": {"expected_peak_concurrency": 16},
+            "quota": {"min": "1GiB", "base": "3GiB", "max": "7GiB"},
+        },
+    )
+    return Driver(make_config(models={"a": engine, "b": engine, "c": engine}), usable=9 * GiB)
+
+
+BURST = dict(busy_frac=1.0, queue_depth=300)
+IDLE = dict(busy_frac=0.0, queue_depth=0, mem_used_bytes=1 * GiB)
+
+
+def _after_a_burst() -> Driver:
+    """a burst on memory b and c lent it (each down to its 1 GiB min): a at 7 GiB."""
+    d = _three_engines()
+    for _ in range(12):
+        a = load("a", **BURST, mem_used_bytes=d.grant("a"))
+        d.step({"a": a, "b": load("b", **IDLE), "c": load("c", **IDLE)}, need_bytes={"a": 7 * GiB, "b": GiB, "c": GiB})
+    assert (d.grant("a"), d.grant("b"), d.grant("c")) == (7 * GiB, GiB, GiB)
+    return d
+
+
+def _b_bursts(d: Driver, a_queue: list[int]) -> list[int]:
+    """b bursts while a's queue runs ``a_queue`` (one tick each; a's cache is its grant, as an
+    engine restarted to it); b's grant on each tick."""
+    grants = []
+    for depth in a_queue:
+        a = load("a", busy_frac=1.0, queue_depth=depth, mem_used_bytes=d.grant("a"))
+        b = load("b", **BURST, mem_used_bytes=d.grant("b"))
+        need = {"a": 7 * GiB if depth > 1 else GiB, "b": 7 * GiB, "c": GiB}
+        d.step({"a": a, "b": b, "c": load("c", **IDLE)}, need_bytes=need)
+        grants.append(d.grant("b"))
+    return grants
+
+
+def test_a_quiet_engine_hands_its_bursts_memory_to_the_engine_bursting_now_without_its_idle_hold():
+    """The burst moves from a to b: b reclaims its base from a at once (its queue is a burst); a,
+    quiet once its backlog is served, lends on everything above its min on that tick instead of
+    idle_hold_s (5 s) later, so b grows to its max on the next. Before, b ran on its base 5 ticks
+    more and grew twice (two restarts of a bursting engine)."""
+    d = _after_a_burst()
+    start = len(d.history)
+    grants = _b_bursts(d, [300, 300, 0, 0])
+    assert grants == [GiB, 3 * GiB, 3 * GiB, 7 * GiB]  # its base, then all it wants at once
+    lends = [(i, m) for i, dec in enumerate(d.history[start:]) for m in dec.moves if m.kind == "lend"]
+    assert [(i, m.donor, m.recipient, m.amount_bytes) for i, m in lends] == [(2, "a", "b", 2 * GiB)]
+    assert "a's burst is over (queue 0): it hands over 2.0GiB" in lends[0][1].reason
+    assert d.grant("a") == GiB
+
+
+def test_a_quiet_engine_keeps_its_loan_for_its_idle_hold_when_no_engine_presses():
+    """With no other engine short of what it wants, a quiet borrower waits out idle_hold_s before
+    it hands its loan back (a lull inside its own burst is not the burst's end)."""
+    d = _after_a_burst()
+    for _ in range(3):
+        a = load("a", busy_frac=0.2, queue_depth=0, mem_used_bytes=d.grant("a"))
+        d.step({"a": a, "b": load("b", **IDLE), "c": load("c", **IDLE)}, need_bytes={"a": GiB, "b": GiB, "c": GiB})
+    assert d.grant("a") == 7 * GiB
+    assert not [m for dec in d.history[-3:] for m in dec.moves if m.donor == "a"]
