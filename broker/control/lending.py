@@ -297,7 +297,8 @@ class QuotaRound:
         lends; none for an engine that hands its burst's memory over, ``hands_over``), and, if it
         borrows, idle at the batch its base holds too (``busy_at_base``)."""
         st = self.inputs.states[name]
-        hold = 0.0 if self.hands_over(name) else self.config.models[name].control.idle_hold_s * self.scale.get(name, 1.0)
+        ctl = self.config.models[name].control
+        hold = 0.0 if self.hands_over(name) else ctl.idle_hold_s * self.scale.get(name, 1.0)
         if st.quiet_since_s is None or self.now_s - st.quiet_since_s < hold:
             return False
         return not self.ledger.loan_bytes(name) or not self.busy_at_base(name)
