@@ -356,26 +356,3 @@ def test_a_quiet_engine_keeps_its_loan_for_its_idle_hold_when_no_engine_presses(
         d.step({"a": a, "b": load("b", **IDLE), "c": load("c", **IDLE)}, need_bytes={"a": GiB, "b": GiB, "c": GiB})
     assert d.grant("a") == 7 * GiB
     assert not [m for dec in d.history[-3:] for m in dec.moves if m.donor == "a"]
-
-
-def _a_lends_on_first_tick(a_recent_rps: float) -> list:
-    """b's burst begins while a still has a queue of 300, its arrivals at ``a_recent_rps`` over the
-    last second against 150 completions a second over the window; a's lends on that first tick."""
-    d = _after_a_burst()
-    a = load(
-        "a", busy_frac=1.0, queue_depth=300, mem_used_bytes=d.grant("a"),
-        recent_arrival_rate_rps=a_recent_rps, completion_rate_rps=150.0,
-    )  # fmt: skip
-    b = load("b", **BURST, mem_used_bytes=d.grant("b"))
-    d.step({"a": a, "b": b, "c": load("c", **IDLE)}, need_bytes={"a": 7 * GiB, "b": 7 * GiB, "c": GiB})
-    return [m for m in d.history[-1].moves if m.donor == "a" and m.kind == "lend"]
-
-
-def test_an_engine_whose_arrivals_stopped_hands_over_on_the_reclaims_tick_though_its_queue_is_long():
-    """Its queue is the backlog of a burst that has ended (arrivals 0.2 a second against 150
-    completions): the reclaim drains it for a restart, which sheds that backlog anyway, so it lends
-    on with the same restart instead of a second one once its queue shows empty. An engine whose
-    arrivals go on (150 a second) keeps its memory beyond what the owner reclaims."""
-    lends = _a_lends_on_first_tick(0.2)  # all above its min after b's reclaim: its base and c's loan
-    assert [(m.recipient, m.amount_bytes) for m in lends] == [("b", 4 * GiB)]
-    assert not _a_lends_on_first_tick(150.0)
