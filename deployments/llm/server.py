@@ -75,12 +75,17 @@ DONE = "data: [DONE]\n\n"
 FAILED = (FinishReason.ERROR, FinishReason.SHED)  # ends that count as a failed request, not a completion
 
 
+def server_error(message: str | None, status: int = 500, code: str | None = None) -> dict[str, Any]:
+    """A failure of the server's side in OpenAI's error shape."""
+    return {
+        "status": status,
+        "body": {"error": {"message": message, "type": "server_error", "param": None, "code": code}},
+    }
+
+
 def overloaded(message: str | None) -> dict[str, Any]:
     """A request the engine shed unstarted (``max_queue_wait_ms``): OpenAI's answer to overload, a 503."""
-    return {
-        "status": 503,
-        "body": {"error": {"message": message, "type": "server_error", "param": None, "code": "overloaded"}},
-    }
+    return server_error(message, 503, "overloaded")
 
 
 async def _after(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
@@ -264,10 +269,7 @@ class LlmServer:
         if last.finish_reason is FinishReason.SHED:
             return overloaded(last.error)
         if last.finish_reason is FinishReason.ERROR:
-            return {
-                "status": 500,
-                "body": {"error": {"message": last.error, "type": "server_error", "param": None, "code": None}},
-            }
+            return server_error(last.error)
         text = "".join(pieces)
         reason = "stop" if last.finish_reason is FinishReason.STOP else "length"
         out = self._envelope(kind, rid, int(time.time()))

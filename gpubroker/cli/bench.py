@@ -116,9 +116,8 @@ def _run_offline(a: BenchArgs) -> bool:
         print(json.dumps(res) if a.as_json else scale.table(res))
         typer.echo(f"wrote {a.out / 'scale.json'}", err=True)
         return True
-    if (
-        a.scenario == "llm"
-    ):  # vLLM engines as Ray actors: broker vs static bounds, lending between three (bench/llm_bench.py)
+    # llm: vLLM engines as Ray actors, broker vs static bounds, lending between three (bench/llm_bench.py)
+    if a.scenario == "llm":
         from bench import llm_bench
 
         res = llm_bench.run(quick=a.quick, out=a.out, log=lambda msg: typer.echo(msg, err=True))
