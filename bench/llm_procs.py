@@ -16,6 +16,7 @@ import asyncio
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,28 @@ def engine_reporter(name: str, engine: Any, get_handle: Any) -> Any:
     return EngineReporter(engine, link, report_interval_s=0.5, engine_report=report)
 
 
+class CountedEngine:
+    """The engine as the replica's server hands it requests: each counted in the report link, an
+    arrival when submitted and a completion (or an error) when it ends, so the broker sees the
+    rates a fleet's broker sees (without them every engine reported no arrivals)."""
+
+    def __init__(self, engine: Any, reporter: Any):
+        self.engine, self.reporter = engine, reporter
+
+    def submit(self, request_id: str, prompt_ids: list[int], max_tokens: int) -> AsyncIterator[Any]:
+        self.reporter.arrived()
+        return counted(self.engine.submit(request_id, prompt_ids, max_tokens), self.reporter, time.monotonic())
+
+
+async def counted(stream: AsyncIterator[Any], reporter: Any, started_s: float) -> AsyncIterator[Any]:
+    from deployments.llm.server import FAILED
+
+    async for delta in stream:
+        if delta.finished:
+            reporter.finished((time.monotonic() - started_s) * 1000.0, delta.finish_reason not in FAILED)
+        yield delta
+
+
 @ray.remote(num_cpus=0)
 class EngineProc:
     """One ``VllmEngine`` in its own process: an arm's start (bounds, cache, the broker link), its
@@ -65,6 +88,7 @@ class EngineProc:
         self.options = options
         self.engine: Any = None
         self.before: Any = None
+        self.reporter: Any = None
         self.reporting: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -80,13 +104,15 @@ class EngineProc:
         if seqs is not None:
             e.set_bounds(seqs, e.options.max_batched_tokens, False)
         self.before = e.stats()
+        self.reporter = None
         if broker is not None:
-            reporter = engine_reporter(self.name, e, lambda: broker)
-            await reporter.report_once()
-            self.reporting = asyncio.create_task(reporter.run())
+            self.reporter = engine_reporter(self.name, e, lambda: broker)
+            await self.reporter.report_once()
+            self.reporting = asyncio.create_task(self.reporter.run())
 
     async def replay(self, reqs: list[Any], t0: float, until_s: float) -> list[Any]:
-        return await replay({self.name: self.engine}, {self.name: reqs}, t0, until_s)
+        engine = self.engine if self.reporter is None else CountedEngine(self.engine, self.reporter)
+        return await replay({self.name: engine}, {self.name: reqs}, t0, until_s)
 
     async def end(self) -> dict[str, Any]:
         """Stop reporting; what vLLM did since ``begin`` (``bench.llm_replay.engine_delta``)."""

@@ -27,6 +27,7 @@ from quotas.ledger import LedgerError, QuotaLedger, Transfer
 from quotas.sizes import format_size
 
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
+BACKLOG_ARRIVAL_FRAC = 0.1  # arrivals under this share of completions: the queue is a backlog (backlog_only)
 
 
 # Escalation of a reclaim (or release) the borrower has not honoured, in order (QuotaMove.kind):
@@ -297,11 +298,21 @@ class QuotaRound:
         lends; none for an engine that hands its burst's memory over, ``hands_over``), and, if it
         borrows, idle at the batch its base holds too (``busy_at_base``)."""
         st = self.inputs.states[name]
-        ctl = self.config.models[name].control
-        hold = 0.0 if self.hands_over(name) else ctl.idle_hold_s * self.scale.get(name, 1.0)
+        handover = self.hands_over(name)
+        if handover and self.backlog_only(name):
+            return True
+        hold = 0.0 if handover else self.config.models[name].control.idle_hold_s * self.scale.get(name, 1.0)
         if st.quiet_since_s is None or self.now_s - st.quiet_since_s < hold:
             return False
         return not self.ledger.loan_bytes(name) or not self.busy_at_base(name)
+
+    def backlog_only(self, name: str) -> bool:
+        """Its arrivals have stopped (the last second's under ``BACKLOG_ARRIVAL_FRAC`` of the window's
+        completions): its queue is a backlog its own draining for a reclaim sheds, not load. A
+        handover waiting for the queue to empty restarted the old burster twice (the reclaim's
+        shrink shed the backlog, then the lend), 3 s more of the new burst on its smallest cache."""
+        load = self.loads[name]
+        return load.recent_arrival_rate_rps < BACKLOG_ARRIVAL_FRAC * load.completion_rate_rps
 
     def hands_over(self, name: str) -> bool:
         """An LLM engine that borrowed for its burst, while another engine's burst wants more than

@@ -302,6 +302,8 @@ def model_step(view: _TickView, name: str, spec: ModelSpec) -> ModelStep:
     quiet = load.busy_frac < spec.control.idle_util_frac and load.queue_depth <= 1 and not load.held_over
     if spec.kind == "llm":  # an engine's queue is exact (running + waiting): the window's busy share
         quiet = load.queue_depth <= 1  # trailed a burst's end by the window (5 s of 6, 2026-12-05 runs)
+        if not load.replicas:  # no live report: its queue reads 0, which says nothing; the spell goes on as it was
+            quiet = old.quiet_since_s is not None
     fit = fit_for_load(load, old.latency_fit)
     mm = memory_model(load)
     # a model is idle from its last arrival, or from the first tick it was seen

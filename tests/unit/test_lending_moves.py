@@ -356,3 +356,48 @@ def test_a_quiet_engine_keeps_its_loan_for_its_idle_hold_when_no_engine_presses(
         d.step({"a": a, "b": load("b", **IDLE), "c": load("c", **IDLE)}, need_bytes={"a": GiB, "b": GiB, "c": GiB})
     assert d.grant("a") == 7 * GiB
     assert not [m for dec in d.history[-3:] for m in dec.moves if m.donor == "a"]
+
+
+def _a_lends_on_first_tick(a_recent_rps: float) -> list:
+    """b's burst begins while a still has a queue of 300, its arrivals at ``a_recent_rps`` over the
+    last second against 150 completions a second over the window; a's lends on that first tick."""
+    d = _after_a_burst()
+    a = load(
+        "a", busy_frac=1.0, queue_depth=300, mem_used_bytes=d.grant("a"),
+        recent_arrival_rate_rps=a_recent_rps, completion_rate_rps=150.0,
+    )  # fmt: skip
+    b = load("b", **BURST, mem_used_bytes=d.grant("b"))
+    d.step({"a": a, "b": b, "c": load("c", **IDLE)}, need_bytes={"a": 7 * GiB, "b": 7 * GiB, "c": GiB})
+    return [m for m in d.history[-1].moves if m.donor == "a" and m.kind == "lend"]
+
+
+def test_an_engine_whose_arrivals_stopped_hands_over_on_the_reclaims_tick_though_its_queue_is_long():
+    """Its queue is the backlog of a burst that has ended (arrivals 0.2 a second against 150
+    completions): the reclaim drains it for a restart, which sheds that backlog anyway, so it lends
+    on with the same restart instead of a second one once its queue shows empty. An engine whose
+    arrivals go on (150 a second) keeps its memory beyond what the owner reclaims."""
+    lends = _a_lends_on_first_tick(0.2)  # all above its min after b's reclaim: its base and c's loan
+    assert [(m.recipient, m.amount_bytes) for m in lends] == [("b", 4 * GiB)]
+    assert not _a_lends_on_first_tick(150.0)
+
+
+def _a_lends_while_its_reports(replicas: int) -> list:
+    """a serves a steady load (queue 20) while b wants more than its base; then, for eight ticks
+    (past a's 5 s idle hold), a's load reads queue 0 with ``replicas`` live reports. What a lends."""
+    d = _three_engines()
+    need = {"a": 3 * GiB, "b": 7 * GiB, "c": GiB}
+    for depth, live in [(20, 1)] * 3 + [(0, replicas)] * 8:
+        a = load("a", busy_frac=1.0, queue_depth=depth, replicas=live, mem_used_bytes=d.grant("a"))
+        b = load("b", **BURST, mem_used_bytes=d.grant("b"))
+        d.step({"a": a, "b": b, "c": load("c", **IDLE)}, need_bytes=need)
+    return [m for dec in d.history for m in dec.moves if m.donor == "a" and m.kind == "lend"]
+
+
+def test_an_engine_whose_reports_stop_is_not_taken_for_idle():
+    """An engine with no live report (a stalled process: its reports and its requests wait alike)
+    reads queue 0, which says nothing: its busy spell goes on and it lends nothing. Before, a
+    stalled engine under 40 req/s looked quiet, lent, and was reclaimed 3 s later with a queue of
+    82 (bench/results/2026-12-05-llm-vllm/lending-7-reverted.json). The same zeros reported live
+    are quiet, and it lends."""
+    assert not _a_lends_while_its_reports(0)
+    assert _a_lends_while_its_reports(1)
