@@ -244,7 +244,9 @@ class QuotaRound:
         self.memory: dict[str, MemoryModel] = dict(inputs.memory)
         # LLM engines holding a loan as the tick begins, a loan being reclaimed from them counted
         # (``hands_over``: the tick's own release or lend must not end the handover it began)
-        self.engines_borrowing = {n for n in inputs.need_bytes if self._borrowed(n) >= self.dust}
+        # (memory other engines lent: a grant over base from the free pool alone hands nothing over)
+        lent = any(self.ledger.lent_bytes(n) >= self.dust for n in self.config.models)
+        self.engines_borrowing = {n for n in inputs.need_bytes if lent and self._borrowed(n) >= self.dust}
 
     def _borrowed(self, name: str) -> int:
         base = self.config.models[name].quota.base

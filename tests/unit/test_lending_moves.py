@@ -401,3 +401,49 @@ def test_an_engine_whose_reports_stop_is_not_taken_for_idle():
     are quiet, and it lends."""
     assert not _a_lends_while_its_reports(0)
     assert _a_lends_while_its_reports(1)
+
+
+def _a_lends_through_a_lull(arrival_rate_rps: float) -> list:
+    """a under a steady load (queue 6) while b wants more than its base; then a lull of eight ticks
+    (past a's 5 s idle hold) with a's queue at 0, its window's arrivals at ``arrival_rate_rps`` of
+    150 ms requests. What a lends."""
+    d = _three_engines()
+    need = {"a": 3 * GiB, "b": 7 * GiB, "c": GiB}
+    for depth in [6] * 3 + [0] * 8:
+        a = load(
+            "a", busy_frac=1.0, queue_depth=depth, mem_used_bytes=d.grant("a"),
+            arrival_rate_rps=arrival_rate_rps, p50_ms=150.0, latency_samples=100,
+        )  # fmt: skip
+        b = load("b", **BURST, mem_used_bytes=d.grant("b"))
+        d.step({"a": a, "b": b, "c": load("c", **IDLE)}, need_bytes=need)
+    return [m for dec in d.history for m in dec.moves if m.donor == "a" and m.kind == "lend"]
+
+
+def test_a_lull_in_a_steady_load_is_not_quiet():
+    """40 requests a second of 150 ms keep six sequences running: a queue that dips to none for
+    longer than the idle hold is a lull (or a client running late), not the end of the load, and the
+    engine lends nothing. With the arrivals of an idle engine (0.2 a second) the same queue is quiet."""
+    assert not _a_lends_through_a_lull(40.0)
+    assert _a_lends_through_a_lull(0.2)
+
+
+def test_a_grant_over_base_from_the_free_pool_hands_nothing_over():
+    """a holds 0.5 GiB over its base from the free pool (no engine lent it) and its arrivals have
+    stopped with a queue of 300 while b wants more: a lends nothing. The handover gives back what
+    other engines lent for a burst; here, under a steady load whose reports came late, it took an
+    engine under load for one whose burst was over."""
+    d = _three_engines()
+    d = Driver(d.config, usable=9 * GiB + GiB // 2)
+    need = {"a": 7 * GiB, "b": 3 * GiB, "c": 3 * GiB}
+    busy = dict(busy_frac=1.0, queue_depth=8)
+    for _ in range(3):
+        d.step({n: load(n, **busy, mem_used_bytes=d.grant(n)) for n in "abc"}, need_bytes=need)
+    assert d.grant("a") > 3 * GiB and d.grant("b") == 3 * GiB
+    a = load(
+        "a", busy_frac=1.0, queue_depth=300, mem_used_bytes=d.grant("a"),
+        recent_arrival_rate_rps=0.2, completion_rate_rps=150.0,
+    )  # fmt: skip
+    b = load("b", **BURST, mem_used_bytes=d.grant("b"))
+    c = load("c", **busy, mem_used_bytes=d.grant("c"))
+    d.step({"a": a, "b": b, "c": c}, need_bytes={"a": 7 * GiB, "b": 7 * GiB, "c": 3 * GiB})
+    assert not [m for m in d.history[-1].moves if m.donor == "a" and m.kind == "lend"]
