@@ -243,8 +243,8 @@ class QuotaRound:
         self._replicas = {n: max(1, load.replicas or config.models[n].replicas) for n, load in self.loads.items()}
         self.memory: dict[str, MemoryModel] = dict(inputs.memory)
         # LLM engines holding a loan as the tick begins, a loan being reclaimed from them counted
-        # (``hands_over``: the tick's own release or lend must not end the handover it began)
-        # (memory other engines lent: a grant over base from the free pool alone hands nothing over)
+        # (``hands_over``: the tick's own release or lend must not end the handover it began); a
+        # loan is memory other engines lent: a grant over base from the free pool alone is none
         lent = any(self.ledger.lent_bytes(n) >= self.dust for n in self.config.models)
         self.engines_borrowing = {n for n in inputs.need_bytes if lent and self._borrowed(n) >= self.dust}
 
@@ -297,8 +297,9 @@ class QuotaRound:
 
     def idle(self, name: str) -> bool:
         """Quiet for its idle hold (longer for a model whose loans keep coming back soon after it
-        lends; none for an engine that hands its burst's memory over, ``hands_over``), and, if it
-        borrows, idle at the batch its base holds too (``busy_at_base``)."""
+        lends; none for an engine that hands its burst's memory over, ``hands_over``, nor quiet at
+        all when its arrivals have stopped), and, if it borrows, idle at the batch its base holds
+        too (``busy_at_base``)."""
         st = self.inputs.states[name]
         handover = self.hands_over(name)
         if handover and self.backlog_only(name):
@@ -318,8 +319,8 @@ class QuotaRound:
 
     def hands_over(self, name: str) -> bool:
         """An LLM engine that borrowed for its burst, while another engine's burst wants more than
-        it holds: the load has moved, so once its queue is empty it lends on at once instead of
-        after its idle hold. With the hold, the quiet borrower restarted twice (the owner's reclaim,
+        it holds: the load has moved, so once its queue is empty (or at once, its arrivals stopped:
+        ``backlog_only``) it lends on instead of after its idle hold. With the hold, the quiet borrower restarted twice (the owner's reclaim,
         then its lend 3 s later) and the bursting engine twice (its base, then the loan): it was set
         to 18 blocks 9-12 s into its 40 s burst (``bench/results/2026-12-05-llm-vllm/lending-5.json``).
         Not for an engine whose lends came back soon (its idle hold scaled up): it waits out its hold."""
