@@ -320,9 +320,10 @@ class QuotaRound:
     def hands_over(self, name: str) -> bool:
         """An LLM engine that borrowed for its burst, while another engine's burst wants more than
         it holds: the load has moved, so once its queue is empty (or at once, its arrivals stopped:
-        ``backlog_only``) it lends on instead of after its idle hold. With the hold, the quiet borrower restarted twice (the owner's reclaim,
-        then its lend 3 s later) and the bursting engine twice (its base, then the loan): it was set
-        to 18 blocks 9-12 s into its 40 s burst (``bench/results/2026-12-05-llm-vllm/lending-5.json``).
+        ``backlog_only``) it lends on instead of after its idle hold. With the hold, the quiet
+        borrower restarted twice (the owner's reclaim, then its lend 3 s later) and the bursting
+        engine twice (its base, then the loan): it was set to 18 blocks 9-12 s into its 40 s burst
+        (``bench/results/2026-12-05-llm-vllm/lending-5.json``).
         Not for an engine whose lends came back soon (its idle hold scaled up): it waits out its hold."""
         if name not in self.engines_borrowing or self.scale.get(name, 1.0) > 1.0:
             return False

@@ -394,11 +394,9 @@ def _a_lends_while_its_reports(replicas: int) -> list:
 
 
 def test_an_engine_whose_reports_stop_is_not_taken_for_idle():
-    """An engine with no live report (a stalled process: its reports and its requests wait alike)
-    reads queue 0, which says nothing: its busy spell goes on and it lends nothing. Before, a
-    stalled engine under 40 req/s looked quiet, lent, and was reclaimed 3 s later with a queue of
-    82 (bench/results/2026-12-05-llm-vllm/lending-7-reverted.json). The same zeros reported live
-    are quiet, and it lends."""
+    """An engine with no live report (a stalled process, a lost replica) reads queue 0, which says
+    nothing: its busy spell goes on and it lends nothing. The same zeros reported live are quiet,
+    and it lends."""
     assert not _a_lends_while_its_reports(0)
     assert _a_lends_while_its_reports(1)
 
@@ -428,10 +426,11 @@ def test_a_lull_in_a_steady_load_is_not_quiet():
 
 
 def test_a_grant_over_base_from_the_free_pool_hands_nothing_over():
-    """a holds 0.5 GiB over its base from the free pool (no engine lent it) and its arrivals have
-    stopped with a queue of 300 while b wants more: a lends nothing. The handover gives back what
-    other engines lent for a burst; here, under a steady load whose reports came late, it took an
-    engine under load for one whose burst was over."""
+    """a holds 0.5 GiB over its base from the free pool (no engine lent it) and its arrivals read
+    as stopped with a queue of 300 while b wants more: a lends nothing. The handover gives back
+    what other engines lent for a burst; a grant from the free pool (50 KiB at start in
+    bench/results/2026-12-05-llm-vllm/lending-8.json) made an engine under steady load a borrower
+    that could hand over."""
     d = _three_engines()
     d = Driver(d.config, usable=9 * GiB + GiB // 2)
     need = {"a": 7 * GiB, "b": 3 * GiB, "c": 3 * GiB}
