@@ -230,7 +230,7 @@ async def trace(broker: Any, names: tuple[str, ...], into: list[dict[str, Any]])
         st = (await broker.status.remote())["models"]
         into.append(
             {
-                m: {k: (st[m].get("engine") or {}).get(k) for k in ("max_num_seqs", "kv_blocks")}
+                m: {k: (st[m].get("engine") or {}).get(k) for k in ("max_num_seqs", "max_batched_tokens", "kv_blocks")}
                 | {"grant_bytes": st[m]["grant_bytes"]}
                 for m in names
             }

@@ -23,7 +23,10 @@ from bench.sim_figures import code_version
 DURATION_S = 30.0
 SETTINGS = {  # name -> (KV blocks, max_num_seqs, max_batched_tokens)
     "kv8": (8, 8, 512),
+    "kv8-tokens1024": (8, 8, 1024),
+    "kv8-tokens2048": (8, 8, 2048),
     "kv18": (18, 18, 512),
+    "kv18-tokens1024": (18, 18, 1024),
     "kv18-tokens2048": (18, 18, 2048),
 }
 

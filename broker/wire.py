@@ -63,6 +63,7 @@ class EngineReport(TypedDict, total=False):
     max_model_len: int  # the context length
     max_num_seqs_max: int  # the engine's ceilings from its options
     max_batched_tokens_max: int
+    step_tokens_per_block: float  # max_batched_tokens per KV block as configured: a grown cache grows the step by it
     kv_cache_blocks_min: int
     kv_cache_blocks_max: int
     idle_for_s: float  # seconds since the engine last had work

@@ -448,6 +448,8 @@ def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
             continue
         if owner in r.inputs.need_bytes and (r.need(owner) or 0) <= r.holds(owner):
             continue  # an LLM engine takes its base back when its cache binds, not for a stray request
+        if owner in r.inputs.need_bytes and r.backlog_only(owner):
+            continue  # its arrivals have stopped: the tail of a burst it just handed over, not load back
         load = r.loads[owner]
         why = (
             f"{owner} load back for {r.busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "

@@ -118,6 +118,7 @@ def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> Engi
         max_model_len=engine.max_model_len,
         max_num_seqs_max=o.max_num_seqs_max,
         max_batched_tokens_max=o.max_batched_tokens_max,
+        step_tokens_per_block=o.max_batched_tokens / o.kv_cache_blocks,
         kv_cache_blocks_min=o.kv_cache_blocks_min,
         kv_cache_blocks_max=o.kv_cache_blocks_max,
         idle_for_s=float(idle_for_s),

@@ -446,3 +446,30 @@ def test_a_grant_over_base_from_the_free_pool_hands_nothing_over():
     c = load("c", **busy, mem_used_bytes=d.grant("c"))
     d.step({"a": a, "b": b, "c": c}, need_bytes={"a": 7 * GiB, "b": 7 * GiB, "c": 3 * GiB})
     assert not [m for m in d.history[-1].moves if m.donor == "a" and m.kind == "lend"]
+
+
+def _a_reclaims_after_its_handover(a_recent_rps: float) -> list:
+    """a has handed its burst's memory over to b (``_a_lends_on_first_tick``); on the next two ticks
+    its report still carries the burst (the window's arrivals 35 a second of 2 s requests, 150
+    completions a second, a few requests left and a cache that binds at its min) and its last
+    second's arrivals are ``a_recent_rps``. What a reclaims from b on those two ticks."""
+    d = _after_a_burst()
+    for depth, recent in [(300, 0.2), (2, a_recent_rps), (2, a_recent_rps)]:
+        a = load(
+            "a", busy_frac=1.0, queue_depth=depth, mem_used_bytes=d.grant("a"), arrival_rate_rps=35.0,
+            p50_ms=2000.0, latency_samples=100, recent_arrival_rate_rps=recent, completion_rate_rps=150.0,
+        )  # fmt: skip
+        b = load("b", **BURST, mem_used_bytes=d.grant("b"))
+        d.step({"a": a, "b": b, "c": load("c", **IDLE)}, need_bytes={"a": 7 * GiB, "b": 7 * GiB, "c": GiB})
+    assert d.history[-3].moves and d.grant("a") <= GiB + 2 * GiB  # it handed over on the first tick
+    return [m for dec in d.history[-2:] for m in dec.moves if m.kind == "reclaim" and m.recipient == "a"]
+
+
+def test_an_engine_whose_arrivals_stopped_does_not_reclaim_what_it_just_handed_over():
+    """Its window still counts the burst's arrivals, so it is not quiet yet, and a stray request
+    fills its smallest cache: that read as load back, and it took its base back from the engine
+    bursting now 3 s after handing it over (a trial of lending-10's seed 1 on 2026-12-05: b then
+    grew to 13 blocks instead of 18, and 13 to 18 is under the 50% a resize waits for). An engine
+    whose arrivals come back (40 in the last second) takes its base back as before."""
+    assert not _a_reclaims_after_its_handover(0.2)
+    assert _a_reclaims_after_its_handover(40.0)

@@ -16,6 +16,7 @@ from broker.control.llm_rules import (
     cache_bytes,
     decide_llm,
     kv_blocks_in_grant,
+    rule_config_for,
     seqs_in_grant,
 )
 
@@ -277,3 +278,33 @@ def test_grant_in_flight_that_adds_no_block_does_not_hold_a_grow():
         state(kv_blocks=64),
     )
     assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 100
+
+
+def test_busy_grow_grows_the_step_with_the_cache_within_its_ceiling():
+    """The step keeps the share of the cache the options gave it (here 4 tokens a block: 256 at 64
+    blocks), never over max_batched_tokens_max nor below the step in force; without that share it stays."""
+    grant = CFG.base_bytes + (100 + 2) * BLOCK
+    busy = load(waiting=5, running=8, kv_blocks_reserved=40, grant_bytes=grant)
+    d, _ = decide_llm(busy, replace(CFG, step_tokens_per_block=4.0), state(kv_blocks=64))
+    assert d.rule is LlmRule.BUSY_GROW and d.kv_blocks == 100 and d.max_batched_tokens == 400
+    assert "max_batched_tokens 256->400" in d.reason
+    d, _ = decide_llm(busy, replace(CFG, step_tokens_per_block=8.0), state(kv_blocks=64))
+    assert d.max_batched_tokens == CFG.max_batched_tokens_max == 512  # 800 over the ceiling
+    d, _ = decide_llm(busy, replace(CFG, step_tokens_per_block=1.0), state(kv_blocks=64))
+    assert d.max_batched_tokens == 256  # 100 under the step in force: keep it
+    d, _ = decide_llm(busy, CFG, state(kv_blocks=64))
+    assert d.rule is LlmRule.BUSY_GROW and d.max_batched_tokens == 256  # no share reported: the step stays
+
+
+def test_rule_config_reads_the_step_share_from_the_engine_report():
+    report = {
+        "kv_block_bytes": BLOCK,
+        "kv_block_tokens": 16,
+        "max_model_len": 64,
+        "max_num_seqs_max": 64,
+        "max_batched_tokens_max": 2048,
+        "kv_cache_blocks_min": 4,
+        "kv_cache_blocks_max": 256,
+    }
+    assert rule_config_for(16, 500.0, 50.0, report).step_tokens_per_block == 0.0  # an older report
+    assert rule_config_for(16, 500.0, 50.0, report | {"step_tokens_per_block": 64.0}).step_tokens_per_block == 64.0
