@@ -8,7 +8,9 @@ tested in ``tests/unit/test_llm_engine.py`` (``.venv-vllm``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -157,3 +159,46 @@ def test_shutdown_fails_what_is_still_waiting_and_calls_run_on_the_step_thread()
     slept, (res,), errored = run(body())
     assert slept == (1, "vllm-inline-step")
     assert isinstance(res, EngineDead) and errored
+
+
+class UnfreezingCore:
+    """Shuts down as vLLM's worker and engine core do: unfreeze the heap, then collect it."""
+
+    def __init__(self):
+        self.frozen_at_collect = -1
+
+    def shutdown(self):
+        gc.unfreeze()
+        self.frozen_at_collect = gc.get_freeze_count()
+        gc.collect()
+
+
+class Cycle:
+    pass
+
+
+def test_shutdown_keeps_the_heap_frozen_through_vllms_unfreeze_then_scans_it_once():
+    """vLLM's two unfreeze-and-collect passes scan only what is not frozen; the driver then unfreezes,
+    collects and freezes once, which frees a cycle that died frozen (request state frozen mid-flight)
+    and leaves gc.unfreeze as it was."""
+
+    async def body():
+        fake = FakeEngine()
+        core = fake.engine_core = UnfreezingCore()
+        junk = Cycle()
+        junk.me = junk
+        ref = weakref.ref(junk)
+        gc.freeze()  # junk alive at a build's freeze
+        del junk
+        llm = InlineLLM(fake, asyncio.get_running_loop())
+        await asyncio.to_thread(llm.shutdown)
+        return core.frozen_at_collect, ref
+
+    real_unfreeze = gc.unfreeze
+    try:
+        frozen_at_collect, ref = run(body())
+        assert frozen_at_collect > 0  # vLLM's unfreeze did nothing
+        assert ref() is None  # the one full scan freed the frozen cycle
+        assert gc.unfreeze is real_unfreeze and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
