@@ -5,9 +5,10 @@ A continuous-batching engine batches every step, so the broker sets its bounds i
 rules, first match wins: ``squeeze`` (low free memory: halve seqs, pause prefills), ``resume``,
 ``prefill_bound`` (TTFT over its SLO with TPOT within), ``recover``, ``idle_shrink`` (lend the
 cache), ``busy_grow`` (only by ``grow_min_gain_frac``, and once the grant in flight to it lands: a
-resize drains the engine; the step grows with the cache, ``step_tokens_for``), ``seqs_grow``, ``hold`` (docs/llm.md). ``start`` sets half the expected
-peak concurrency, capped by memory, and keeps the engine's ``max_batched_tokens``; guard-rails
-are applied after the rule in one place (``_clamp``). Pure.
+resize drains the engine; the step grows with the cache, ``step_tokens_for``), ``seqs_grow``,
+``hold`` (docs/llm.md). ``start`` sets half the expected peak concurrency, capped by memory, and
+keeps the engine's ``max_batched_tokens``; guard-rails are applied after the rule in one place
+(``_clamp``). Pure.
 """
 
 from __future__ import annotations
