@@ -42,7 +42,7 @@ $(VSTAMP): pyproject.toml
 	@touch $(VSTAMP)
 
 venv-vllm: $(VSTAMP)
-	$(VPY) -m deployments.llm.tiny_model
+	$(VPY) -m gpubroker.deployments.llm.tiny_model
 
 # ruff: lint rules and formatting (pyproject.toml [tool.ruff]); mypy: the types of quotas/, broker/,
 # gpubroker/ and deployments/ (pyproject.toml [tool.mypy]); `make test` runs them first.

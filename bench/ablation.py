@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpubroker.quotas.config import FleetConfig, load_config
 from gpubroker.sim.knee import (
     RunSettings,
     Search,
@@ -38,7 +39,6 @@ from gpubroker.sim.knee import (
     with_cap,
 )
 from gpubroker.sim.profile import profile_for
-from quotas.config import FleetConfig, load_config
 
 GRID_BATCHES = (8, 16, 24, 32, 48, 64, 96, 128)
 GRID_WAITS_MS = (0.0, 5.0, 10.0, 20.0, 30.0, 50.0)

@@ -32,9 +32,9 @@ PATTERNS = ("torch-ones", "torch-empty", "numpy", "bytearray", "mmap-private", "
 
 CHILD = r"""
 import json, mmap, sys, tempfile, threading
-from broker.probes import proc_status_bytes
-from deployments.enforce import CpuRlimitLimiter
-from deployments.models import is_oom
+from gpubroker.broker.probes import proc_status_bytes
+from gpubroker.deployments.enforce import CpuRlimitLimiter
+from gpubroker.deployments.models import is_oom
 MiB = 1024 ** 2
 pattern, grant, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 import numpy, torch  # imported before the baseline, as the replica imports torch first

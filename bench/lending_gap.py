@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from bench import lending as L
+from gpubroker.quotas.config import FleetConfig
 from gpubroker.sim.engine import SimOptions, Simulator, parse_arm
 from gpubroker.sim.types import DONE, EV_TIMER, SimReplica
-from quotas.config import FleetConfig
 
 DURATION_S = 600.0  # bench lending's full independent load
 WARMUP_S = 10.0

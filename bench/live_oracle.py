@@ -44,8 +44,8 @@ def screen_grid(w: Workload, cap_ms: float, rates: list[float], top: int, o: Opt
     batching, with the lazy gate in front for a gated arm; the same L(b) as the emulation; cap less
     the HTTP path): the ``top`` arms by goodput (then P95), one per distinct result (``_tie_order``
     among ties). The whole grid live would take hours on 2 cores; the live sweep runs these."""
+    from gpubroker.quotas.config import parse_config_text
     from gpubroker.sim.knee import RunSettings, run_at
-    from quotas.config import parse_config_text
 
     cfg = parse_config_text(sc.fleet_yaml({w.model: w.spec(cap_ms - HTTP_MS)}, broker_name="screen"))
     rs = RunSettings(duration_s=60.0, warmup_s=5.0, drain_s=2.0, seed=0, batching="eager")
@@ -198,8 +198,8 @@ def screen_knees(w: Workload, cap_ms: float, start_rps: float, top: int, o: Opts
     simulator (eager batching, the gate in front for a gated arm, the cap less the HTTP path): the
     ``top`` arms with the highest knees, the candidates ``oracle-knee`` searches live. (Ranking by
     goodput at one overloaded rate would favour arms whose waits alone exceed the cap.)"""
+    from gpubroker.quotas.config import parse_config_text
     from gpubroker.sim.knee import RunSettings, Search, knee
-    from quotas.config import parse_config_text
 
     cfg = parse_config_text(sc.fleet_yaml({w.model: w.spec(cap_ms - HTTP_MS)}, broker_name="screen"))
     rs = RunSettings(duration_s=60.0, warmup_s=5.0, drain_s=2.0, seed=0, batching="eager")

@@ -5,7 +5,7 @@ ContextTokens and GeneratedTokens, scaled to the tiny model's context (``scale_l
 arrival gaps (``workload``); the loads here draw Poisson arrivals at the offered rate instead:
 scaled to a burst rate, the trace's gaps left lulls of 3 s and more inside a burst (an engine idled
 and lent in the middle of its own burst) and clumps of 10 requests in an idle phase. Each engine
-(``deployments.llm.vllm_engine.VllmEngine``) runs in a process of its own, a Ray actor, as a fleet's
+(``gpubroker.deployments.llm.vllm_engine.VllmEngine``) runs in a process of its own, a Ray actor, as a fleet's
 replicas do, and the broker is its Ray actor (``bench.llm_procs``; no Serve: the comparison needs
 none). Requests are replayed open loop inside each engine's process; TTFT counts from the scheduled
 arrival, so queueing at the admission counts, and every arm's engines shed a request still waiting
@@ -120,8 +120,8 @@ def workload(
 
 
 def engine_options(kv_blocks: int, seqs: int, kv_max: int | None = None) -> Any:
-    from deployments.llm.tiny_model import ensure_tiny_llama
-    from deployments.llm.vllm_engine import VllmEngineOptions
+    from gpubroker.deployments.llm.tiny_model import ensure_tiny_llama
+    from gpubroker.deployments.llm.vllm_engine import VllmEngineOptions
 
     return VllmEngineOptions(
         model_dir=str(ensure_tiny_llama()),

@@ -5,7 +5,7 @@ time under one lock (``deployments/llm/inline_vllm.py``), so a restart of any en
 shrinking its cache, about 3 s) stopped every other engine too, the bursting one included. A fleet
 runs each engine in a Serve replica of its own, where a lender's restart costs the lender; the
 benchmark's engines now run that way, as Ray actors (``EngineProc``) reporting to a
-``broker.actor.BrokerActor`` over the same link a replica uses (``deployments.llm.report_loop``).
+``gpubroker.broker.actor.BrokerActor`` over the same link a replica uses (``gpubroker.deployments.llm.report_loop``).
 The arms' requests are replayed inside each engine's process (``bench.llm_replay.replay``), timed
 from one ``t0`` on ``time.perf_counter``, the node's monotonic clock, which every process reads alike.
 """
@@ -41,8 +41,8 @@ def ray_up() -> None:
 
 def engine_reporter(name: str, engine: Any, get_handle: Any) -> Any:
     """The replica's report loop for one engine (``EngineReporter``), its idle time counted here."""
-    from deployments.llm.report_loop import EngineReporter, engine_link
-    from deployments.llm.server import engine_report
+    from gpubroker.deployments.llm.report_loop import EngineReporter, engine_link
+    from gpubroker.deployments.llm.server import engine_report
 
     idle_since = [time.monotonic()]
 
@@ -70,7 +70,7 @@ class CountedEngine:
 
 
 async def counted(stream: AsyncIterator[Any], reporter: Any, started_s: float) -> AsyncIterator[Any]:
-    from deployments.llm.server import FAILED
+    from gpubroker.deployments.llm.server import FAILED
 
     async for delta in stream:
         if delta.finished:
@@ -92,7 +92,7 @@ class EngineProc:
         self.reporting: asyncio.Task | None = None
 
     async def start(self) -> None:
-        from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
+        from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
         self.engine = VllmEngine(VllmEngineOptions(**self.options))
         await self.engine.start()
@@ -146,7 +146,7 @@ def stop_actor(handle: Any) -> None:
 
 async def start_broker_actor(config_text: str) -> Any:
     """A ``BrokerActor`` of its own for one arm (no name, no exporter, a fresh checkpoint)."""
-    from broker.actor import RemoteBroker
+    from gpubroker.broker.actor import RemoteBroker
 
     path = Path(tempfile.mkdtemp(prefix="gpubroker-bench-llm-")) / "broker.ckpt"
     handle = RemoteBroker.options(num_cpus=0, max_concurrency=64).remote(config_text, None, str(path), None)

@@ -238,7 +238,7 @@ def run(base_url: str, schedule: Sequence[Planned], **kw: Any) -> RunResult:
 
 # ------------------------------------------------------------------------------ summary
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (None when empty), the convention of ``broker.control.window``."""
+    """Nearest-rank percentile (None when empty), the convention of ``gpubroker.broker.control.window``."""
     if len(values) == 0:
         return None
     s = sorted(values)
@@ -356,7 +356,7 @@ def batch_stats(
 ) -> dict[str, Any]:
     """Mean batch (request-weighted: the batch a request ran in) and the L(b) = a + c·b fit
     from the batch tags of the completed requests scheduled in ``[lo_s, hi_s)``."""
-    from broker.control.latency_model import fit_latency
+    from gpubroker.broker.control.latency_model import fit_latency
 
     recs = [
         r for r in records if r.batch is not None and (model is None or r.model == model) and lo_s <= r.sched_s < hi_s

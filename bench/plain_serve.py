@@ -2,14 +2,14 @@
 
 Same shape as the gpubroker fleet so the comparison is like for like: the Serve HTTP proxy,
 one FastAPI ingress replica on the same route (``POST /v1/models/{name}/infer``) and one
-model replica running the same adapter (``deployments.models.load_adapter``) with Ray's own
+model replica running the same adapter (``gpubroker.deployments.models.load_adapter``) with Ray's own
 ``@serve.batch`` at a fixed ``max_batch_size`` / ``batch_wait_timeout_s``; same logical CPUs
-as ``deployments.app``. What it lacks is everything gpubroker adds: admission and input
+as ``gpubroker.deployments.app``. What it lacks is everything gpubroker adds: admission and input
 checks, reports to the broker, the fast loop, OOM split-retry.
 
 ``set_batch`` changes the setting live (for grids without a redeploy). ``build_plain_one_hop``
 is the same ``@serve.batch`` replica answering HTTP itself (one hop, like the fleet's models
-since ``deployments.http_model``); ``bench/cost_per_request.py`` measures both shapes.
+since ``gpubroker.deployments.http_model``); ``bench/cost_per_request.py`` measures both shapes.
 """
 
 import asyncio
@@ -25,7 +25,7 @@ plain_api = FastAPI(title="plain Ray Serve baseline")
 
 class PlainModel:
     def __init__(self, model_ref: str, options: dict[str, Any], batch: int, wait_ms: float):
-        from deployments.models import load_adapter
+        from gpubroker.deployments.models import load_adapter
 
         self.adapter = load_adapter(model_ref, options, "cpu")
         self.token_priced = getattr(self.adapter, "cost_unit", "requests") == "tokens"
@@ -71,8 +71,8 @@ class PlainIngress:
 
 
 def build_plain(model_ref: str, options: dict[str, Any], batch: int, wait_ms: float, name: str):
-    """The baseline app: ingress + one ``@serve.batch`` replica (logical CPUs as deployments.app)."""
-    from deployments.app import INGRESS_NUM_CPUS, MODEL_NUM_CPUS
+    """The baseline app: ingress + one ``@serve.batch`` replica (logical CPUs as gpubroker.deployments.app)."""
+    from gpubroker.deployments.app import INGRESS_NUM_CPUS, MODEL_NUM_CPUS
 
     model = (
         serve.deployment(PlainModel)
@@ -92,7 +92,7 @@ def build_plain(model_ref: str, options: dict[str, Any], batch: int, wait_ms: fl
 class PlainHttpModel(PlainModel):
     """Plain Serve in one hop, as a Serve user writes it: the ``@serve.batch`` deployment answers
     HTTP itself (``__call__``), routed at ``/v1/models/<name>``: the like-for-like baseline of
-    the one-hop fleet (``deployments.http_model``), without its checks, reports and gate."""
+    the one-hop fleet (``gpubroker.deployments.http_model``), without its checks, reports and gate."""
 
     def __init__(self, model_ref: str, options: dict[str, Any], batch: int, wait_ms: float, name: str):
         super().__init__(model_ref, options, batch, wait_ms)
@@ -109,7 +109,7 @@ class PlainHttpModel(PlainModel):
 
 def build_plain_one_hop(model_ref: str, options: dict[str, Any], batch: int, wait_ms: float, name: str):
     """The one-hop baseline app (deploy it at route prefix ``/v1/models/<name>``)."""
-    from deployments.app import MODEL_NUM_CPUS
+    from gpubroker.deployments.app import MODEL_NUM_CPUS
 
     return (
         serve.deployment(PlainHttpModel)

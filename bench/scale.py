@@ -3,7 +3,7 @@
 The broker core runs on a fake clock with synthetic, moving replica reports (each model busy in
 one phase of four, so models idle, lend, get busy and reclaim); only ``tick()`` and the reports
 are timed, not Ray. Cases: ``models`` (one card, 10 / 100 / 1000 models), ``cards`` (16 cards x
-100 models, one ``broker.fleet_core.FleetBroker``), ``live`` (the same fleets with the actor's
+100 models, one ``gpubroker.broker.fleet_core.FleetBroker``), ``live`` (the same fleets with the actor's
 checkpoint and Prometheus metrics every tick: what a tick costs the live broker) and ``sim`` (the
 simulator on 100 models x 1 hour of trace arrivals). ``BUDGET``: a 16 x 100 tick within 50 M
 instructions (``bench.tick_instructions``, when valgrind is installed) and a live median within
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker.core import BrokerCore, NullMetrics
-from broker.wire import ModelSettings, StatsReport
-from quotas.config import FleetConfig, parse_config
+from gpubroker.broker.core import BrokerCore, NullMetrics
+from gpubroker.broker.wire import ModelSettings, StatsReport
+from gpubroker.quotas.config import FleetConfig, parse_config
 
 GIB = 1024**3
 CARD_BYTES = 80 * GIB
@@ -147,7 +147,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 class _Cores:
     """One broker on a fake clock, driven as replicas drive the live one: a ``BrokerCore`` for
-    one card, the fleet broker (``broker.fleet_core.FleetBroker``: one core per card, one tick
+    one card, the fleet broker (``gpubroker.broker.fleet_core.FleetBroker``: one core per card, one tick
     for all) for ``gpus:`` fleets, where every replica names its card."""
 
     def __init__(self, doc: dict[str, Any], seed: int, live_dir: Path | None = None, held: str | None = None) -> None:
@@ -162,11 +162,11 @@ class _Cores:
         cfg = parse_config(doc, "synthetic")
         self.cards = bool(cfg.gpus) or live_dir is not None
         if self.cards:
-            from broker.fleet_core import FleetBroker
+            from gpubroker.broker.fleet_core import FleetBroker
 
             if live_dir is None:
                 self.broker: Any = FleetBroker(json.dumps(doc), clock=clock, metrics=NullMetrics())
-            else:  # metrics=None: BrokerMetrics on a private registry, as broker.actor builds it
+            else:  # metrics=None: BrokerMetrics on a private registry, as gpubroker.broker.actor builds it
                 path = live_dir / "broker.checkpoint.json"
                 self.broker = FleetBroker(json.dumps(doc), checkpoint_path=path, clock=clock, metrics=None)
             card_of = {m: self.broker.placement.replicas[m][0] for m in cfg.models}
@@ -275,7 +275,7 @@ def unchanged_share(models: int = 100, cards: int = 16, seconds: float = 120.0, 
     aside): an upper bound on what deciding only the models whose load changed could skip."""
     import dataclasses
 
-    import broker.control.window as bw
+    import gpubroker.broker.control.window as bw
 
     cores = _Cores(synthetic_doc(models, cards=cards), seed)
     cores.run(30.0)

@@ -3,7 +3,7 @@ load generator against it, and a knee search over measured rates.
 
 - ``Stack`` starts Ray (``address="local"``: never joins another engineer's cluster) and
   Serve's HTTP proxy on a free port, once per scenario; ``Stack.deploy_fleet`` runs
-  ``deployments.app.build_app`` as one Serve app (its own broker actor, named per arm so no
+  ``gpubroker.deployments.app.build_app`` as one Serve app (its own broker actor, named per arm so no
   state leaks between arms) and ``Stack.delete`` removes the app and kills its broker.
 - A fleet arm pinned to a static setting is the same app with ``control.strategy: static``
   (``batch.initial`` / ``wait.initial_ms``); ``FleetTarget.set_static`` moves the pin live
@@ -53,7 +53,7 @@ class Stack:
     """Ray + Serve for one scenario; apps come and go per arm."""
 
     def __init__(self, port: int | None = None, num_cpus: int | None = None, direct_ingress: bool = False):
-        """``direct_ingress``: Ray started with Serve's direct ingress (``deployments.direct_ingress``):
+        """``direct_ingress``: Ray started with Serve's direct ingress (``gpubroker.deployments.direct_ingress``):
         every ingress replica also answers on its own port, and ``FleetTarget.infer_base`` sends a one-model fleet's load there."""
         self.direct_ingress = direct_ingress
         self._env_set: list[str] = []
@@ -67,13 +67,13 @@ class Stack:
         import ray
         from ray import serve
 
-        from deployments.http_proxy import PROXY_ENV
+        from gpubroker.deployments.http_proxy import PROXY_ENV
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         for key, value in PROXY_ENV.items():  # the proxy's own refusals as JSON (lost replica, Serve queue)
             os.environ.setdefault(key, value)
         if self.direct_ingress:  # Ray's processes inherit it; taken out again on exit
-            from deployments.direct_ingress import DIRECT_ENV
+            from gpubroker.deployments.direct_ingress import DIRECT_ENV
 
             for key, value in DIRECT_ENV.items():
                 if key not in os.environ:
@@ -117,10 +117,10 @@ class Stack:
         route_prefix: str = "/",
         model_cls: type | None = None,
     ) -> FleetTarget:
-        from broker.actor import start_broker
-        from deployments.app import AppLayout, fleet_apps, run_fleet
-        from deployments.http_model import HttpModel
-        from quotas.config import parse_config_text
+        from gpubroker.broker.actor import start_broker
+        from gpubroker.deployments.app import AppLayout, fleet_apps, run_fleet
+        from gpubroker.deployments.http_model import HttpModel
+        from gpubroker.quotas.config import parse_config_text
 
         cfg = parse_config_text(config_text, "bench fleet")
         start_broker(config_text)
@@ -142,7 +142,7 @@ class Stack:
                 wait_http(f"{base}/v1/models/{n}/infer", body, timeout_s=timeout_s)
         direct: dict[str, str] = {}
         if self.direct_ingress:  # each model's first replica port and the fleet's prefix: its loads' base
-            from deployments.app import model_app_name
+            from gpubroker.deployments.app import model_app_name
 
             for n in names:
                 direct[n] = self._direct_base(model_app_name(n, app), timeout_s)[: -len(f"/v1/models/{n}")]
@@ -190,7 +190,7 @@ class Stack:
         route prefix); else ""."""
         if not self.direct_ingress:
             return ""
-        from deployments.direct_ingress import wait_replica_ports
+        from gpubroker.deployments.direct_ingress import wait_replica_ports
 
         ports = wait_replica_ports({app: app}, "127.0.0.1", timeout_s)[app]
         if not ports:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpubroker.quotas.config import load_config
 from gpubroker.sim.knee import ArmRules, RunSettings, seed_validation
-from quotas.config import load_config
 
 OUT = Path("bench/results/sim")
 SEEDS = (0, 1, 2)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import time
 
-from deployments.models.minilm import MiniLmAdapter
-from deployments.models.profiled import ProfiledAdapter
+from gpubroker.deployments.models.minilm import MiniLmAdapter
+from gpubroker.deployments.models.profiled import ProfiledAdapter
 
 
 class _Tag:

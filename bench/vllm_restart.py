@@ -2,7 +2,7 @@
 
 A resize drains the engine, then shuts vLLM down and builds it again with the new cache. With
 ``AsyncLLM`` the build spawns the engine core and (vLLM's CPU executor) its worker; in process
-(``deployments.llm.inline_vllm``) it loads the model and allocates the cache in the replica's
+(``gpubroker.deployments.llm.inline_vllm``) it loads the model and allocates the cache in the replica's
 process. Each driver: one start, then ``--resizes`` resizes of an idle engine between 6 and 12
 blocks, each followed by one request that must complete; the resident memory of this process
 after each (the in-process engine must give its old cache back). Run in ``.venv-vllm``:
@@ -26,7 +26,7 @@ def rss_mib() -> int:
 
 
 async def one_request(engine: Any, rid: str) -> int:
-    from deployments.llm.engine import GREEDY
+    from gpubroker.deployments.llm.engine import GREEDY
 
     tokens, last = await engine.submit(rid, list(range(5, 60)), 16, GREEDY).collect()
     assert last.finish_reason is not None and last.error is None, last.error
@@ -37,7 +37,7 @@ async def measure(in_process: bool, resizes: int, log=print) -> dict[str, Any]:
     from dataclasses import replace
 
     from bench.llm_bench import engine_options
-    from deployments.llm.vllm_engine import VllmEngine
+    from gpubroker.deployments.llm.vllm_engine import VllmEngine
 
     engine = VllmEngine(replace(engine_options(8, 8), in_process=in_process))
     t0 = time.perf_counter()

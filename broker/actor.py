@@ -1,9 +1,9 @@
-"""The broker as a named, detached Ray actor: a thin wrapper around ``broker.fleet_core.FleetBroker``.
+"""The broker as a named, detached Ray actor: a thin wrapper around ``gpubroker.broker.fleet_core.FleetBroker``.
 
 ``BrokerActor`` holds one ``FleetBroker`` on the wall clock, exports its metrics and ticks it every
-``broker.control_interval_s``. Its methods are the ``broker.wire.BrokerApi`` protocol: typed
+``broker.control_interval_s``. Its methods are the ``gpubroker.broker.wire.BrokerApi`` protocol: typed
 inside, plain data over Ray (``to_dict``/``from_dict`` here and only here). It calls nobody: the
-Serve side pulls the ``ServePlan`` (``deployments.follow``). ``start_broker`` and ``get_broker``
+Serve side pulls the ``ServePlan`` (``gpubroker.deployments.follow``). ``start_broker`` and ``get_broker``
 start and find it; the checkpoint lives in the Ray session directory.
 """
 
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from broker.fleet_core import FleetBroker
-from broker.metrics import start_exporter
-from broker.wire import BrokerApi, BrokerStatus, DecisionRecord, StatsReport, TickResult
-from quotas.cards import Card
-from quotas.config import FleetConfig, parse_config_text
+from gpubroker.broker.fleet_core import FleetBroker
+from gpubroker.broker.metrics import start_exporter
+from gpubroker.broker.wire import BrokerApi, BrokerStatus, DecisionRecord, StatsReport, TickResult
+from gpubroker.quotas.cards import Card
+from gpubroker.quotas.config import FleetConfig, parse_config_text
 
 logger = logging.getLogger("gpubroker.broker")
 
@@ -48,7 +48,7 @@ def default_checkpoint_path(cfg: FleetConfig) -> Path:
 def _detect_capacity(cfg: FleetConfig) -> int:
     if cfg.gpu.capacity_bytes is not None:
         return cfg.gpu.capacity_bytes
-    from broker.probes import detect_capacity
+    from gpubroker.broker.probes import detect_capacity
 
     return int(detect_capacity(cfg.gpu))
 
@@ -75,7 +75,7 @@ class BrokerActor:
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
         self._started_s = time.time()
-        # what the Serve side's follower last applied of the plan (deployments.follow), for status
+        # what the Serve side's follower last applied of the plan (gpubroker.deployments.follow), for status
         self._reconcile: dict[str, Any] = {"applied_version": 0, "last": None, "error": None, "last_s": None}
         try:
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -97,12 +97,12 @@ class BrokerActor:
                 logger.exception("broker tick failed")
 
     async def plan(self) -> dict[str, Any]:
-        """The ``ServePlan`` (``broker.wire``) the Serve side applies; it pulls it, the broker calls nobody."""
+        """The ``ServePlan`` (``gpubroker.broker.wire``) the Serve side applies; it pulls it, the broker calls nobody."""
         self._ensure_loop()
         return self._core.plan().to_dict()
 
     async def follow_placement(self) -> dict[str, Any]:
-        """A follower applies the plan to Serve (``deployments.follow``): from now on a card loss or
+        """A follower applies the plan to Serve (``gpubroker.deployments.follow``): from now on a card loss or
         join re-places the fleet. Idempotent; a restarted broker gets it again from the follower."""
         self._ensure_loop()
         self._core.enable_replacement()
@@ -173,7 +173,7 @@ class BrokerActor:
 
     async def card_health(self) -> dict[str, list[str]]:
         """``lost``: cards marked lost; ``silent``: live cards whose replicas stopped reporting
-        (``broker.fleet_core``). Card routers avoid both (``deployments.http_cards``)."""
+        (``gpubroker.broker.fleet_core``). Card routers avoid both (``gpubroker.deployments.http_cards``)."""
         return self._core.card_health()
 
 
@@ -201,7 +201,7 @@ def start_broker(
 
     The broker is pinned to the head node (a worker node's loss must not take it down; a
     restart finds its checkpoint in the head's session directory). ``cards``: the discovered
-    cards for ``gpus: auto`` (``deployments.cluster_discovery``)."""
+    cards for ``gpus: auto`` (``gpubroker.deployments.cluster_discovery``)."""
     cfg = parse_config_text(config_text, "broker config")
     # The driver knows the session dir; a restarted actor gets the same path back.
     checkpoint_path = checkpoint_path or str(default_checkpoint_path(cfg))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from broker.wire import DecisionRecord
+from gpubroker.broker.wire import DecisionRecord
 
 FORMAT_VERSION = 1
 CHECKPOINT_DECISIONS = 300  # decision-log entries kept for a restart (a checkpoint's tail, a journal's)
@@ -37,7 +37,7 @@ class Checkpoint:
     saved_at_s: float = 0.0  # epoch seconds of the write
     llm_state: dict[str, Any] = field(
         default_factory=dict
-    )  # broker.control.llm_window.LlmControl.to_dict(): LLM rule state
+    )  # gpubroker.broker.control.llm_window.LlmControl.to_dict(): LLM rule state
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,7 +71,7 @@ class CheckpointFile:
 
 
 class CardCheckpoints:
-    """Every card's checkpoint of a many-card fleet in one file (``broker.fleet_core``): each
+    """Every card's checkpoint of a many-card fleet in one file (``gpubroker.broker.fleet_core``): each
     core saves into its card's slot, and the fleet writes the file once (``flush``) after a tick,
     an apply or a re-placement: one atomic write (temp file, fsync, rename) a tick, not one per
     card, and every card's state in it from the same tick. A card the file lacks is looked up in
@@ -143,7 +143,7 @@ class CardSlot:
 
 
 class DecisionJournal:
-    """A fleet's shared decision log on disk (``broker.fleet_core``): JSON lines, appended as
+    """A fleet's shared decision log on disk (``gpubroker.broker.fleet_core``): JSON lines, appended as
     entries come, so a tick writes what it decided and not the whole tail again. The first line
     names the fleet config the broker was launched with; a broker launched with another config
     starts a new journal, as its cores start their state afresh. When the file holds

@@ -1,13 +1,13 @@
 """The broker core: everything the broker does, without Ray.
 
 ``BrokerCore`` governs one card and takes the clock (and metrics, checkpoint path) as arguments: it
-runs inside ``broker.fleet_core.FleetBroker`` (one per card; the Ray actor and the simulator drive
+runs inside ``gpubroker.broker.fleet_core.FleetBroker`` (one per card; the Ray actor and the simulator drive
 that) and alone in unit tests on a fake clock. Replicas call ``register`` once and ``report`` (a
 ``StatsReport``) every report interval and get their ``ModelSettings`` back; ``tick`` runs one
 slow-loop step; ``apply`` swaps the config; ``status`` is the JSON-safe view.
 
-Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``broker.control.policy.decide`` -> versioned settings table (a
-model's version bumps only when its settings change) -> checkpoint (``broker.checkpoint``) -> decision log
+Slow loop (one ``tick``): ``ReportWindow.snapshot`` -> ``gpubroker.broker.control.policy.decide`` -> versioned settings table (a
+model's version bumps only when its settings change) -> checkpoint (``gpubroker.broker.checkpoint``) -> decision log
 (bounded; one entry and one log line per change, with its inputs, result and reason).
 
 ``status()`` returns a JSON-safe dict::
@@ -20,7 +20,7 @@ model's version bumps only when its settings change) -> checkpoint (``broker.che
                        "slo_p95_ms", "attainment", "arrival_rate_rps", "completion_rate_rps",
                        "settings_version", "replicas", "admit", "cost_per_1k_requests",
                        "cost_unit", "calibrated", "emergency_shrinks", "oom_splits",
-                       "memory_ceiling", "fixed_bytes"}}}   # broker.control.policy.memory_view
+                       "memory_ceiling", "fixed_bytes"}}}   # gpubroker.broker.control.policy.memory_view
 """
 
 from __future__ import annotations
@@ -35,22 +35,22 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoint, CheckpointFile
-from broker.control import policy
-from broker.control.cost import cost_per_1k_requests
-from broker.control.decision_log import DecisionLog, finite, settings_entry, settings_view
-from broker.control.llm_window import LlmControl
-from broker.control.profiles import active_profile
-from broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
-from broker.control.tallies import Tallies, Tally
-from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
-from broker.control.vocab import EntryKind
-from broker.control.window import ReportWindow
-from broker.metrics import BrokerMetrics, NullMetrics
-from broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ModelStatus, StatsReport, TickResult
-from quotas.config import ConfigError, FleetConfig, parse_config_text
-from quotas.holding import holding_problems
-from quotas.sizes import format_size
+from gpubroker.broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoint, CheckpointFile
+from gpubroker.broker.control import policy
+from gpubroker.broker.control.cost import cost_per_1k_requests
+from gpubroker.broker.control.decision_log import DecisionLog, finite, settings_entry, settings_view
+from gpubroker.broker.control.llm_window import LlmControl
+from gpubroker.broker.control.profiles import active_profile
+from gpubroker.broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
+from gpubroker.broker.control.tallies import Tallies, Tally
+from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
+from gpubroker.broker.control.vocab import EntryKind
+from gpubroker.broker.control.window import ReportWindow
+from gpubroker.broker.metrics import BrokerMetrics, NullMetrics
+from gpubroker.broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ModelStatus, StatsReport, TickResult
+from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
+from gpubroker.quotas.holding import holding_problems
+from gpubroker.quotas.sizes import format_size
 
 logger = logging.getLogger("gpubroker.broker")
 
@@ -75,7 +75,7 @@ class BrokerCore:
         card_id: str = "",
     ) -> None:
         """``checkpoint``: where the core checkpoints: a path (a file of its own), a card's slot in a
-        fleet's one file (``broker.checkpoint.CardCheckpoints``), or None (nowhere)."""
+        fleet's one file (``gpubroker.broker.checkpoint.CardCheckpoints``), or None (nowhere)."""
         self._clock = clock
         self._started_s = clock()
         if isinstance(config, FleetConfig):
@@ -91,14 +91,14 @@ class BrokerCore:
         if capacity_bytes is None:
             raise ValueError(
                 "gpu.capacity is 'auto' and no capacity_bytes was given; the core does not probe hardware. "
-                "Pass the measured capacity (broker.actor does) or set gpu.capacity in the config"
+                "Pass the measured capacity (gpubroker.broker.actor does) or set gpu.capacity in the config"
             )
         self._capacity = int(capacity_bytes)
         if isinstance(checkpoint, str | Path):
             checkpoint = CheckpointFile(checkpoint) if checkpoint else None
         self._checkpoint = checkpoint
-        # the decision log; the cores of a many-card fleet share one (broker.fleet_core), which
-        # the fleet journals once (broker.fleet_store): a core saves only a log it owns
+        # the decision log; the cores of a many-card fleet share one (gpubroker.broker.fleet_core), which
+        # the fleet journals once (gpubroker.broker.fleet_store): a core saves only a log it owns
         self._log = log if log is not None else DecisionLog(cfg.broker.decision_log_size)
         self._owns_log = log is None
         self.card_id = card_id  # the card this core governs ("" for a one-card fleet)
@@ -129,7 +129,9 @@ class BrokerCore:
         self._usable = cfg.usable_bytes(self._capacity)
         self._window = ReportWindow(cfg)
         self._settings_from: dict[str, tuple[tuple[Any, ...], ModelSettings]] = {}
-        self._llm = LlmControl.carry(getattr(self, "_llm", None), cfg)  # kind: llm engines (broker.control.llm_window)
+        self._llm = LlmControl.carry(
+            getattr(self, "_llm", None), cfg
+        )  # kind: llm engines (gpubroker.broker.control.llm_window)
         for name in cfg.models:
             self._tallies.setdefault(name, Tallies())
             self._replicas.setdefault(name, {})
@@ -203,7 +205,7 @@ class BrokerCore:
         if cal.get("cost_unit"):
             self._cost_units[model] = str(cal["cost_unit"])
         self._replicas[model][replica_id] = self._clock()
-        if cal.get("enforcement"):  # cgroup, rlimit+watch, fraction+watch, watch (deployments.watch)
+        if cal.get("enforcement"):  # cgroup, rlimit+watch, fraction+watch, watch (gpubroker.deployments.watch)
             self._enforcement.setdefault(model, {})[replica_id] = str(cal["enforcement"])
         self._log_event(
             EntryKind.REGISTER,
@@ -460,7 +462,9 @@ class BrokerCore:
                 "p95_ms": finite(load.p95_ms) if load else None,
                 "p99_ms": finite(load.p99_ms) if load else None,
                 "slo_p95_ms": spec.slo_p95_ms * self._profile().latency_slack,
-                "attainment": load.attainment if load else None,  # broker.control.attainment, as the policy sees it
+                "attainment": load.attainment
+                if load
+                else None,  # gpubroker.broker.control.attainment, as the policy sees it
                 "completions": completions,
                 "misses": misses,
                 "arrival_rate_rps": load.arrival_rate_rps if load else 0.0,
@@ -468,7 +472,7 @@ class BrokerCore:
                 "settings_version": s.version,
                 "replicas": sum(1 for t in seen.values() if now - t <= REPLICA_STALE_S),
                 "admit": s.admit,
-                "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (broker.control.cost) over its window
+                "cost_per_1k_requests": cost_per_1k_requests(  # card-hours its grant holds (gpubroker.broker.control.cost) over its window
                     price, s.grant_bytes, self._usable, min(window_s, now - self._started_s), completions
                 ),
                 "cost_unit": self._cost_units.get(name, spec.batch.unit),

@@ -2,13 +2,13 @@
 
 A card is a memory domain: quota moves only inside it, so every card gets the core it would
 have alone, built from the fleet config restricted to the models placed on it
-(``quotas.card_fleet.card_config``). ``FleetBroker`` routes each replica's calls to its card's
-core, ticks every live core, runs the replica rule (``broker.control.replica_targets``), shares
+(``gpubroker.quotas.card_fleet.card_config``). ``FleetBroker`` routes each replica's calls to its card's
+core, ticks every live core, runs the replica rule (``gpubroker.broker.control.replica_targets``), shares
 one decision log and merges ``status``. A card whose replicas all fall silent for
 ``DEAD_AFTER_S``, or whose node left the Ray cluster (``observe_cards``), is lost; with
-re-placement on (a follower applies it: ``deployments.follow``) its replicas are placed again on
-the live cards (``broker.control.replacement``). ``plan()`` is what the Serve side must apply
-(``broker.wire.ServePlan``). The Ray actor and the simulator both drive this object.
+re-placement on (a follower applies it: ``gpubroker.deployments.follow``) its replicas are placed again on
+the live cards (``gpubroker.broker.control.replacement``). ``plan()`` is what the Serve side must apply
+(``gpubroker.broker.wire.ServePlan``). The Ray actor and the simulator both drive this object.
 """
 
 from __future__ import annotations
@@ -21,24 +21,32 @@ from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 
-from broker.control.decision_log import DecisionLog
-from broker.control.replacement import (
+from gpubroker.broker.control.decision_log import DecisionLog
+from gpubroker.broker.control.replacement import (
     FleetEntry,
     Replacement,
     read_placement,
     replace_fleet,
     write_placement,
 )
-from broker.control.replica_targets import ReplicaTargets
-from broker.control.window import stale_after_s
-from broker.core import BrokerCore, NullMetrics
-from broker.fleet_store import FleetStore
-from broker.metrics import BrokerMetrics
-from broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ReplicaTarget, ServePlan, StatsReport, TickResult
-from quotas.card_fleet import card_config
-from quotas.cards import Card
-from quotas.config import FleetConfig, parse_config_text
-from quotas.placement import Placement, place_fleet
+from gpubroker.broker.control.replica_targets import ReplicaTargets
+from gpubroker.broker.control.window import stale_after_s
+from gpubroker.broker.core import BrokerCore, NullMetrics
+from gpubroker.broker.fleet_store import FleetStore
+from gpubroker.broker.metrics import BrokerMetrics
+from gpubroker.broker.wire import (
+    BrokerStatus,
+    DecisionRecord,
+    ModelSettings,
+    ReplicaTarget,
+    ServePlan,
+    StatsReport,
+    TickResult,
+)
+from gpubroker.quotas.card_fleet import card_config
+from gpubroker.quotas.cards import Card
+from gpubroker.quotas.config import FleetConfig, parse_config_text
+from gpubroker.quotas.placement import Placement, place_fleet
 
 DEAD_AFTER_S = 15.0  # a card with registered replicas none of which reported for this long is lost
 
@@ -74,7 +82,7 @@ class FleetBroker:
         self.log = DecisionLog(self._cfg.broker.decision_log_size)
         path, log = self._checkpoint_path, self.log
         self._store = FleetStore(path, single=self.single, launch_hash=cfg0.config_hash(), log=log)
-        log_problem = self._store.restore_log()  # before any entry is appended (broker.fleet_store)
+        log_problem = self._store.restore_log()  # before any entry is appended (gpubroker.broker.fleet_store)
         self._placement = place_fleet(self._cfg, cards, capacity_bytes)
         self.cores: dict[str, BrokerCore] = {}
         self._seen: dict[str, float] = {}  # card -> last report time of any of its replicas
@@ -89,7 +97,9 @@ class FleetBroker:
         if log_problem:
             self._event(log_problem)
         self._restore_placement()
-        self.replica_targets = ReplicaTargets()  # per (card, model): broker.control.replica_rules after each tick
+        self.replica_targets = (
+            ReplicaTargets()
+        )  # per (card, model): gpubroker.broker.control.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
                 self.cores[plan.card.id] = self._make_core(plan.card.id)
@@ -156,7 +166,7 @@ class FleetBroker:
 
     def card_health(self) -> dict[str, list[str]]:
         """Lost cards, and live ones none of whose replicas reported for ``stale_after_s`` (a node
-        may be gone but not yet lost): card routers avoid both (``deployments.http_cards``)."""
+        may be gone but not yet lost): card routers avoid both (``gpubroker.deployments.http_cards``)."""
         now, after_s = self._clock(), stale_after_s(self._cfg)
         silent = [c for c, seen in self._seen.items() if c not in self.lost and now - seen > after_s]
         return {"lost": sorted(self.lost), "silent": sorted(silent)}
@@ -313,7 +323,7 @@ class FleetBroker:
         return out
 
     def _apply(self, config_text: str) -> dict[str, Any]:
-        from quotas.config import ConfigError
+        from gpubroker.quotas.config import ConfigError
 
         if self.single:  # one card: the core's own checks and messages (a model added, a field that needs up)
             core = next(iter(self.cores.values()))
@@ -375,7 +385,7 @@ class FleetBroker:
 
     # ------------------------------------------------------------------ reading
     def _target(self, card_id: str, model: str) -> int:
-        """The replica target of ``model`` on a card (broker.control.replica_rules; configured before a tick)."""
+        """The replica target of ``model`` on a card (gpubroker.broker.control.replica_rules; configured before a tick)."""
         return self.replica_targets.target(card_id, model, self.cores[card_id].config.models[model].replicas)
 
     @property
@@ -398,7 +408,7 @@ class FleetBroker:
         return self.log.since(model, since_seq)
 
     def plan(self) -> ServePlan:
-        """What the Serve side must apply now (``broker.wire.ServePlan``): the placement's card
+        """What the Serve side must apply now (``gpubroker.broker.wire.ServePlan``): the placement's card
         groups, the unplaced, every live card's replica targets and settings."""
         live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}
         return ServePlan(

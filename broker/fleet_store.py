@@ -1,8 +1,8 @@
-"""What a many-card fleet broker keeps on disk (``broker.fleet_core``), beside the placement.
+"""What a many-card fleet broker keeps on disk (``gpubroker.broker.fleet_core``), beside the placement.
 
-Every card's checkpoint goes into one file (``broker.checkpoint.CardCheckpoints``), written once
+Every card's checkpoint goes into one file (``gpubroker.broker.checkpoint.CardCheckpoints``), written once
 after a tick, and the decision log the cards share is journaled once
-(``broker.checkpoint.DecisionJournal``), appending only what was logged since the last save: a
+(``gpubroker.broker.checkpoint.DecisionJournal``), appending only what was logged since the last save: a
 file and a log tail per card every tick cost far more than the tick (the figures:
 bench/notes/2026-12-04-design-notes.md). A one-card fleet keeps its core's own checkpoint file.
 Files next to ``checkpoint_path`` (``x.checkpoint.json``): ``x.checkpoint.cards.json``,
@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from broker.checkpoint import CHECKPOINT_DECISIONS, CardCheckpoints, CardSlot, DecisionJournal
-from broker.control.decision_log import DecisionLog
+from gpubroker.broker.checkpoint import CHECKPOINT_DECISIONS, CardCheckpoints, CardSlot, DecisionJournal
+from gpubroker.broker.control.decision_log import DecisionLog
 
 
 class FleetStore:

@@ -37,8 +37,8 @@ from typing import Any, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from broker.control.types import FleetDecision
-from broker.wire import StatsReport
+from gpubroker.broker.control.types import FleetDecision
+from gpubroker.broker.wire import StatsReport
 
 logger = logging.getLogger("gpubroker.metrics")
 
@@ -187,7 +187,7 @@ MODEL_READINGS = (
     Reading("settings_version", "settings_version"),
 )
 
-# ---- an LLM engine's status (broker.control.llm_window.LlmControl.status), each tick
+# ---- an LLM engine's status (gpubroker.broker.control.llm_window.LlmControl.status), each tick
 ENGINE_SPECS = (
     Spec(Gauge, "llm_ttft_seconds", "Time to first token over the engine's recent completions.", (*MG, "quantile")),
     Spec(Gauge, "llm_tpot_seconds", "Time per output token over the engine's recent completions.", (*MG, "quantile")),
@@ -337,7 +337,7 @@ class BrokerMetrics:
 
     def for_gpu(self, gpu: str) -> BrokerMetrics:
         """The same series under another ``gpu`` label: one view per card of a many-card fleet,
-        all in this registry (``broker.fleet_core``)."""
+        all in this registry (``gpubroker.broker.fleet_core``)."""
         view = copy.copy(self)
         view._start_view(gpu)
         return view
@@ -458,7 +458,7 @@ class BrokerMetrics:
 
     @_never_raises
     def observe_checkpoint(self, write_s: float) -> None:
-        """The fleet's write after a tick (``broker.fleet_store``); cards' ticks time their own step."""
+        """The fleet's write after a tick (``gpubroker.broker.fleet_store``); cards' ticks time their own step."""
         self.m["checkpoint_write_seconds"].observe(max(0.0, write_s))
 
     # ---------------------------------------------------------------- reloads

@@ -10,7 +10,7 @@ A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
   enforcement from torch (what ``make_probe`` returns on cuda).
 - ``HostProbe(capacity_bytes)``: CPU-only machines; RSS per process from /proc, the same
   ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``); what
-  holds a replica to its grant is ``deployments.enforce`` (RLIMIT_DATA), not this probe.
+  holds a replica to its grant is ``gpubroker.deployments.enforce`` (RLIMIT_DATA), not this probe.
 
 Readings the limiters of ``deployments/enforce.py`` use (the limit itself is set there):
 ``proc_status_bytes`` (VmData, VmRSS, RssAnon/RssFile/RssShmem from /proc/<pid>/status: what
@@ -362,7 +362,7 @@ def _device_str(device) -> str:
     if isinstance(device, int):
         return f"cuda:{device}"
     if not isinstance(device, str):
-        device = getattr(device, "device", None)  # quotas.config.GpuSection
+        device = getattr(device, "device", None)  # gpubroker.quotas.config.GpuSection
         if not isinstance(device, str):
             raise TypeError("expected a device string ('auto', 'cpu', 'cuda:N') or a gpu config section")
     return detect_device(device) if device == "auto" else device

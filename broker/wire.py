@@ -15,9 +15,9 @@ from typing import Any, Protocol, TypedDict
 
 
 class EngineReport(TypedDict, total=False):
-    """A continuous-batching engine's stats in a report (``deployments.llm.server.engine_report``):
+    """A continuous-batching engine's stats in a report (``gpubroker.deployments.llm.server.engine_report``):
     the engine's counters and bounds, TTFT/TPOT percentiles of recent completions, its cache and
-    ceilings. What ``broker.control.llm_window`` reads; plain data over Ray, as a TypedDict is."""
+    ceilings. What ``gpubroker.broker.control.llm_window`` reads; plain data over Ray, as a TypedDict is."""
 
     model: str  # model name
     running: int  # sequences admitted to the engine and not finished
@@ -95,14 +95,18 @@ class StatsReport:
     sm_util_frac: float | None = None  # NVML SM utilisation, None where there is no GPU
     oom_splits: int = 0  # batches split in two after an out-of-memory error
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
-    held_refusals: int = 0  # requests refused because the replica holds over its grant (deployments.enforce)
-    shed: int = 0  # of the timeouts, those answered 504 at once: too late for the SLO (deployments.units.shed)
+    held_refusals: int = 0  # requests refused because the replica holds over its grant (gpubroker.deployments.enforce)
+    shed: int = (
+        0  # of the timeouts, those answered 504 at once: too late for the SLO (gpubroker.deployments.units.shed)
+    )
     settings_version: int = 0  # version of the settings the replica runs now
     card_id: str = ""  # the card the replica was placed on ("" in a one-card fleet)
     oom_costs: tuple[
         float, ...
-    ] = ()  # cost of each batch that ran out of memory though its items then ran (deployments.units.oom)
-    engine: EngineReport | None = None  # kind: llm only: the engine's report (deployments.llm.server.engine_report)
+    ] = ()  # cost of each batch that ran out of memory though its items then ran (gpubroker.deployments.units.oom)
+    engine: EngineReport | None = (
+        None  # kind: llm only: the engine's report (gpubroker.deployments.llm.server.engine_report)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """``asdict`` without its deep copy (tuples of numbers are immutable already)."""
@@ -142,12 +146,14 @@ class ModelSettings:
     batch_wait_timeout_s: float  # Serve batch wait timeout
     grant_bytes: int  # memory quota granted now (per model; replicas split it evenly)
     admit: bool = True  # False pauses admission (memory emergency)
-    # A reclaim that the borrower does not honour escalates (broker.control.lending; the replica's
-    # reaction is deployments.units.reclaim): release_cache -> drain -> restart_token bumps.
+    # A reclaim that the borrower does not honour escalates (gpubroker.broker.control.lending; the replica's
+    # reaction is gpubroker.deployments.units.reclaim): release_cache -> drain -> restart_token bumps.
     release_cache: bool = False  # empty the allocator's caches (torch.cuda.empty_cache) and re-measure
     drain: bool = False  # pause admission and let the running batches finish
     restart_token: int = 0  # a replica restarts (fails check_health) when this passes the token it started with
-    engine: EngineBounds | None = None  # kind: llm only: the engine bounds (broker.control.llm_window.engine_settings)
+    engine: EngineBounds | None = (
+        None  # kind: llm only: the engine bounds (gpubroker.broker.control.llm_window.engine_settings)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the Ray boundary and the checkpoint."""
@@ -168,7 +174,7 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class ReplicaTarget:
-    """How many replicas a model should run on one live card (``broker.control.replica_rules``)."""
+    """How many replicas a model should run on one live card (``gpubroker.broker.control.replica_rules``)."""
 
     model: str
     card_id: str
@@ -179,7 +185,7 @@ class ReplicaTarget:
 class ServePlan:
     """Everything the Serve side must change, as the broker wants it now. The broker publishes it
     (``BrokerApi.plan``) and never calls Serve: each replica pulls its own ``settings`` in its report
-    reply; the fleet API's follower (``deployments.follow``) pulls the rest and applies it."""
+    reply; the fleet API's follower (``gpubroker.deployments.follow``) pulls the rest and applies it."""
 
     version: int  # placement version: +1 per re-placement (a card lost, or one joined)
     groups: Mapping[str, Mapping[str, int]]  # model -> card id -> replicas placed there now
@@ -227,7 +233,7 @@ class ModelStatus(TypedDict, total=False):
     p95_ms: float | None
     p99_ms: float | None
     slo_p95_ms: float  # the cap in force: slo_p95_ms x the profile's latency slack
-    attainment: float | None  # share answered within the cap over the window (broker.control.attainment)
+    attainment: float | None  # share answered within the cap over the window (gpubroker.broker.control.attainment)
     completions: int
     misses: int
     arrival_rate_rps: float
@@ -236,21 +242,21 @@ class ModelStatus(TypedDict, total=False):
     replicas: int  # replicas that reported lately
     enforcement: str  # the memory layers its live replicas registered (docs/ENFORCEMENT.md)
     admit: bool
-    cost_per_1k_requests: float | None  # broker.control.cost
+    cost_per_1k_requests: float | None  # gpubroker.broker.control.cost
     cost_unit: str
     calibrated: bool
     emergency_shrinks: int
     oom_splits: int
-    memory_ceiling: int | None  # the batch the grant holds (broker.control.policy.memory_view)
+    memory_ceiling: int | None  # the batch the grant holds (gpubroker.broker.control.policy.memory_view)
     fixed_bytes: int | None
     kind: str  # "llm" for an engine, with its "engine" part
-    engine: dict[str, Any]  # bounds as set, what the engine reports, its SLOs (broker.control.llm_window)
+    engine: dict[str, Any]  # bounds as set, what the engine reports, its SLOs (gpubroker.broker.control.llm_window)
     cards: list[str]  # the cards the model runs on
-    replica_target: int  # replicas the broker wants, all cards (broker.control.replica_rules)
+    replica_target: int  # replicas the broker wants, all cards (gpubroker.broker.control.replica_rules)
 
 
 class BrokerStatus(TypedDict, total=False):
-    """``status()``: one card's core, or the fleet (``broker.fleet_core`` adds ``cards``,
+    """``status()``: one card's core, or the fleet (``gpubroker.broker.fleet_core`` adds ``cards``,
     ``placement_version`` and ``unplaced``; the actor adds its process and reconcile fields)."""
 
     config_hash: str
@@ -277,13 +283,13 @@ class BrokerStatus(TypedDict, total=False):
     pid: int
     started_s: float
     last_error: str | None
-    reconcile: dict[str, Any]  # what the plan follower applied last (deployments.follow)
+    reconcile: dict[str, Any]  # what the plan follower applied last (gpubroker.deployments.follow)
     metrics_url: str | None
 
 
 class DecisionRecord(TypedDict, total=False):
     """One decision-log entry (``decisions()``). Every entry has ``seq``, ``kind``
-    (``broker.control.vocab.EntryKind``), ``time_s``, ``model`` and ``reason``; the other keys
+    (``gpubroker.broker.control.vocab.EntryKind``), ``time_s``, ``model`` and ``reason``; the other keys
     belong to some kinds: settings, replicas and engine changes say what moved and why
     (``trigger``, ``rule``, ``old``, ``new``), quota moves their two ends, placements the cards."""
 
@@ -294,13 +300,13 @@ class DecisionRecord(TypedDict, total=False):
     reason: str
     card: str  # the card whose core logged it (a fleet of several cards)
     dry_run: bool
-    trigger: str  # the metric that drove it (broker.control.vocab.Trigger)
+    trigger: str  # the metric that drove it (gpubroker.broker.control.vocab.Trigger)
     trigger_value: float | None
     rule: str  # the rule that answered (docs/RULES.md)
     inputs: dict[str, Any]  # what the rule read
     old: dict[str, Any]  # the settings (or target, or bounds) before
     new: dict[str, Any]  # and after
-    move: str  # kind: move: lend, reclaim, confirm, grow, ... (broker.control.vocab.MoveKind)
+    move: str  # kind: move: lend, reclaim, confirm, grow, ... (gpubroker.broker.control.vocab.MoveKind)
     donor: str | None
     recipient: str | None
     amount_bytes: int
@@ -324,21 +330,21 @@ class TickResult(TypedDict, total=False):
 
 
 class BrokerApi(Protocol):
-    """Every method of the broker actor (``broker.actor.BrokerActor``) that replicas, the CLI and the
+    """Every method of the broker actor (``gpubroker.broker.actor.BrokerActor``) that replicas, the CLI and the
     Serve side call, through ``handle.<method>.remote(...)``. Arguments and results cross Ray as
     plain data: the typed form named in each line is rebuilt with its ``from_dict`` on the caller's
     side (or sent with ``to_dict``)."""
 
     async def ping(self) -> dict[str, Any]: ...  # ok, pid, started_s, config_hash
 
-    # replicas (deployments.broker_link)
+    # replicas (gpubroker.deployments.broker_link)
     async def register(
         self, model: str, replica_id: str, calibration: dict[str, Any] | None = None, card_id: str = ""
     ) -> dict[str, Any]: ...  # ModelSettings
 
     async def report(self, report: dict[str, Any]) -> dict[str, Any]: ...  # StatsReport in, ModelSettings out
 
-    # the Serve side (deployments.ingress, deployments.follow)
+    # the Serve side (gpubroker.deployments.ingress, gpubroker.deployments.follow)
     async def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]: ...  # {"counted": {model: n}}
 
     async def plan(self) -> dict[str, Any]: ...  # ServePlan
@@ -351,7 +357,7 @@ class BrokerApi(Protocol):
 
     async def card_health(self) -> dict[str, list[str]]: ...  # {"lost": [...], "silent": [...]}
 
-    # the CLI and the HTTP API (gpubroker.cli, deployments.ingress)
+    # the CLI and the HTTP API (gpubroker.cli, gpubroker.deployments.ingress)
     async def status(self) -> BrokerStatus: ...
 
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]: ...

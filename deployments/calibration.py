@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deployments.models.base import ModelAdapter
+from gpubroker.deployments.models.base import ModelAdapter
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
-"""``gpus: auto``: every GPU of every node of the Ray cluster, as ``quotas.cards.Card``.
+"""``gpus: auto``: every GPU of every node of the Ray cluster, as ``gpubroker.quotas.cards.Card``.
 
 Ray says how many GPUs a node has (its ``GPU`` resource in ``ray.nodes()``) and what the node
 is called (its ``gpubroker.io/node`` label, else its node name); NVML on that node says how
 much memory each card has (a small task pinned to the node by its ``ray.io/node-id`` label
-reads ``broker.probes.NvmlProbe(i).card()``). A node without NVML cannot say its capacity:
+reads ``gpubroker.broker.probes.NvmlProbe(i).card()``). A node without NVML cannot say its capacity:
 ``DiscoveryError`` names it, and the fix is to list its cards under ``gpus:``.
 
 Discovered cards carry their Ray node id; their replicas are pinned to the node by that label
-(``deployments.placement_resources``), since a running node cannot declare new custom
+(``gpubroker.deployments.placement_resources``), since a running node cannot declare new custom
 resources. ``card_nodes`` answers the other way round for listed cards: which Ray node
 holds each card's ``gpubroker_card_<id>`` resource.
 
@@ -20,8 +20,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from deployments.placement_resources import CARD_RESOURCE_PREFIX, NODE_LABEL, RAY_NODE_ID_LABEL
-from quotas.cards import Card, CardDevice
+from gpubroker.deployments.placement_resources import CARD_RESOURCE_PREFIX, NODE_LABEL, RAY_NODE_ID_LABEL
+from gpubroker.quotas.cards import Card, CardDevice
 
 RAY_LABEL_PREFIX = "ray.io/"
 
@@ -47,7 +47,7 @@ def _nvml_totals(node_id: str, count: int) -> list[int]:
 
     @ray.remote(num_cpus=0, label_selector={RAY_NODE_ID_LABEL: node_id})
     def read(n: int) -> list[int]:
-        from broker.probes import NvmlProbe
+        from gpubroker.broker.probes import NvmlProbe
 
         return [NvmlProbe(index=i).card()[0] for i in range(n)]
 
@@ -120,7 +120,7 @@ def card_nodes(nodes: Iterable[Mapping[str, Any]] | None = None) -> dict[str, st
 
 
 def missing_cards(listed: Iterable[Any], nodes: Iterable[Mapping[str, Any]] | None = None) -> list[Any]:
-    """The listed cards (``quotas.cards.CardSpec``: id, node) whose ``gpubroker_card_<id>``
+    """The listed cards (``gpubroker.quotas.cards.CardSpec``: id, node) whose ``gpubroker_card_<id>``
     resource no alive node of the cluster declares, in the config's order."""
     declared = card_nodes(nodes)
     return [card for card in listed if card.id not in declared]

@@ -1,9 +1,9 @@
 """The fleet's lifecycle, without a UI: deploy, wait for the models, teardown, ``up`` and ``down``.
 
 ``up_fleet`` validates nothing (the caller loads the config), starts a local Ray head
-(``deployments.local_ray``) unless an address names one, starts the broker actor, deploys the
+(``gpubroker.deployments.local_ray``) unless an address names one, starts the broker actor, deploys the
 Serve app and returns once every model has answered a real request. What it started goes to
-the state file (``deployments.fleet_client``) that the other commands read. Progress goes to
+the state file (``gpubroker.deployments.fleet_client``) that the other commands read. Progress goes to
 an ``on_event`` callback as ``UpEvent``s (the CLI draws them with rich; the demo and tests
 can pass nothing); ``down_fleet`` reports each step to a callback too.
 
@@ -18,18 +18,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
-from deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
-from quotas.config import ConfigError, FleetConfig, parse_config_text
+from gpubroker.deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
+from gpubroker.deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
+from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
 
 if TYPE_CHECKING:
-    from deployments.user_code import ProjectCheck
+    from gpubroker.deployments.user_code import ProjectCheck
 
 
 # =============================================================================== deploy
 def example_inputs(cfg: FleetConfig) -> dict[str, Any]:
     """One valid input per model, from the adapter's ``example_input`` (no weights loaded)."""
-    from deployments.models import resolve_model
+    from gpubroker.deployments.models import resolve_model
 
     out = {}
     for name, spec in cfg.models.items():
@@ -66,14 +66,14 @@ def deploy(
     """Start the broker and deploy the Serve app (Ray must be initialised). Returns the broker handle."""
     from ray import serve
 
-    from broker.actor import start_broker
-    from deployments.app import MODEL_NUM_CPUS, AppLayout, fleet_apps, http_options, run_fleet
-    from deployments.reconcile import ServeReconciler
+    from gpubroker.broker.actor import start_broker
+    from gpubroker.deployments.app import MODEL_NUM_CPUS, AppLayout, fleet_apps, http_options, run_fleet
+    from gpubroker.deployments.reconcile import ServeReconciler
 
     notify = on_progress or (lambda stage, info: None)
     cards = None
     if cfg.gpus == "auto":  # every GPU of every node, found once here; the broker and placement get the same list
-        from deployments.cluster_discovery import discover_cards
+        from gpubroker.deployments.cluster_discovery import discover_cards
 
         cards = tuple(discover_cards())
     notify("broker", {})
@@ -84,7 +84,7 @@ def deploy(
     serve.start(proxy_location=proxy_location(), http_options=http_options(cfg, host, port))
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
     num_cpus = model_num_cpus or MODEL_NUM_CPUS
-    # many cards: the fleet API applies the broker's re-placements to Serve (deployments.follow)
+    # many cards: the fleet API applies the broker's re-placements to Serve (gpubroker.deployments.follow)
     follow = (
         ServeReconciler(config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=num_cpus)
         if cfg.gpus is not None
@@ -127,8 +127,8 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
     """Per model: (has an ``example_input``, the input, why not); no weights loaded. A model
     whose class cannot be imported or constructed with its options here is a ``FleetError``
     naming it: its replicas would fail the same way, and `up` must not report the fleet up."""
-    from deployments.first_requests import example_of
-    from deployments.models import resolve_model
+    from gpubroker.deployments.first_requests import example_of
+    from gpubroker.deployments.models import resolve_model
 
     out = {}
     for name, spec in cfg.models.items():
@@ -160,12 +160,12 @@ def wait_serving(
     """POST one real request (its ``example_input``) to every model until each answers 200;
     returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing,
     or has no 200 within ``wait_s`` (default ``first_requests.WAIT_S``), stops the wait with its
-    last answer and the fix (``deployments.first_requests``). ``on_answer`` gets the
+    last answer and the fix (``gpubroker.deployments.first_requests``). ``on_answer`` gets the
     ``FirstRequests`` record after every answer (each model's last answer); ``examples``:
     ``first_examples(cfg)`` when the caller already has it."""
     import httpx
 
-    from deployments.first_requests import WAIT_S, FirstRequests
+    from gpubroker.deployments.first_requests import WAIT_S, FirstRequests
 
     first = FirstRequests.for_examples(examples or first_examples(cfg), WAIT_S if wait_s is None else wait_s)
     done: dict[str, float] = {}
@@ -264,7 +264,7 @@ def up_fleet(
     """Ray (local unless ``opts.address``), broker, Serve app, one answered request per model; returns the state.
 
     Before Ray starts, every model is built here (``first_examples``) from ``opts.project_dir``
-    (``deployments.user_code``): a model that cannot be built, or a project folder that shadows one
+    (``gpubroker.deployments.user_code``): a model that cannot be built, or a project folder that shadows one
     of gpubroker's packages under a model path, stops ``up`` at once. The user's packages found
     there are shipped to the replicas (Ray ``py_modules``). The state file is written as soon as
     a local Ray is up, so ``down_fleet`` can clean up after a failure; a failure after that emits
@@ -288,7 +288,7 @@ def up_fleet(
             examples=examples,
         )
         progress.calibration(len(cfg.models))
-        if cfg.broker.direct_ingress:  # each replica's own port (deployments.direct_ingress)
+        if cfg.broker.direct_ingress:  # each replica's own port (gpubroker.deployments.direct_ingress)
             _list_direct_urls(cfg, state)
     except Exception as exc:
         emit(UpEvent(UpStage.FAILED, str(exc)))
@@ -300,7 +300,7 @@ def up_fleet(
 
 def _checked_project(cfg: FleetConfig, project_dir: str | None) -> ProjectCheck:
     """The user's project, put on this process's path; a collision with our packages is a FleetError."""
-    from deployments.user_code import check_project, on_sys_path
+    from gpubroker.deployments.user_code import check_project, on_sys_path
 
     project = check_project(((n, m.model) for n, m in cfg.models.items() if m.kind != "llm"), project_dir)
     if project.errors:
@@ -413,7 +413,7 @@ def _start_broker_and_models(
     cfg: FleetConfig, text: str, state: dict[str, Any], opts: UpOptions, progress: _UpProgress
 ) -> None:
     """The broker actor, then the Serve apps, until every model's deployment runs."""
-    from broker.actor import start_broker
+    from gpubroker.broker.actor import start_broker
 
     progress.broker = start_broker(text)
     progress.on_deploy("broker-up", {})
@@ -425,8 +425,8 @@ def _start_broker_and_models(
 
 def _list_direct_urls(cfg: FleetConfig, state: dict[str, Any]) -> None:
     """broker.direct_ingress: each model's replica ports into the state (or why there are none)."""
-    from deployments.app import model_app_name
-    from deployments.direct_ingress import wait_model_urls
+    from gpubroker.deployments.app import model_app_name
+    from gpubroker.deployments.direct_ingress import wait_model_urls
 
     apps = {name: model_app_name(name) for name, spec in cfg.models.items() if spec.kind != "llm"}
     try:
@@ -443,7 +443,7 @@ def _check_cards(cfg: FleetConfig, state: dict[str, Any], nodes: list[dict[str, 
     move once the broker marks the card lost)."""
     if not isinstance(cfg.gpus, list):
         return ""
-    from deployments.cluster_discovery import missing_cards, missing_cards_fix
+    from gpubroker.deployments.cluster_discovery import missing_cards, missing_cards_fix
 
     missing = missing_cards(cfg.gpus, nodes)
     if len(missing) < len(cfg.gpus):

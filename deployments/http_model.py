@@ -2,14 +2,14 @@
 
 ``HttpModel`` is ``ModelReplica`` (the Serve glue: admission, validation, batching, broker
 link) plus a plain ``__call__(request)``: Serve's proxy routes ``/v1/models/<name>`` (the
-model's own application, see ``deployments.app``) straight to a replica of the model, and the
+model's own application, see ``gpubroker.deployments.app``) straight to a replica of the model, and the
 request is read, checked and answered in the replica process. No FastAPI, no second
 deployment, no Ray call on the request path other than Serve's own body stream.
 
 In order: the path (``POST .../infer``), the body size (Content-Length, then the bytes read,
-both before any JSON parsing), the body's shape (``deployments.http_api``), then
+both before any JSON parsing), the body's shape (``gpubroker.deployments.http_api``), then
 ``ModelReplica.infer`` (admission, then validation, then the batcher). Answers are built by
-``deployments.http_api``. As before the one hop, a 413 or a malformed body is the client's
+``gpubroker.deployments.http_api``. As before the one hop, a 413 or a malformed body is the client's
 error, not a miss: only the replica's own refusals (queue full, paused) reach its stats.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.http_api import (
+from gpubroker.deployments.http_api import (
     JSON_TYPE,
     HttpAnswer,
     ParsedBody,
@@ -29,7 +29,7 @@ from deployments.http_api import (
     parse_body,
     too_big,
 )
-from deployments.replica import ModelReplica
+from gpubroker.deployments.replica import ModelReplica
 
 
 async def read_infer_request(request: Request, name: str, limit: int) -> tuple[ParsedBody, bytes] | HttpAnswer:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deployments.ray_auth import ensure_token_auth, join_hint
+from gpubroker.deployments.ray_auth import ensure_token_auth, join_hint
 
 
 class FleetError(RuntimeError):
@@ -62,7 +62,7 @@ def start_local_ray(
     num_cpus: int | None = None, port: int | None = None, direct_ingress: bool = False
 ) -> dict[str, Any]:
     """``ray start --head`` on 127.0.0.1 in a new process group; every port picked free.
-    ``direct_ingress``: Serve's direct ingress on (``deployments.direct_ingress.DIRECT_ENV``).
+    ``direct_ingress``: Serve's direct ingress on (``gpubroker.deployments.direct_ingress.DIRECT_ENV``).
 
     Returns ``{"address", "pgid", "dashboard", "auth_mode", "join"}`` (``join``: how another node
     joins); ``stop_local_ray(pgid)`` stops exactly it. Token auth is on unless RAY_AUTH_MODE says otherwise.
@@ -92,14 +92,14 @@ def start_local_ray(
     ]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     # Token auth on unless the user chose a mode: their token, or a new one in Ray's token file
-    # (deployments.ray_auth); this process and the head agree on it.
+    # (gpubroker.deployments.ray_auth); this process and the head agree on it.
     auth = ensure_token_auth(env)
-    from deployments.http_proxy import PROXY_ENV  # the proxy answers a lost replica with a JSON 503
+    from gpubroker.deployments.http_proxy import PROXY_ENV  # the proxy answers a lost replica with a JSON 503
 
     for key, value in PROXY_ENV.items():
         env.setdefault(key, value)
     if direct_ingress:
-        from deployments.direct_ingress import DIRECT_ENV
+        from gpubroker.deployments.direct_ingress import DIRECT_ENV
 
         for key, value in DIRECT_ENV.items():
             env.setdefault(key, value)

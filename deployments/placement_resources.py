@@ -1,4 +1,4 @@
-"""A placement (``quotas.placement``) as Ray resources and Serve deployments.
+"""A placement (``gpubroker.quotas.placement``) as Ray resources and Serve deployments.
 
 Every card is a Ray custom resource on the node that holds it, ``gpubroker_card_<id>: 1000``
 (``CARD_RESOURCE_UNITS``), declared when the node starts (``ray start --resources``, or
@@ -16,7 +16,7 @@ which is how the replica and its reports know their card.
 One Serve deployment per (model, card) group: named ``<model>`` when the model is on one card
 (so a one-card fleet keeps today's names) and ``<model>@<card>`` otherwise.
 
-Call from ``deployments.app`` (this module builds the deployments, app.py wires the ingress)::
+Call from ``gpubroker.deployments.app`` (this module builds the deployments, app.py wires the ingress)::
 
     groups = bind_model_groups(cfg, config_text, model_num_cpus=MODEL_NUM_CPUS)
     # gpus: auto: bind_model_groups(cfg, config_text, place_fleet(cfg, discover_cards()), ...)
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from quotas.cards import SINGLE_CARD_ID, Card, CardDevice
-from quotas.placement import Placement
+from gpubroker.quotas.cards import SINGLE_CARD_ID, Card, CardDevice
+from gpubroker.quotas.placement import Placement
 
 CARD_RESOURCE_PREFIX = "gpubroker_card_"
 CARD_RESOURCE_UNITS = 1000  # a card's whole custom resource; replicas share it
@@ -150,7 +150,7 @@ def fleet_plans(
             for name, spec in sorted(cfg.models.items())
         )
     if placement is None:
-        from quotas.placement import place_fleet
+        from gpubroker.quotas.placement import place_fleet
 
         placement = place_fleet(cfg)
     return deployment_plans(placement, model_num_cpus=model_num_cpus, use_card_resources=use_card_resources)
@@ -166,16 +166,16 @@ def bind_model_groups(
     use_card_resources: bool | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Bound Serve deployments, ``{model: {card_id: Application}}``, one per (model, card) group
-    (``fleet_plans``), with the options ``deployments.app.build_fleet`` gives a model today
+    (``fleet_plans``), with the options ``gpubroker.deployments.app.build_fleet`` gives a model today
     (the queue bound per group)."""
     from ray import serve
 
     if deployment_cls is None:
-        from deployments.replica import ModelReplica
+        from gpubroker.deployments.replica import ModelReplica
 
         deployment_cls = ModelReplica
     if placement is None and cfg.gpus is not None:
-        from quotas.placement import place_fleet
+        from gpubroker.quotas.placement import place_fleet
 
         placement = place_fleet(cfg)
     many = placement is not None and len(placement.cards) > 1  # replicas of a one-card fleet get card_id ""

@@ -1,7 +1,7 @@
 """Serve follows the broker's re-placement: the plan's card groups become Serve apps again.
 
-The broker publishes where every model's replicas should run (``broker.wire.ServePlan.groups``)
-and never calls Serve; the fleet API's plan follower (``deployments.follow``) pulls the plan and
+The broker publishes where every model's replicas should run (``gpubroker.broker.wire.ServePlan.groups``)
+and never calls Serve; the fleet API's plan follower (``gpubroker.deployments.follow``) pulls the plan and
 calls ``ServeReconciler`` with the groups when the plan's version moved, and asks it which cards'
 nodes are in the Ray cluster (``alive_cards``) for the broker's ``observe_cards``.
 
@@ -9,13 +9,13 @@ What it applies. Every model whose card groups changed is deployed again under i
 and route (``serve.run_many`` without waiting):
 
 - a group as deployed (same card, same replica count) is its deploy-time deployment exactly
-  (name, Ray options, arguments, hence its version: ``deployments.app.deployment_version``), so
+  (name, Ray options, arguments, hence its version: ``gpubroker.deployments.app.deployment_version``), so
   Serve leaves its replicas running;
 - a group that is new on its card, or whose size changed, is pinned to its card's node by label
   (``gpubroker.io/node``, or ``ray.io/node-id`` for a discovered card), told its card in its
   environment, and asks for no card resource: the card's units are held by the deploy-time
-  replicas (``deployments.placement_resources``), and the broker's placement (Σ base ≤ usable
-  per card, ``quotas.placement.replace_after_loss``) is the guard now. A group whose size
+  replicas (``gpubroker.deployments.placement_resources``), and the broker's placement (Σ base ≤ usable
+  per card, ``gpubroker.quotas.placement.replace_after_loss``) is the guard now. A group whose size
   changed restarts (its replicas split the grant by their count, a constructor argument);
 - the app keeps its shape: a model deployed behind a ``CardRouter`` keeps its router (groups
   ``<model>@<card>``; the router itself is replaced, the new one up before the old stops); a
@@ -38,7 +38,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from deployments.app import (
+from gpubroker.deployments.app import (
     FLEET_APP,
     INGRESS_NUM_CPUS,
     LLM_APP,
@@ -51,9 +51,9 @@ from deployments.app import (
     model_route,
     run_fleet,
 )
-from deployments.http_api import JSON_TYPE, HttpAnswer
-from deployments.http_model import HttpModel
-from deployments.placement_resources import (
+from gpubroker.deployments.http_api import JSON_TYPE, HttpAnswer
+from gpubroker.deployments.http_model import HttpModel
+from gpubroker.deployments.placement_resources import (
     CARD_ENV,
     CARD_INDEX_ENV,
     NODE_LABEL,
@@ -63,11 +63,11 @@ from deployments.placement_resources import (
     deployment_name,
     deployment_plans,
 )
-from quotas.cards import Card, CardDevice, fleet_cards
-from quotas.config import parse_config_text
-from quotas.placement import Placement, place_fleet
+from gpubroker.quotas.cards import Card, CardDevice, fleet_cards
+from gpubroker.quotas.config import parse_config_text
+from gpubroker.quotas.placement import Placement, place_fleet
 
-Groups = Mapping[str, Mapping[str, int]]  # model -> card id -> replicas (broker.wire.ServePlan.groups)
+Groups = Mapping[str, Mapping[str, int]]  # model -> card id -> replicas (gpubroker.broker.wire.ServePlan.groups)
 
 
 def deployed_groups(placement: Placement) -> dict[str, dict[str, int]]:
@@ -124,8 +124,8 @@ class ReconcileResult:
 class ServeReconciler:
     """Applies a plan's card groups to Serve (``__call__``) and reads which cards are alive (``alive_cards``).
 
-    Built where the fleet is deployed, with the same arguments as ``deployments.app.fleet_apps``;
-    picklable (the fleet API's replica receives it: ``deployments.follow``)."""
+    Built where the fleet is deployed, with the same arguments as ``gpubroker.deployments.app.fleet_apps``;
+    picklable (the fleet API's replica receives it: ``gpubroker.deployments.follow``)."""
 
     def __init__(
         self,
@@ -247,7 +247,7 @@ class ServeReconciler:
         the same options, so the same version, for as long as it stays there). An engine with no
         card left keeps its deploy-time options and waits for its card's node (its requests wait
         or time out; it is reported unplaced)."""
-        from deployments.llm.openai_api import LLM_NUM_CPUS, llm_app, llm_spots
+        from gpubroker.deployments.llm.openai_api import LLM_NUM_CPUS, llm_app, llm_spots
 
         deployed = self.deployed()
         spots = llm_spots(deployed, LLM_NUM_CPUS)
@@ -282,7 +282,7 @@ class ServeReconciler:
         """The fleet's cards whose node is alive in the Ray cluster now."""
         import ray
 
-        from deployments.cluster_discovery import card_nodes
+        from gpubroker.deployments.cluster_discovery import card_nodes
 
         nodes = ray.nodes()
         alive = {str(n["NodeID"]) for n in nodes if n.get("Alive", True)}

@@ -1,8 +1,8 @@
 """Replica targets to Serve: the plan's ``replica_targets`` become each deployment's replica count.
 
-The broker decides (``broker.control.replica_rules``) and publishes the targets in its
+The broker decides (``gpubroker.broker.control.replica_rules``) and publishes the targets in its
 ``ServePlan``; it never calls Serve. ``ReplicaScaler`` is the thin applier, run by the fleet
-API's plan follower (``deployments.follow``): it applies the targets that changed and every
+API's plan follower (``gpubroker.deployments.follow``): it applies the targets that changed and every
 ``RESYNC_S`` all of them again (a redeploy of an app sets its configured count back). In dry run
 nothing is applied.
 
@@ -26,8 +26,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from broker.wire import ServePlan
-from deployments.placement_resources import deployment_name
+from gpubroker.broker.wire import ServePlan
+from gpubroker.deployments.placement_resources import deployment_name
 
 logger = logging.getLogger("gpubroker.scaler")
 

@@ -10,10 +10,11 @@ the current directory). Three things follow from that, all here:
   (uploaded once, unpacked on each node: replicas on other nodes import them too; on the node
   ``up`` runs on, Ray also puts the driver's directory on the workers' path). A package that is
   installed (``pip install -e .``) is not shipped: it imports from the environment;
-- ``ProjectCheck.errors`` / ``warnings``: a folder of the project named like one of gpubroker's
-  packages (``deployments/`` is common in Ray Serve projects) shadows ours, or ours shadows it:
-  a model path into it cannot work, and anything that puts the project first on the path breaks
-  the command. Each message names the folder and the fix.
+- ``ProjectCheck.errors`` / ``warnings``: a folder of the project named ``gpubroker`` (gpubroker's one
+  import name; its ``broker``, ``deployments`` and ``quotas`` live under it, so a project's own
+  ``deployments/`` is its own) shadows ours, or ours shadows it: a model path into it cannot work,
+  and anything that puts the project first on the path breaks the command. Each message names the
+  folder and the fix.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OUR_PACKAGES = ("gpubroker", "deployments", "broker", "quotas")
-_ROOT = Path(__file__).resolve().parents[1]  # where this installation's packages live
+OUR_PACKAGES = ("gpubroker",)  # the one name the wheel installs
+# This installation's gpubroker package: deployments/ is gpubroker/deployments (a link in a clone, a
+# folder in the wheel), so the unresolved path's parent is the package either way.
+_PACKAGE = Path(__file__).parents[1]
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ def local_module(project_dir: Path, name: str) -> Path | None:
 def _is_ours(path: Path, name: str) -> bool:
     """The folder is this installation's package, or the same package in a gpubroker checkout
     (a clone with its own pyproject naming the project gpubroker: its folders are ours, not a user's)."""
-    if path.resolve() in ((_ROOT / name).resolve(), (_ROOT / f"{name}.py").resolve()):
+    if name == _PACKAGE.name and path.resolve() == _PACKAGE.resolve():
         return True
     return _is_gpubroker_checkout(path.parent)
 
@@ -120,7 +123,7 @@ def check_project(refs: Iterable[tuple[str, str]], project_dir: Path | str | Non
 def _is_installed_elsewhere(top: str, path: Path) -> bool:
     """True when ``top`` imports from somewhere other than ``path`` without the project on the
     path (an installed copy): then that copy is what runs, and nothing is shipped."""
-    from deployments.models import module_locations
+    from gpubroker.deployments.models import module_locations
 
     where = module_locations(top, without=path.parent)
     return where is not None and path.resolve() not in where

@@ -1,5 +1,5 @@
-"""Serve versions from what a deployment runs (``deployments.app``, ``deployments.llm.openai_api``,
-``deployments.reconcile``): redeploying an app whose deployment is unchanged leaves its replicas
+"""Serve versions from what a deployment runs (``gpubroker.deployments.app``, ``gpubroker.deployments.llm.openai_api``,
+``gpubroker.deployments.reconcile``): redeploying an app whose deployment is unchanged leaves its replicas
 running; one whose code, options or arguments changed restarts."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def code_digest(model_ref: str = "") -> str:
     user model (``pkg.module:Class``), its module's file, read where Python would import it from
     (not imported here). A redeploy after either changed is a new version: Serve restarts the
     replicas instead of leaving them on the old code."""
-    from deployments.models import model_source
+    from gpubroker.deployments.models import model_source
 
     h = hashlib.sha256(_own_code_digest().encode())
     h.update(model_ref.encode())
@@ -41,7 +41,7 @@ def deployment_version(
 ) -> str:
     """A Serve version from what a deployment runs (class, name, replicas, Ray options, constructor
     arguments, ``code``: ``code_digest``). Redeploying an app whose group is unchanged is then a
-    no-op for that group: its replicas keep running (``deployments.reconcile``). Serve would
+    no-op for that group: its replicas keep running (``gpubroker.deployments.reconcile``). Serve would
     otherwise give every ``serve.run`` a random version and restart every replica of the app."""
     digest = [hashlib.sha256(a.encode()).hexdigest() if isinstance(a, str) else a for a in args]
     blob = json.dumps(

@@ -1,14 +1,14 @@
 """The measurement layer: a replica's memory watched by code the model does not run.
 
-Two watchers apply the same decision (``broker.control.violation.watch_step``) to the same
+Two watchers apply the same decision (``gpubroker.broker.control.violation.watch_step``) to the same
 reading (resident memory over the pre-model baseline on CPU; NVML's bytes for the pid on CUDA):
 
 - ``ReplicaWatch``: a thread in the replica. Over grant + slack past the grace it declares the
   violation: the replica refuses new work (503 naming the model, the reading and the grant), its
   health check fails, and once drained it ends its own process (Serve starts a new one).
-- the watchdog: a process of its own (``python -m deployments.watch``), started by the replica
+- the watchdog: a process of its own (``python -m gpubroker.deployments.watch``), started by the replica
   before the model loads, outside its memory and its limits. It puts the replica's pid in a
-  memory cgroup of its own where the node allows (``deployments.cgroup``) and sets the limit from
+  memory cgroup of its own where the node allows (``gpubroker.deployments.cgroup``) and sets the limit from
   every grant the replica sends it; it ends the pid (SIGKILL) if the violation outlives the drain
   by ``BACKSTOP_S``, and removes the cgroup once the pid is gone.
 
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from broker.control.violation import (
+from gpubroker.broker.control.violation import (
     WATCH_DRAIN_S,
     WATCH_GRACE_S,
     WATCH_PERIOD_S,
@@ -53,7 +53,7 @@ CGROUP_ENV = "GPUBROKER_CGROUP"  # "off": no cgroup even where writable (tests o
 
 def host_used_bytes(pid: int | None, baseline_bytes: int) -> int | None:
     """VmRSS of ``pid`` over ``baseline_bytes``; None when the pid is gone (or a zombie)."""
-    from broker.probes import proc_status_bytes
+    from gpubroker.broker.probes import proc_status_bytes
 
     rss = proc_status_bytes(pid).get("VmRSS")
     return None if rss is None else max(0, rss - baseline_bytes)
@@ -62,7 +62,7 @@ def host_used_bytes(pid: int | None, baseline_bytes: int) -> int | None:
 def nvml_reader(index: int, pid: int, baseline_bytes: int) -> Callable[[], int | None]:
     """NVML's bytes for ``pid`` on card ``index`` over ``baseline_bytes`` (its CUDA context), one
     NVML handle for all readings; NVML missing: 0 (the watchdog then only cleans up after the pid)."""
-    from broker.probes import NvmlProbe
+    from gpubroker.broker.probes import NvmlProbe
 
     try:
         probe = NvmlProbe(index, pid)
@@ -87,7 +87,7 @@ def set_mps_memory_limit(device: str, limit_bytes: int, environ: dict | None = N
         return ""
     if not (env.get("CUDA_MPS_PIPE_DIRECTORY") or os.path.exists("/tmp/nvidia-mps")):
         return ""
-    from broker.control.violation import WATCH_SLACK_BYTES
+    from gpubroker.broker.control.violation import WATCH_SLACK_BYTES
 
     index = device.partition(":")[2] or "0"
     value = f"{index}={(int(limit_bytes) + WATCH_SLACK_BYTES) // 2**20}M"
@@ -186,7 +186,7 @@ class WatchdogHandle:
         self.model = model
         self.cgroup = ""
         self.why_not = ""
-        cmd = [sys.executable, "-m", "deployments.watch", "--pid", str(os.getpid()), "--model", model]
+        cmd = [sys.executable, "-m", "gpubroker.deployments.watch", "--pid", str(os.getpid()), "--model", model]
         cmd += ["--device", device, "--baseline", str(int(baseline_bytes))]
         self.proc = subprocess.Popen(  # stderr: inherited (the worker's log)
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True
@@ -235,7 +235,7 @@ def _log(msg: str) -> None:
 
 
 def _setup_cgroup(pid: int, model: str):
-    from deployments.cgroup import ReplicaCgroup, find_place
+    from gpubroker.deployments.cgroup import ReplicaCgroup, find_place
 
     if os.environ.get(CGROUP_ENV, "").lower() == "off":
         return None, f"{CGROUP_ENV}=off"
@@ -273,7 +273,7 @@ def _read_grants(w: _Watched, cg, eof: threading.Event) -> None:
 
 
 def watchdog_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deployments.watch", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m gpubroker.deployments.watch", description=__doc__)
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")

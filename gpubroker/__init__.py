@@ -9,8 +9,8 @@ inherit the defaults of the others); ``InputError(field, message)`` refuses a re
 with a 422 naming the field. Everything else in the package is the command and its machinery.
 """
 
-from deployments.models.base import InputError
-from deployments.models.protocol import Model
+from gpubroker.deployments.models.base import InputError
+from gpubroker.deployments.models.protocol import Model
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 

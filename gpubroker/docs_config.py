@@ -1,4 +1,4 @@
-"""Write docs/configuration.md from the fleet config's pydantic schema (``quotas.config.FleetConfig``).
+"""Write docs/configuration.md from the fleet config's pydantic schema (``gpubroker.quotas.config.FleetConfig``).
 
 The reference is generated, never edited by hand, so it cannot disagree with what ``validate``
 accepts: ``python -m gpubroker.docs_config > docs/configuration.md``; a unit test
@@ -22,8 +22,8 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from quotas import sizes
-from quotas.config import FleetConfig
+from gpubroker.quotas import sizes
+from gpubroker.quotas.config import FleetConfig
 
 TOP = "(top level)"
 SIZES_MODULE = sizes.__name__
@@ -142,7 +142,7 @@ def _members(annotation: Any) -> list[Any]:
 
 def _is_size_meta(metadata: list[Any]) -> bool:
     for meta in metadata:
-        func = getattr(meta, "func", None)  # a size's parser or serializer lives in quotas.sizes
+        func = getattr(meta, "func", None)  # a size's parser or serializer lives in gpubroker.quotas.sizes
         if func is not None and getattr(func, "__module__", "") == SIZES_MODULE:
             return True
     return False

@@ -1,6 +1,6 @@
 """What ``gpubroker validate`` checks beyond the schema, and the card's budget it explains.
 
-The schema (``quotas.config``) cannot see whether ``model: acme.models:Scorer`` imports, or
+The schema (``gpubroker.quotas.config``) cannot see whether ``model: acme.models:Scorer`` imports, or
 whether the class takes the options written under it: ``up`` would find out minutes later on a
 replica. ``build_models`` imports every batch model's class and builds it with its options in a
 child process (no Ray; the project directory appended to its path, as ``up`` imports it), under a
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from gpubroker.quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.config_errors import MISSING, ConfigIssue
 from gpubroker.sim.profile import profile_for
-from quotas.config import FleetConfig, ModelSpec
-from quotas.config_errors import MISSING, ConfigIssue
 
 PROFILE_KEYS = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "mean_tokens", "tokens_cv")
 
@@ -41,7 +41,7 @@ MARK = "@@gpubroker-validate@@"  # the child's result line, whatever the user's 
 def build_each(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, str] | None]:
     """In the child: model name -> None when its class imports and builds with its options, else
     {"field", "message"} (the field under ``models.<name>``: ``model`` or ``options.<key>``)."""
-    from deployments.models import ModelRefError, resolve_model  # noqa: PLC0415 - the child's import
+    from gpubroker.deployments.models import ModelRefError, resolve_model  # noqa: PLC0415 - the child's import
 
     out: dict[str, dict[str, str] | None] = {}
     for name, spec in models.items():
@@ -228,7 +228,7 @@ class CardBudget:
 
 
 def budget(cfg: FleetConfig) -> CardBudget:
-    """The card's budget of a one-card fleet (a ``gpus:`` fleet's cards: ``quotas.placement``)."""
+    """The card's budget of a one-card fleet (a ``gpus:`` fleet's cards: ``gpubroker.quotas.placement``)."""
     gpu = cfg.gpu
     on_cuda = gpu.device.startswith("cuda")
     each = gpu.context_overhead_bytes(1, on_cuda)

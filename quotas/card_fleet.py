@@ -3,15 +3,15 @@
 
 Lending happens only inside a card (one ledger per card), so a card's models with the card's
 capacity, device and the fleet's shared ``gpu`` settings behave as a one-card fleet: each model
-holds its quota there with the replicas placement puts on that card (``quotas.placement``). What
+holds its quota there with the replicas placement puts on that card (``gpubroker.quotas.placement``). What
 such a fleet does not carry: the other cards of a model placed on several (their replicas and
 their share of its requests).
 """
 
 from __future__ import annotations
 
-from quotas.config import FleetConfig, parse_config
-from quotas.placement import Placement, place_fleet
+from gpubroker.quotas.config import FleetConfig, parse_config
+from gpubroker.quotas.placement import Placement, place_fleet
 
 
 def card_fleet(cfg: FleetConfig, card_id: str, source: str = "config") -> FleetConfig:

@@ -3,7 +3,7 @@
 The YAML has two forms. Today's ``gpu:`` section alone means one card (id ``card0``). A
 ``gpus:`` section beside it lists the cards of a Ray cluster::
 
-    gpus: auto                 # every GPU of every node (deployments.cluster_discovery)
+    gpus: auto                 # every GPU of every node (gpubroker.deployments.cluster_discovery)
 
     gpus:                      # or explicitly; device: cpu emulates a card (capacity required)
       - {id: a0, node: node-a, index: 0, capacity: 1GiB, device: cpu}
@@ -16,7 +16,7 @@ Each model says where it may run::
     placement: {cards: any | [a0, b1], node_label: {zone: east}, spread: true}
 
 This module is pure (pydantic and the stdlib): the schema pieces, the resolved ``Card`` and the
-per-card usable arithmetic. ``quotas.placement`` decides the card of every replica.
+per-card usable arithmetic. ``gpubroker.quotas.placement`` decides the card of every replica.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from quotas.sizes import format_size, parse_size
+from gpubroker.quotas.sizes import format_size, parse_size
 
 SINGLE_CARD_ID = "card0"  # the one card of a fleet without a gpus: section
 SINGLE_CARD_NODE = "local"
@@ -128,7 +128,7 @@ def _auto_only(value: str) -> str:
 
 # The gpus: section: "auto" or a list of cards (None: the gpu section's one card). The
 # discriminator picks the branch from the value, so an error names that branch only
-# (an error's path reads gpus.<i>.<field>: quotas.config_errors drops the tag).
+# (an error's path reads gpus.<i>.<field>: gpubroker.quotas.config_errors drops the tag).
 GpusSection = Annotated[
     Annotated[str, AfterValidator(_auto_only), Tag("auto")]
     | Annotated[list[CardSpec], AfterValidator(_check_cards), Tag("cards")],
@@ -222,7 +222,7 @@ class CardBudget:
 
 
 def budget_from_gpu(gpu: Any, default_context_bytes: int) -> CardBudget:
-    """The CardBudget of a config's gpu section (``quotas.config.GpuSection``)."""
+    """The CardBudget of a config's gpu section (``gpubroker.quotas.config.GpuSection``)."""
     per = gpu.context_overhead
     per_process = default_context_bytes if per == "auto" else int(per)
     return CardBudget(reserve_frac=float(gpu.reserve_frac), context_bytes_per_process=per_process)
@@ -249,7 +249,7 @@ def fleet_cards(
     if gpus == "auto":
         if discovered is None:
             raise ValueError(
-                "gpus is 'auto' and no discovered cards were given; run deployments.cluster_discovery.discover_cards() "
+                "gpus is 'auto' and no discovered cards were given; run gpubroker.deployments.cluster_discovery.discover_cards() "
                 "on the cluster, or list the cards under gpus:"
             )
         if not discovered:

@@ -28,13 +28,13 @@ from pydantic import (
     model_validator,
 )
 
-from quotas.cards import GpusSection, PlacementSpec
-from quotas.config_errors import MISSING, ConfigError, ConfigIssue, duplicate_keys, issue_from_pydantic
-from quotas.llm_spec import LLM_ENGINES, LlmSpec
-from quotas.placement import check_fleet_cards
-from quotas.schedule import ProfilesSection
-from quotas.sizes import UNITS_REQUIRED, ExactSize, Size, format_size
-from quotas.vocab import BatchFormation, Strategy
+from gpubroker.quotas.cards import GpusSection, PlacementSpec
+from gpubroker.quotas.config_errors import MISSING, ConfigError, ConfigIssue, duplicate_keys, issue_from_pydantic
+from gpubroker.quotas.llm_spec import LLM_ENGINES, LlmSpec
+from gpubroker.quotas.placement import check_fleet_cards
+from gpubroker.quotas.schedule import ProfilesSection
+from gpubroker.quotas.sizes import UNITS_REQUIRED, ExactSize, Size, format_size
+from gpubroker.quotas.vocab import BatchFormation, Strategy
 
 BUILTIN_MODELS = ("minilm", "mlp", "cnn", "profiled")
 DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2

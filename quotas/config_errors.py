@@ -47,7 +47,7 @@ def issue_from_pydantic(err: Mapping[str, Any]) -> ConfigIssue:
     # Pydantic adds the union branch / validator names to locs; drop the noise.
     loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]
     if len(loc) > 1 and loc[0] == "gpus" and loc[1] in ("auto", "cards"):
-        del loc[1]  # the tag of the gpus union's branch (quotas.cards.GpusSection), not a key the user wrote
+        del loc[1]  # the tag of the gpus union's branch (gpubroker.quotas.cards.GpusSection), not a key the user wrote
     path = ".".join(loc)
     kind = err.get("type", "")
     msg = str(err.get("msg", "invalid"))

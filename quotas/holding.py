@@ -4,8 +4,8 @@ The ledger's own invariant (I1: grants + bytes in flight <= usable) is arithmeti
 adds what the replicas measured. A model may hold ``max(grant + outgoing, used)`` now: its
 grant, plus bytes it has given up but not yet been measured to have freed (transfers and
 releases in flight from it), or more if it measured more. The broker checks that the sum over
-models stays within usable after every tick (``broker.core``), raises a grant from the pool
-only into ``measured_free_bytes`` (``broker.control.lending``), and the tests check it at every step.
+models stays within usable after every tick (``gpubroker.broker.core``), raises a grant from the pool
+only into ``measured_free_bytes`` (``gpubroker.broker.control.lending``), and the tests check it at every step.
 
 Pure: stdlib only; ``used_bytes`` maps model -> measured bytes (missing: nothing measured, 0).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from quotas.ledger import QuotaLedger, fmt
+from gpubroker.quotas.ledger import QuotaLedger, fmt
 
 
 def held_bytes(ledger: QuotaLedger, used_bytes: Mapping[str, int]) -> dict[str, int]:

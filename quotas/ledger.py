@@ -109,10 +109,10 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from quotas.sizes import format_size, parse_size
+from gpubroker.quotas.sizes import format_size, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module free of pydantic at run time
-    from quotas.config import FleetConfig
+    from gpubroker.quotas.config import FleetConfig
 
 __all__ = [
     "CHECKPOINT_VERSION",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LLM_ENGINES = ("tiny-llama",)  # kind: llm engines (deployments.llm)
+LLM_ENGINES = ("tiny-llama",)  # kind: llm engines (gpubroker.deployments.llm)
 
 
 class LlmSpec(BaseModel):

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from quotas.cards import Card, CardBudget, budget_from_gpu, fleet_cards
-from quotas.sizes import format_size
+from gpubroker.quotas.cards import Card, CardBudget, budget_from_gpu, fleet_cards
+from gpubroker.quotas.sizes import format_size
 
-DEFAULT_CUDA_CONTEXT_BYTES = 512 * 1024**2  # as quotas.config (kept here so placement does not import the schema)
+DEFAULT_CUDA_CONTEXT_BYTES = (
+    512 * 1024**2
+)  # as gpubroker.quotas.config (kept here so placement does not import the schema)
 
 
 @dataclass(frozen=True)
@@ -346,7 +348,7 @@ def _spread_target(d: ModelDemand, allowed: list[_CardState], budget: CardBudget
 
 # ------------------------------------------------------------------------------ from a config
 def demands_from_models(models: Mapping[str, Any]) -> tuple[ModelDemand, ...]:
-    """A config's models (``quotas.config.ModelSpec`` by name) as demands."""
+    """A config's models (``gpubroker.quotas.config.ModelSpec`` by name) as demands."""
     out = []
     for name, spec in models.items():
         pl = spec.placement
@@ -366,7 +368,7 @@ def demands_from_models(models: Mapping[str, Any]) -> tuple[ModelDemand, ...]:
 
 
 def place_fleet(cfg: Any, discovered: tuple[Card, ...] | None = None, capacity_bytes: int | None = None) -> Placement:
-    """Place a ``quotas.config.FleetConfig``: its cards (gpus list, discovered for gpus: auto, or the
+    """Place a ``gpubroker.quotas.config.FleetConfig``: its cards (gpus list, discovered for gpus: auto, or the
     gpu section's one card with ``capacity_bytes`` when gpu.capacity is auto) and its models."""
     cards = fleet_cards(cfg.gpu, cfg.gpus, discovered, capacity_bytes)
     return place(demands_from_models(cfg.models), cards, budget_from_gpu(cfg.gpu, DEFAULT_CUDA_CONTEXT_BYTES))

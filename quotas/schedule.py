@@ -1,5 +1,5 @@
 """Price-aware profiles in the config: weekly windows (days, hours, timezone), each with a price
-per GPU-hour and an objective; exactly one default. Validated here, chosen by ``broker.control.profiles``."""
+per GPU-hour and an objective; exactly one default. Validated here, chosen by ``gpubroker.broker.control.profiles``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from quotas.vocab import Objective
+from gpubroker.quotas.vocab import Objective
 
 DAY_NAMES = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 _FULL_DAY_NAMES = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")

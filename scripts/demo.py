@@ -46,12 +46,12 @@ os.environ.setdefault("GPUBROKER_STATE_DIR", tempfile.mkdtemp(prefix="gpubroker-
 import httpx  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-from deployments.fleet import UpOptions, example_inputs  # noqa: E402
-from deployments.local_ray import free_port, port_free  # noqa: E402
 from gpubroker.cli.fleet import down, up_with_progress  # noqa: E402
 from gpubroker.cli.views import describe_decision, status_table  # noqa: E402
-from quotas.config import FleetConfig, parse_config_text  # noqa: E402
-from quotas.sizes import format_size  # noqa: E402
+from gpubroker.deployments.fleet import UpOptions, example_inputs  # noqa: E402
+from gpubroker.deployments.local_ray import free_port, port_free  # noqa: E402
+from gpubroker.quotas.config import FleetConfig, parse_config_text  # noqa: E402
+from gpubroker.quotas.sizes import format_size  # noqa: E402
 
 console = Console()
 if not console.is_terminal:
@@ -354,7 +354,7 @@ BURST_OVER_BASE = 1.6  # the burst's items/s over what the burst model's base ba
 
 def base_batch(spec) -> int:  # noqa: ANN001 - a ModelSpec
     """Items the model's base quota holds as one batch, by the broker's memory model."""
-    from broker.control.memory_model import MemoryModel
+    from gpubroker.broker.control.memory_model import MemoryModel
 
     opts = spec.options
     mem = MemoryModel(int(opts.get("weights_bytes", 0) or 0), float(opts.get("bytes_per_item", 0) or 0))

@@ -22,7 +22,7 @@ import os
 
 import bentoml
 
-from deployments.models import load_adapter
+from gpubroker.deployments.models import load_adapter
 
 MODEL_REF = os.environ.get("PEER_MODEL_REF", "bench.tagged:TaggedProfiled")
 OPTIONS = json.loads(os.environ.get("PEER_OPTIONS", "{}"))

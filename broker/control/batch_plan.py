@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from broker.control.latency_model import LatencyFit
-from broker.control.profiles import BATCH_HEADROOM, RHO_MAX
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.profiles import BATCH_HEADROOM, RHO_MAX
 
 LAZY_WAIT_BUDGET_FRAC = {
     "latency": 0.1,

@@ -6,7 +6,7 @@ static), the first answer wins and every adaptive set ends in ``hold``. In ``hyb
 the latency model's plan drives and the emergency, queue, P95 and SM rules guard it, leaving the cap
 to the plan when it already does what they ask. docs/RULES.md is this table in prose (a test keeps
 them equal). Pure: floor, ceilings and the anti-oscillation hold are applied by the caller
-(``broker.control.policy``) in one place.
+(``gpubroker.broker.control.policy``) in one place.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from broker.control.batch_plan import BatchPlan, PlanTarget, plan_batch
-from broker.control.latency_model import LatencyFit
-from broker.control.state import BatchWant
-from broker.control.types import GpuLoad, ModelLoad
-from broker.control.vocab import Rule, Trigger
-from quotas.config import BatchSpec, ModelSpec
+from gpubroker.broker.control.batch_plan import BatchPlan, PlanTarget, plan_batch
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.state import BatchWant
+from gpubroker.broker.control.types import GpuLoad, ModelLoad
+from gpubroker.broker.control.vocab import Rule, Trigger
+from gpubroker.quotas.config import BatchSpec, ModelSpec
 
 
 # ------------------------------------------------------------------------------ what the rules see
@@ -45,7 +45,7 @@ class RuleContext(NamedTuple):
     paused_for_s: float = 0.0  # how long this model's admission has been paused
     max_pause_s: float = 3.0  # a pause re-opens after this long (memory that never frees must not starve it)
     mem_ceiling: int | None = None  # the batch the grant holds now (None: memory does not limit): the wait plans for it
-    # blame (broker.control.violation.over_grant): this model's reported use over its grant + slack
+    # blame (gpubroker.broker.control.violation.over_grant): this model's reported use over its grant + slack
     # (None: within it), and another model of the card that is over its own ("" for none)
     over_grant_bytes: int | None = None
     violator_elsewhere: str = ""
@@ -69,7 +69,7 @@ class Inputs(NamedTuple):
     qdepth: float  # queue depth per replica (requests waiting or running)
     p95_ms: float | None  # recent P95 (rate window) when it has min_samples, else None
     window_p95_ms: float | None  # the sliding window's P95 when it has min_samples, else None
-    # derived once by ``broker.control.batch_rules.inputs_for``: the rules ask these several times a tick
+    # derived once by ``gpubroker.broker.control.batch_rules.inputs_for``: the rules ask these several times a tick
     u: float  # batch units per request (at least 1)
     proposal: int  # the cap the plan asks for (the current cap without a plan): what a guard compares with
     backlog: bool  # more than a batch queued, a queue over the band's top, or arrivals beyond this cap's rate
@@ -218,7 +218,7 @@ def idle(s: Inputs) -> BatchWant | None:
     first batches with; the floor is the least memory a batch takes). Lazy formation: hold the cap:
     batches size themselves to the load, so an idle model's big cap costs no memory, while a cap
     at the floor would meet the next burst with batches of the floor until the next tick. What an
-    idle model lends follows its measured use either way (``broker.control.lending``), and a lowered grant
+    idle model lends follows its measured use either way (``gpubroker.broker.control.lending``), and a lowered grant
     clamps the cap through the memory ceiling. The answer names the hold, not how long the model
     has been idle: it stays the same while the model stays idle."""
     if s.ctx.idle_for_s < s.spec.control.idle_hold_s or s.load.queue_depth > 0:
@@ -407,7 +407,7 @@ def model(s: Inputs) -> BatchWant | None:
 def runs_at(cap: int, s: Inputs) -> int:
     """The cap the replicas would run for a wanted ``cap``: inside the floor and the ceiling and
     under the batch the grant holds now (``RuleContext.mem_ceiling``), as the policy's guard
-    clamps it (``broker.control.policy._guard``; a grant this tick's lending changes moves that one)."""
+    clamps it (``gpubroker.broker.control.policy._guard``; a grant this tick's lending changes moves that one)."""
     return min(cap_top(s.spec.batch, s.ctx.mem_ceiling), max(s.spec.batch.floor, cap))
 
 

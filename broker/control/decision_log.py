@@ -7,9 +7,9 @@ import math
 from collections import deque
 from typing import Any, cast
 
-from broker.control.types import ModelDecision, ModelLoad
-from broker.control.vocab import EntryKind
-from broker.wire import DecisionRecord, ModelSettings
+from gpubroker.broker.control.types import ModelDecision, ModelLoad
+from gpubroker.broker.control.vocab import EntryKind
+from gpubroker.broker.wire import DecisionRecord, ModelSettings
 
 logger = logging.getLogger("gpubroker.broker")
 
@@ -23,7 +23,7 @@ class DecisionLog:
         self.seq = 0
 
     def append(self, entry: dict[str, Any], line: str) -> DecisionRecord:
-        """``entry``: built by a kind's own builder (keys of ``broker.wire.DecisionRecord``)."""
+        """``entry``: built by a kind's own builder (keys of ``gpubroker.broker.wire.DecisionRecord``)."""
         self.seq += 1
         record = cast(DecisionRecord, {"seq": self.seq, **entry})
         self.entries.append(record)

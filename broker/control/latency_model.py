@@ -13,7 +13,7 @@ from operator import mul
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.control.types import ModelLoad
+    from gpubroker.broker.control.types import ModelLoad
 
 C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or token)
 FIT_DECIMALS = 9  # a and c are kept to a nanosecond of a millisecond

@@ -1,6 +1,6 @@
 """Quota moves for one tick: lend from idle models to memory-bound busy ones, reclaim base.
 
-The ledger (``quotas.ledger``) keeps the arithmetic safe; this module decides which moves to make
+The ledger (``gpubroker.quotas.ledger``) keeps the arithmetic safe; this module decides which moves to make
 and when one completes, in seven steps a tick: abort lends not confirmed in time; confirm a donor
 only on fresh reports from all its live replicas on the new settings, memory within the grant;
 escalate an unhonoured reclaim (``RECLAIM_STEPS``: release caches, drain, restart once); reclaim
@@ -15,16 +15,16 @@ import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
-from broker.control.batch_rules import cap_top
-from broker.control.latency_model import LatencyFit
-from broker.control.memory_model import MemoryModel
-from broker.control.state import BatchWant, ModelState
-from broker.control.types import FleetSnapshot, ModelLoad, QuotaMove
-from broker.control.vocab import MoveKind
-from quotas.config import FleetConfig, ModelSpec
-from quotas.holding import measured_free_bytes
-from quotas.ledger import LedgerError, QuotaLedger, Transfer
-from quotas.sizes import format_size
+from gpubroker.broker.control.batch_rules import cap_top
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.memory_model import MemoryModel
+from gpubroker.broker.control.state import BatchWant, ModelState
+from gpubroker.broker.control.types import FleetSnapshot, ModelLoad, QuotaMove
+from gpubroker.broker.control.vocab import MoveKind
+from gpubroker.quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.holding import measured_free_bytes
+from gpubroker.quotas.ledger import LedgerError, QuotaLedger, Transfer
+from gpubroker.quotas.sizes import format_size
 
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
 BACKLOG_ARRIVAL_FRAC = 0.1  # arrivals under this share of completions: the queue is a backlog (backlog_only)
@@ -75,7 +75,7 @@ def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float)
     received after ``started_s`` and running settings ``version`` or later.
 
     ``used_bytes`` is what the donor may hold once confirmed: each replica is held to its share
-    of the grant (grant / ``replicas``: deployments.enforce), so one replica above its share while
+    of the grant (grant / ``replicas``: gpubroker.deployments.enforce), so one replica above its share while
     another is below it must not pass on their sum (the one below may still grow to its share):
     the larger of the sum and ``replicas`` x the most one replica holds."""
     seen = load.replica_reports
@@ -182,7 +182,7 @@ class QuotaInputs(NamedTuple):
 
 
 class LendingBook(NamedTuple):
-    """What the quota plan carries from tick to tick (``broker.control.policy.PolicyState`` keeps it)."""
+    """What the quota plan carries from tick to tick (``gpubroker.broker.control.policy.PolicyState`` keeps it)."""
 
     ledger: QuotaLedger
     confirm_after: Mapping[str, int]  # donor -> version its confirm waits for
@@ -267,7 +267,7 @@ class QuotaRound:
     def need(self, name: str) -> int | None:
         """The grant ``name`` wants for its wanted cap (None: not calibrated, it keeps its base)."""
         q = self.config.models[name].quota
-        if name in self.inputs.need_bytes:  # an LLM engine's wanted grant (broker.control.llm_window)
+        if name in self.inputs.need_bytes:  # an LLM engine's wanted grant (gpubroker.broker.control.llm_window)
             return min(q.max, max(q.min, int(self.inputs.need_bytes[name])))
         model = self.mm(name)
         if not model.calibrated:

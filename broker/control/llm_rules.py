@@ -433,8 +433,8 @@ def rule_config_for(
     seq_tokens: int | None = None,
     **overrides: Any,
 ) -> LlmRuleConfig:
-    """Rule parameters from a model's ``llm`` objectives (quotas.config.LlmSpec) and its
-    engine's report (``deployments.llm.server.engine_report``: geometry and ceilings).
+    """Rule parameters from a model's ``llm`` objectives (gpubroker.quotas.config.LlmSpec) and its
+    engine's report (``gpubroker.deployments.llm.server.engine_report``: geometry and ceilings).
     ``seq_tokens`` defaults to what the engine reports a sequence holds (``seq_tokens``: prompt
     plus output over its recent completions; vLLM allocates blocks as sequences grow), else to
     the context length, the worst case."""

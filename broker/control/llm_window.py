@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from broker.control.llm_rules import (
+from gpubroker.broker.control.llm_rules import (
     LlmDecision,
     LlmRule,
     LlmState,
@@ -25,10 +25,10 @@ from broker.control.llm_rules import (
     load_from_report,
     rule_config_for,
 )
-from broker.control.vocab import EntryKind
-from broker.wire import EngineBounds, ModelSettings, StatsReport
-from quotas.config import FleetConfig
-from quotas.sizes import format_size
+from gpubroker.broker.control.vocab import EntryKind
+from gpubroker.broker.wire import EngineBounds, ModelSettings, StatsReport
+from gpubroker.quotas.config import FleetConfig
+from gpubroker.quotas.sizes import format_size
 
 ENGINE_KEYS = ("max_num_seqs", "max_batched_tokens", "kv_blocks", "prefill_paused")  # what ModelSettings.engine carries
 
@@ -37,7 +37,7 @@ ENGINE_KEYS = ("max_num_seqs", "max_batched_tokens", "kv_blocks", "prefill_pause
 class EngineSeen:
     received_s: float  # broker time the report arrived
     replica_id: str
-    report: Mapping[str, Any]  # deployments.llm.server.engine_report
+    report: Mapping[str, Any]  # gpubroker.deployments.llm.server.engine_report
 
 
 class EngineWindow:

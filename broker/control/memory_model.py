@@ -18,7 +18,7 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from broker.control.types import ModelLoad
+    from gpubroker.broker.control.types import ModelLoad
 
 HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, the rest is allocator slack
 

@@ -3,12 +3,12 @@
 Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
 ``snapshot.now_s``). One tick:
 
-1. pick the active price profile (``broker.control.profiles``) -> effective P95 cap and objective;
-2. per model, fit L(b) and run the batch rules (``broker.control.batch_rules``) -> wanted cap/wait;
+1. pick the active price profile (``gpubroker.broker.control.profiles``) -> effective P95 cap and objective;
+2. per model, fit L(b) and run the batch rules (``gpubroker.broker.control.batch_rules``) -> wanted cap/wait;
 3. anti-oscillation: a non-safety change inside the hold time is suppressed; direction
    reversals are counted and, past ``reversal_limit`` in ``reversal_window_s``, the dead band
    widens and the hold lengthens (and both relax after a quiet spell);
-4. quota (``broker.control.lending``): abort stale transfers, confirm donors now under their grant,
+4. quota (``gpubroker.broker.control.lending``): abort stale transfers, confirm donors now under their grant,
    reclaim base for owners whose load returned, lend from idle models to memory-bound ones;
 5. guard-rails, in one place: floor <= cap <= min(ceiling, memory ceiling from the grant);
 6. versioned settings: a model's version bumps when any of its settings changes.
@@ -22,25 +22,25 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from broker.control.batch_rules import RuleContext, cap_top, decide_batch
-from broker.control.latency_model import fit_for_load
-from broker.control.lending import LendingBook, QuotaInputs, QuotaPlan, plan_quota
-from broker.control.memory_model import MemoryModel
-from broker.control.profiles import active_profile
-from broker.control.state import BatchWant, ModelState
-from broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
-from broker.control.violation import WATCH_SLACK_BYTES, over_grant
-from broker.control.vocab import Rule, Trigger
-from broker.wire import ModelSettings
-from quotas.config import FleetConfig, ModelSpec
-from quotas.ledger import ModelQuota, QuotaLedger
-from quotas.schedule import ProfileSpec
+from gpubroker.broker.control.batch_rules import RuleContext, cap_top, decide_batch
+from gpubroker.broker.control.latency_model import fit_for_load
+from gpubroker.broker.control.lending import LendingBook, QuotaInputs, QuotaPlan, plan_quota
+from gpubroker.broker.control.memory_model import MemoryModel
+from gpubroker.broker.control.profiles import active_profile
+from gpubroker.broker.control.state import BatchWant, ModelState
+from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
+from gpubroker.broker.control.violation import WATCH_SLACK_BYTES, over_grant
+from gpubroker.broker.control.vocab import Rule, Trigger
+from gpubroker.broker.wire import ModelSettings
+from gpubroker.quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.ledger import ModelQuota, QuotaLedger
+from gpubroker.quotas.schedule import ProfileSpec
 
 # The anti-oscillation's caps (control.band_scale_max, control.hold_max_intervals), the
 # emergency recovery (control.emergency_recovery_intervals) and the bounded admission pause
 # (control.max_pause_intervals) are tuning constants of the config's control section.
 LLM_HOLD_REASON = (
-    "llm engine: bounds set by llm_rules"  # kind: llm models skip the batch rules (broker.control.llm_window)
+    "llm engine: bounds set by llm_rules"  # kind: llm models skip the batch rules (gpubroker.broker.control.llm_window)
 )
 
 
@@ -52,7 +52,7 @@ class PolicyState:
     tick: int = 0
     # donor -> settings version the donor must run before its pending transfers may complete
     confirm_after: Mapping[str, int] = field(default_factory=dict)
-    # reclaim escalation (broker.control.lending): borrower -> step reached; model -> restart token
+    # reclaim escalation (gpubroker.broker.control.lending): borrower -> step reached; model -> restart token
     reclaim_steps: Mapping[str, int] = field(default_factory=dict)
     restart_tokens: Mapping[str, int] = field(default_factory=dict)
     lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
@@ -172,7 +172,7 @@ def settings_key(state: PolicyState, model: str) -> tuple[Any, ...]:
 
 
 def _quota_flags(state: PolicyState, model: str) -> dict[str, Any]:
-    """The reclaim escalation's settings for ``model`` (broker.control.lending, deployments.units.reclaim)."""
+    """The reclaim escalation's settings for ``model`` (gpubroker.broker.control.lending, gpubroker.deployments.units.reclaim)."""
     step = state.reclaim_steps.get(model, 0)
     return {"release_cache": step >= 1, "drain": step >= 2, "restart_token": state.restart_tokens.get(model, 0)}
 
@@ -238,7 +238,7 @@ def decide(
 ) -> tuple[FleetDecision, PolicyState]:
     """One tick for the fleet: each model's step, the quota plan over them all, then each model's
     settings inside its new grant. ``need_bytes``: models whose need the lending planner takes as
-    given (LLM engines, broker.control.llm_window)."""
+    given (LLM engines, gpubroker.broker.control.llm_window)."""
     now, interval = snapshot.now_s, config.broker.control_interval_s
     view = _TickView(snapshot, config, state, active_profile(config.profiles, now), now, interval)
     notes: list[str] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from quotas.schedule import ProfileSpec, ProfilesSection
+from gpubroker.quotas.schedule import ProfileSpec, ProfilesSection
 
 
 def minute_of_week(now_s: float, timezone: str) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from quotas.config import FleetConfig
-from quotas.sizes import format_size
+from gpubroker.quotas.config import FleetConfig
+from gpubroker.quotas.sizes import format_size
 
 # Fields whose change needs new deployments (`gpubroker up`), not a live `apply`.
 _REDEPLOY_FIELDS = ("model", "options", "replicas")

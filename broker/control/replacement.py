@@ -1,6 +1,6 @@
 """Re-placement after cards are lost or join (pure): what moves, what stays, what fits nowhere.
 
-Wraps ``quotas.placement.replace_after_loss`` for the broker: the result keeps every card of the
+Wraps ``gpubroker.quotas.placement.replace_after_loss`` for the broker: the result keeps every card of the
 fleet in order (a lost card stays, empty, so status shows it ``live: false``), names the models
 whose card groups changed (their Serve apps are redeployed) and the cards whose model sets changed
 (their cores are rebuilt), and gives each unplaced model a reason naming its need and each live
@@ -17,8 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from quotas.cards import CardBudget, budget_from_gpu
-from quotas.placement import (
+from gpubroker.quotas.cards import CardBudget, budget_from_gpu
+from gpubroker.quotas.placement import (
     DEFAULT_CUDA_CONTEXT_BYTES,
     CardPlan,
     ModelDemand,
@@ -27,11 +27,11 @@ from quotas.placement import (
     place,
     replace_after_loss,
 )
-from quotas.sizes import format_size
+from gpubroker.quotas.sizes import format_size
 
 
 class FleetEntry(StrEnum):
-    """Decision-log kinds of the many-card broker (``broker.fleet_core``)."""
+    """Decision-log kinds of the many-card broker (``gpubroker.broker.fleet_core``)."""
 
     CARD = "card"  # a card lost, or live again
     PLACEMENT = "placement"  # a model re-placed, or replicas that fit nowhere (names the model and why)
@@ -105,7 +105,7 @@ def read_placement(
 
 
 def replace_fleet(previous: Placement, cfg: Any, lost: Iterable[str]) -> Replacement:
-    """Re-place ``cfg``'s models (a ``quotas.config.FleetConfig``) on every card of ``previous``
+    """Re-place ``cfg``'s models (a ``gpubroker.quotas.config.FleetConfig``) on every card of ``previous``
     except ``lost``; see the module note."""
     gone = set(lost)
     cards = [p.card for p in previous.cards]

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from broker.control.latency_model import LatencyFit
-from broker.control.profiles import RHO_MAX
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.profiles import RHO_MAX
 
 THROUGHPUT = "throughput"
 LOWER_AFTER_WINDOWS = 2.0  # a lower waits this many rate windows (control.window_s) of carried load

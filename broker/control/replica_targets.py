@@ -1,4 +1,4 @@
-"""Replica targets of a fleet: the replica rule (``broker.control.replica_rules``) for every model on every card.
+"""Replica targets of a fleet: the replica rule (``gpubroker.broker.control.replica_rules``) for every model on every card.
 
 After every card's core has ticked, ``ReplicaTargets.step`` reads what the tick left (rate, live
 replicas, latency fit, grant, active profile) and decides a target per card and model (each card's
@@ -13,10 +13,10 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from broker.control.decision_log import finite
-from broker.control.memory_model import MemoryModel
-from broker.control.profiles import active_profile
-from broker.control.replica_rules import (
+from gpubroker.broker.control.decision_log import finite
+from gpubroker.broker.control.memory_model import MemoryModel
+from gpubroker.broker.control.profiles import active_profile
+from gpubroker.broker.control.replica_rules import (
     LOWER_AFTER_WINDOWS,
     THROUGHPUT,
     ReplicaDecision,
@@ -26,7 +26,7 @@ from broker.control.replica_rules import (
     decide,
     initial_state,
 )
-from broker.control.vocab import EntryKind
+from gpubroker.broker.control.vocab import EntryKind
 
 
 def core_inputs(core: Any, now_s: float, only: Callable[[str, Any], bool] | None = None) -> dict[str, ReplicaInputs]:

@@ -2,7 +2,7 @@
 
 ``BatchWant`` (what the batch rules want for one model, before guard-rails) and
 ``ModelState`` (one model's policy state between ticks) live here so that
-``broker.control.lending`` can take them without importing ``broker.control.policy`` (which imports it).
+``gpubroker.broker.control.lending`` can take them without importing ``gpubroker.broker.control.policy`` (which imports it).
 Both are named tuples: immutable, and a tick builds one or two of each per model.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from broker.control.latency_model import LatencyFit
-from broker.control.vocab import Rule, Trigger
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.vocab import Rule, Trigger
 
 
 class BatchWant(NamedTuple):

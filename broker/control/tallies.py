@@ -1,5 +1,5 @@
 """Per-model report tallies over a window, for status only (attainment and cost in
-``BrokerCore.status``; the policy reads the report window, ``broker.control.window``, instead)."""
+``BrokerCore.status``; the policy reads the report window, ``gpubroker.broker.control.window``, instead)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The policy's own values: what a tick reads (``FleetSnapshot``) and what it returns (``FleetDecision``).
 
-Frozen dataclasses, built by the report window (``broker.control.window``) and read by the rules;
-they never cross the Ray boundary (the wire is ``broker.wire``). No ray, torch, pynvml or clock.
+Frozen dataclasses, built by the report window (``gpubroker.broker.control.window``) and read by the rules;
+they never cross the Ray boundary (the wire is ``gpubroker.broker.wire``). No ray, torch, pynvml or clock.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from broker.control.vocab import MoveKind, Rule, Trigger
+from gpubroker.broker.control.vocab import MoveKind, Rule, Trigger
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class QuotaMove:
     """A ledger step taken this tick (for the decision log and metrics)."""
 
     kind: MoveKind  # lend, reclaim, confirm, grow, release, abort; reclaim escalation:
-    # reclaim_cache, reclaim_drain, reclaim_restart (broker.control.lending.RECLAIM_STEPS)
+    # reclaim_cache, reclaim_drain, reclaim_restart (gpubroker.broker.control.lending.RECLAIM_STEPS)
     donor: str | None
     recipient: str | None
     amount_bytes: int

@@ -11,7 +11,7 @@ from enum import StrEnum
 
 
 class Rule(StrEnum):
-    """A batch rule of ``broker.control.batch_rules`` (the rows of docs/RULES.md), plus ``held``."""
+    """A batch rule of ``gpubroker.broker.control.batch_rules`` (the rows of docs/RULES.md), plus ``held``."""
 
     STATIC = "static"  # control.strategy static: never moves
     EMERGENCY = "emergency"  # free memory under gpu.emergency_free_frac (or the replica shrank): halve
@@ -25,7 +25,7 @@ class Rule(StrEnum):
     P95_LOW = "p95_low"  # P95 well under the cap with a backlog: grow by a step
     MODEL = "model"  # the latency model's plan (L(b) = a + c*b and the arrival rate)
     HOLD = "hold"  # nothing to do: keep the cap (last row of every rule set)
-    HELD = "held"  # anti-oscillation (broker.control.policy) held a change back: not a table row
+    HELD = "held"  # anti-oscillation (gpubroker.broker.control.policy) held a change back: not a table row
 
 
 class Trigger(StrEnum):
@@ -41,7 +41,7 @@ class Trigger(StrEnum):
 
 
 class MoveKind(StrEnum):
-    """A quota ledger step (``QuotaMove.kind``, the log's ``move``; see broker.control.lending)."""
+    """A quota ledger step (``QuotaMove.kind``, the log's ``move``; see gpubroker.broker.control.lending)."""
 
     LEND = "lend"  # an idle model's surplus to a memory-bound busy one (two-phase)
     RECLAIM = "reclaim"  # an owner takes its base back (two-phase from a loan, or the free pool)
@@ -49,14 +49,14 @@ class MoveKind(StrEnum):
     GROW = "grow"  # a busy model grows from the free pool
     RELEASE = "release"  # an idle borrower hands its loan back to the free pool
     ABORT = "abort"  # a transfer not confirmed within broker.transfer_timeout_s
-    # a reclaim the borrower does not honour escalates (broker.control.lending's reclaim steps)
+    # a reclaim the borrower does not honour escalates (gpubroker.broker.control.lending's reclaim steps)
     RECLAIM_CACHE = "reclaim_cache"  # the borrower empties its allocator caches and re-measures
     RECLAIM_DRAIN = "reclaim_drain"  # the borrower pauses admission and lets running batches finish
     RECLAIM_RESTART = "reclaim_restart"  # the borrower's replicas restart
 
 
 class EntryKind(StrEnum):
-    """The ``kind`` of a decision-log entry (``BrokerCore`` and ``broker.control.decision_log``)."""
+    """The ``kind`` of a decision-log entry (``BrokerCore`` and ``gpubroker.broker.control.decision_log``)."""
 
     SETTINGS = "settings"  # a model's settings changed (inputs, old, new, trigger, rule, reason)
     MOVE = "move"  # a quota move
@@ -65,10 +65,8 @@ class EntryKind(StrEnum):
     RESTORE = "restore"  # checkpoint restore, or why not
     APPLY = "apply"  # a config reload
     INVARIANT = "invariant"  # a broken invariant (sum of grants over usable)
-    ENGINE = (
-        "engine"  # an LLM engine's bounds or rule changed (broker.control.llm_window: inputs, old, new, trigger, rule)
-    )
-    REPLICAS = "replicas"  # a model's replica target changed on a card (broker.control.replica_targets: inputs, old, new, trigger, rule)
+    ENGINE = "engine"  # an LLM engine's bounds or rule changed (gpubroker.broker.control.llm_window: inputs, old, new, trigger, rule)
+    REPLICAS = "replicas"  # a model's replica target changed on a card (gpubroker.broker.control.replica_targets: inputs, old, new, trigger, rule)
 
 
 __all__ = ["EntryKind", "MoveKind", "Rule", "Trigger"]

@@ -12,7 +12,7 @@ the rate window's sums, the sorted latency samples), so a snapshot does not re-f
 Each snapshot also lists, per model, every live replica (one that reported within
 ``stale_after_s``) with the broker time of its latest report, the settings version it ran and
 the memory it measured (``ModelLoad.replica_reports``): a two-phase quota transfer completes
-only on reports from all of them that arrived after it began (``broker.control.lending``).
+only on reports from all of them that arrived after it began (``gpubroker.broker.control.lending``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from itertools import chain
 from operator import attrgetter
 from typing import NamedTuple
 
-from broker.control.attainment import attainment, met_and_total
-from broker.control.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
-from broker.wire import StatsReport
-from quotas.config import FleetConfig
+from gpubroker.broker.control.attainment import attainment, met_and_total
+from gpubroker.broker.control.types import FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
+from gpubroker.broker.wire import StatsReport
+from gpubroker.quotas.config import FleetConfig
 
 MIN_INTERVAL_S = 1e-9  # a replica's reports covering less than this say nothing about its rates
 
@@ -109,7 +109,7 @@ class Digest:
         self.arrivals, self.interval, self.busy_s = r.arrivals, r.interval_s, r.busy_s
         self.met = 0.0
         # a report of an idle replica (nothing arrived, ran, missed or failed): a window of only
-        # such reports has every rate, latency and batch figure empty (``broker.control.window``'s quiet fold)
+        # such reports has every rate, latency and batch figure empty (``gpubroker.broker.control.window``'s quiet fold)
         self.active = bool(
             self.arrivals
             or self.counted
@@ -127,7 +127,7 @@ class Digest:
             self.rate(slo_ms)
 
     def rate(self, slo_ms: float) -> None:
-        """Requests answered within ``slo_ms`` (``broker.control.attainment``), for the window's cap."""
+        """Requests answered within ``slo_ms`` (``gpubroker.broker.control.attainment``), for the window's cap."""
         r = self.report
         self.met = met_and_total(r.latency_ms, r.completions, r.rejections, r.timeouts, r.errors, slo_ms)[0]
 
@@ -463,7 +463,7 @@ class ReportWindow:
         slo_ms: Mapping[str, float] | None = None,
     ) -> FleetSnapshot:
         """``slo_ms``: each model's effective P95 cap now (slack of the active profile applied);
-        attainment (``broker.control.attainment``) is measured against it, else against ``slo_p95_ms``."""
+        attainment (``gpubroker.broker.control.attainment``) is measured against it, else against ``slo_p95_ms``."""
         memory_models = memory_models or {}
         self._slo_ms = dict(slo_ms or {})
         self._rate_s, self._stale_s = self.rate_window_s(), self.stale_after_s()

@@ -229,9 +229,9 @@ def main() -> None:
         raise SystemExit("needs `prometheus` on PATH (Debian: apt-get install prometheus)")
     import ray
 
-    from deployments.fleet import deploy, example_inputs, teardown, wait_serving
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
+    from gpubroker.deployments.fleet import deploy, example_inputs, teardown, wait_serving
+    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.quotas.config import parse_config_text
 
     work = Path(tempfile.mkdtemp(prefix="gpubroker-render-"))
     ports = {"metrics_port": free_port(), "http_port": free_port()}

@@ -6,7 +6,7 @@ tokens one step may process (``max_batched_tokens``), whether new prefills are a
 squeeze), and how big its paged KV cache is (``set_kv_cache_blocks``). The broker sets those;
 the API submits requests and reads token streams.
 
-The implementation is ``deployments.llm.vllm_engine.VllmEngine`` (vLLM, its CPU
+The implementation is ``gpubroker.deployments.llm.vllm_engine.VllmEngine`` (vLLM, its CPU
 build here and its CUDA build on GPUs); a test double may implement it too.
 
 Nothing here imports torch: the protocol, its value types and the errors are plain Python.

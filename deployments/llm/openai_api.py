@@ -2,7 +2,7 @@
 
 ``POST /v1/completions``       ``{"model", "prompt": str | [ids], "max_tokens", "stop", "stream", ...}``
 ``POST /v1/chat/completions``  ``{"model", "messages": [{"role", "content"}], "max_tokens", "stop", "stream", ...}``
-    (chat prompts go through the model's chat template; each engine is vLLM, ``deployments.llm.vllm_engine``)
+    (chat prompts go through the model's chat template; each engine is vLLM, ``gpubroker.deployments.llm.vllm_engine``)
     200 an OpenAI ``text_completion`` / ``chat.completion``; with ``stream: true`` server-sent
         events (``data: {chunk}``) ending in ``data: [DONE]``
     400 an OpenAI error whose ``param`` names the field: a bad body, or a prompt plus
@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 from ray.serve import Application
 
-from deployments.llm.server import CHAT, COMPLETION, LlmServer, openai_error
-from deployments.versions import code_digest, deployment_version
+from gpubroker.deployments.llm.server import CHAT, COMPLETION, LlmServer, openai_error
+from gpubroker.deployments.versions import code_digest, deployment_version
 
 api = FastAPI(title="gpubroker LLMs", description="OpenAI-compatible completions on the fleet's LLM engines.")
 
@@ -177,9 +177,9 @@ def build_llm_fleet(
     fleet's ``config_text`` each server reports to the broker and runs the bounds it sets.
     ``spots``: each engine's card and Ray options (``llm_spots``; default: ``num_cpus`` only, no card).
 
-    Every deployment carries a version from what it runs (``deployments.versions``: its options,
+    Every deployment carries a version from what it runs (``gpubroker.deployments.versions``: its options,
     arguments and gpubroker's own code), so deploying the app again after a re-placement
-    (``deployments.reconcile``) restarts only the engines that moved; the others and the ingress
+    (``gpubroker.deployments.reconcile``) restarts only the engines that moved; the others and the ingress
     keep running. New code is a new version everywhere."""
     code = code_digest()
     handles = {}
@@ -220,12 +220,12 @@ def build_llm_fleet(
 
 
 def llm_spots(placement: Any, llm_num_cpus: float = LLM_NUM_CPUS) -> dict[str, EngineSpot]:
-    """Each LLM engine's card and Ray options under a deploy-time ``quotas.placement.Placement``,
-    as a batch model's replica gets them (``deployments.placement_resources``): on a fleet of
+    """Each LLM engine's card and Ray options under a deploy-time ``gpubroker.quotas.placement.Placement``,
+    as a batch model's replica gets them (``gpubroker.deployments.placement_resources``): on a fleet of
     several cards the card's custom resource (its share of the card's processes), ``num_gpus``
     and ``CUDA_VISIBLE_DEVICES`` on CUDA, the card in its environment and in its reports; on the
     one card of a ``gpu:`` fleet, ``num_cpus`` only."""
-    from deployments.placement_resources import deployment_plans
+    from gpubroker.deployments.placement_resources import deployment_plans
 
     many = len(placement.cards) > 1
     return {
@@ -236,7 +236,7 @@ def llm_spots(placement: Any, llm_num_cpus: float = LLM_NUM_CPUS) -> dict[str, E
 
 def build_llm_app(args: dict[str, Any]) -> Application:
     """Serve builder: ``{"config": path}`` or ``{"config_text": yaml}``; serves its ``kind: llm`` models."""
-    from quotas.config import parse_config_text
+    from gpubroker.quotas.config import parse_config_text
 
     text = _config_text(args)
     cfg = parse_config_text(text, str(args.get("config", "config_text")))
@@ -265,10 +265,10 @@ def llm_app(
     placement: Any = None,
     spots: Mapping[str, EngineSpot] | None = None,
 ) -> Application:
-    """The fleet's LLM application (``deployments.app.fleet_apps`` routes it at ``/openai``):
+    """The fleet's LLM application (``gpubroker.deployments.app.fleet_apps`` routes it at ``/openai``):
     the OpenAI ingress and one reporting ``LlmServer`` per ``kind: llm`` model. With the fleet's
     ``placement`` (``gpus:``) each engine runs on its placed card (``llm_spots``); ``spots`` gives
-    them outright (a re-placement: ``deployments.reconcile``)."""
+    them outright (a re-placement: ``gpubroker.deployments.reconcile``)."""
     llms = {name: dict(spec.options) for name, spec in cfg.models.items() if spec.kind == "llm"}
     if not llms:
         raise ValueError("models: no model has kind: llm; add one (model: tiny-llama, kind: llm) to serve completions")

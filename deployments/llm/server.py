@@ -6,7 +6,7 @@ validated request bodies; it tokenises, submits, and returns OpenAI-shaped bodie
 ``{"status": 400, "body": <OpenAI error naming the field>}`` (the stream's first item says
 the same), so the ingress can answer 400 before any event is sent.
 
-The broker's side is the report/reply path every replica uses (``deployments.llm.report_loop``):
+The broker's side is the report/reply path every replica uses (``gpubroker.deployments.llm.report_loop``):
 built with the fleet's ``config_text``, the server sends one report per ``report_interval_s``
 (its request counters and ``engine_report``) and applies the engine bounds in the reply
 (``ModelSettings.engine``) with ``apply``, a local method. The broker never calls the server.
@@ -24,17 +24,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, fields
 from typing import Any, cast
 
-from broker.wire import EngineReport, ModelSettings
-from deployments.llm.engine import (
+from gpubroker.broker.wire import EngineReport, ModelSettings
+from gpubroker.deployments.llm.engine import (
     EngineRequestError,
     FinishReason,
     Sampling,
     TokenDelta,
     percentile,
 )
-from deployments.llm.report_loop import EngineReporter, engine_link
-from deployments.llm.tiny_model import DEFAULT_DIR, TinyLlamaSpec, ensure_tiny_llama
-from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
+from gpubroker.deployments.llm.report_loop import EngineReporter, engine_link
+from gpubroker.deployments.llm.tiny_model import DEFAULT_DIR, TinyLlamaSpec, ensure_tiny_llama
+from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
 COMPLETION, CHAT = "completion", "chat"
 TINY_KEYS = frozenset(f.name for f in fields(TinyLlamaSpec)) - {"max_model_len"}  # the tiny model's shape
@@ -101,7 +101,7 @@ async def _after(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> A
 def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> EngineReport:
     """Engine stats as a JSON-safe dict: the ``EngineStats`` counters and bounds, TTFT/TPOT
     P50/P95/P99 over the recent completions, the KV cache in bytes, the engine's ceilings and
-    geometry (what ``broker.control.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
+    geometry (what ``gpubroker.broker.control.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
     s = engine.stats()
     out = asdict(s)
     out.pop("ttft_ms"), out.pop("tpot_ms")
@@ -145,7 +145,7 @@ class LlmServer:
         self.reporter: EngineReporter | None = None
         cfg = None
         if config_text is not None:
-            from quotas.config import parse_config_text
+            from gpubroker.quotas.config import parse_config_text
 
             cfg = parse_config_text(config_text, "llm server config")
             if name not in cfg.models or cfg.models[name].kind != "llm":

@@ -172,7 +172,7 @@ def ensure_tiny_llama(directory: str | Path = DEFAULT_DIR, spec: TinyLlamaSpec =
     return out
 
 
-if __name__ == "__main__":  # python -m deployments.llm.tiny_model [DIR]: what `make` runs
+if __name__ == "__main__":  # python -m gpubroker.deployments.llm.tiny_model [DIR]: what `make` runs
     import sys
 
     print(ensure_tiny_llama(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DIR))

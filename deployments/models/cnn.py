@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployments.models.base import TorchAdapter, nested_shape, require_fields
+from gpubroker.deployments.models.base import TorchAdapter, nested_shape, require_fields
 
 IMAGE_SHAPE = (3, 32, 32)
 

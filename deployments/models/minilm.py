@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from deployments.models.base import InputError, ModelAdapter, require_fields
+from gpubroker.deployments.models.base import InputError, ModelAdapter, require_fields
 
 MODEL_MAX_TOKENS = 512  # position embeddings of the BERT backbone
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployments.models.base import TorchAdapter, as_float_list, require_fields
+from gpubroker.deployments.models.base import TorchAdapter, as_float_list, require_fields
 
 
 class MlpAdapter(TorchAdapter):

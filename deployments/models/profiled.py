@@ -1,13 +1,13 @@
 """``profiled``: an EMULATION of the simulator's model, for demos and tests without a real model.
 
-Its options are the model's ``profile:`` figures (``quotas.config`` copies them in, sizes in
+Its options are the model's ``profile:`` figures (``gpubroker.quotas.config`` copies them in, sizes in
 bytes), so it serves the latency and memory that ``simulate`` emulates for it.
 It does no real compute. A batch of cost ``b`` (requests, or tokens when ``unit: tokens``)
 sleeps ``a_ms + c_ms * b + token_ms * tokens`` milliseconds (time.sleep), holds
 ``weights_bytes`` of touched memory from load, and allocates ``bytes_per_item * b`` of touched
 memory while the batch runs -- the same latency and memory model the simulator uses. It does
 not check its grant itself: its memory is real (private anonymous pages, which RLIMIT_DATA
-counts), so the replica's limiter (``deployments.enforce``) refuses a batch past the grant the
+counts), so the replica's limiter (``gpubroker.deployments.enforce``) refuses a batch past the grant the
 way it refuses a real model's, and that failure surfaces as ``EmulatedOOM`` (a MemoryError).
 """
 
@@ -18,7 +18,7 @@ import mmap
 import time
 from typing import Any
 
-from deployments.models.base import EmulatedOOM, InputError, ModelAdapter, require_fields
+from gpubroker.deployments.models.base import EmulatedOOM, InputError, ModelAdapter, require_fields
 
 
 class ProfiledAdapter(ModelAdapter):

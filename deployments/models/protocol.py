@@ -2,7 +2,7 @@
 
 Re-exported as ``gpubroker.Model``. Only ``predict`` is required; a class that subclasses
 ``Model`` inherits the defaults below for the rest, a class that does not gets the same
-defaults from the replica (``deployments.models.DuckAdapter``). Any method may be ``async def``.
+defaults from the replica (``gpubroker.deployments.models.DuckAdapter``). Any method may be ``async def``.
 """
 
 from __future__ import annotations

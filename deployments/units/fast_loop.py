@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.config import FleetConfig, ModelSpec
 
 
 class FastEvent(StrEnum):

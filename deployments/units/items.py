@@ -15,7 +15,9 @@ class Item:
         self.cost = cost
         self.owner = owner
         self.let_in = False  # counted in the replica's let-in-not-running cost (lazy gate)
-        self.req: Any = None  # its request at the gate (deployments.units.shed.HeldRequest), set by the replica
+        self.req: Any = (
+            None  # its request at the gate (gpubroker.deployments.units.shed.HeldRequest), set by the replica
+        )
 
 
 def batch_cost(items: list) -> int:

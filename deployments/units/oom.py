@@ -10,7 +10,7 @@ item of the batch gets its output.
 
 ``BatchResult.oom_costs`` lists the cost of every batch that ran out of memory although each of
 its items then ran (so the batch, not an item, was too big): the broker lowers the model's
-memory ceiling below the smallest of them at once (``broker.control.memory_model``), so the same cap
+memory ceiling below the smallest of them at once (``gpubroker.broker.control.memory_model``), so the same cap
 does not run out of memory twice in a row. A batch whose OOM an oversize item explains is not
 counted there (a smaller cap would not have helped); the item's failure is.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.models.base import is_oom
+from gpubroker.deployments.models.base import is_oom
 
 OOM_STATUS = 507  # HTTP status of a request with an item that cannot run alone under the grant
 
@@ -81,11 +81,11 @@ class ItemOOM:
 @dataclass(frozen=True)
 class HeldOverGrant:
     """Items not run because the replica holds more than its grant (a grant lowered under what it
-    holds, or a model that grew into the slack and keeps it; ``deployments.enforce``: the limit
+    holds, or a model that grew into the slack and keeps it; ``gpubroker.deployments.enforce``: the limit
     then stays at what is held + the runtime's slack). Their requests get 503 with Retry-After.
     The broker lends to a replica that refuses for this when a model idles, escalates a reclaim
     under it (caches, drain, restart), and the replica restarts itself when it stays held
-    (``deployments.units.replica_memory.HELD_RESTART_T``)."""
+    (``gpubroker.deployments.units.replica_memory.HELD_RESTART_T``)."""
 
     model: str
     used_bytes: int  # the replica's resident memory over its baseline

@@ -1,9 +1,9 @@
 """The replica's side of a reclaim's escalation: settings + local state -> actions. Pure.
 
-The broker escalates a reclaim (or release) its borrower does not honour (``broker.control.lending``:
+The broker escalates a reclaim (or release) its borrower does not honour (``gpubroker.broker.control.lending``:
 lower the cap, then release caches, then drain, then restart, each ``transfer_timeout_s``
 after the previous) through three fields of ``ModelSettings``. This unit turns them into what
-the replica does; ``deployments.replica`` only carries the actions out:
+the replica does; ``gpubroker.deployments.replica`` only carries the actions out:
 
 ``release_cache``
     empty the allocator's caches (``MemoryLimiter.release_caches``: ``torch.cuda.empty_cache``
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from broker.wire import ModelSettings
+from gpubroker.broker.wire import ModelSettings
 
 
 @dataclass(frozen=True)

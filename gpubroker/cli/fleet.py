@@ -1,7 +1,7 @@
 """Fleet commands: ``gpubroker up | status | apply | decisions | down``.
 
-The lifecycle itself (local Ray, deploy, teardown) is ``deployments.fleet``, the state file and
-the broker's API ``deployments.fleet_client``; this module parses the options, draws ``up``'s
+The lifecycle itself (local Ray, deploy, teardown) is ``gpubroker.deployments.fleet``, the state file and
+the broker's API ``gpubroker.deployments.fleet_client``; this module parses the options, draws ``up``'s
 progress with rich and prints tables.
 """
 
@@ -18,10 +18,6 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
-from deployments import fleet, fleet_client
-from deployments.first_requests import WAIT_S
-from deployments.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
-from deployments.user_code import check_project
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import (
     card_table,
@@ -31,7 +27,11 @@ from gpubroker.cli.views import (
     print_config_error,
     status_table,
 )
-from quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
+from gpubroker.deployments import fleet, fleet_client
+from gpubroker.deployments.first_requests import WAIT_S
+from gpubroker.deployments.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
+from gpubroker.deployments.user_code import check_project
+from gpubroker.quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: wide enough for the status table
@@ -74,7 +74,7 @@ class UpBars:
 
 
 def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions | None = None) -> dict[str, Any]:
-    """``deployments.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
+    """``gpubroker.deployments.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -97,7 +97,7 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions |
             for name, found in urls.items():
                 console.print(f"  {name} direct: {', '.join(found) or '(no replica port yet)'}", highlight=False)
         else:
-            from deployments.direct_ingress import not_enabled_hint
+            from gpubroker.deployments.direct_ingress import not_enabled_hint
 
             console.print(f"[yellow]warning:[/] {state.get('direct_error') or not_enabled_hint()}", highlight=False)
     if state.get("join"):  # a Ray that up started: token auth and how another node joins it

@@ -2,7 +2,7 @@
 
 Both take plain callables (``fetch_status() -> dict``, ``fetch_decisions(since_seq) -> list``)
 so they run without Ray in tests; ``gpubroker/cli/fleet.py`` passes closures around the broker
-(``deployments.fleet_client.fetch_status`` / ``fetch_decisions``). ``status_table`` takes a
+(``gpubroker.deployments.fleet_client.fetch_status`` / ``fetch_decisions``). ``status_table`` takes a
 ``BrokerCore.status()`` dict (see broker/core.py).
 """
 
@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from quotas.sizes import format_size
+from gpubroker.quotas.sizes import format_size
 
 
 def _size(value: Any) -> str:

@@ -18,10 +18,10 @@ from rich.console import Console
 from gpubroker import __version__
 from gpubroker.cli import bench, calibrate, fleet, simulate
 from gpubroker.cli.views import budget_table, config_table, placement_table, print_config_error
+from gpubroker.quotas.config import ConfigError, FleetConfig, load_config
+from gpubroker.quotas.config_errors import MISSING, ConfigIssue
+from gpubroker.quotas.placement import place_fleet
 from gpubroker.validate import budget, build_models
-from quotas.config import ConfigError, FleetConfig, load_config
-from quotas.config_errors import MISSING, ConfigIssue
-from quotas.placement import place_fleet
 
 app = typer.Typer(
     name="gpubroker",
@@ -51,7 +51,7 @@ def _root(
 
 def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[list[ConfigIssue], list[str]]:
     """What the schema cannot see: the project shadowing our packages, and each model built in a child."""
-    from deployments.user_code import check_project  # noqa: PLC0415 - reads the file tree only
+    from gpubroker.deployments.user_code import check_project  # noqa: PLC0415 - reads the file tree only
 
     project = check_project((n, s.model) for n, s in cfg.models.items())
     issues = [ConfigIssue("models", MISSING, message) for message in project.errors]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 import typer
 
 from gpubroker.cli.views import knee_check_table, print_config_error, result_table
-from quotas.config import FleetConfig
+from gpubroker.quotas.config import FleetConfig
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -160,7 +160,7 @@ def _console() -> Console:
 
 def _load_fleet(a: SimulateArgs) -> FleetConfig:
     """The config to simulate: one card of it where it lists cards; its capacity must be explicit."""
-    from quotas.config import ConfigError, load_config  # noqa: PLC0415
+    from gpubroker.quotas.config import ConfigError, load_config  # noqa: PLC0415
 
     try:
         cfg = load_config(a.config)
@@ -180,7 +180,7 @@ def _load_fleet(a: SimulateArgs) -> FleetConfig:
 
 def _one_card(cfg: FleetConfig, a: SimulateArgs) -> FleetConfig:
     """The models placement puts on ``--card`` as a one-card fleet (lending is per card)."""
-    from quotas.card_fleet import card_fleet  # noqa: PLC0415
+    from gpubroker.quotas.card_fleet import card_fleet  # noqa: PLC0415
 
     if a.card is None:
         ids = ", ".join(c.id for c in cfg.gpus) if isinstance(cfg.gpus, list) else "a card id under gpus:"

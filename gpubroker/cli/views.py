@@ -9,10 +9,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from gpubroker.quotas.config import ConfigError, FleetConfig
+from gpubroker.quotas.placement import Placement
+from gpubroker.quotas.sizes import exact_size, format_size
 from gpubroker.sim.numbers import fmt
-from quotas.config import ConfigError, FleetConfig
-from quotas.placement import Placement
-from quotas.sizes import exact_size, format_size
 
 err_console = Console(stderr=True)
 
@@ -52,7 +52,7 @@ def config_table(cfg: FleetConfig, source: str) -> Table:
 
 
 def placement_table(placement: Placement) -> Table:
-    """Where ``gpubroker up`` will put every replica of a listed ``gpus:`` fleet (``quotas.placement``)."""
+    """Where ``gpubroker up`` will put every replica of a listed ``gpus:`` fleet (``gpubroker.quotas.placement``)."""
     table = Table(title="placement (quotas/placement.py): each card holds the base of every model on it")
     for col in ("card", "node", "device", "capacity", "usable", "Σ base", "free", "models (replicas)"):
         table.add_column(col, justify="left" if col in ("card", "node", "device", "models (replicas)") else "right")
@@ -170,14 +170,14 @@ def status_table(st: dict[str, Any]) -> Table:
 
 def _cap(m: dict[str, Any], unit: str) -> str:
     """The batch cap, marked ``mem`` when the grant's memory holds it there (status' ``memory_ceiling``:
-    the batch the grant holds by the memory the broker measured, broker.control.policy.memory_view)."""
+    the batch the grant holds by the memory the broker measured, gpubroker.broker.control.policy.memory_view)."""
     ceiling = m.get("memory_ceiling")
     held = ceiling is not None and m["max_batch_size"] >= ceiling
     return f"{m['max_batch_size']}{unit}" + (" [yellow]mem[/]" if held else "")
 
 
 def _target(m: dict[str, Any]) -> str:
-    """The replica target (broker.control.replica_rules), marked when it is under the live replicas' count."""
+    """The replica target (gpubroker.broker.control.replica_rules), marked when it is under the live replicas' count."""
     target = m.get("replica_target")
     if target is None:
         return "-"

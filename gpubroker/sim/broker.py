@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.fleet_core import FleetBroker
-from broker.metrics import NullMetrics
-from broker.wire import ModelSettings, StatsReport
+from gpubroker.broker.fleet_core import FleetBroker
+from gpubroker.broker.metrics import NullMetrics
+from gpubroker.broker.wire import ModelSettings, StatsReport
+from gpubroker.quotas.config import FleetConfig
 from gpubroker.sim.types import LATENCY_SAMPLES_PER_REPORT, SimReplica
-from quotas.config import FleetConfig
 
 
 class SimBroker:
@@ -33,7 +33,7 @@ class SimBroker:
         lost_at_s: float | None = None,
     ) -> None:
         """``sim``: the ``gpubroker.sim.engine.Simulator`` (not imported: no cycle). ``fleet`` and
-        ``card``: the simulator runs ``card`` of a many-card ``fleet`` (``quotas.card_fleet``), and the
+        ``card``: the simulator runs ``card`` of a many-card ``fleet`` (``gpubroker.quotas.card_fleet``), and the
         broker is the whole fleet's, with re-placement on; from ``lost_at_s`` (virtual seconds) the
         card's reports no longer arrive, as when its node is gone."""
         self.sim = sim

@@ -29,11 +29,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpubroker.quotas.config import FleetConfig
 from gpubroker.sim.arrivals import split_rates
 from gpubroker.sim.engine import SimOptions, run_sim
 from gpubroker.sim.profile import Profile, profile_for
 from gpubroker.sim.types import Arm, SimResult, parse_arm
-from quotas.config import FleetConfig
 
 ORACLE_BATCHES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
 ORACLE_WAITS_MS = (

@@ -1,6 +1,6 @@
 """Latency and memory profiles of the models the simulator emulates.
 
-A model reads its profile from its ``profile:`` key (``quotas.config.ModelProfile``;
+A model reads its profile from its ``profile:`` key (``gpubroker.quotas.config.ModelProfile``;
 ``gpubroker calibrate`` measures and writes it); a model without one, from its ``options``
 (those of the ``profiled`` emulation, or of a class that takes the same figures):
 
@@ -32,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from quotas.config import ModelSpec
-from quotas.sizes import parse_size
+from gpubroker.quotas.config import ModelSpec
+from gpubroker.quotas.sizes import parse_size
 
 DEFAULT_A_MS = 5.0
 DEFAULT_C_MS = 1.0

@@ -7,8 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.units.gate import LazyGate
-from deployments.units.shed import LateShed
+from gpubroker.deployments.units.gate import LazyGate
+from gpubroker.deployments.units.shed import LateShed
 from gpubroker.sim.profile import Profile
 
 START_EPOCH_S = 1_700_000_000.0  # Tue 2023-11-14 22:13 UTC: the default profile's hours
@@ -177,7 +177,7 @@ class SimReplica:
         self.form_cost = 0
         self.formed: deque[list[int]] = deque()  # eager mode: formed batches waiting for a slot
         self.gate: LazyGate[int] | None = None  # the replica's lazy gate (broker arm, lazy formation)
-        self.shed: LateShed | None = None  # shed_late behind the gate (deployments.units.shed)
+        self.shed: LateShed | None = None  # shed_late behind the gate (gpubroker.deployments.units.shed)
         self.paused = False  # the fast loop paused admission
         self.held = 0  # requests admitted and not answered yet (the replica's ``waiting``)
         self._reset_stats()

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from deployments.models.mlp import MlpAdapter
+from gpubroker.deployments.models.mlp import MlpAdapter
 
 
 class CountingMlp(MlpAdapter):

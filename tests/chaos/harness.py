@@ -30,7 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from broker.wire import ModelSettings, StatsReport
+from gpubroker.broker.wire import ModelSettings, StatsReport
 
 ROOT = Path(__file__).resolve().parents[2]
 # answered with a body that says what to do; 408: Serve's proxy gave up on it at broker.proxy_timeout_s
@@ -157,7 +157,7 @@ class _Remote:
             if self.owner.down:
                 raise ConnectionError("broker is down (test)")
             self.owner.calls[self.name] += 1
-            if self.name == "report":  # plain data over Ray, typed inside (broker.actor does the same)
+            if self.name == "report":  # plain data over Ray, typed inside (gpubroker.broker.actor does the same)
                 call_args: tuple[Any, ...] = (StatsReport.from_dict(args[0]), *args[1:])
             else:
                 call_args = args
@@ -190,7 +190,7 @@ class FakeProbe:
         self.enforced: list[int | None] = []
 
     def read(self):
-        from broker.probes import MemoryReading
+        from gpubroker.broker.probes import MemoryReading
 
         used = self.process_bytes
         return MemoryReading(self.capacity_bytes, used, used, max(0.0, 1.0 - used / self.capacity_bytes), None)

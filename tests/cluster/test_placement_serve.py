@@ -41,9 +41,9 @@ class Root:
 def placed():
     from ray import serve
 
-    from deployments.placement_resources import bind_model_groups, deployment_plans
-    from quotas.config import load_config
-    from quotas.placement import place_fleet
+    from gpubroker.deployments.placement_resources import bind_model_groups, deployment_plans
+    from gpubroker.quotas.config import load_config
+    from gpubroker.quotas.placement import place_fleet
 
     cfg = load_config("configs/cluster-demo.yaml")
     cc = CardCluster(cfg)

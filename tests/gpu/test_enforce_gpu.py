@@ -1,7 +1,7 @@
 """The CUDA enforcement path on a real card (skipped without CUDA); ``scripts/gpu-check`` runs
 the same ``CHECKS`` without pytest, beside tests/gpu/test_gpu.py's.
 
-``deployments.enforce.CudaFractionLimiter`` as the replica uses it: the fraction set before the
+``gpubroker.deployments.enforce.CudaFractionLimiter`` as the replica uses it: the fraction set before the
 model loads, an allocation past it raising ``torch.cuda.OutOfMemoryError`` (caught, the process
 goes on), a shrink that empties the cache and re-measures under the new grant, NVML's bytes for
 this pid against torch's reserved bytes, this pid's SM share, and an oversize item failing
@@ -29,7 +29,7 @@ MiB = 1024**2
 
 
 def _limiter():
-    from deployments.enforce import CudaFractionLimiter
+    from gpubroker.deployments.enforce import CudaFractionLimiter
 
     torch.cuda.empty_cache()
     return CudaFractionLimiter(0)
@@ -43,7 +43,7 @@ def _lift(lim) -> None:
 def check_fraction_before_load_refuses_past_grant() -> str:
     """Fraction set before the model loads; the model fits, one allocation past the grant raises
     torch.cuda.OutOfMemoryError, caught; the process still allocates under the grant."""
-    from deployments.models import is_oom, load_adapter
+    from gpubroker.deployments.models import is_oom, load_adapter
 
     lim = _limiter()
     grant = torch.cuda.memory_reserved(0) + 384 * MiB
@@ -119,7 +119,7 @@ def check_nvml_process_memory_vs_torch() -> str:
 
 def check_oversize_item_fails_alone_on_cuda() -> str:
     """Under a real CUDA cap, an item that cannot fit alone fails alone; the rest of its batch runs."""
-    from deployments.units.oom import run_items
+    from gpubroker.deployments.units.oom import run_items
 
     lim = _limiter()
     lim.set_grant(torch.cuda.memory_reserved(0) + 256 * MiB)

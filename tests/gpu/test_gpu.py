@@ -30,7 +30,7 @@ def _param_bytes(module) -> int:
 
 def check_nvml_torch_total() -> str:
     """NVML and torch agree on the card's total memory within 1%."""
-    from broker.probes import NvmlProbe, detect_capacity
+    from gpubroker.broker.probes import NvmlProbe, detect_capacity
 
     nvml_total = NvmlProbe.for_torch_device(0).read().total_bytes
     torch_total = int(torch.cuda.get_device_properties(0).total_memory)
@@ -42,7 +42,7 @@ def check_nvml_torch_total() -> str:
 
 def check_make_probe_reads() -> str:
     """The combined probe reads the card, this process and SM utilisation."""
-    from broker.probes import CudaProbe, make_probe
+    from gpubroker.broker.probes import CudaProbe, make_probe
 
     probe = make_probe(DEVICE, None)
     assert isinstance(probe, CudaProbe)
@@ -58,8 +58,8 @@ def check_make_probe_reads() -> str:
 
 def check_fraction_caps_process() -> str:
     """TorchCudaProbe.enforce caps the allocator: past the grant raises OOM, under it works."""
-    from broker.probes import TorchCudaProbe
-    from deployments.models import is_oom
+    from gpubroker.broker.probes import TorchCudaProbe
+    from gpubroker.deployments.models import is_oom
 
     probe = TorchCudaProbe(0)
     torch.cuda.empty_cache()
@@ -87,8 +87,8 @@ def check_fraction_caps_process() -> str:
 
 
 def _check_calibration(ref: str, options: dict) -> str:
-    from deployments.calibration import calibrate
-    from deployments.models import load_adapter
+    from gpubroker.deployments.calibration import calibrate
+    from gpubroker.deployments.models import load_adapter
 
     adapter = load_adapter(ref, options, DEVICE)
     try:
@@ -121,8 +121,8 @@ def check_calibration_minilm() -> str:
 
 def check_oom_split_retry() -> str:
     """A real CUDA OOM inside a batch is split and retried; every result comes back in order."""
-    from broker.probes import TorchCudaProbe
-    from deployments.units.oom import split_retry
+    from gpubroker.broker.probes import TorchCudaProbe
+    from gpubroker.deployments.units.oom import split_retry
 
     item_bytes = 64 * MiB
     probe = TorchCudaProbe(0)

@@ -1,7 +1,7 @@
 """vLLM's CUDA build under the broker's rules (skipped without CUDA or vLLM). ``scripts/gpu-check
 --llm`` runs the same ``CHECKS`` without pytest.
 
-The engine is the CPU path's code (``deployments.llm.vllm_engine.VllmEngine``) with
+The engine is the CPU path's code (``gpubroker.deployments.llm.vllm_engine.VllmEngine``) with
 ``device: cuda``: ``gpu_memory_utilization`` from the grant at start, and an idle engine asked
 for its smallest cache sleeps (``AsyncLLM.sleep(level=1)``: KV cache freed, weights to host)
 until a request wakes it. The card's memory is read by NVML (vLLM's engine core is another
@@ -32,7 +32,7 @@ KV_BLOCKS = 4096  # 4096 x 256 KiB = 1 GiB of KV cache: a drop NVML cannot miss
 
 
 def _card_used_bytes() -> int:
-    from broker.probes import NvmlProbe
+    from gpubroker.broker.probes import NvmlProbe
 
     return NvmlProbe.for_torch_device(0).read().used_bytes
 
@@ -40,9 +40,9 @@ def _card_used_bytes() -> int:
 def check_vllm_cuda_grant_sleep_and_wake() -> str:
     """Start within a grant (gpu_memory_utilization), generate, sleep level 1 frees the KV cache,
     a request wakes the engine and is answered."""
-    from deployments.llm.engine import FinishReason
-    from deployments.llm.tiny_model import ByteTokenizer, ensure_tiny_llama
-    from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
+    from gpubroker.deployments.llm.engine import FinishReason
+    from gpubroker.deployments.llm.tiny_model import ByteTokenizer, ensure_tiny_llama
+    from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
     total = int(torch.cuda.get_device_properties(0).total_memory)
     grant_frac = round(min(0.5, (KV_BLOCKS * 256 * 1024 + 3 * GiB) / total), 3)

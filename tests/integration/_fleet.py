@@ -13,9 +13,9 @@ def local_fleet(config_text: str, *, wait: bool = True) -> Iterator[tuple[str, A
     local Ray of its own (2 CPUs); ``wait``: until every model answered its first request."""
     import ray
 
-    from deployments.fleet import deploy, teardown, wait_serving
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
+    from gpubroker.deployments.fleet import deploy, teardown, wait_serving
+    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.quotas.config import parse_config_text
 
     cfg = parse_config_text(config_text)
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
@@ -35,7 +35,7 @@ def replica_status(app: str, model: str) -> dict:
     """One replica's ``local_status`` (its pid, memory limit, settings) through its Serve handle."""
     from ray import serve
 
-    from deployments.app import model_app_name
+    from gpubroker.deployments.app import model_app_name
 
     return (
         serve.get_deployment_handle(model, app_name=model_app_name(model, app))

@@ -4,7 +4,7 @@
 process reads the violator replica's resident memory from /proc every 50 ms until the process
 ends; a neighbour gets open-loop load meanwhile. ``Violation`` holds what was measured: the peak
 over the pre-model baseline, how long the process stayed over grant + slack before it ended
-(the bound of ``deployments.watch.END_BOUND_S``), and every status each model got.
+(the bound of ``gpubroker.deployments.watch.END_BOUND_S``), and every status each model got.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from broker.control.violation import WATCH_SLACK_BYTES
+from gpubroker.broker.control.violation import WATCH_SLACK_BYTES
 from tests.integration._fleet import replica_status
 from tests.integration._load import open_loop_bg
 
@@ -26,7 +26,7 @@ MiB = 1024**2
 
 
 def _rss(pid: int) -> int | None:
-    from broker.probes import proc_status_bytes
+    from gpubroker.broker.probes import proc_status_bytes
 
     return proc_status_bytes(pid).get("VmRSS")
 

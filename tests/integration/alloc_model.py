@@ -19,7 +19,7 @@ class AllocModel:
         self.device = device
 
     def validate(self, item):
-        from deployments.models import InputError
+        from gpubroker.deployments.models import InputError
 
         mb = item.get("mb") if isinstance(item, dict) else None
         if isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb <= self.max_mb:

@@ -36,9 +36,9 @@ class Fleet:
 def fleet(tmp_path_factory):
     import ray
 
-    from deployments.fleet import deploy, teardown, wait_serving
-    from deployments.local_ray import free_port
-    from quotas.config import parse_config_text
+    from gpubroker.deployments.fleet import deploy, teardown, wait_serving
+    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.quotas.config import parse_config_text
 
     text = FLEET_YAML.read_text()
     ckpt = tmp_path_factory.mktemp("broker") / "checkpoint.json"

@@ -18,8 +18,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from deployments.fleet import APP_NAME
-from deployments.watch import END_BOUND_S
+from gpubroker.deployments.fleet import APP_NAME
+from gpubroker.deployments.watch import END_BOUND_S
 from tests.chaos.harness import FaultKind, Faults, classify
 from tests.integration._fleet import burst, local_fleet, replica_status
 from tests.integration._load import open_loop_bg
@@ -72,7 +72,7 @@ def fleet():
 
 
 def peak_rss_bytes(pid: int) -> int:
-    from broker.probes import proc_status_bytes
+    from gpubroker.broker.probes import proc_status_bytes
 
     return proc_status_bytes(pid)["VmHWM"]
 

@@ -28,9 +28,9 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from deployments.fleet import deploy, example_inputs, teardown, wait_serving  # noqa: E402
-from deployments.local_ray import free_port  # noqa: E402
-from quotas.config import parse_config_text  # noqa: E402
+from gpubroker.deployments.fleet import deploy, example_inputs, teardown, wait_serving  # noqa: E402
+from gpubroker.deployments.local_ray import free_port  # noqa: E402
+from gpubroker.quotas.config import parse_config_text  # noqa: E402
 
 CONFIG = """
 broker:

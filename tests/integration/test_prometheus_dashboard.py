@@ -34,7 +34,7 @@ if not Path(PROMETHEUS).is_file():
     )
 httpx = pytest.importorskip("httpx")
 
-from deployments.local_ray import free_port  # noqa: E402
+from gpubroker.deployments.local_ray import free_port  # noqa: E402
 from tests.integration.test_metrics_scrape import CONFIG, running_fleet, traffic  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "gpubroker.json"
@@ -51,7 +51,7 @@ LLM = """
 def no_llm_engine() -> str | None:
     """Why the tiny LLM cannot serve in this environment (its panels are then skipped), or None."""
     try:
-        from deployments.llm import server
+        from gpubroker.deployments.llm import server
     except ImportError as exc:
         return f"the LLM server does not import here ({exc})"
     if hasattr(server, "VllmEngine") and find_spec("vllm") is None:

@@ -7,7 +7,7 @@ reclaims its base. ``hog`` holds on whatever its cap, caches or admission say, s
 goes through every step (each a decision-log move, ``transfer_timeout_s`` after the previous)
 to the restart, its worker alive throughout (held over its lowered grant, it runs no batch): ``hog``'s replica fails its health check, Serve replaces it, the new process
 holds nothing, the reclaim confirms and ``owner`` is back at its base. The test prints each
-step's time after the reclaim began and the bound of ``broker.control.lending``.
+step's time after the reclaim began and the bound of ``gpubroker.broker.control.lending``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The last step of a reclaim's escalation on real Ray Serve (CPU): a replica whose settings carry
-a larger ``restart_token`` fails its health check (``deployments.units.reclaim.ReplicaReclaim``, wired
-as in ``deployments.replica``) and Serve replaces it with a fresh process.
+a larger ``restart_token`` fails its health check (``gpubroker.deployments.units.reclaim.ReplicaReclaim``, wired
+as in ``gpubroker.deployments.replica``) and Serve replaces it with a fresh process.
 
-This measures the ``restart`` term of the bound in ``broker.control.lending`` (3 T + restart +
+This measures the ``restart`` term of the bound in ``gpubroker.broker.control.lending`` (3 T + restart +
 stale_after_s + control_interval_s) with the health-check period the fleet deploys with
-(``deployments.app``: 5 s); it prints the figure and asserts only that the process was
+(``gpubroker.deployments.app``: 5 s); it prints the figure and asserts only that the process was
 replaced and the replacement keeps running on the same token.
 """
 
@@ -20,15 +20,15 @@ from tests.integration.conftest import wait_for
 # slow: a replica restarted by the reclaim escalation; `make chaos` runs it, `make test` does not
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-HEALTH_CHECK_PERIOD_S = 5  # what deployments.app gives every model deployment
+HEALTH_CHECK_PERIOD_S = 5  # what gpubroker.deployments.app gives every model deployment
 
 
 class Holder:
     """The replica's reclaim glue and nothing else: settings in, check_health out."""
 
     def __init__(self, token: int):
-        from broker.wire import ModelSettings
-        from deployments.units.reclaim import ReplicaReclaim
+        from gpubroker.broker.wire import ModelSettings
+        from gpubroker.deployments.units.reclaim import ReplicaReclaim
 
         self.reclaim = ReplicaReclaim("holder", lambda: None, print)
         self.base = ModelSettings(

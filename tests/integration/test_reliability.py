@@ -237,7 +237,7 @@ def test_metric_labels_only_from_config(fleet):
                 answers.append((f"{model} payload {str(body)[:30]}", code, (200, 422)))
     time.sleep(1.5)
     labels = metric_label_values(scrape(fleet))
-    from broker import metrics as m
+    from gpubroker.broker import metrics as m
 
     allowed = {
         "model": {"mlp", "hot", "slow"},

@@ -1,7 +1,7 @@
 """User models written from the README's protocol, for tests/integration/test_first_use.py
 (imported by path by the replicas, like an operator's model)."""
 
-from deployments.models import InputError
+from gpubroker.deployments.models import InputError
 
 
 class StrictModel:

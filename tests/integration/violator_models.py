@@ -21,7 +21,7 @@ _KEPT: list = []  # what the model keeps: module-level, so nothing frees it
 
 
 def _validate(item, max_mb: int = 4096):
-    from deployments.models import InputError
+    from gpubroker.deployments.models import InputError
 
     mb = item.get("mb") if isinstance(item, dict) else None
     if isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb <= max_mb:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from quotas.config import FleetConfig, parse_config
+from gpubroker.quotas.config import FleetConfig, parse_config
 
 GiB = 1024**3
 MiB = 1024**2
@@ -56,8 +56,8 @@ def a20() -> FleetConfig:
 
 def have_policy() -> bool:
     try:
-        import broker.control.policy  # noqa: F401
-        import broker.control.window  # noqa: F401
+        import gpubroker.broker.control.policy  # noqa: F401
+        import gpubroker.broker.control.window  # noqa: F401
     except ModuleNotFoundError:
         return False
     return True

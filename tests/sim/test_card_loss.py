@@ -1,6 +1,6 @@
 """A card lost in the simulator: the fleet broker marks it lost and re-places its models.
 
-The simulator emulates card a0 of a two-node fleet (``quotas.card_fleet``) and drives the
+The simulator emulates card a0 of a two-node fleet (``gpubroker.quotas.card_fleet``) and drives the
 fleet's ``FleetBroker`` (the object the Ray actor wraps) with re-placement on. At 20 s of
 virtual time a0's reports stop, as when its node is gone: after ``DEAD_AFTER_S`` the broker
 marks a0 lost, re-places ``mover`` on b0 (it fits) and reports ``pinned`` (it may only run on a0)
@@ -9,13 +9,13 @@ unplaced with its reason; b0 never holds more than it can grant.
 
 from __future__ import annotations
 
-from broker.fleet_core import DEAD_AFTER_S
+from gpubroker.broker.fleet_core import DEAD_AFTER_S
+from gpubroker.quotas.card_fleet import card_fleet
+from gpubroker.quotas.config import parse_config
 from gpubroker.sim import arrivals as arr
 from gpubroker.sim.engine import Simulator, parse_arm
 from gpubroker.sim.profile import profile_for
 from gpubroker.sim.workload import finish
-from quotas.card_fleet import card_fleet
-from quotas.config import parse_config
 from tests.sim.conftest import profiled
 
 LOST_AT_S = 20.0

@@ -46,8 +46,8 @@ def test_gated_static_arm_parses_and_labels():
 
 
 def test_the_gate_makes_a_static_arm_form_bigger_batches():
+    from gpubroker.quotas.config import load_config
     from gpubroker.sim.engine import SimOptions, run_sim
-    from quotas.config import load_config
 
     cfg = load_config("configs/sim-a20-c0.5.yaml")
     eager = run_sim(cfg, "static:32:10", {"prof": 200.0}, 60.0, opts=SimOptions(warmup_s=15.0)).models["prof"]

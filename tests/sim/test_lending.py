@@ -11,7 +11,7 @@ model above its grant.
 from __future__ import annotations
 
 from bench import lending as L
-from broker.control.lending import plan_quota  # noqa: F401 - the policy under test runs inside the simulator
+from gpubroker.broker.control.lending import plan_quota  # noqa: F401 - the policy under test runs inside the simulator
 
 
 def _in_turn(burst_rps: float | None = None):
@@ -146,8 +146,8 @@ def _demo_prof(seed: int):
     here) at 2.6 a second for 40 s, beside ``cnn``, which lends."""
     import numpy as np
 
+    from gpubroker.quotas.config import parse_config
     from gpubroker.sim.workload import ModelArrivals
-    from quotas.config import parse_config
 
     mib = 1 << 20
     doc = {

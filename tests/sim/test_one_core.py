@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import yaml
 
-from broker.fleet_core import FleetBroker
-from broker.wire import StatsReport
+from gpubroker.broker.fleet_core import FleetBroker
+from gpubroker.broker.wire import StatsReport
 from gpubroker.sim import arrivals as arr
 from gpubroker.sim.engine import SimOptions, Simulator, parse_arm
 from gpubroker.sim.profile import profile_for

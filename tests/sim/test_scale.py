@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench import scale
-from quotas.placement import place_fleet
+from gpubroker.quotas.placement import place_fleet
 
 
 def test_synthetic_fleets_validate_and_place_one_model_per_card_slot():
@@ -68,7 +68,7 @@ def test_table_names_every_case_and_the_one_card_fallback():
 
 
 def test_unchanged_share_counts_loads_equal_to_the_last_tick_and_restores_the_window():
-    import broker.control.window as bw
+    import gpubroker.broker.control.window as bw
 
     fold = bw.ReportWindow._model_load
     share = scale.unchanged_share(models=8, cards=1, seconds=40.0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from bench import scenarios as sc
 from bench.live_oracle import GRID_BATCHES, GRID_GATES, GRID_WAITS_MS, HTTP_MS, screen_arms, screen_grid
 from bench.live_runs import Opts, profiled_workload
+from gpubroker.quotas.config import parse_config_text
 from gpubroker.sim.knee import KneeResult, OracleGrid, RunSettings, run_at
 from gpubroker.sim.types import Arm
-from quotas.config import parse_config_text
 
 
 def test_screen_ranks_the_grid_and_keeps_distinct_candidates():

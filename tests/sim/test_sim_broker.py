@@ -1,4 +1,4 @@
-"""The broker arm: the live policy code (broker.control.policy, broker.control.window) on the virtual clock."""
+"""The broker arm: the live policy code (gpubroker.broker.control.policy, gpubroker.broker.control.window) on the virtual clock."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import time
 
 import pytest
 
+from gpubroker.quotas.config import load_config
 from gpubroker.sim import arrivals as arr
 from gpubroker.sim.engine import SimOptions, Simulator, parse_arm, run_sim
 from gpubroker.sim.knee import RunSettings, Search, bound, cap_s, knee, reference_for, reference_rate, with_cap
 from gpubroker.sim.profile import profile_for
 from gpubroker.sim.workload import finish
-from quotas.config import load_config
 from tests.sim.conftest import GiB, MiB, fleet, have_policy, profiled
 
-pytestmark = pytest.mark.skipif(not have_policy(), reason="broker.control.policy / broker.control.window not present")
+pytestmark = pytest.mark.skipif(
+    not have_policy(), reason="gpubroker.broker.control.policy / gpubroker.broker.control.window not present"
+)
 
 
 def test_broker_arm_is_deterministic(a20):

@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
+from gpubroker.quotas.config import load_config
 from gpubroker.sim.engine import SimOptions, Simulator, run_sim
 from gpubroker.sim.profile import profile_for
 from gpubroker.sim.types import DONE, Arm, parse_arm
 from gpubroker.sim.workload import ModelArrivals, make_workload
-from quotas.config import load_config
 from tests.sim.conftest import GiB, MiB, fleet, profiled
 
 

@@ -6,9 +6,9 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
-from broker.control.policy import PolicyState, decide, initial_state
-from broker.control.types import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
-from quotas.config import FleetConfig, parse_config
+from gpubroker.broker.control.policy import PolicyState, decide, initial_state
+from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
+from gpubroker.quotas.config import FleetConfig, parse_config
 
 MiB = 1024**2
 GiB = 1024**3
@@ -110,7 +110,7 @@ class Driver:
         advance: int = 1,
         need_bytes: dict[str, int] | None = None,
     ) -> FleetDecision:
-        """One tick; ``need_bytes``: the LLM engines' wanted grants (broker.control.llm_window)."""
+        """One tick; ``need_bytes``: the LLM engines' wanted grants (gpubroker.broker.control.llm_window)."""
         now = self.clock.advance(advance)
         full = {n: loads.get(n, load(n)) for n in self.config.models}
         # replicas report running the current settings unless the test says otherwise

@@ -5,7 +5,7 @@ holds, the settings version it runs) and keeps the settings it got back. Its mem
 what enforcement allows: at most the grant share it runs, or what it already held (a replica
 whose grant was lowered may keep holding its old memory until it frees it, restarts or dies).
 ``true_used`` is what the replicas really hold, silent ones included; ``check`` asserts the
-invariant sum of max(grant + in flight, used) <= usable (``quotas.holding``) on it.
+invariant sum of max(grant + in flight, used) <= usable (``gpubroker.quotas.holding``) on it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.core import BrokerCore
-from broker.wire import StatsReport
-from quotas.holding import holding_problems
-from quotas.ledger import QuotaLedger
+from gpubroker.broker.core import BrokerCore
+from gpubroker.broker.wire import StatsReport
+from gpubroker.quotas.holding import holding_problems
+from gpubroker.quotas.ledger import QuotaLedger
 
 MIB = 1024**2
 USABLE = 384 * MIB

@@ -1,4 +1,4 @@
-"""quotas.card_fleet: one card of a listed gpus: fleet as a one-card fleet (simulate --card)."""
+"""gpubroker.quotas.card_fleet: one card of a listed gpus: fleet as a one-card fleet (simulate --card)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import copy
 
 import pytest
 
-from quotas.card_fleet import card_fleet
-from quotas.config import load_config, parse_config
-from quotas.placement import place_fleet
+from gpubroker.quotas.card_fleet import card_fleet
+from gpubroker.quotas.config import load_config, parse_config
+from gpubroker.quotas.placement import place_fleet
 
 
 @pytest.fixture(scope="module")

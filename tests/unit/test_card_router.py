@@ -6,9 +6,9 @@ import asyncio
 
 from starlette.requests import Request
 
-from deployments.http_cards import CardRouter, pick_group
-from quotas.config import load_config
-from quotas.placement import place_fleet
+from gpubroker.deployments.http_cards import CardRouter, pick_group
+from gpubroker.quotas.config import load_config
+from gpubroker.quotas.placement import place_fleet
 
 
 def test_the_router_sends_to_the_least_loaded_group_per_replica():
@@ -18,8 +18,8 @@ def test_the_router_sends_to_the_least_loaded_group_per_replica():
 
 
 def test_cluster_demo_apps_follow_the_placement():
-    from deployments.app import fleet_apps
-    from deployments.placement_resources import card_resource
+    from gpubroker.deployments.app import fleet_apps
+    from gpubroker.deployments.placement_resources import card_resource
 
     cfg = load_config("configs/cluster-demo.yaml")
     text = open("configs/cluster-demo.yaml", encoding="utf-8").read()

@@ -6,9 +6,9 @@ import copy
 
 import pytest
 
-from quotas.cards import SINGLE_CARD_ID, Card, CardBudget, CardDevice, fleet_cards
-from quotas.config import ConfigError, parse_config
-from quotas.sizes import parse_size
+from gpubroker.quotas.cards import SINGLE_CARD_ID, Card, CardBudget, CardDevice, fleet_cards
+from gpubroker.quotas.config import ConfigError, parse_config
+from gpubroker.quotas.sizes import parse_size
 
 
 def _cards(n_nodes: int = 2, per_node: int = 2, capacity: str = "1GiB") -> list[dict]:

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from gpubroker.cli.calibrate import with_profile
 from gpubroker.cli.main import app
+from gpubroker.quotas.config import load_config
 from gpubroker.sim.profile import profile_for
-from quotas.config import load_config
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""gpubroker.cli.fleet draws deployments.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
+"""gpubroker.cli.fleet draws gpubroker.deployments.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from deployments import fleet, fleet_client
-from deployments.fleet import FleetError, Note, UpEvent, UpStage
 from gpubroker.cli import fleet as cli_fleet
+from gpubroker.deployments import fleet, fleet_client
+from gpubroker.deployments.fleet import FleetError, Note, UpEvent, UpStage
 
 
 def _bars(monkeypatch) -> tuple[cli_fleet.UpBars, Progress, io.StringIO]:
@@ -67,7 +67,7 @@ def test_the_state_file_round_trips(monkeypatch, tmp_path):
 
 
 def _up_output(monkeypatch, state: dict) -> str:
-    from quotas.config import parse_config
+    from gpubroker.quotas.config import parse_config
 
     out = io.StringIO()
     monkeypatch.setattr(cli_fleet, "console", Console(file=out, width=200, force_terminal=False))

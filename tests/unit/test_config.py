@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quotas.config import ConfigError, load_config, parse_config, parse_config_text
-from quotas.sizes import format_size, parse_size
+from gpubroker.quotas.config import ConfigError, load_config, parse_config, parse_config_text
+from gpubroker.quotas.sizes import format_size, parse_size
 from tests.unit.policy_builders import BASE_CONFIG, deep_merge
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,7 +222,7 @@ def test_a_profiled_model_serves_its_profile_and_a_dump_reads_back_the_same():
     }
     assert spec.profile.bytes_per_item == 1_500_000
     assert parse_config(cfg.model_dump(mode="json")) == cfg
-    from deployments.models.profiled import ProfiledAdapter
+    from gpubroker.deployments.models.profiled import ProfiledAdapter
 
     assert ProfiledAdapter(**spec.options).declared_memory() == (1610612736, 1_500_000.0)
 

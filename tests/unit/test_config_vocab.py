@@ -1,4 +1,4 @@
-"""quotas.vocab: the config's objectives, batch formations and strategies are StrEnums read from
+"""gpubroker.quotas.vocab: the config's objectives, batch formations and strategies are StrEnums read from
 YAML strings, and written back as the same strings (JSON dump, config hash, validate --json)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from quotas.config import ConfigError, parse_config_text
-from quotas.vocab import BatchFormation, Objective, Strategy
+from gpubroker.quotas.config import ConfigError, parse_config_text
+from gpubroker.quotas.vocab import BatchFormation, Objective, Strategy
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = """

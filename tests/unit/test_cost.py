@@ -1,10 +1,10 @@
-"""Cost per 1k requests is the card-hours a model holds at the price in force (broker.control.cost)."""
+"""Cost per 1k requests is the card-hours a model holds at the price in force (gpubroker.broker.control.cost)."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker.control.cost import card_hours, cost_per_1k_requests
+from gpubroker.broker.control.cost import card_hours, cost_per_1k_requests
 
 GiB = 1024**3
 

@@ -7,7 +7,7 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-from quotas.config import parse_config_text
+from gpubroker.quotas.config import parse_config_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

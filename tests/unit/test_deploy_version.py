@@ -1,11 +1,11 @@
-"""A deployment's Serve version follows the code its replicas run (``deployments.app.code_digest``):
+"""A deployment's Serve version follows the code its replicas run (``gpubroker.deployments.app.code_digest``):
 redeploying unchanged code keeps the replicas; an edited user model module is a new version."""
 
 from __future__ import annotations
 
 import sys
 
-from deployments.app import code_digest, deployment_version
+from gpubroker.deployments.app import code_digest, deployment_version
 
 
 def test_user_model_edit_changes_the_version(tmp_path, monkeypatch):

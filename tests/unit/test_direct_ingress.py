@@ -1,4 +1,4 @@
-"""Direct ingress (``deployments.direct_ingress``): Serve's target groups -> each model's replica
+"""Direct ingress (``gpubroker.deployments.direct_ingress``): Serve's target groups -> each model's replica
 URLs, the config switch and the environment ``gpubroker up`` gives the local Ray. Pure: the
 target groups are plain objects shaped as Serve 2.60's ``TargetGroup`` (fakes of Serve's
 controller answer; ``tests/integration/test_direct_ingress.py`` runs the real one)."""
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from deployments.direct_ingress import DIRECT_ENV, model_urls, not_enabled_hint, replica_ports, url_host
-from quotas.config import ConfigError, parse_config
+from gpubroker.deployments.direct_ingress import DIRECT_ENV, model_urls, not_enabled_hint, replica_ports, url_host
+from gpubroker.quotas.config import ConfigError, parse_config
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def test_the_local_ray_environment_and_the_hint_name_the_variable():
 def test_start_local_ray_passes_the_variables_only_when_asked(monkeypatch):
     import subprocess
 
-    from deployments import local_ray
+    from gpubroker.deployments import local_ray
 
     seen: list[dict[str, str]] = []
 
@@ -110,7 +110,7 @@ def test_start_local_ray_passes_the_variables_only_when_asked(monkeypatch):
 
 
 def test_turning_it_on_by_apply_says_it_takes_the_next_up():
-    from broker.control.reconfig import next_up_notes
+    from gpubroker.broker.control.reconfig import next_up_notes
 
     base = {
         "gpu": {"device": "cpu", "capacity": "1GiB"},

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from broker import probes
-from deployments.enforce import (
+from gpubroker.broker import probes
+from gpubroker.deployments.enforce import (
     CpuRlimitLimiter,
     CudaFractionLimiter,
     LimiterKind,
@@ -45,8 +45,8 @@ def run_child(code: str) -> dict:
 def test_torch_allocation_past_the_limit_raises_and_raising_the_limit_lets_it_run():
     result = run_child("""
         import json, resource, torch
-        from deployments.enforce import CpuRlimitLimiter
-        from deployments.models import is_oom
+        from gpubroker.deployments.enforce import CpuRlimitLimiter
+        from gpubroker.deployments.models import is_oom
         MiB = 1024 ** 2
         hard0 = resource.getrlimit(resource.RLIMIT_DATA)[1]
         lim = CpuRlimitLimiter(slack_bytes=0)
@@ -87,9 +87,9 @@ def test_torch_allocation_past_the_limit_raises_and_raising_the_limit_lets_it_ru
 def test_profiled_emulation_is_refused_by_the_same_limit():
     result = run_child("""
         import json
-        from deployments.enforce import CpuRlimitLimiter
-        from deployments.models import EmulatedOOM, load_adapter
-        from deployments.units.oom import run_items
+        from gpubroker.deployments.enforce import CpuRlimitLimiter
+        from gpubroker.deployments.models import EmulatedOOM, load_adapter
+        from gpubroker.deployments.units.oom import run_items
         MiB = 1024 ** 2
         lim = CpuRlimitLimiter(slack_bytes=0)
         lim.start()
@@ -219,7 +219,7 @@ def test_a_grant_lowered_under_held_memory_leaves_the_runtime_its_slack():
     result = run_child("""
         import json, resource
         import numpy as np
-        from deployments.enforce import CpuRlimitLimiter
+        from gpubroker.deployments.enforce import CpuRlimitLimiter
         MiB = 1024 ** 2
         lim = CpuRlimitLimiter(slack_bytes=16 * MiB)
         lim.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from broker.core import BrokerCore
+from gpubroker.broker.core import BrokerCore
 from gpubroker.cli import live, views
 
 CONFIG = """

@@ -1,4 +1,4 @@
-"""A many-card fleet's checkpoint (``broker.checkpoint.CardCheckpoints``, ``DecisionJournal``):
+"""A many-card fleet's checkpoint (``gpubroker.broker.checkpoint.CardCheckpoints``, ``DecisionJournal``):
 every card's state in one file written once a tick, the shared decision log journaled once.
 
 No Ray: the two-card fleet of ``tests/unit/test_fleet_core.py`` on a fake clock. A restart is a
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 
-from broker import checkpoint as ckpt_mod
-from broker.checkpoint import Checkpoint, DecisionJournal, save_checkpoint
-from broker.fleet_core import FleetBroker
+from gpubroker.broker import checkpoint as ckpt_mod
+from gpubroker.broker.checkpoint import Checkpoint, DecisionJournal, save_checkpoint
+from gpubroker.broker.fleet_core import FleetBroker
 from tests.unit.test_fleet_core import CAL, CONFIG, MIB, Clock, _report
 
 

@@ -1,4 +1,4 @@
-"""One broker for many cards (``broker.fleet_core.FleetBroker``): one core and ledger per card.
+"""One broker for many cards (``gpubroker.broker.fleet_core.FleetBroker``): one core and ledger per card.
 
 No Ray: a fake clock and synthetic replica reports (a stand-in for replicas, as in
 ``tests/unit/test_reliability_broker.py``). The same model placed on two cards has a grant on
@@ -8,8 +8,8 @@ card at every tick; a card whose replicas fall silent is lost and comes back whe
 
 from __future__ import annotations
 
-from broker.fleet_core import DEAD_AFTER_S, FleetBroker
-from broker.wire import StatsReport
+from gpubroker.broker.fleet_core import DEAD_AFTER_S, FleetBroker
+from gpubroker.broker.wire import StatsReport
 
 MIB = 1024**2
 

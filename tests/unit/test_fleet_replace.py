@@ -1,4 +1,4 @@
-"""Re-placement after a card loss or join in ``FleetBroker`` (``broker.control.replacement``), on a fake clock.
+"""Re-placement after a card loss or join in ``FleetBroker`` (``gpubroker.broker.control.replacement``), on a fake clock.
 
 Two nodes x two cards. ``spread`` has a replica on a0 and on b0, ``solo`` is on a0, ``west`` may
 only run on node-b's cards (b0). When b0 falls silent with re-placement on (b1, empty, is taken as gone with its node): spread's lost replica
@@ -9,10 +9,10 @@ seen again, west is placed back on b0 and nothing else moves.
 
 from __future__ import annotations
 
-from broker.control.replacement import replace_fleet
-from broker.fleet_core import DEAD_AFTER_S, FleetBroker
-from broker.wire import ModelSettings, StatsReport
-from quotas.config import parse_config_text
+from gpubroker.broker.control.replacement import replace_fleet
+from gpubroker.broker.fleet_core import DEAD_AFTER_S, FleetBroker
+from gpubroker.broker.wire import ModelSettings, StatsReport
+from gpubroker.quotas.config import parse_config_text
 
 MIB = 1024**2
 

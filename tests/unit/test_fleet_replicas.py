@@ -1,4 +1,4 @@
-"""Replica targets in the fleet broker (``FleetBroker.tick`` -> ``broker.control.replica_targets``), on a fake clock.
+"""Replica targets in the fleet broker (``FleetBroker.tick`` -> ``gpubroker.broker.control.replica_targets``), on a fake clock.
 
 A model with 3 replicas on one card, the ``profiled`` latency model (a = 20 ms, c = 0.5 ms)
 reported by synthetic replicas (as in ``tests/unit/test_fleet_core.py``). Off-peak (``latency``)
@@ -10,8 +10,8 @@ window restores 3. Every change is a ``kind: replicas`` decision with its rule, 
 
 from __future__ import annotations
 
-from broker.fleet_core import FleetBroker
-from broker.wire import StatsReport
+from gpubroker.broker.fleet_core import FleetBroker
+from gpubroker.broker.wire import StatsReport
 from tests.unit.test_fleet_core import CONFIG as CARDS_CONFIG
 
 TUE_0759_UTC = 1796111940.0  # Tuesday 1 December 2026, 07:59:00 UTC

@@ -1,4 +1,4 @@
-"""One return channel: the Serve side pulls the broker's ``ServePlan`` and applies it (``deployments.follow``).
+"""One return channel: the Serve side pulls the broker's ``ServePlan`` and applies it (``gpubroker.deployments.follow``).
 
 A real ``BrokerActor`` built in this process (no Ray: its methods called as a handle would, plain
 data both ways), the four-card fleet of ``tests/unit/test_fleet_replace.py``, a fake reconciler
@@ -13,10 +13,10 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from broker.actor import BrokerActor
-from broker.wire import ServePlan
-from deployments.follow import PlanFollower
-from deployments.scaler import ReplicaScaler
+from gpubroker.broker.actor import BrokerActor
+from gpubroker.broker.wire import ServePlan
+from gpubroker.deployments.follow import PlanFollower
+from gpubroker.deployments.scaler import ReplicaScaler
 from tests.unit.test_fleet_replace import CONFIG
 
 APPS = {"spread": "t-spread", "solo": "t-solo", "west": "t-west"}

@@ -1,10 +1,10 @@
-"""The model API's HTTP rules (deployments.http_api) without Serve: limits, shapes, answers."""
+"""The model API's HTTP rules (gpubroker.deployments.http_api) without Serve: limits, shapes, answers."""
 
 from __future__ import annotations
 
 import json
 
-from deployments.http_api import HttpAnswer, ParsedBody, answer_for, length_check, parse_body
+from gpubroker.deployments.http_api import HttpAnswer, ParsedBody, answer_for, length_check, parse_body
 
 
 def test_content_length_over_the_limit_is_413_before_reading():

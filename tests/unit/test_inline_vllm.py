@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from deployments.llm.inline_vllm import EngineDead, InlineLLM
+from gpubroker.deployments.llm.inline_vllm import EngineDead, InlineLLM
 
 
 @dataclass

@@ -38,19 +38,19 @@ ALLOWED: dict[str, frozenset[str]] = {
 BENCH_DOOR = frozenset({"gpubroker.cli.bench"})
 # The broker's pure rooms: its control subpackage and the wire. Everything else in broker/ is the
 # mechanism around them (the actor, checkpoints, metrics, probes).
-BROKER_PURE_PREFIXES = ("broker.control", "broker.wire")
+BROKER_PURE_PREFIXES = ("gpubroker.broker.control", "gpubroker.broker.wire")
 # The broker core takes its clock and capacity injected: it may import the standard clock as
 # the default, but never hardware, Ray or the probes, not even through another module.
 NO_HARDWARE_MODULES = frozenset(
-    {"broker.core", "broker.fleet_core", "broker.fleet_store"}
+    {"gpubroker.broker.core", "gpubroker.broker.fleet_core", "gpubroker.broker.fleet_store"}
 )  # fleet_core: one BrokerCore per card
 UI = frozenset({"typer", "rich", "click"})  # the command line's toolkits: only gpubroker/cli draws
-HARDWARE = frozenset({"ray", "torch", "pynvml", "psutil", "broker.probes"})
+HARDWARE = frozenset({"ray", "torch", "pynvml", "psutil", "gpubroker.broker.probes"})
 CLOCKS = frozenset({"time"})
 CLOCK_CALLS = frozenset({"now", "utcnow", "today", "time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"})
-PROBES = "broker.probes"
+PROBES = "gpubroker.broker.probes"
 # importlib loads only what a user's config names ('pkg.module:Class'), never a module of ours.
-IMPORTLIB_ALLOWED = frozenset({"deployments.models"})
+IMPORTLIB_ALLOWED = frozenset({"gpubroker.deployments.models"})
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,17 @@ class Import:
     line: int
 
 
+# The card's top-level folders, installed under the one import name: broker/x.py is gpubroker.broker.x
+# (gpubroker/broker is a link to ../broker). The layer of a module is its folder's name.
+LINKED = ("quotas", "broker", "deployments")
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] in LINKED:
+        parts.insert(0, "gpubroker")
     return ".".join(parts)
 
 
@@ -71,8 +78,11 @@ def source_files() -> dict[str, Path]:
     out: dict[str, Path] = {}
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            if any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(ROOT).parts):
+            rel = path.relative_to(ROOT)
+            if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
                 continue
+            if any((ROOT / Path(*rel.parts[:n])).is_symlink() for n in range(1, len(rel.parts))):
+                continue  # gpubroker/broker/... is broker/... seen through its link
             out[_module_name(path)] = path
     return out
 
@@ -108,7 +118,7 @@ def imports_in(tree: ast.AST, module: str) -> tuple[Import, ...]:
             found.extend(Import(alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(module, node)
-            for alias in node.names:  # `from broker import policy` is an arrow to broker.control.policy
+            for alias in node.names:  # `from broker import policy` is an arrow to gpubroker.broker.control.policy
                 sub = f"{base}.{alias.name}"
                 found.append(Import(sub if sub in known else base, node.lineno))
     return tuple(found)
@@ -131,7 +141,11 @@ def _ours(target: str) -> str | None:
 
 
 def _top(name: str) -> str:
-    return name.split(".")[0]
+    """The layer a dotted name belongs to: ``gpubroker.broker.core`` is in broker, ``gpubroker.cli`` in gpubroker."""
+    parts = name.split(".")
+    if parts[0] == "gpubroker" and len(parts) > 1 and parts[1] in LINKED:
+        return parts[1]
+    return parts[0]
 
 
 def graph() -> dict[str, set[str]]:
@@ -166,11 +180,18 @@ def test_every_package_is_found():
     named = NO_HARDWARE_MODULES | {PROBES} | BENCH_DOOR
     assert named <= set(source_files()), f"named in this test but missing: {sorted(named - set(source_files()))}"
     assert {
-        "broker.control.policy",
-        "broker.control.batch_rules",
-        "broker.control.lending",
-        "quotas.ledger",
+        "gpubroker.broker.control.policy",
+        "gpubroker.broker.control.batch_rules",
+        "gpubroker.broker.control.lending",
+        "gpubroker.quotas.ledger",
     } <= policy_modules()
+
+
+def test_one_import_name():
+    """Nothing imports broker, deployments or quotas by their bare names: installed, only ``gpubroker``
+    exists, and a user's own ``deployments`` package must never be the one that loads."""
+    bad = [_where(m, i) for m in source_files() for i in imports_of(m) if i.target.split(".")[0] in LINKED]
+    assert not bad, "import them as gpubroker.<name>:\n" + "\n".join(bad)
 
 
 def test_arrows_run_one_way():
@@ -248,7 +269,7 @@ def test_policy_code_reads_no_clock_and_imports_only_pure_code(module: str):
         ours = _ours(imp.target)
         if _hits(imp.target, CLOCKS):
             bad.append(f"{_where(module, imp)} (a clock: take now_s as an input)")
-        elif ours and ours not in policy_modules() and ours not in ("broker", "broker.control"):
+        elif ours and ours not in policy_modules() and ours not in ("gpubroker.broker", "gpubroker.broker.control"):
             bad.append(f"{_where(module, imp)} (not a pure module)")
     tree = ast.parse(source_files()[module].read_text(encoding="utf-8"))
     for node in ast.walk(tree):
@@ -267,7 +288,7 @@ def test_policy_code_reads_no_clock_and_imports_only_pure_code(module: str):
 
 
 def test_probes_are_a_leaf():
-    bad = [_where(PROBES, i) for i in imports_of(PROBES) if _ours(i.target) not in (None, "broker")]
+    bad = [_where(PROBES, i) for i in imports_of(PROBES) if _ours(i.target) not in (None, "gpubroker.broker")]
     assert not bad, "broker/probes.py must import nothing of ours:\n" + "\n".join(bad)
 
 
@@ -289,11 +310,17 @@ def test_no_importlib_registration():
 def test_the_contract_sees_lazy_and_type_checking_imports():
     """The parser counts imports inside functions and TYPE_CHECKING blocks (guards the checks above)."""
     src = (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from broker.control.policy import decide\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpubroker.broker.control.policy import decide\n"
         "def f():\n    import torch\n    from . import window\n    from .types import ModelLoad\n"
     )
-    targets = [i.target for i in imports_in(ast.parse(src), "broker.control.lending")]
-    assert targets == ["typing", "broker.control.policy", "torch", "broker.control.window", "broker.control.types"]
+    targets = [i.target for i in imports_in(ast.parse(src), "gpubroker.broker.control.lending")]
+    assert targets == [
+        "typing",
+        "gpubroker.broker.control.policy",
+        "torch",
+        "gpubroker.broker.control.window",
+        "gpubroker.broker.control.types",
+    ]
 
 
 INSTALLED = ("quotas", "broker", "deployments", "gpubroker")  # what the wheel installs (bench/ is not)
@@ -328,7 +355,11 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_the_private_import_check_sees_one():
-    tree = ast.parse("from broker.control.window import _OOM\nfrom broker.control.window import Digest\n")
-    assert private_imports(tree, "broker.control.policy") == [(1, "broker.control.window", "_OOM")]
-    assert private_imports(ast.parse("from . import _x\n"), "broker.control.policy") == [(1, "broker.control", "_x")]
-    assert private_imports(tree, "broker.control.window") == []  # a module's own names are its own
+    tree = ast.parse(
+        "from gpubroker.broker.control.window import _OOM\nfrom gpubroker.broker.control.window import Digest\n"
+    )
+    assert private_imports(tree, "gpubroker.broker.control.policy") == [(1, "gpubroker.broker.control.window", "_OOM")]
+    assert private_imports(ast.parse("from . import _x\n"), "gpubroker.broker.control.policy") == [
+        (1, "gpubroker.broker.control", "_x")
+    ]
+    assert private_imports(tree, "gpubroker.broker.control.window") == []  # a module's own names are its own

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from quotas.config import parse_config
-from quotas.ledger import (
+from gpubroker.quotas.config import parse_config
+from gpubroker.quotas.ledger import (
     LedgerError,
     LedgerInvariantError,
     ModelQuota,

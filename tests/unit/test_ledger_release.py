@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from quotas.holding import held_bytes, holding_problems, measured_free_bytes
-from quotas.ledger import LedgerError, ModelQuota, QuotaLedger
+from gpubroker.quotas.holding import held_bytes, holding_problems, measured_free_bytes
+from gpubroker.quotas.ledger import LedgerError, ModelQuota, QuotaLedger
 from tests.unit.test_ledger import MiB, make, refused
 
 

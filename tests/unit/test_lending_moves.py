@@ -1,4 +1,4 @@
-"""Lending moves that never cost more than they buy (broker.control.lending: peak_batch, pressed).
+"""Lending moves that never cost more than they buy (gpubroker.broker.control.lending: peak_batch, pressed).
 
 A lender keeps what its own demand at the window's peak needed within its SLO; a model borrows
 only while its memory holds it back now; a loan that would not raise the borrower's batch
@@ -7,9 +7,9 @@ ceiling is not made. Pure policy, fake clock.
 
 from __future__ import annotations
 
-from broker.control.latency_model import LatencyFit
-from broker.control.lending import LEND_TAIL_FRAC, NOT_PRESSED, peak_batch, pressed
-from broker.control.memory_model import MemoryModel
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.lending import LEND_TAIL_FRAC, NOT_PRESSED, peak_batch, pressed
+from gpubroker.broker.control.memory_model import MemoryModel
 from tests.unit.policy_builders import Driver, GiB, MiB, load, make_config, timings
 
 SPEC = make_config().models["a"]  # floor 2, SLO 100 ms
@@ -201,8 +201,8 @@ def test_a_borrower_its_loan_made_efficient_is_idle_only_if_its_base_would_be():
 def test_dust_is_a_share_of_the_card_so_a_small_card_still_moves_memory():
     """A fixed 4 MiB floor made every move on a card of a few MiB dust: the LLM benchmark's engines
     (1.3 MiB of KV cache to lend on 8 MiB) never moved quota. From 1 GiB up nothing changed."""
-    from broker.control.lending import min_move_bytes
-    from quotas.ledger import ModelQuota, QuotaLedger
+    from gpubroker.broker.control.lending import min_move_bytes
+    from gpubroker.quotas.ledger import ModelQuota, QuotaLedger
 
     def dust(usable: int) -> int:
         return min_move_bytes(QuotaLedger(usable, {"a": ModelQuota(0, 0, usable)}))

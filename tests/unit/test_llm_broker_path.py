@@ -20,12 +20,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
-from broker.control.llm_rules import LlmRule  # noqa: E402
-from broker.control.vocab import EntryKind  # noqa: E402
-from broker.core import BrokerCore  # noqa: E402
-from broker.wire import StatsReport  # noqa: E402
-from deployments.llm.report_loop import weights_bytes  # noqa: E402
-from deployments.llm.server import LlmServer  # noqa: E402
+from gpubroker.broker.control.llm_rules import LlmRule  # noqa: E402
+from gpubroker.broker.control.vocab import EntryKind  # noqa: E402
+from gpubroker.broker.core import BrokerCore  # noqa: E402
+from gpubroker.broker.wire import StatsReport  # noqa: E402
+from gpubroker.deployments.llm.report_loop import weights_bytes  # noqa: E402
+from gpubroker.deployments.llm.server import LlmServer  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llm-demo.yaml"
 
@@ -44,7 +44,7 @@ class _Remote:
 class FakeBrokerHandle:
     """What ``ray.get_actor`` gives the replica, calling the core in process."""
 
-    def __init__(self, core: BrokerCore):  # plain data over Ray, as broker.actor converts it
+    def __init__(self, core: BrokerCore):  # plain data over Ray, as gpubroker.broker.actor converts it
         self.report = _Remote(lambda report: core.report(StatsReport.from_dict(report)).to_dict())
 
 
@@ -129,9 +129,9 @@ def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(t
 
 
 def test_batch_policy_holds_llm_models_and_lending_takes_the_engines_need():
-    from broker.control.llm_window import LlmControl
-    from broker.control.policy import LLM_HOLD_REASON
-    from quotas.config import parse_config_text
+    from gpubroker.broker.control.llm_window import LlmControl
+    from gpubroker.broker.control.policy import LLM_HOLD_REASON
+    from gpubroker.quotas.config import parse_config_text
 
     text = CONFIG.read_text(encoding="utf-8")
     now = [1000]

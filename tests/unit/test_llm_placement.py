@@ -1,4 +1,4 @@
-"""LLM engines on a fleet of cards (``deployments.llm.openai_api.llm_spots``, ``deployments.reconcile``),
+"""LLM engines on a fleet of cards (``gpubroker.deployments.llm.openai_api.llm_spots``, ``gpubroker.deployments.reconcile``),
 no Ray running: what the bound Serve deployments ask Ray for.
 
 Three cards on two nodes, listed a0 (node-a), b0 (node-b), a1 (node-a). ``chat_a`` may run on a0
@@ -10,12 +10,12 @@ deployed again: chat_b pinned to a1's node by label, chat_a and the ingress exac
 
 from __future__ import annotations
 
-from broker.fleet_core import FleetBroker
-from deployments.llm.openai_api import LLM_NUM_CPUS, llm_app
-from deployments.placement_resources import CARD_ENV, NODE_LABEL, card_resource
-from deployments.reconcile import ServeReconciler, moved_actor_options
-from quotas.config import parse_config_text
-from quotas.placement import place_fleet
+from gpubroker.broker.fleet_core import FleetBroker
+from gpubroker.deployments.llm.openai_api import LLM_NUM_CPUS, llm_app
+from gpubroker.deployments.placement_resources import CARD_ENV, NODE_LABEL, card_resource
+from gpubroker.deployments.reconcile import ServeReconciler, moved_actor_options
+from gpubroker.quotas.config import parse_config_text
+from gpubroker.quotas.placement import place_fleet
 
 ENGINE = "options: {max_model_len: 256, kv_cache_blocks: 4, kv_cache_blocks_min: 3, max_num_seqs_max: 8}"
 CONFIG = f"""

@@ -1,4 +1,4 @@
-"""deployments.llm.reaper: engine processes end with the process that started them, even a SIGKILLed one.
+"""gpubroker.deployments.llm.reaper: engine processes end with the process that started them, even a SIGKILLed one.
 
 Real processes throughout: a parent started here tracks a child of its own (a stand-in engine, or
 vLLM's engine core in the second test), prints the pids, and is SIGKILLed; the test then waits
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from deployments.llm.reaper import Reaper, descendants, start_time
+from gpubroker.deployments.llm.reaper import Reaper, descendants, start_time
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
 
@@ -65,7 +65,7 @@ def _killed_parent(script: str, timeout_s: float) -> list[int]:
 def test_a_killed_parent_takes_its_tracked_children_with_it():
     script = """
         import os, subprocess, sys, time
-        from deployments.llm.reaper import REAPER, descendants
+        from gpubroker.deployments.llm.reaper import REAPER, descendants
         before = descendants(os.getpid())
         engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print("PIDS", *REAPER.track(descendants(os.getpid()) - before), flush=True)
@@ -78,7 +78,7 @@ def test_a_killed_parent_takes_its_tracked_children_with_it():
 def test_a_watcher_that_ended_is_replaced_and_handed_everything_held():
     script = """
         import os, subprocess, sys, time
-        from deployments.llm.reaper import REAPER, descendants
+        from gpubroker.deployments.llm.reaper import REAPER, descendants
         def engine():
             before = descendants(os.getpid())
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -113,9 +113,9 @@ def test_vllm_engine_processes_end_with_a_killed_replica():
     pytest.importorskip("vllm")
     script = """
         import asyncio, time
-        from deployments.llm.reaper import REAPER
-        from deployments.llm.tiny_model import ensure_tiny_llama
-        from deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
+        from gpubroker.deployments.llm.reaper import REAPER
+        from gpubroker.deployments.llm.tiny_model import ensure_tiny_llama
+        from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
 
         async def main():
             engine = VllmEngine(VllmEngineOptions(model_dir=str(ensure_tiny_llama()), max_model_len=256,

@@ -1,4 +1,4 @@
-"""broker.control.llm_rules: one test per rule, with override builders and integer-tick times."""
+"""gpubroker.broker.control.llm_rules: one test per rule, with override builders and integer-tick times."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from broker.control.llm_rules import (
+from gpubroker.broker.control.llm_rules import (
     RULES,
     EngineLoad,
     LlmRule,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker.control.llm_rules import LlmRule
-from broker.control.llm_window import LlmControl
-from quotas.config import parse_config_text
+from gpubroker.broker.control.llm_rules import LlmRule
+from gpubroker.broker.control.llm_window import LlmControl
+from gpubroker.quotas.config import parse_config_text
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llm-demo.yaml"
 MiB = 1024**2

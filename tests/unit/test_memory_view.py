@@ -1,4 +1,4 @@
-"""Status says why a cap is low: ``memory_ceiling`` and ``fixed_bytes`` (broker.control.policy.memory_view).
+"""Status says why a cap is low: ``memory_ceiling`` and ``fixed_bytes`` (gpubroker.broker.control.policy.memory_view).
 
 A replica whose runtime turns out heavier than its calibration (the demo's ``prof`` on a CPU
 machine: about 40 MiB fixed against 32 calibrated) gets a batch ceiling below what the config's
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from broker.core import BrokerCore
-from broker.fleet_core import FleetBroker
+from gpubroker.broker.core import BrokerCore
+from gpubroker.broker.fleet_core import FleetBroker
 from gpubroker.cli.views import status_table
 from tests.unit.test_oom import CONFIG, Clock, _report
 

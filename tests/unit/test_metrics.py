@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from broker.control.types import FleetDecision, ModelDecision, QuotaMove
-from broker.metrics import BrokerMetrics, start_exporter
-from broker.wire import StatsReport
+from gpubroker.broker.control.types import FleetDecision, ModelDecision, QuotaMove
+from gpubroker.broker.metrics import BrokerMetrics, start_exporter
+from gpubroker.broker.wire import StatsReport
 from gpubroker.cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +139,7 @@ def status(**over) -> dict:
     return base
 
 
-ENGINE_STATUS = {  # an LLM model's status "engine" part (broker.control.llm_window.LlmControl.status)
+ENGINE_STATUS = {  # an LLM model's status "engine" part (gpubroker.broker.control.llm_window.LlmControl.status)
     "running": 3,
     "waiting": 1,
     "kv_blocks_used": 20,
@@ -411,7 +411,7 @@ def test_metric_types_follow_prometheus_conventions(exported_metrics):
 
 
 def test_histogram_buckets_fit_model_serving_latencies():
-    from broker.metrics import LATENCY_BUCKETS_S
+    from gpubroker.broker.metrics import LATENCY_BUCKETS_S
 
     assert LATENCY_BUCKETS_S == tuple(sorted(LATENCY_BUCKETS_S))
     assert LATENCY_BUCKETS_S[0] <= 0.001 and LATENCY_BUCKETS_S[-1] >= 60  # a small net to a long generation
@@ -810,7 +810,7 @@ models:
 
 
 def test_broker_core_feeds_its_metrics():
-    from broker.core import BrokerCore
+    from gpubroker.broker.core import BrokerCore
 
     t = [1000.0]
     m = BrokerMetrics(CollectorRegistry(), gpu="cpu")
@@ -842,8 +842,8 @@ def test_broker_core_feeds_its_metrics():
 def _cli(monkeypatch, answers):
     from typer.testing import CliRunner
 
-    from deployments import fleet_client
     from gpubroker.cli.main import app
+    from gpubroker.deployments import fleet_client
 
     calls = []
 

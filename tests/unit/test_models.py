@@ -14,8 +14,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 
-from deployments.calibration import calibrate, fit_line  # noqa: E402
-from deployments.models import (  # noqa: E402
+from gpubroker.deployments.calibration import calibrate, fit_line  # noqa: E402
+from gpubroker.deployments.models import (  # noqa: E402
     BUILTINS,
     EmulatedOOM,
     InputError,
@@ -135,7 +135,7 @@ def test_minilm_batch_invariance_short_and_long(minilm):
 
 def test_minilm_matches_sentence_transformers(minilm):
     st = pytest.importorskip("sentence_transformers")
-    from deployments.models.minilm import default_model_path
+    from gpubroker.deployments.models.minilm import default_model_path
 
     ref = st.SentenceTransformer(default_model_path(), device="cpu")  # needs str, not Path
     texts = ["hello world", "The quick brown fox jumps over the lazy dog."]
@@ -405,7 +405,7 @@ def test_models_package_import_is_light():
     import subprocess
     import sys
 
-    code = "import sys, deployments.models, deployments.units.oom; print('torch' in sys.modules)"
+    code = "import sys, gpubroker.deployments.models, gpubroker.deployments.units.oom; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

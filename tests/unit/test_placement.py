@@ -1,4 +1,4 @@
-"""quotas.placement: first-fit decreasing of the bases, replicas spread over cards and nodes."""
+"""gpubroker.quotas.placement: first-fit decreasing of the bases, replicas spread over cards and nodes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quotas.cards import Card, CardBudget, CardDevice
-from quotas.config import load_config
-from quotas.placement import ModelDemand, PlacementError, place, place_fleet
+from gpubroker.quotas.cards import Card, CardBudget, CardDevice
+from gpubroker.quotas.config import load_config
+from gpubroker.quotas.placement import ModelDemand, PlacementError, place, place_fleet
 
 MIB = 1024**2
 NO_RESERVE = CardBudget(reserve_frac=0.0, context_bytes_per_process=0)
@@ -176,7 +176,7 @@ def test_property_within_usable_complete_deterministic_and_spread(fleet):
 
 # --------------------------------------------------------------------------- as Ray resources
 def test_deployment_plans_name_groups_and_share_each_card_resource():
-    from deployments.placement_resources import deployment_plans
+    from gpubroker.deployments.placement_resources import deployment_plans
 
     p = place_fleet(load_config("configs/cluster-demo.yaml"))
     plans = {plan.name: plan for plan in deployment_plans(p, model_num_cpus=0.1)}
@@ -189,7 +189,7 @@ def test_deployment_plans_name_groups_and_share_each_card_resource():
 
 
 def test_one_card_fleet_keeps_todays_names_and_options():
-    from deployments.placement_resources import deployment_plans
+    from gpubroker.deployments.placement_resources import deployment_plans
 
     cfg = load_config("configs/demo.yaml")
     plans = deployment_plans(place_fleet(cfg), model_num_cpus=0.1)
@@ -198,7 +198,7 @@ def test_one_card_fleet_keeps_todays_names_and_options():
 
 
 def test_cuda_replica_asks_a_gpu_share_and_sees_its_card():
-    from deployments.placement_resources import replica_actor_options
+    from gpubroker.deployments.placement_resources import replica_actor_options
 
     opts = replica_actor_options(Card("g1", "n", 1, CardDevice.CUDA, 1), replicas_on_card=3, num_cpus=1)
     assert opts["resources"] == {"gpubroker_card_g1": 333.0} and opts["num_gpus"] == 0.333
@@ -210,8 +210,8 @@ def test_cuda_replica_asks_a_gpu_share_and_sees_its_card():
 
 
 def test_node_start_args_declare_the_nodes_cards_and_labels():
-    from deployments.placement_resources import node_start_args
-    from quotas.cards import fleet_cards
+    from gpubroker.deployments.placement_resources import node_start_args
+    from gpubroker.quotas.cards import fleet_cards
 
     cfg = load_config("configs/cluster-demo.yaml")
     args = node_start_args("node-b", fleet_cards(cfg.gpu, cfg.gpus))
@@ -224,7 +224,7 @@ def test_node_start_args_declare_the_nodes_cards_and_labels():
 
 
 def test_discover_cards_from_ray_nodes_and_nvml_totals():
-    from deployments.cluster_discovery import DiscoveryError, card_nodes, discover_cards
+    from gpubroker.deployments.cluster_discovery import DiscoveryError, card_nodes, discover_cards
 
     nodes = [
         {
@@ -262,7 +262,7 @@ def test_discover_cards_from_ray_nodes_and_nvml_totals():
 
 # --------------------------------------------------------------------------- node loss and join
 def test_after_a_node_loss_survivors_stay_and_lost_replicas_go_where_there_is_room():
-    from quotas.placement import replace_after_loss
+    from gpubroker.quotas.placement import replace_after_loss
 
     demands = [demand("x", 300, replicas=2), demand("y", 600), demand("z", 500, cards=("b0",))]
     before = place(demands, FOUR, NO_RESERVE)
@@ -283,7 +283,7 @@ def test_after_a_node_loss_survivors_stay_and_lost_replicas_go_where_there_is_ro
 def test_property_replacing_after_a_node_loss_keeps_survivors_and_never_overgrants(fleet, lost_node):
     from collections import Counter
 
-    from quotas.placement import replace_after_loss
+    from gpubroker.quotas.placement import replace_after_loss
 
     cards, demands, budget = fleet
     try:
@@ -303,8 +303,8 @@ def test_property_replacing_after_a_node_loss_keeps_survivors_and_never_overgran
 
 
 def test_fleet_plans_of_a_one_card_fleet_need_no_capacity():
-    from deployments.placement_resources import fleet_plans
-    from quotas.config import parse_config
+    from gpubroker.deployments.placement_resources import fleet_plans
+    from gpubroker.quotas.config import parse_config
 
     cfg = parse_config(
         {"models": {"a": {"model": "mlp", "replicas": 2, "quota": {"min": "1MiB", "base": "2MiB", "max": "3MiB"}}}}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from broker.control.policy import PolicyState, decide, initial_state, settings_for, settings_key
-from broker.control.types import FleetSnapshot
+from gpubroker.broker.control.policy import PolicyState, decide, initial_state, settings_for, settings_key
+from gpubroker.broker.control.types import FleetSnapshot
 from tests.unit.policy_builders import MONDAY_UTC, Driver, FakeClock, GiB, MiB, gpu, load, make_config, timings
 
 NO_FIT: dict = {}  # loads without batch timings exercise the queue band / AIMD rules

@@ -10,8 +10,16 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from broker import probes
-from broker.probes import HostProbe, MemoryReading, NvmlProbe, detect_capacity, detect_device, make_probe, rss_bytes
+from gpubroker.broker import probes
+from gpubroker.broker.probes import (
+    HostProbe,
+    MemoryReading,
+    NvmlProbe,
+    detect_capacity,
+    detect_device,
+    make_probe,
+    rss_bytes,
+)
 
 
 def test_host_probe_reads_positive_rss():
@@ -78,7 +86,7 @@ def test_detect_device_auto_and_missing_cuda(monkeypatch):
 
 
 def test_probes_module_imports_neither_torch_nor_pynvml():
-    code = "import sys, broker.probes; print('torch' in sys.modules, 'pynvml' in sys.modules)"
+    code = "import sys, gpubroker.broker.probes; print('torch' in sys.modules, 'pynvml' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=os.getcwd())
     assert out.stdout.split() == ["False", "False"]
 

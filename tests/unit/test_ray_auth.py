@@ -1,4 +1,4 @@
-"""deployments.ray_auth: `gpubroker up` starts Ray with token auth unless the user chose a mode."""
+"""gpubroker.deployments.ray_auth: `gpubroker up` starts Ray with token auth unless the user chose a mode."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from deployments.ray_auth import TokenSource, ensure_token_auth, join_hint
+from gpubroker.deployments.ray_auth import TokenSource, ensure_token_auth, join_hint
 
 
 @pytest.fixture
@@ -15,7 +15,7 @@ def clean_env(monkeypatch, tmp_path):
         monkeypatch.setenv(var, "")  # recorded, so the test's own settings are undone afterwards
         monkeypatch.delenv(var)
     # this process's Ray config stays as it was (other tests here run Ray)
-    monkeypatch.setattr("deployments.ray_auth._refresh_ray_config", lambda: None)
+    monkeypatch.setattr("gpubroker.deployments.ray_auth._refresh_ray_config", lambda: None)
     monkeypatch.setenv("HOME", str(tmp_path))
     return tmp_path
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from gpubroker import InputError
-from quotas.config import parse_config_text
+from gpubroker.quotas.config import parse_config_text
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

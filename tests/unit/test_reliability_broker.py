@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from broker import checkpoint as ckpt_mod
-from broker.checkpoint import load_checkpoint
-from broker.core import BrokerCore
-from broker.wire import StatsReport
-from quotas.holding import holding_problems
-from quotas.ledger import QuotaLedger
+from gpubroker.broker import checkpoint as ckpt_mod
+from gpubroker.broker.checkpoint import load_checkpoint
+from gpubroker.broker.core import BrokerCore
+from gpubroker.broker.wire import StatsReport
+from gpubroker.quotas.holding import holding_problems
+from gpubroker.quotas.ledger import QuotaLedger
 from tests.chaos.harness import FaultKind, Faults
 
 MIB = 1024**2

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from broker.core import BrokerCore
-from deployments.replica import ModelReplica
+from gpubroker.broker.core import BrokerCore
+from gpubroker.deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink, FakeProbe, FaultKind, Faults, classify, rss_bytes
 
 MIB = 1024**2

@@ -16,8 +16,8 @@ import threading
 
 import pytest
 
-from broker.core import BrokerCore
-from deployments.replica import HELD_RESTART_T, ModelReplica
+from gpubroker.broker.core import BrokerCore
+from gpubroker.deployments.replica import HELD_RESTART_T, ModelReplica
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2

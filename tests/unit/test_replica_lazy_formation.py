@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.core import BrokerCore
-from deployments.replica import ModelReplica
+from gpubroker.broker.core import BrokerCore
+from gpubroker.deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink
 from tests.unit.test_reliability_replica import count_predicts
 

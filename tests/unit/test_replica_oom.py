@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 
-from broker.core import BrokerCore
-from deployments.models import EmulatedOOM
-from deployments.replica import ModelReplica
+from gpubroker.broker.core import BrokerCore
+from gpubroker.deployments.models import EmulatedOOM
+from gpubroker.deployments.replica import ModelReplica
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2

@@ -1,4 +1,4 @@
-"""The replica rule (``broker.control.replica_rules``): fewer replicas under ``throughput`` when larger
+"""The replica rule (``gpubroker.broker.control.replica_rules``): fewer replicas under ``throughput`` when larger
 batches carry the load, the configured count otherwise; raise at once, lower after a held spell.
 
 The latency model is the ``profiled`` emulation's (a = 20 ms, c = 0.5 ms per request). At the
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from broker.control.latency_model import LatencyFit
-from broker.control.replica_rules import (
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.replica_rules import (
     RULES,
     ReplicaInputs,
     ReplicaParams,

@@ -4,7 +4,7 @@ A fake replica reports to the core on a fake clock (integer half-second steps) w
 timings of L(b) = 20 + 0.5 b ms, so the policy has its latency fit from the first tick; each
 test shapes the load so that one rule's condition holds and reads the decision log (its
 ``rule`` and ``trigger``) or the settings the replica would get back. The table in
-docs/RULES.md is checked against ``broker.control.batch_rules.RULES`` at the end.
+docs/RULES.md is checked against ``gpubroker.broker.control.batch_rules.RULES`` at the end.
 
 With L(b) = 20 + 0.5 b, SLO 100 ms and the default (balanced) objective, the plan's cap is
 b_lat = 60 (the largest batch with 2 L(b) <= SLO) at any rate up to a few hundred per second.
@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from broker.control.batch_rules import RULE_SETS, RULES, rule_name
-from broker.control.vocab import Rule, Trigger
-from broker.core import BrokerCore
-from broker.wire import ModelSettings, StatsReport
+from gpubroker.broker.control.batch_rules import RULE_SETS, RULES, rule_name
+from gpubroker.broker.control.vocab import Rule, Trigger
+from gpubroker.broker.core import BrokerCore
+from gpubroker.broker.wire import ModelSettings, StatsReport
 
 GiB = 1024**3
 MONDAY_NOON_UTC = 1_795_996_800.0 + 12 * 3600

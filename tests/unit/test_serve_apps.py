@@ -1,4 +1,4 @@
-"""deployments.app without a cluster: one Serve app per model (its own route prefix) beside the
+"""gpubroker.deployments.app without a cluster: one Serve app per model (its own route prefix) beside the
 fleet API, and the shipped Serve config (configs/serve-demo.yaml) in step with configs/demo.yaml."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.app import AppLayout, fleet_apps, model_app_name, model_route, serve_config
-from quotas.config import load_config, parse_config_text
+from gpubroker.deployments.app import AppLayout, fleet_apps, model_app_name, model_route, serve_config
+from gpubroker.quotas.config import load_config, parse_config_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +30,8 @@ def test_serve_demo_yaml_matches_the_demo_fleet():
 
 
 def test_the_proxy_gets_the_fleets_request_limit_and_a_bad_one_is_refused_by_name():
-    from deployments.app import http_options
-    from quotas.config import ConfigError
+    from gpubroker.deployments.app import http_options
+    from gpubroker.quotas.config import ConfigError
 
     text = (ROOT / "configs/demo.yaml").read_text()
     cfg = load_config(ROOT / "configs/demo.yaml")
@@ -56,7 +56,7 @@ def test_the_proxy_gets_the_fleets_request_limit_and_a_bad_one_is_refused_by_nam
 
 
 def test_changing_the_proxy_limit_by_apply_says_it_takes_the_next_up():
-    from broker.control.reconfig import next_up_notes
+    from gpubroker.broker.control.reconfig import next_up_notes
 
     text = (ROOT / "configs/demo.yaml").read_text()
     old = load_config(ROOT / "configs/demo.yaml")

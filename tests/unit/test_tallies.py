@@ -1,10 +1,10 @@
-"""``broker.control.tallies.Tallies``: the running sums equal the sums of the tallies in the window."""
+"""``gpubroker.broker.control.tallies.Tallies``: the running sums equal the sums of the tallies in the window."""
 
 from __future__ import annotations
 
 import random
 
-from broker.control.tallies import Tallies, Tally
+from gpubroker.broker.control.tallies import Tallies, Tally
 
 
 def test_running_sums_equal_the_window_summed_afresh():

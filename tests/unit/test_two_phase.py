@@ -3,13 +3,13 @@
 A confirmation needs a report, after the transfer began, from every live replica of the
 donor; a release reaches the pool only once the releaser is measured under its new grant;
 ``apply`` lowers first; a reclaim the borrower does not honour escalates (caches, drain,
-restart) and returns the owner's base within the bound stated in ``broker.control.lending``. At every
+restart) and returns the owner's base within the bound stated in ``gpubroker.broker.control.lending``. At every
 step: sum of max(grant + in flight, measured use) <= usable (``tests.unit.quota_fleet.check``).
 """
 
 from __future__ import annotations
 
-from broker.control.vocab import MoveKind
+from gpubroker.broker.control.vocab import MoveKind
 from tests.unit.quota_fleet import (
     MIB,
     Clock,
@@ -220,7 +220,7 @@ def test_reclaim_escalates_and_returns_base_within_the_bound(tmp_path):
         assert times[after] - times[before] >= timeout_s, times
     # what the replicas ran: caches released, then admission paused, then a restart
     assert [r.alive for r in fleet.reps["hot"]] == [False, True]
-    # the bound of broker.control.lending: 3 T + restart + stale_after_s + control_interval_s, the fake's
+    # the bound of gpubroker.broker.control.lending: 3 T + restart + stale_after_s + control_interval_s, the fake's
     # restart being one report interval (the new replica registers, then reports)
     stale_after_s = max(2.0, 5 * 0.5)
     bound_s = 3 * timeout_s + 2 * 0.5 + stale_after_s + 1.0

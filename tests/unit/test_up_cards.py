@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.cluster_discovery import missing_cards, missing_cards_fix
-from deployments.fleet import _check_cards
-from deployments.local_ray import FleetError
-from quotas.config import load_config
+from gpubroker.deployments.cluster_discovery import missing_cards, missing_cards_fix
+from gpubroker.deployments.fleet import _check_cards
+from gpubroker.deployments.local_ray import FleetError
+from gpubroker.quotas.config import load_config
 
 
 def _node(node_id: str, *cards: str, alive: bool = True) -> dict:
@@ -62,7 +62,7 @@ def test_the_ports_ray_start_gets_are_distinct_and_free(monkeypatch):
     ports are picked with every socket held: never equal to each other, nor to the one avoided."""
     import socket
 
-    from deployments import local_ray
+    from gpubroker.deployments import local_ray
 
     handed = iter([40001, 40001, 40002, 40003, 40003, 40004])  # what a racy OS could hand out
 

@@ -1,4 +1,4 @@
-"""A lazy cap stops at the useful batch (``broker.control.batch_plan.useful_batch``).
+"""A lazy cap stops at the useful batch (``gpubroker.broker.control.batch_plan.useful_batch``).
 
 On a nearly linear curve batching buys little: L(b) = 13 + 15 b ms (MiniLM's per request) reaches
 90 % of its top throughput (1/c) at b = 9 a / c = 7.8. Overloaded (80/s against the 67/s no batch
@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from broker.control.batch_plan import PlanTarget, plan_batch, useful_batch
-from broker.control.latency_model import LatencyFit
-from broker.wire import StatsReport
+from gpubroker.broker.control.batch_plan import PlanTarget, plan_batch, useful_batch
+from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.wire import StatsReport
 from tests.unit.test_rules import Fleet, Load
 
 LINEAR = LatencyFit(13.0, 15.0, 100)

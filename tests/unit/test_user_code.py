@@ -1,11 +1,11 @@
-"""A user's project directory (``deployments.user_code``): the packages shipped to the replicas,
+"""A user's project directory (``gpubroker.deployments.user_code``): the packages shipped to the replicas,
 a folder named like one of gpubroker's packages refused or warned about with the fix."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from deployments.user_code import check_project
+from gpubroker.deployments.user_code import check_project
 
 
 def _package(root: Path, name: str) -> Path:
@@ -29,7 +29,7 @@ def test_nothing_to_ship_is_no_runtime_env(tmp_path):
 
 def test_a_project_deployments_folder_named_in_a_model_path_is_an_error_with_the_fix(tmp_path):
     _package(tmp_path, "deployments")
-    check = check_project([("scorer", "deployments.models:M")], tmp_path)
+    check = check_project([("scorer", "gpubroker.deployments.models:M")], tmp_path)
     assert len(check.errors) == 1 and check.py_modules == ()
     msg = check.errors[0]
     assert str(tmp_path / "deployments") in msg and "model(s) scorer" in msg and "rename" in msg, msg

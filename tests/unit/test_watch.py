@@ -1,6 +1,6 @@
 """The measurement layer (issue 37): the watcher's decision as a pure function of readings, grant,
-slack, grace and a fake clock (``broker.control.violation``); the replica's watcher thread's steps
-(``deployments.watch.ReplicaWatch``, stepped by hand); the watchdog process against a real child
+slack, grace and a fake clock (``gpubroker.broker.control.violation``); the replica's watcher thread's steps
+(``gpubroker.deployments.watch.ReplicaWatch``, stepped by hand); the watchdog process against a real child
 process that grows past its grant (a real SIGKILL); the fast loop's blame on a card."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from broker.control.violation import Verdict, WatchLimits, WatchState, over_grant, watch_step
-from deployments.units.fast_loop import FastEvent, FastLoopParams, fast_loop_step
-from deployments.watch import ReplicaWatch, WatchReadings, set_mps_memory_limit
+from gpubroker.broker.control.violation import Verdict, WatchLimits, WatchState, over_grant, watch_step
+from gpubroker.deployments.units.fast_loop import FastEvent, FastLoopParams, fast_loop_step
+from gpubroker.deployments.watch import ReplicaWatch, WatchReadings, set_mps_memory_limit
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,14 +128,14 @@ time.sleep(60)
 def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
     """A real child grows to 480 MiB against a 64 MiB grant; the watchdog (cgroup off: the
     measurement alone) declares the violation after the grace and SIGKILLs it after the drain."""
-    from broker.probes import proc_status_bytes
+    from gpubroker.broker.probes import proc_status_bytes
 
     env = {**os.environ, "GPUBROKER_CGROUP": "off"}
     victim = subprocess.Popen([sys.executable, "-c", GROWER])
     try:
         time.sleep(0.2)
         base = proc_status_bytes(victim.pid)["VmRSS"]
-        cmd = [sys.executable, "-m", "deployments.watch", "--pid", str(victim.pid), "--model", "grower"]
+        cmd = [sys.executable, "-m", "gpubroker.deployments.watch", "--pid", str(victim.pid), "--model", "grower"]
         dog = subprocess.Popen(
             [*cmd, "--baseline", str(base)],
             cwd=ROOT,
@@ -162,8 +162,8 @@ def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
 
 def test_the_watchdogs_cuda_reading_is_nvml_bytes_for_the_pid_over_the_context(monkeypatch):
     """A FAKE NVML probe (no GPU here): one handle for every reading; NVML missing reads 0."""
-    from broker import probes
-    from deployments.watch import nvml_reader
+    from gpubroker.broker import probes
+    from gpubroker.deployments.watch import nvml_reader
 
     made = []
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from broker.control.latency_model import LatencyFit, fit_latency
-from broker.control.memory_model import MemoryModel
-from broker.control.profiles import active_profile
-from broker.control.window import ReportWindow, percentile
-from broker.wire import StatsReport
+from gpubroker.broker.control.latency_model import LatencyFit, fit_latency
+from gpubroker.broker.control.memory_model import MemoryModel
+from gpubroker.broker.control.profiles import active_profile
+from gpubroker.broker.control.window import ReportWindow, percentile
+from gpubroker.broker.wire import StatsReport
 from tests.unit.policy_builders import MONDAY_UTC, MiB, gpu, make_config
 
 
@@ -141,7 +141,7 @@ def test_profile_default_outside_windows():
 
 
 def test_memory_model_refined_from_live_peak():
-    from broker.control.types import ModelLoad
+    from gpubroker.broker.control.types import ModelLoad
 
     calibrated = ModelLoad(
         name="a", replicas=1, weights_bytes=16 * MiB, bytes_per_unit=4 * MiB, mean_batch=2.0, mem_peak_bytes=20 * MiB

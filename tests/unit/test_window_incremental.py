@@ -1,9 +1,9 @@
-"""The report window keeps its sums as reports come and go (``broker.control.window``): its snapshots
+"""The report window keeps its sums as reports come and go (``gpubroker.broker.control.window``): its snapshots
 must equal a plain re-fold of the reports in the window, on random report streams, with the
 SLO cap changing between snapshots and a fit window short enough to be trimmed.
 
 The reference fold below is written straight from the definitions (window, rate window,
-live replicas, nearest-rank percentiles, ``broker.control.attainment``), one report at a time."""
+live replicas, nearest-rank percentiles, ``gpubroker.broker.control.attainment``), one report at a time."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-import broker.control.window as window_module
-from broker.control.attainment import met_and_total
-from broker.control.decision_log import DecisionLog
-from broker.control.latency_model import fit_latency
-from broker.control.window import MAX_LATENCY_SAMPLES, ReportWindow, percentile
-from broker.wire import StatsReport
+import gpubroker.broker.control.window as window_module
+from gpubroker.broker.control.attainment import met_and_total
+from gpubroker.broker.control.decision_log import DecisionLog
+from gpubroker.broker.control.latency_model import fit_latency
+from gpubroker.broker.control.window import MAX_LATENCY_SAMPLES, ReportWindow, percentile
+from gpubroker.broker.wire import StatsReport
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 FIT_WINDOW = 12
@@ -238,7 +238,7 @@ def test_sums_and_latencies_stay_exact_over_a_long_window_and_a_cap_change(seed)
 
 
 def test_tail_percentiles_are_percentile_at_50_95_99():
-    from broker.control.window import tail_percentiles
+    from gpubroker.broker.control.window import tail_percentiles
 
     rng = random.Random(5)
     for n in list(range(0, 41)) + [99, 100, 101, 1000, 20_000]:

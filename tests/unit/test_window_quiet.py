@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-import broker.control.window as window_module
-from broker.control.window import Digest, ReportWindow
-from broker.wire import StatsReport
+import gpubroker.broker.control.window as window_module
+from gpubroker.broker.control.window import Digest, ReportWindow
+from gpubroker.broker.wire import StatsReport
 from tests.unit.policy_builders import MONDAY_UTC, gpu, make_config
 
 

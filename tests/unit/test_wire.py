@@ -1,13 +1,13 @@
-"""The wire (``broker.wire``): typed on both sides, plain data over Ray, nothing lost on the way."""
+"""The wire (``gpubroker.broker.wire``): typed on both sides, plain data over Ray, nothing lost on the way."""
 
 from __future__ import annotations
 
 import inspect
 import json
 
-from broker.actor import BrokerActor
-from broker.fleet_core import FleetBroker
-from broker.wire import BrokerApi, EngineBounds, ModelSettings, ServePlan, StatsReport
+from gpubroker.broker.actor import BrokerActor
+from gpubroker.broker.fleet_core import FleetBroker
+from gpubroker.broker.wire import BrokerApi, EngineBounds, ModelSettings, ServePlan, StatsReport
 from tests.unit.test_fleet_replace import CONFIG
 
 

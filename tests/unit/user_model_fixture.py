@@ -1,6 +1,6 @@
 """User model classes for resolve_model tests (imported by path, like an operator's model)."""
 
-from deployments.models import InputError, ModelAdapter
+from gpubroker.deployments.models import InputError, ModelAdapter
 
 
 class EchoModel:
