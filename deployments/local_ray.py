@@ -50,7 +50,10 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> 
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now. SO_REUSEADDR, as Serve's proxy (uvicorn)
+    binds: a connection of the last fleet still in TIME-WAIT does not hold the port, a listener does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
