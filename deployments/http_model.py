@@ -15,6 +15,8 @@ error, not a miss: only the replica's own refusals (queue full, paused) reach it
 
 from __future__ import annotations
 
+import logging
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,7 +31,9 @@ from gpubroker.deployments.http_api import (
     parse_body,
     too_big,
 )
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica import ModelReplica, batch_failure_detail
+
+logger = logging.getLogger("ray.serve")
 
 
 async def read_infer_request(request: Request, name: str, limit: int) -> tuple[ParsedBody, bytes] | HttpAnswer:
@@ -81,5 +85,6 @@ class HttpModel(ModelReplica):
         try:
             result = await self.infer(parsed.inputs, len(body))
         except Exception as exc:  # noqa: BLE001 - a 500 that says what failed, not Serve's bare one
-            return HttpAnswer(500, {"detail": f"model '{self.name}' failed: {exc!r}"})
+            logger.exception("gpubroker replica %s: request failed", self.name)
+            return HttpAnswer(500, {"detail": batch_failure_detail(self.name, exc)})  # its type, not its text
         return answer_for(self.name, result, parsed.single, self.retry_after_s)

@@ -17,8 +17,9 @@ A ``gpubroker.deployments.enforce`` limiter holds this replica's share of the gr
 adapter loads; every grant change resets it (a shrink releases caches), every report reads it
 back. The measurement layer (``gpubroker.deployments.watch``) ends a replica whose use stays over its
 grant + slack past a grace, or whose limit was lifted: new requests get 503 meanwhile. The model runs through
-``gpubroker.deployments.units.oom.run_items``: an OOM splits the batch; an item that cannot run alone fails
-alone (507), the rest is answered; a batch too big for memory is reported (``oom_costs``) and
+``gpubroker.deployments.units.oom.run_items``: an OOM, or any exception from ``predict``, splits the
+batch; an item that fails even alone fails alone (507 out of memory; 422 an ``InputError``
+naming the item and field; 500 another exception, its own only), the rest is answered; a batch too big for memory is reported (``oom_costs``) and
 caps the local batch below it. Settings apply when their version changes; if the broker is
 unreachable the replica keeps serving on its last settings and retries.
 
@@ -45,7 +46,16 @@ from gpubroker.deployments.units.items import Item as _Item
 from gpubroker.deployments.units.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
 from gpubroker.deployments.units.items import error as _error
 from gpubroker.deployments.units.next_batch import NextBatchStart
-from gpubroker.deployments.units.oom import HeldOverGrant, ItemOOM, OomCeiling, need_from_calibration, oom_error
+from gpubroker.deployments.units.oom import (
+    HeldOverGrant,
+    ItemError,
+    ItemOOM,
+    OomCeiling,
+    OutputCountError,
+    item_error,
+    need_from_calibration,
+    oom_error,
+)
 from gpubroker.deployments.units.reclaim import ReplicaReclaim
 from gpubroker.deployments.units.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
 from gpubroker.deployments.units.shed import HeldRequest, Late, LateShed, wait_items
@@ -64,6 +74,15 @@ def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
         grant_bytes=spec.quota.base,
         admit=True,
     )
+
+
+def batch_failure_detail(model: str, exc: BaseException) -> str:
+    """A 500's detail for a failure no single input explains (the batch's, or the replica's own):
+    the model and the exception's type only, since its text may quote any request's input; a
+    wrong output count (``OutputCountError``) holds counts only and is said in full."""
+    if isinstance(exc, OutputCountError):
+        return f"model '{model}' failed: {exc}; fix the model's predict"
+    return f"model '{model}' failed running this request: {type(exc).__name__} (the replica's log has the error)"
 
 
 class ModelReplica(ReplicaMemory):
@@ -308,6 +327,15 @@ class ModelReplica(ReplicaMemory):
                 self.delta.oom_costs.extend(result.oom_costs)
                 self.cap = min(self.cap, self.oom_ceiling.learn(result.oom_costs))
                 self._batch.set_max_batch_size(self.cap)
+            if result.error_splits:  # predict raised: split until the failing items were found
+                failed = ", ".join(f"inputs[{e.index}] {e.kind}" for e in result.errors)
+                logger.warning(
+                    "gpubroker replica %s: batch of %d raised; %d splits found the items failing alone: %s",
+                    self.name,
+                    len(items),
+                    result.error_splits,
+                    failed or "none (the batch failed, its halves ran)",
+                )
             return list(result.outputs)
         finally:
             exec_s = time.perf_counter() - start
@@ -462,19 +490,20 @@ class ModelReplica(ReplicaMemory):
                     f"'{self.name}'; retry later or raise the timeout",
                 )
             failed = next((t.exception() for t in tasks if t.exception() is not None), None)
-            if failed is not None:
+            if failed is not None:  # the whole batch failed (no input at fault): its text may quote any of them
                 self.delta.errors += n
                 logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
-                return _error(500, f"model '{self.name}' failed: {failed!r}")
+                return _error(500, batch_failure_detail(self.name, failed))
             outputs = [t.result() for t in tasks]
             held = next((o for o in outputs if isinstance(o, HeldOverGrant)), None)
             if held is not None:  # its batch was refused before the model, or stopped after an OOM
                 self.delta.held_refusals += n
                 return self._reject(n, 503, held.detail(), retry_after_s=retry_after)
-            oom = next(((i, o) for i, o in enumerate(outputs) if isinstance(o, ItemOOM)), None)
-            if oom is not None:  # this input cannot run even alone under the grant; its batch ran
+            lone = next(((i, o) for i, o in enumerate(outputs) if isinstance(o, (ItemOOM, ItemError))), None)
+            if lone is not None:  # this input failed even alone (OOM, or predict raised); its batch ran
                 self.delta.errors += n
-                return oom_error(*oom)
+                i, item = lone
+                return oom_error(i, item) if isinstance(item, ItemOOM) else item_error(i, item, self.name)
         finally:
             self.waiting -= n
         ms = (time.time() - t0) * 1000.0

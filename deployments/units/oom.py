@@ -1,12 +1,21 @@
-"""Out of memory inside a batch: only what cannot fit is lost.
+"""A batch that fails inside the model: only what fails alone is lost.
 
-``run_items(run_batch, items, ...)`` runs the batch; on an OOM (``is_oom``) it releases cached
-memory, splits the batch in two and retries each half, recursively, down to single items. An
-item that runs out of memory even alone fails alone: its result is an ``ItemOOM`` naming its
-cost, its estimated need and the grant, and the replica answers its request with HTTP
-``OOM_STATUS`` (507 Insufficient Storage: the server cannot hold what this request needs under
-the model's grant; retrying the same input does not help until the grant grows). Every other
-item of the batch gets its output.
+``run_items(run_batch, items, ...)`` runs the batch. When ``run_batch`` raises, the batch is
+split in two and each half retried, recursively, down to single items; only an item that fails
+even alone gets an error, and only its own (the error raised by a batch holding it alone). Every
+other item of the batch gets its output. Two kinds of failure take this one path:
+
+- **out of memory** (``is_oom``): before the retry, cached memory is released and the process is
+  asked whether it now holds over its grant (``held``). An item that runs out of memory alone
+  gets an ``ItemOOM`` naming its cost, its estimated need and the grant, and the replica answers
+  its request with HTTP ``OOM_STATUS`` (507 Insufficient Storage: the server cannot hold what
+  this request needs under the model's grant; retrying the same input does not help until the
+  grant grows).
+- **any other exception** from ``predict``: an item that fails alone gets an ``ItemError``. An
+  ``InputError`` (``gpubroker.InputError``) is answered 422 naming the item and its field, as a
+  refusal from ``validate`` is; any other exception 500 naming the item, the model and the
+  exception of its own lone run. The exception of a batch of several items is never shown to a
+  client (it may quote any of their inputs): it is only logged.
 
 ``BatchResult.oom_costs`` lists the cost of every batch that ran out of memory although each of
 its items then ran (so the batch, not an item, was too big): the broker lowers the model's
@@ -26,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpubroker.deployments.models.base import is_oom
+from gpubroker.deployments.models.base import InputError, is_oom
 
 OOM_STATUS = 507  # HTTP status of a request with an item that cannot run alone under the grant
 
@@ -98,15 +107,50 @@ class HeldOverGrant:
         )
 
 
+ERROR_TEXT_CHARS = 500  # at most this much of a lone item's exception text reaches its client
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """An item whose ``predict`` raised (not out of memory) even in a batch of its own: its
+    request alone fails, with this error. Only strings are kept (the exception and its frames,
+    which may hold tensors, are let go before the next retry)."""
+
+    index: int  # position of the item in the batch
+    kind: str  # the exception's type name, e.g. "ValueError"
+    message: str  # its text (InputError: its message), from the lone run; truncated to ERROR_TEXT_CHARS
+    field: str | None  # InputError: the input field at fault ("body": the whole item); None for any other
+
+    @classmethod
+    def of(cls, index: int, exc: Exception) -> ItemError:
+        field = exc.field if isinstance(exc, InputError) else None
+        message = exc.message if isinstance(exc, InputError) else str(exc)
+        return cls(index, type(exc).__name__, message[:ERROR_TEXT_CHARS], field)
+
+    @property
+    def status(self) -> int:
+        return 422 if self.field is not None else 500
+
+
+class OutputCountError(RuntimeError):
+    """``run_batch`` returned a different number of outputs than it was given inputs: the model
+    broke its contract (no input is at fault, so nothing is split); its text holds counts only."""
+
+
 @dataclass(frozen=True)
 class BatchResult:
-    outputs: tuple[Any, ...]  # per item, in order: the model's output, or an ItemOOM
+    outputs: tuple[Any, ...]  # per item, in order: the model's output, an ItemOOM or an ItemError
     oom_costs: tuple[float, ...] = ()  # costs of batches that OOMed though each of their items then ran
     splits: int = 0  # batches split in two after an OOM
+    error_splits: int = 0  # batches split in two after any other exception
 
     @property
     def failed(self) -> tuple[ItemOOM, ...]:
         return tuple(o for o in self.outputs if isinstance(o, ItemOOM))
+
+    @property
+    def errors(self) -> tuple[ItemError, ...]:
+        return tuple(o for o in self.outputs if isinstance(o, ItemError))
 
 
 @dataclass(frozen=True)
@@ -127,19 +171,25 @@ def run_items(
     release: Callable[[], None] = _release_cached_memory,
     held: Callable[[], Any] = lambda: None,
 ) -> BatchResult:
-    """Outputs of ``run_batch`` for every item, in order, splitting batches that run out of memory.
+    """Outputs of ``run_batch`` for every item, in order; a batch that raises is split in two and
+    each half retried, down to the items that fail alone (``ItemOOM``, ``ItemError``).
 
     ``pricing`` prices an item in the model's unit and estimates the memory a batch of that cost
     needs (the replica's memory model); ``release()`` gives cached memory back before a retry
-    (CUDA's cache, the heap); ``on_split(n)`` is called for each batch of ``n`` items that was
-    split. ``held()``, asked after each out-of-memory error and its release, returns a marker
-    (``HeldOverGrant``) when the process now holds over its grant: then the model runs no more,
-    and every item not yet run gets the marker as its output (its memory would come out of the
-    runtime's slack). Errors other than out-of-memory propagate unchanged."""
+    after an out-of-memory error (CUDA's cache, the heap); ``on_split(n)`` is called for each
+    batch of ``n`` items split after one. ``held()``, asked after each out-of-memory error and its
+    release, returns a marker (``HeldOverGrant``) when the process now holds over its grant: then
+    the model runs no more, and every item not yet run gets the marker as its output (its memory
+    would come out of the runtime's slack).
+
+    Bound: the split is a bisection, and only a half that fails is split again. With a batch of
+    ``n`` items of which ``k`` fail alone (deterministically), at most ``k·⌈log2 n⌉`` batches fail
+    above the lone items and each costs two more calls: at most ``2·k·⌈log2 n⌉`` extra
+    ``run_batch`` calls (O(k log n)), and never more than ``2n − 2``. A good batch costs one call.
+    A wrong output count is the model's bug, not an input's: ``OutputCountError``, not split."""
     cost = pricing.cost
-    items = list(items)
     costs: list[float] = []
-    splits = [0]
+    splits = {"oom": 0, "error": 0}
     stop: list[Any] = [None]  # held()'s marker once the process holds over its grant
 
     def run(start: int, chunk: list) -> tuple[list, bool]:
@@ -148,38 +198,49 @@ def run_items(
             return [], True
         if stop[0] is not None:
             return [stop[0]] * len(chunk), False
-        oom: BaseException | None = None
         try:
             outputs = list(run_batch(chunk))
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            oom = exc
-        if oom is None:
+        except Exception as exc:  # noqa: BLE001 - any failure of the model splits the batch
+            failure: Exception | None = exc
+        else:
+            failure = None
+        if failure is None:
             if len(outputs) != len(chunk):
-                raise RuntimeError(f"model returned {len(outputs)} outputs for a batch of {len(chunk)} inputs")
+                raise OutputCountError(f"model returned {len(outputs)} outputs for a batch of {len(chunk)} inputs")
             return outputs, True
-        text = f"{type(oom).__name__}: {oom}"
-        del oom  # the failed batch's frames (and tensors) go before the retry
-        release()
-        stop[0] = held()
-        if stop[0] is not None:
-            return [stop[0]] * len(chunk), False
-        if len(chunk) == 1:
-            c = float(cost(chunk[0]))
-            return [ItemOOM(start, c, pricing.need_bytes(c), attempted_bytes(text), pricing.grant_bytes, text)], False
-        splits[0] += 1
-        if on_split is not None:
+        oom = is_oom(failure)
+        alone = _lone_failure(start, chunk, failure, oom, pricing)
+        del failure  # the failed batch's frames (and tensors) go before the retry
+        if oom:
+            release()
+            stop[0] = held()
+            if stop[0] is not None:
+                return [stop[0]] * len(chunk), False
+        if alone is not None:
+            return [alone], False
+        splits["oom" if oom else "error"] += 1
+        if oom and on_split is not None:
             on_split(len(chunk))
         mid = len(chunk) // 2
         left, left_ok = run(start, chunk[:mid])
         right, right_ok = run(start + mid, chunk[mid:])
-        if left_ok and right_ok:  # the batch was too big, not one of its items
+        if oom and left_ok and right_ok:  # the batch was too big, not one of its items
             costs.append(float(sum(cost(item) for item in chunk)))
         return left + right, left_ok and right_ok
 
-    outputs, _ = run(0, items)
-    return BatchResult(tuple(outputs), tuple(costs), splits[0])
+    outputs, _ = run(0, list(items))
+    return BatchResult(tuple(outputs), tuple(costs), splits["oom"], splits["error"])
+
+
+def _lone_failure(start: int, chunk: list, exc: Exception, oom: bool, pricing: ItemPricing) -> Any:
+    """The item's own failure when ``chunk`` is one item (``ItemOOM`` or ``ItemError``), else None."""
+    if len(chunk) != 1:
+        return None
+    if not oom:
+        return ItemError.of(start, exc)
+    text = f"{type(exc).__name__}: {exc}"
+    c = float(pricing.cost(chunk[0]))
+    return ItemOOM(start, c, pricing.need_bytes(c), attempted_bytes(text), pricing.grant_bytes, text)
 
 
 def oom_error(index: int, item: ItemOOM) -> dict[str, Any]:
@@ -192,6 +253,22 @@ def oom_error(index: int, item: ItemOOM) -> dict[str, Any]:
         "attempted_bytes": item.attempted_bytes,
         "grant_bytes": item.grant_bytes,
     }
+
+
+def item_error(index: int, item: ItemError, model: str) -> dict[str, Any]:
+    """The replica's answer to a request whose input ``index`` failed in ``predict`` alone: 422
+    naming the item and field for an ``InputError`` (as ``validate``'s refusals read), else 500
+    naming the item, the model and the exception of the item's own run, never another's."""
+    where = f"inputs[{index}]"
+    if item.field is None:
+        return {
+            "status": 500,
+            "detail": f"model '{model}' failed on {where}: {item.kind}: {item.message}",
+            "field": where,
+        }
+    if item.field != "body":
+        where = f"{where}.{item.field}"
+    return {"status": 422, "detail": f"{where}: {item.message}", "field": where}
 
 
 def need_from_calibration(calibration: dict[str, Any]) -> Callable[[float], int | None]:

@@ -127,18 +127,6 @@ def test_split_retry_raises_the_lone_items_oom():
     assert err.value.item.index == 0 and isinstance(err.value, MemoryError)
 
 
-def test_other_errors_are_not_split():
-    calls = []
-
-    def run(items):
-        calls.append(len(items))
-        raise ValueError("bad input")
-
-    with pytest.raises(ValueError):
-        run_items(run, [1, 2, 3, 4])
-    assert calls == [4]
-
-
 def test_wrong_output_count_is_an_error():
     with pytest.raises(RuntimeError, match="2 outputs for a batch of 3"):
         split_retry(lambda items: items[:2], [1, 2, 3])
