@@ -543,7 +543,7 @@ def parse_config(data: Any, source: str = "config", *, units_required: bool = Fa
     try:
         return FleetConfig.model_validate(data, context={UNITS_REQUIRED: units_required})
     except ValidationError as exc:
-        raise ConfigError([issue_from_pydantic(e) for e in exc.errors()], source) from None
+        raise ConfigError([issue_from_pydantic(e, FleetConfig) for e in exc.errors()], source) from None
 
 
 def parse_config_text(text: str, source: str = "config", *, units_required: bool = False) -> FleetConfig:

@@ -3,12 +3,15 @@ and the YAML reader that refuses what PyYAML would let pass silently (a key writ
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,55 @@ _FIXES = {
 }
 
 
-def issue_from_pydantic(err: Mapping[str, Any]) -> ConfigIssue:
+def _branches(tp: Any) -> list[Any]:
+    """The types a field annotation stands for: Optional, unions and Annotated unwrapped."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _branches(get_args(tp)[0])
+    if origin is Union or origin is types.UnionType:
+        return [b for arg in get_args(tp) for b in _branches(arg)]
+    return [tp]
+
+
+def _step(tp: Any, part: str) -> list[Any]:
+    """The annotations ``part`` leads to from ``tp``: a model's field, a mapping's value, a list's item."""
+    out: list[Any] = []
+    for branch in _branches(tp):
+        origin = get_origin(branch)
+        if isinstance(branch, type) and issubclass(branch, BaseModel):
+            fields = {f.alias or name: f for name, f in branch.model_fields.items()}
+            if part in fields:
+                out.append(fields[part].annotation)
+        elif origin in (dict, Mapping) and len(get_args(branch)) == 2:
+            out.append(get_args(branch)[1])
+        elif origin in (list, tuple, Sequence) and get_args(branch):
+            out.append(get_args(branch)[0])
+    return out
+
+
+def keys_at(root: type[BaseModel], path: Sequence[str]) -> list[str]:
+    """The keys a config may have at ``path`` (a dotted location's parts), read off the schema."""
+    current: list[Any] = [root]
+    for part in path:
+        current = [nxt for tp in current for nxt in _step(tp, part)]
+    keys = {
+        f.alias or name
+        for tp in current
+        for branch in _branches(tp)
+        if isinstance(branch, type) and issubclass(branch, BaseModel)
+        for name, f in branch.model_fields.items()
+    }
+    return sorted(keys)
+
+
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """`` did you mean 'x'?`` for the closest of ``known`` to a misspelt ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" did you mean '{close[0]}'?" if close else ""
+
+
+def issue_from_pydantic(err: Mapping[str, Any], schema: type[BaseModel] | None = None) -> ConfigIssue:
+    """One pydantic error as a ConfigIssue; with ``schema``, an unknown key names the closest known one."""
     loc = [str(part) for part in err.get("loc", ())]
     # Pydantic adds the union branch / validator names to locs; drop the noise.
     loc = [p for p in loc if not p.startswith(("function-", "literal[", "int", "constrained-"))]
@@ -60,7 +111,9 @@ def issue_from_pydantic(err: Mapping[str, Any]) -> ConfigIssue:
         msg = named.group(2)
     fix = _FIXES.get(kind)
     if kind == "extra_forbidden":
-        msg = f"unknown key '{loc[-1] if loc else ''}'; {fix}"
+        key = loc[-1] if loc else ""
+        hint = did_you_mean(key, keys_at(schema, loc[:-1])) if schema is not None and loc else ""
+        msg = f"unknown key '{key}';{hint or ' ' + str(fix)}"
     elif kind == "missing":
         msg = f"required field is missing; {fix}"
     value = err.get("input", MISSING) if kind != "missing" else MISSING

@@ -249,3 +249,28 @@ def test_a_profile_without_any_cost_is_refused():
     with pytest.raises(ConfigError) as info:
         parse_config_text(text, units_required=True)
     assert any(i.path == "models.p.profile" and "give the batch some cost" in i.message for i in info.value.issues)
+
+
+@pytest.mark.parametrize(
+    ("typo", "path", "meant"),
+    [
+        (("quota:", "quata:"), "models.minilm.quata", "quota"),
+        (("slo_p95_ms", "slo_p59_ms"), "models.minilm.slo_p59_ms", "slo_p95_ms"),
+        (("control_interval_s", "control_intervl_s"), "broker.control_intervl_s", "control_interval_s"),
+    ],
+)
+def test_a_misspelt_key_names_the_one_meant(typo, path, meant):
+    text = (Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text()
+    assert typo[0] in text
+    with pytest.raises(ConfigError) as info:
+        parse_config_text(text.replace(*typo, 1))
+    (issue,) = [i for i in info.value.issues if i.path == path]
+    assert f"did you mean '{meant}'?" in issue.message, issue.message
+
+
+def test_an_unknown_key_with_nothing_close_says_to_remove_it():
+    text = (Path(__file__).resolve().parents[2] / "configs" / "demo.yaml").read_text()
+    with pytest.raises(ConfigError) as info:
+        parse_config_text(text.replace("broker:", "broker:\n  zzzqqq: 1", 1))
+    (issue,) = info.value.issues
+    assert "did you mean" not in issue.message and "remove it" in issue.message
