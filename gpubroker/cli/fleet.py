@@ -19,19 +19,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
-from gpubroker.cli.views import (
-    card_table,
-    describe_decision,
-    engine_table,
-    err_console,
-    print_config_error,
-    status_table,
-)
+from gpubroker.cli.views import describe_decision, err_console, fleet_view, print_config_error, status_table
 from gpubroker.deployments import fleet, fleet_client
 from gpubroker.deployments.first_requests import WAIT_S
 from gpubroker.deployments.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
 from gpubroker.deployments.user_code import check_project
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
+from gpubroker.quotas.config_errors import did_you_mean
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: wide enough for the status table
@@ -192,13 +186,8 @@ def status(
     if as_json:
         print(json.dumps(st, indent=2))
         return
-    cards = card_table(st)
-    if cards is not None:
-        console.print(cards)
-    console.print(status_table(st))
-    engines = engine_table(st)
-    if engines is not None:
-        console.print(engines)
+    for table in fleet_view(st):
+        console.print(table)
 
 
 def _follow(
@@ -236,6 +225,14 @@ def _follow(
     )
 
 
+def _known_model(model: str, st: Mapping[str, Any]) -> None:
+    """Refuse a model the running fleet does not have (exit 1), naming the closest and the ones it has."""
+    names = sorted(st.get("models", {}))
+    if model not in names:
+        hint = did_you_mean(model, names)
+        _fail(FleetError(f"no model '{model}' in the running fleet;{hint} its models: {', '.join(names) or 'none'}"))
+
+
 def decisions(
     model: str = typer.Option(None, "--model", help="Only this model's decisions."),
     as_json: bool = typer.Option(False, "--json", help="Print the decisions as JSON (JSON lines with --follow)."),
@@ -248,6 +245,8 @@ def decisions(
 ) -> None:
     """Each change the broker made, with its trigger metric and value."""
     try:
+        if model is not None:
+            _known_model(model, fleet_client.fetch_status(address))
         out = fleet_client.fetch_decisions(address, model, since)
     except FleetError as exc:
         _fail(exc)

@@ -2,8 +2,8 @@
 
 Both take plain callables (``fetch_status() -> dict``, ``fetch_decisions(since_seq) -> list``)
 so they run without Ray in tests; ``gpubroker/cli/fleet.py`` passes closures around the broker
-(``gpubroker.deployments.fleet_client.fetch_status`` / ``fetch_decisions``). ``status_table`` takes a
-``BrokerCore.status()`` dict (see broker/core.py).
+(``gpubroker.deployments.fleet_client.fetch_status`` / ``fetch_decisions``). The watch redraws the very
+tables ``gpubroker status`` prints (``gpubroker.cli.views.fleet_view``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpubroker.cli.views import fleet_view
 from gpubroker.quotas.sizes import format_size
 
 
@@ -25,96 +26,14 @@ def _size(value: Any) -> str:
     return "-" if value is None else format_size(int(value))
 
 
-def _ms(value: Any) -> str:
-    return "-" if value is None else f"{float(value):.0f}"
-
-
-def _frac(value: Any) -> str:
-    return "-" if value is None else f"{100.0 * float(value):.0f}%"
-
-
 def _clock(t: Any) -> str:
-    if t is None:
-        return "-"
-    return _dt.datetime.fromtimestamp(float(t)).strftime("%H:%M:%S")
-
-
-def status_table(status: Mapping[str, Any], *, title: str | None = None) -> Table:
-    """One row per model: grant/used vs base, batch cap and wait, queue, latency against the SLO, cost."""
-    cap = status.get("capacity_bytes")
-    head = (
-        f"config {status.get('config_hash', '?')}  profile {status.get('profile', '?')} "
-        f"({status.get('price_per_gpu_hour', 0):g}/GPU-h)  device {status.get('device', '?')}  "
-        f"granted {_size(status.get('granted_bytes'))} / usable {_size(status.get('usable_bytes'))} "
-        f"/ capacity {_size(cap)}  free {_frac(status.get('free_frac'))}  "
-        f"ticks {status.get('ticks', 0)} (last {_clock(status.get('last_tick_s'))})"
-    )
-    if status.get("dry_run"):
-        head += "  [DRY RUN]"
-    table = Table(title=title, caption=head, caption_justify="left", expand=False)
-    for col, justify in (
-        ("model", "left"),
-        ("grant / base", "right"),
-        ("used", "right"),
-        ("batch", "right"),
-        ("wait ms", "right"),
-        ("queue", "right"),
-        ("P50/P95/P99 ms", "right"),
-        ("SLO ms", "right"),
-        ("attain", "right"),
-        ("rps", "right"),
-        ("cost/1k", "right"),
-        ("repl", "right"),
-        ("ver", "right"),
-        ("enforce", "left"),
-        ("flags", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for name, m in sorted(status.get("models", {}).items()):
-        p95, slo = m.get("p95_ms"), m.get("slo_p95_ms")
-        p95_style = "red" if p95 is not None and slo is not None and p95 > slo else ""
-        lat = Text.assemble(f"{_ms(m.get('p50_ms'))}/", (_ms(p95), p95_style), f"/{_ms(m.get('p99_ms'))}")
-        grant, base = m.get("grant_bytes"), m.get("base_bytes")
-        grant_style = (
-            "cyan"
-            if grant is not None and base is not None and grant > base
-            else ("yellow" if grant is not None and base is not None and grant < base else "")
-        )
-        flags = []
-        if not m.get("admit", True):
-            flags.append("[red]paused[/]")
-        if not m.get("calibrated", True):
-            flags.append("uncalibrated")
-        if m.get("emergency_shrinks"):
-            flags.append(f"emerg {m['emergency_shrinks']}")
-        if m.get("oom_splits"):
-            flags.append(f"oom {m['oom_splits']}")
-        cost = m.get("cost_per_1k_requests")
-        unit = m.get("batch_unit") or m.get("cost_unit") or "requests"
-        table.add_row(
-            name,
-            Text.assemble((_size(grant), grant_style), f" / {_size(base)}"),
-            _size(m.get("used_bytes")),
-            f"{m.get('max_batch_size', '-')}" + (" tok" if unit == "tokens" else ""),
-            _ms(None if m.get("batch_wait_timeout_s") is None else 1000.0 * m["batch_wait_timeout_s"]),
-            f"{m.get('queue_depth', 0):g}",
-            lat,
-            _ms(slo),
-            _frac(m.get("attainment")),
-            f"{m.get('arrival_rate_rps', 0.0):.1f}",
-            "-" if cost is None else f"{cost:.4f}",
-            str(m.get("replicas", "-")),
-            str(m.get("settings_version", "-")),
-            m.get("enforcement") or "-",  # the replicas' layers: cgroup, rlimit+watch, fraction+watch, watch
-            " ".join(flags),
-        )
-    return table
+    return "-" if t is None else _dt.datetime.fromtimestamp(float(t)).strftime("%H:%M:%S")
 
 
 def _render(status: Mapping[str, Any] | None, error: str | None, interval_s: float) -> Group | Table:
     parts: list[Any] = []
     if status is not None:
-        parts.append(status_table(status))
+        parts.extend(fleet_view(status))
     if error:
         parts.append(Text(f"broker unreachable: {error} (retrying every {interval_s:g}s)", style="red"))
     if status is not None and status.get("last_error"):

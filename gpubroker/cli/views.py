@@ -112,63 +112,115 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def status_table(st: dict[str, Any]) -> Table:
-    title = (
-        f"gpubroker {st.get('config_hash')}  profile {st.get('profile')} (${st.get('price_per_gpu_hour', 0):g}/h)"
-        f"{'  DRY RUN' if st.get('dry_run') else ''}  granted {format_size(st.get('granted_bytes'))} of usable "
-        f"{format_size(st.get('usable_bytes'))}  ticks {st.get('ticks')}"
+def _size(value: Any) -> str:
+    return "-" if value is None else format_size(int(value))
+
+
+def _frac(value: Any) -> str:
+    return "-" if value is None else f"{100.0 * float(value):.0f}%"
+
+
+def _clock(t: Any) -> str:
+    return "-" if t is None else time.strftime("%H:%M:%S", time.localtime(float(t)))
+
+
+def _status_caption(st: Mapping[str, Any]) -> str:
+    head = (
+        f"config {st.get('config_hash', '?')}  profile {st.get('profile', '?')} "
+        f"(${st.get('price_per_gpu_hour', 0):g}/GPU-h)  device {st.get('device', '?')}  "
+        f"granted {_size(st.get('granted_bytes'))} / usable {_size(st.get('usable_bytes'))} "
+        f"/ capacity {_size(st.get('capacity_bytes'))}  free {_frac(st.get('free_frac'))}  "
+        f"ticks {st.get('ticks', 0)} (last {_clock(st.get('last_tick_s'))})"
     )
-    table = Table(title=title)
-    for col in (
-        "model",
-        "grant",
-        "used",
-        "max batch",
-        "wait ms",
-        "queue",
-        "rps",
-        "P95 ms",
-        "SLO ms",
-        "attain",
-        "ver",
-        "repl",
-        "target",
-        "admit",
-        "enforce",
-        "$/1k",
-    ):
-        table.add_column(col, justify="left" if col in ("model", "enforce") else "right")
-    for name, m in st.get("models", {}).items():
+    return head + ("  [DRY RUN]" if st.get("dry_run") else "")
+
+
+STATUS_COLUMNS = (
+    "model",
+    "grant / base",
+    "used",
+    "batch",
+    "wait ms",
+    "queue",
+    "P50/P95/P99 ms",
+    "SLO ms",
+    "attain",
+    "rps",
+    "$/1k",
+    "repl",
+    "ver",
+    "enforce",
+    "flags",
+)
+
+
+def _flags(m: Mapping[str, Any]) -> str:
+    flags = []
+    if not m.get("admit", True):
+        flags.append("[red]PAUSED[/]")
+    if not m.get("calibrated", True):
+        flags.append("uncalibrated")
+    if m.get("emergency_shrinks"):
+        flags.append(f"emerg {m['emergency_shrinks']}")
+    if m.get("oom_splits"):
+        flags.append(f"oom {m['oom_splits']}")
+    return " ".join(flags)
+
+
+def _grant(m: Mapping[str, Any]) -> str:
+    """Grant / base, green while borrowing, yellow while lending."""
+    grant, base = m.get("grant_bytes"), m.get("base_bytes")
+    shown = _size(grant)
+    if grant is not None and base is not None and grant != base:
+        shown = f"[{'green' if grant > base else 'yellow'}]{shown}[/]"
+    return f"{shown} / {_size(base)}"
+
+
+def _latency(m: Mapping[str, Any]) -> str:
+    p95, slo = m.get("p95_ms"), m.get("slo_p95_ms")
+    shown = _ms(p95) if p95 is None or slo is None or p95 <= slo else f"[red]{_ms(p95)}[/]"
+    return f"{_ms(m.get('p50_ms'))}/{shown}/{_ms(m.get('p99_ms'))}"
+
+
+def status_table(st: Mapping[str, Any]) -> Table:
+    """One row per model: grant and use against base, batch cap and wait, queue, latency against the
+    SLO, attainment, rate, cost, replicas and their target, settings version, enforcement, flags.
+    The one table of ``gpubroker status`` and ``status --watch``; cells wrap, never cut, when narrow."""
+    table = Table(caption=_status_caption(st), caption_justify="left")
+    for col in STATUS_COLUMNS:
+        table.add_column(col, justify="left" if col in ("model", "enforce", "flags") else "right", overflow="fold")
+    for name, m in sorted(st.get("models", {}).items()):
         unit = " tok" if m.get("batch_unit") == "tokens" else ""
-        grant = format_size(m["grant_bytes"])
-        if m["grant_bytes"] > m.get("base_bytes", m["grant_bytes"]):
-            grant = f"[green]{grant}[/]"
-        elif m["grant_bytes"] < m.get("base_bytes", m["grant_bytes"]):
-            grant = f"[yellow]{grant}[/]"
-        att = m.get("attainment")
         cost = m.get("cost_per_1k_requests")
+        wait = m.get("batch_wait_timeout_s")
         table.add_row(
             name,
-            grant,
-            format_size(m["used_bytes"]),
-            _cap(m, unit),
-            f"{m['batch_wait_timeout_s'] * 1000:.1f}",
-            f"{m['queue_depth']:.0f}",
-            f"{m['arrival_rate_rps']:.1f}",
-            _ms(m.get("p95_ms")),
+            _grant(m),
+            _size(m.get("used_bytes")),
+            _cap(m, unit) if m.get("max_batch_size") is not None else "-",
+            _ms(None if wait is None else 1000.0 * wait),
+            f"{m.get('queue_depth', 0):g}",
+            _latency(m),
             _ms(m.get("slo_p95_ms")),
-            "-" if att is None else f"{att:.1%}",
-            str(m["settings_version"]),
-            str(m["replicas"]),
-            _target(m),
-            "yes" if m["admit"] else "[red]PAUSED[/]",
-            m.get("enforcement") or "-",  # the replicas' layers: cgroup, rlimit+watch, fraction+watch, watch
+            _frac(m.get("attainment")),
+            f"{m.get('arrival_rate_rps', 0.0):.1f}",
             "-" if cost is None else f"{cost:.4f}",
+            f"{m.get('replicas', '-')} -> {_target(m)}"
+            if m.get("replica_target") is not None
+            else str(m.get("replicas", "-")),
+            str(m.get("settings_version", "-")),
+            m.get("enforcement") or "-",  # the replicas' layers: cgroup, rlimit+watch, fraction+watch, watch
+            _flags(m),
         )
     return table
 
 
-def _cap(m: dict[str, Any], unit: str) -> str:
+def fleet_view(st: Mapping[str, Any]) -> list[Table]:
+    """What ``gpubroker status`` prints and ``status --watch`` redraws: cards, models, LLM engines."""
+    return [t for t in (card_table(st), status_table(st), engine_table(st)) if t is not None]
+
+
+def _cap(m: Mapping[str, Any], unit: str) -> str:
     """The batch cap, marked ``mem`` when the grant's memory holds it there (status' ``memory_ceiling``:
     the batch the grant holds by the memory the broker measured, gpubroker.broker.control.policy.memory_view)."""
     ceiling = m.get("memory_ceiling")
@@ -176,7 +228,7 @@ def _cap(m: dict[str, Any], unit: str) -> str:
     return f"{m['max_batch_size']}{unit}" + (" [yellow]mem[/]" if held else "")
 
 
-def _target(m: dict[str, Any]) -> str:
+def _target(m: Mapping[str, Any]) -> str:
     """The replica target (gpubroker.broker.control.replica_rules), marked when it is under the live replicas' count."""
     target = m.get("replica_target")
     if target is None:
@@ -184,7 +236,7 @@ def _target(m: dict[str, Any]) -> str:
     return f"[cyan]{target}[/]" if target < m.get("replicas", target) else str(target)
 
 
-def card_table(st: dict[str, Any]) -> Table | None:
+def card_table(st: Mapping[str, Any]) -> Table | None:
     """The fleet by card (a many-card fleet; None for one card): each card's memory and its models."""
     cards = st.get("cards") or []
     if len(cards) < 2:
@@ -226,7 +278,7 @@ def card_table(st: dict[str, Any]) -> Table | None:
     return table
 
 
-def engine_table(st: dict[str, Any]) -> Table | None:
+def engine_table(st: Mapping[str, Any]) -> Table | None:
     """The LLM engines' bounds as the broker set them, and what their engines report (None: no LLMs)."""
     engines = {n: m["engine"] for n, m in st.get("models", {}).items() if m.get("engine") is not None}
     if not engines:

@@ -110,3 +110,53 @@ def test_up_and_apply_read_a_file_as_validate_does(monkeypatch, tmp_path):
     for command in ("apply", "up"):
         r = CliRunner().invoke(app, [command, str(bad)])
         assert r.exit_code == 1 and "models.a.quota.base" in r.output and "has no unit" in r.output, (command, r.output)
+
+
+STATUS = {
+    "config_hash": "abc123",
+    "profile": "offpeak",
+    "models": {
+        "minilm": {"grant_bytes": 2, "base_bytes": 1, "used_bytes": 1, "max_batch_size": 8, "queue_depth": 0},
+        "mlp": {"grant_bytes": 1, "base_bytes": 1, "used_bytes": 1, "max_batch_size": 4, "queue_depth": 3},
+    },
+}
+
+
+def test_decisions_of_an_unknown_model_is_an_error_that_names_the_closest(monkeypatch):
+    from typer.testing import CliRunner
+
+    from gpubroker.cli.main import app
+
+    asked: list[str | None] = []
+    monkeypatch.setattr(fleet_client, "fetch_status", lambda address: STATUS)
+    monkeypatch.setattr(fleet_client, "fetch_decisions", lambda address, model, since: asked.append(model) or [])
+    result = CliRunner().invoke(app, ["decisions", "--model", "minlm"])
+    assert result.exit_code == 1, result.output
+    assert "no model 'minlm'" in result.output and "did you mean 'minilm'?" in result.output
+    assert asked == []  # refused before asking for its log
+    ok = CliRunner().invoke(app, ["decisions", "--model", "minilm"])
+    assert ok.exit_code == 0 and asked == ["minilm"]
+
+
+def test_status_and_its_watch_draw_the_same_tables(monkeypatch):
+    from gpubroker.cli import live, views
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli_fleet, "console", Console(file=out, width=200, force_terminal=False))
+    monkeypatch.setattr(fleet_client, "fetch_status", lambda address: STATUS)
+    cli_fleet.status(as_json=False, address=None, watch=False, interval=1.0)
+    printed = out.getvalue()
+    watched = io.StringIO()
+    calls = []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return STATUS
+
+    live.watch_status(fetch, interval_s=0.01, console=Console(file=watched, width=200, force_terminal=False))
+    for column in views.STATUS_COLUMNS:
+        assert column in printed and column in watched.getvalue(), column
+    for line in printed.strip().splitlines():
+        assert line in watched.getvalue(), line  # every line of status, as the watch drew it

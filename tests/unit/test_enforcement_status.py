@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from gpubroker.broker.core import BrokerCore
-from gpubroker.cli import live, views
+from gpubroker.cli import views
 
 CONFIG = """
 broker: {name: st, namespace: st, control_interval_s: 1.0, report_interval_s: 0.5, metrics_port: 0}
@@ -37,4 +37,3 @@ def test_status_shows_each_models_enforcement_from_its_live_replicas():
     st = core.status()
     assert "enforcement" not in st["models"]["a"] and st["models"]["b"]["enforcement"] == "watch"
     assert "enforce" in render(views.status_table(st)) and " watch " in render(views.status_table(st))
-    assert "enforce" in render(live.status_table(st)) and " watch " in render(live.status_table(st))

@@ -20,7 +20,8 @@ from rich.console import Console
 from gpubroker.broker.control.types import FleetDecision, ModelDecision, QuotaMove
 from gpubroker.broker.metrics import BrokerMetrics, start_exporter
 from gpubroker.broker.wire import StatsReport
-from gpubroker.cli.live import decision_line, follow_decisions, new_decisions, status_table, watch_status
+from gpubroker.cli.live import decision_line, follow_decisions, new_decisions, watch_status
+from gpubroker.cli.views import status_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "configs" / "grafana" / "gpubroker.json"
@@ -694,7 +695,7 @@ def test_status_table_renders_every_model_and_the_card():
     assert "mlp" in text and "hot" in text
     assert "abc123def456" in text and "offpeak" in text
     assert "1.0GiB" in text.replace(" ", "") or "1GiB" in text.replace(" ", "")
-    assert "paused" in text  # hot has admit False
+    assert "PAUSED" in text  # hot has admit False
     assert "250" in text  # mlp P95
 
 
