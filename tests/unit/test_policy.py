@@ -1,4 +1,4 @@
-"""Pure policy behaviour with a fake clock: each DESIGN.md control rule, quota lending, profiles, anti-oscillation."""
+"""Pure policy behaviour with a fake clock: each control rule (docs/RULES.md), quota lending, profiles, anti-oscillation."""
 
 from __future__ import annotations
 
