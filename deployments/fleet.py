@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpubroker.deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
 from gpubroker.deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
+from gpubroker.deployments.serve_failures import failure_cause, where_to_look
 from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
 
 if TYPE_CHECKING:
@@ -115,8 +116,7 @@ def deploy(
         if app_status == "RUNNING":
             break
         if failed:
-            msgs = "; ".join(f"{name}: {(getattr(sts[name], 'message', '') or '')[-1500:]}" for name in failed)
-            raise FleetError(f"Serve app {app_status}: {msgs}")
+            raise FleetError(f"Serve app {app_status}: {failure_cause(sts)}")
         if time.time() > deadline:
             raise FleetError(f"Serve app not running after {timeout_s:.0f}s: {deployments}")
         time.sleep(1.0)
@@ -291,7 +291,7 @@ def up_fleet(
         if cfg.broker.direct_ingress:  # each replica's own port (gpubroker.deployments.direct_ingress)
             _list_direct_urls(cfg, state)
     except Exception as exc:
-        emit(UpEvent(UpStage.FAILED, str(exc)))
+        emit(UpEvent(UpStage.FAILED, f"{exc}\n{where_to_look(state.get('dashboard'))}"))
         raise
     state["up_s"] = round(time.time() - t0, 1)
     write_state(state)

@@ -49,6 +49,9 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> 
             s.close()
 
 
+RAY_DASHBOARD_PORT = 8265
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a server could listen on ``host:port`` now. SO_REUSEADDR, as Serve's proxy (uvicorn)
     binds: a connection of the last fleet still in TIME-WAIT does not hold the port, a listener does."""
@@ -71,7 +74,9 @@ def start_local_ray(
     joins); ``stop_local_ray(pgid)`` stops exactly it. Token auth is on unless RAY_AUTH_MODE says otherwise.
     """
     port = port if port and port_free(port) else free_port()
-    dash, client_port, agent_port = free_ports(3, avoid=(port,))
+    dash, client_port, agent_port = free_ports(3, avoid=(port, RAY_DASHBOARD_PORT))
+    if port_free(RAY_DASHBOARD_PORT) and port != RAY_DASHBOARD_PORT:
+        dash = RAY_DASHBOARD_PORT  # Ray's own default, where `ray` and `serve status` look first
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [
         str(ray_bin) if ray_bin.exists() else "ray",

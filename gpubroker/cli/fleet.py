@@ -23,6 +23,7 @@ from gpubroker.cli.views import describe_decision, err_console, fleet_view, prin
 from gpubroker.deployments import fleet, fleet_client
 from gpubroker.deployments.first_requests import WAIT_S
 from gpubroker.deployments.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
+from gpubroker.deployments.serve_failures import replica_logs, serve_log_dir
 from gpubroker.deployments.user_code import check_project
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
 from gpubroker.quotas.config_errors import did_you_mean
@@ -83,6 +84,8 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions |
         f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
         f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
     )
+    if state.get("dashboard"):
+        console.print(f"  Ray dashboard: {state['dashboard']}", highlight=False)
     if state.get("shipped"):
         console.print(f"  shipped to the replicas: {', '.join(state['shipped'])}", highlight=False)
     if "direct_urls" in state:  # broker.direct_ingress: each replica's own port, no proxy hop
@@ -260,6 +263,28 @@ def decisions(
         console.print("no decisions yet")
     for d in out:
         console.print(describe_decision(d), highlight=False, markup=False)
+
+
+def logs(
+    model: str = typer.Argument(..., help="The model whose replicas' log lines to show."),
+    lines: int = typer.Option(40, "--lines", "-n", min=1, help="Lines from the end of each replica's log."),
+) -> None:
+    """The recent log lines of a model's replicas on this node (Serve's replica logs of the fleet `up` started)."""
+    state = fleet_client.read_state()
+    if state and state.get("config_text"):
+        names = sorted(parse_config_text(state["config_text"], "running fleet").models)
+        if model not in names:
+            hint = did_you_mean(model, names)
+            _fail(FleetError(f"no model '{model}' in the running fleet;{hint} its models: {', '.join(names)}"))
+    from gpubroker.deployments.app import model_app_name  # noqa: PLC0415 - imports ray
+
+    files = replica_logs(model_app_name(model, fleet_client.APP_NAME), model)
+    if not files:
+        _fail(FleetError(f"no replica log of '{model}' under {serve_log_dir()} (replicas on other nodes log there)"))
+    for path in files:
+        console.rule(str(path))
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+        console.print("\n".join(text), highlight=False, markup=False)
 
 
 # =============================================================================== apply, down
