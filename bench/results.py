@@ -295,7 +295,7 @@ hand (a test compares this file with what the command writes). How each figure i
 
 Not reported, for want of a committed result: the live oracle, oracle-knee, overhead, trace
 and cost-per-request runs on the final code. Kept elsewhere: the scale runs' JSON under
-`bench/results/2026-12-0*-scale/` (read by `bench/notes/2026-12-04-control-plane-cost.md`), the memory
+`bench/results/2026-12-0*-scale/` (read by `bench/notes/control-plane-cost.md`), the memory
 limiter's accuracy under `bench/results/2026-12-05-enforce-accuracy/` (read by `docs/ENFORCEMENT.md`),
 the LLM engines' runs under `bench/results/2026-12-05-llm-vllm/` (read by `docs/llm.md`) and `make
 chaos` under `bench/results/2026-12-05-chaos-final/` (two runs on the final code, the second exit 0)
