@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpubroker.deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
 from gpubroker.deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
-from gpubroker.deployments.serve_failures import failure_cause, where_to_look
+from gpubroker.deployments.serve_failures import failure_cause, serve_log_dir, where_to_look
 from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
 
 if TYPE_CHECKING:
@@ -291,7 +291,8 @@ def up_fleet(
         if cfg.broker.direct_ingress:  # each replica's own port (gpubroker.deployments.direct_ingress)
             _list_direct_urls(cfg, state)
     except Exception as exc:
-        emit(UpEvent(UpStage.FAILED, f"{exc}\n{where_to_look(state.get('dashboard'))}"))
+        log_dir = serve_log_dir(state.get("session_dir"))
+        emit(UpEvent(UpStage.FAILED, f"{exc}\n{where_to_look(state.get('dashboard'), log_dir)}"))
         raise
     state["up_s"] = round(time.time() - t0, 1)
     write_state(state)
@@ -361,6 +362,7 @@ def _start_local_head(cfg: FleetConfig, state: dict[str, Any], opts: UpOptions) 
         pgid=info["pgid"],
         started_ray=True,
         dashboard=info["dashboard"],
+        session_dir=info["session_dir"],
         auth_mode=info["auth_mode"],
         join=info["join"],
     )

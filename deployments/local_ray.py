@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpubroker.deployments.ray_auth import ensure_token_auth, join_hint
+from gpubroker.deployments.serve_failures import latest_session
 
 
 class FleetError(RuntimeError):
@@ -121,6 +122,7 @@ def start_local_ray(
         "address": address,
         "pgid": pgid,
         "dashboard": f"http://127.0.0.1:{dash}",
+        "session_dir": str(latest_session()),  # its logs (gpubroker logs), read before another Ray starts
         "auth_mode": auth.mode,
         "join": join_hint(address, auth),
     }

@@ -42,9 +42,15 @@ def failure_cause(apps: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def serve_log_dir() -> Path:
-    """The Serve log folder of this node's current Ray session (Ray's default temp dir, or RAY_TMPDIR's)."""
-    return Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "session_latest" / "logs" / "serve"
+def latest_session() -> Path:
+    """The Ray session this node started last (``session_latest`` resolved: read it right after a start,
+    since another Ray started on this machine later moves the link)."""
+    return (Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "session_latest").resolve()
+
+
+def serve_log_dir(session_dir: str | None = None) -> Path:
+    """The Serve log folder of a Ray session (the one ``up`` recorded, else the node's latest)."""
+    return (Path(session_dir) if session_dir else latest_session()) / "logs" / "serve"
 
 
 def replica_logs(app: str, model: str, log_dir: Path | None = None) -> list[Path]:

@@ -278,9 +278,10 @@ def logs(
             _fail(FleetError(f"no model '{model}' in the running fleet;{hint} its models: {', '.join(names)}"))
     from gpubroker.deployments.app import model_app_name  # noqa: PLC0415 - imports ray
 
-    files = replica_logs(model_app_name(model, fleet_client.APP_NAME), model)
+    log_dir = serve_log_dir((state or {}).get("session_dir"))
+    files = replica_logs(model_app_name(model, fleet_client.APP_NAME), model, log_dir)
     if not files:
-        _fail(FleetError(f"no replica log of '{model}' under {serve_log_dir()} (replicas on other nodes log there)"))
+        _fail(FleetError(f"no replica log of '{model}' under {log_dir} (replicas on other nodes log on theirs)"))
     for path in files:
         console.rule(str(path))
         text = path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
