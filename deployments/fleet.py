@@ -132,8 +132,8 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
 
     out = {}
     for name, spec in cfg.models.items():
-        if spec.kind == "llm":  # an LLM answers POST /openai/v1/completions, not /v1/models/<name>/infer
-            out[name] = (False, None, "an LLM: POST /openai/v1/completions with model: " + name)
+        if spec.kind == "llm":  # asked for one token on the OpenAI route (first_request)
+            out[name] = (True, LLM_FIRST_PROMPT, "")
             continue
         try:
             adapter = resolve_model(spec.model)(**spec.options)
@@ -147,6 +147,17 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
     return out
 
 
+LLM_FIRST_PROMPT = "Hello"  # an LLM's first request: one token of a completion, as a client would ask
+
+
+def first_request(cfg: FleetConfig, name: str, example: Any) -> tuple[str, dict[str, Any]]:
+    """The path and JSON body of a model's first request: its example on /v1/models/<name>/infer, or
+    for an LLM a one-token completion on the fleet's OpenAI route."""
+    if cfg.models[name].kind == "llm":
+        return "/openai/v1/completions", {"model": name, "prompt": example, "max_tokens": 1}
+    return f"/v1/models/{name}/infer", {"input": example}
+
+
 def wait_serving(
     cfg: FleetConfig,
     base_url: str,
@@ -157,7 +168,7 @@ def wait_serving(
     wait_s: float | None = None,
     examples: dict[str, tuple[bool, Any, str]] | None = None,
 ) -> dict[str, float]:
-    """POST one real request (its ``example_input``) to every model until each answers 200;
+    """POST one real request (its ``example_input``; an LLM: a one-token completion) to every model until each answers 200;
     returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing,
     or has no 200 within ``wait_s`` (default ``first_requests.WAIT_S``), stops the wait with its
     last answer and the fix (``gpubroker.deployments.first_requests``). ``on_answer`` gets the
@@ -176,8 +187,9 @@ def wait_serving(
         while first.asking():
             for name in first.asking():
                 t0 = time.time()
+                path, body = first_request(cfg, name, first.models[name].example)
                 try:
-                    r = client.post(f"{base_url}/v1/models/{name}/infer", json={"input": first.models[name].example})
+                    r = client.post(f"{base_url}{path}", json=body)
                     code, text = r.status_code, r.text[:300]
                 except httpx.HTTPError as exc:
                     code, text = 0, repr(exc)

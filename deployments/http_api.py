@@ -182,3 +182,15 @@ def not_found(path: str) -> HttpAnswer:
 
 def method_not_allowed(method: str) -> HttpAnswer:
     return HttpAnswer(405, {"detail": f"method {method} not allowed; send POST"}, {"Allow": "POST"})
+
+
+def llm_on_batch_route(name: str) -> HttpAnswer:
+    """The answer to ``POST /v1/models/<llm>/infer``: a 400 naming the OpenAI route an LLM answers on."""
+    return HttpAnswer(
+        400,
+        {
+            "detail": f"model '{name}' is an LLM: POST /openai/v1/completions or /openai/v1/chat/completions with "
+            f'"model": "{name}" (an OpenAI client: base_url <fleet url>/openai/v1)',
+            "field": "model",
+        },
+    )

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from gpubroker.deployments.follow import PlanFollower, Reconciler, follow_loop
+from gpubroker.deployments.http_api import llm_on_batch_route
 from gpubroker.deployments.scaler import ReplicaScaler, ServeReplicaSetter
 from gpubroker.quotas.config import parse_config_text
 
@@ -130,6 +131,9 @@ class FleetApi:
             return _json(
                 404, {"detail": f"unknown model '{name}'; known models: {', '.join(self.names)}", "known": self.names}
             )
+        if self.cfg.models[name].kind == "llm":  # never a batch model: its API is OpenAI's
+            llm = llm_on_batch_route(name)
+            return _json(llm.status, llm.body)
         self._count_rejection(name)
         return _json(
             503,

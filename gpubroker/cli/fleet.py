@@ -80,9 +80,14 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions |
         transient=False,
     ) as progress:
         state = fleet.up_fleet(cfg, text, source, opts or UpOptions(), on_event=UpBars(progress))
+    llms = sorted(n for n, m in cfg.models.items() if m.kind == "llm")
+    batch = len(cfg.models) - len(llms)
+    where = [f"{batch} model(s) at {state['http_url']}/v1/models/<name>/infer"] if batch else []
+    if llms:
+        where.append(f"LLM(s) {', '.join(llms)} on the OpenAI API at {state['http_url']}/openai/v1")
     console.print(
-        f"[green]fleet up[/] in {state['up_s']:.0f}s: {len(cfg.models)} model(s) at "
-        f"{state['http_url']}/v1/models/<name>/infer; status: `gpubroker status`, stop: `gpubroker down`"
+        f"[green]fleet up[/] in {state['up_s']:.0f}s: {'; '.join(where)}; status: `gpubroker status`, "
+        "stop: `gpubroker down`"
     )
     if state.get("dashboard"):
         console.print(f"  Ray dashboard: {state['dashboard']}", highlight=False)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from gpubroker.deployments.http_api import HttpAnswer, ParsedBody, answer_for, length_check, parse_body
+from gpubroker.deployments.http_api import (
+    HttpAnswer,
+    ParsedBody,
+    answer_for,
+    length_check,
+    llm_on_batch_route,
+    parse_body,
+)
 
 
 def test_content_length_over_the_limit_is_413_before_reading():
@@ -112,3 +119,26 @@ def test_an_output_of_no_json_shape_is_a_500_naming_it():
     answer = answer_for("m", {"status": 200, "outputs": [{"x": Opaque()}]}, False, 1)
     assert answer.status == 500 and answer.body["field"] == "outputs[0].x"
     assert "Opaque is not JSON" in answer.body["detail"], answer.body
+
+
+def test_an_llm_on_the_batch_route_is_a_400_naming_the_openai_route():
+    out = llm_on_batch_route("tiny")
+    assert out.status == 400 and out.body["field"] == "model"
+    assert "/openai/v1/completions" in out.body["detail"] and '"model": "tiny"' in out.body["detail"]
+
+
+def test_an_llms_first_request_is_one_token_on_the_openai_route():
+    from gpubroker.deployments.fleet import first_request
+    from gpubroker.quotas.config import parse_config_text
+
+    cfg = parse_config_text(
+        """
+gpu: {device: cpu, capacity: 4GiB, reserve_frac: 0.0}
+models:
+  mlp: {model: mlp, quota: {min: 64MiB, base: 128MiB, max: 256MiB}}
+  tiny: {kind: llm, model: tiny-llama, quota: {min: 256MiB, base: 512MiB, max: 1GiB}}
+"""
+    )
+    assert first_request(cfg, "mlp", [1.0]) == ("/v1/models/mlp/infer", {"input": [1.0]})
+    path, body = first_request(cfg, "tiny", "Hello")
+    assert path == "/openai/v1/completions" and body == {"model": "tiny", "prompt": "Hello", "max_tokens": 1}
