@@ -5,7 +5,7 @@ whether the class takes the options written under it: ``up`` would find out minu
 replica. ``build_models`` imports every batch model's class and builds it with its options in a
 child process (no Ray; the project directory appended to its path, as ``up`` imports it), under a
 timeout, so a model that hangs or crashes in its constructor cannot take the command with it.
-``budget`` is the arithmetic of DESIGN.md's quotas (capacity, reserve, per-process CUDA context,
+``budget`` is the arithmetic of the quotas (docs/quotas.md: capacity, reserve, per-process CUDA context,
 usable, each model's min/base/max) for ``validate --explain``, with the quota a model's
 ``profile:`` suggests for its SLO (``suggest_quota``; ``gpubroker calibrate`` measures the profile).
 """

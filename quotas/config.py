@@ -376,7 +376,8 @@ class ModelSpec(_Strict):
         "1MiB", description="Request bodies over this are refused with 413 before they reach the model."
     )
     control: ControlSpec = Field(
-        default_factory=ControlSpec, description="Control loop parameters (defaults from DESIGN.md)."
+        default_factory=ControlSpec,
+        description="Control loop parameters (docs/RULES.md: what each does, and its default).",
     )
 
     @property

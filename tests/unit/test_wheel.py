@@ -9,6 +9,7 @@ user's packages and ours from a user project outside the clone, in a fresh inter
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -27,9 +28,23 @@ print(json.dumps({"deployments": deployments.__file__, "broker": broker.__file__
 """
 
 
+def _source_copy(dest: Path) -> Path:
+    """What the wheel is built from, copied (links kept as links): an in-tree build would leave build/ in the
+    clone, whose stale copies of removed modules a later build would ship."""
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("gpubroker", "broker", "deployments", "quotas"):
+        shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=skip)
+    return dest
+
+
 def _build_wheel(out: Path) -> Path:
+    src = _source_copy(out.parent / "src")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
     )
