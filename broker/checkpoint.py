@@ -37,7 +37,7 @@ class Checkpoint:
     saved_at_s: float = 0.0  # epoch seconds of the write
     llm_state: dict[str, Any] = field(
         default_factory=dict
-    )  # gpubroker.broker.control.llm_window.LlmControl.to_dict(): LLM rule state
+    )  # LLM rule state of an older checkpoint (now policy_state["engines"]; still read on restore)
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,7 +39,8 @@ from gpubroker.broker.checkpoint import CHECKPOINT_DECISIONS, CardSlot, Checkpoi
 from gpubroker.broker.control import policy
 from gpubroker.broker.control.cost import cost_per_1k_requests
 from gpubroker.broker.control.decision_log import DecisionLog, finite, settings_entry, settings_view
-from gpubroker.broker.control.llm_window import LlmControl
+from gpubroker.broker.control.llm_rules import engines_from_llm_section
+from gpubroker.broker.control.llm_window import EngineWindow, engine_status
 from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
 from gpubroker.broker.control.tallies import Tallies, Tally
@@ -129,9 +130,11 @@ class BrokerCore:
         self._usable = cfg.usable_bytes(self._capacity)
         self._window = ReportWindow(cfg)
         self._settings_from: dict[str, tuple[tuple[Any, ...], ModelSettings]] = {}
-        self._llm = LlmControl.carry(
-            getattr(self, "_llm", None), cfg
-        )  # kind: llm engines (gpubroker.broker.control.llm_window)
+        # kind: llm engines' reports (gpubroker.broker.control.llm_window), kept across a new config
+        self._engines = self.__dict__.get("_engines") or EngineWindow(stale_after_s=REPLICA_STALE_S)
+        self._engines.window_s = max(m.control.window_s for m in cfg.models.values()) if cfg.models else 30.0
+        self._llm_models = tuple(n for n, m in cfg.models.items() if m.kind == "llm")
+        self._engines.forget(set(self._llm_models))
         for name in cfg.models:
             self._tallies.setdefault(name, Tallies())
             self._replicas.setdefault(name, {})
@@ -142,7 +145,7 @@ class BrokerCore:
 
     def _policy_settings(self, state: Any, name: str) -> ModelSettings:
         """The policy's versioned settings (its version numbers gate two-phase confirms)."""
-        return self._llm.with_engine(policy.settings_for(state, name, self._cfg))
+        return policy.model_settings(state, name, self._cfg)
 
     def _tick_settings(self, state: Any, name: str) -> ModelSettings:
         """``_policy_settings``; the same object while ``policy.settings_key`` is (states change more often)."""
@@ -150,8 +153,7 @@ class BrokerCore:
         if got is not None and got[0] == key:
             return got[1]
         new = self._policy_settings(state, name)
-        if self._cfg.models[name].kind != "llm":  # an engine's settings carry its bounds: built every tick
-            self._settings_from[name] = (key, new)
+        self._settings_from[name] = (key, new)
         return new
 
     def _restore(self) -> bool:
@@ -175,6 +177,9 @@ class BrokerCore:
             cfg = parse_config_text(ckpt.config_text, "checkpoint")
             self._install(cfg, ckpt.config_text)
             self._state = policy.PolicyState.from_dict(ckpt.policy_state)
+            if "engines" not in ckpt.policy_state:  # written before the engines joined the policy state
+                engines = engines_from_llm_section(ckpt.llm_state)
+                self._state = replace(self._state, engines={n: e for n, e in engines.items() if n in self._llm_models})
             self._settings = {
                 name: ModelSettings.from_dict(d) for name, d in ckpt.settings.items() if name in cfg.models
             }
@@ -186,7 +191,6 @@ class BrokerCore:
             return False
         self._memory_models = {k: (int(v[0]), float(v[1])) for k, v in ckpt.memory_models.items()}
         self._cost_units = dict(ckpt.cost_units)
-        self._llm.load(ckpt.llm_state)
         self._log.restore(list(ckpt.decisions), ckpt.decision_seq)
         self.restored = True
         self._log_event(
@@ -226,7 +230,8 @@ class BrokerCore:
         self.metrics.observe_report(rep)
         now = self._clock()
         self._window.add(rep, now)
-        self._llm.observe(rep, now)
+        if rep.engine and rep.model in self._llm_models:
+            self._engines.add(rep.model, rep.replica_id, rep.engine, now)
         self._replicas[rep.model][rep.replica_id] = now
         self._replica_free[rep.replica_id] = (now, rep.device_free_frac, rep.sm_util_frac)
         tallies = self._tallies[rep.model]
@@ -288,11 +293,11 @@ class BrokerCore:
         if used != gpu.used_bytes:
             gpu = replace(gpu, used_bytes=used)
             snap = replace(snap, gpu=gpu)
-        decision, new_state = policy.decide(snap, self._cfg, self._state, self._llm.need_bytes())
+        if self._llm_models:
+            snap = replace(snap, engines=self._engines.views(self._llm_models, now))
+        decision, new_state = policy.decide(snap, self._cfg, self._state)
         self._state = new_state
-        ledger = new_state.ledger
-        incoming = {n: ledger.incoming_bytes(n) for n in self._llm.models}
-        for entry, line in self._llm.step(now, gpu.free_frac, ledger.grants, self._cfg.broker.dry_run, incoming):
+        for entry, line in decision.log:
             self._append(entry, line)  # engine bounds inside the new grants, before the settings table
         self._last_snapshot, self._last_decision = snap, decision
         self._ticks += 1
@@ -414,7 +419,6 @@ class BrokerCore:
             settings={k: v.to_dict() for k, v in self._settings.items()},
             memory_models={k: [v[0], v[1]] for k, v in self._memory_models.items()},
             cost_units=dict(self._cost_units),
-            llm_state=self._llm.to_dict(),
             decisions=list(self._log.entries)[-CHECKPOINT_DECISIONS:] if self._owns_log else [],
             decision_seq=self._log.seq,
             saved_at_s=self._clock(),
@@ -485,8 +489,8 @@ class BrokerCore:
                 memory["memory_ceiling"],
                 memory["fixed_bytes"],
             )
-            llm = self._llm.status(name, now)  # kind: llm: "engine" (bounds, TTFT/TPOT, KV blocks)
-            if llm:
+            if spec.kind == "llm":  # "engine": bounds, TTFT/TPOT, KV blocks (gpubroker.broker.control.llm_window)
+                llm = engine_status(self._engines, name, spec, self._state.engines.get(name), now)
                 models[name]["kind"], models[name]["engine"] = llm["kind"], llm["engine"]
             if enforcement := self._enforcement_of(name, seen, now):  # absent until a replica said
                 models[name]["enforcement"] = enforcement

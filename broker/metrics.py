@@ -187,7 +187,7 @@ MODEL_READINGS = (
     Reading("settings_version", "settings_version"),
 )
 
-# ---- an LLM engine's status (gpubroker.broker.control.llm_window.LlmControl.status), each tick
+# ---- an LLM engine's status (gpubroker.broker.control.llm_window.engine_status), each tick
 ENGINE_SPECS = (
     Spec(Gauge, "llm_ttft_seconds", "Time to first token over the engine's recent completions.", (*MG, "quantile")),
     Spec(Gauge, "llm_tpot_seconds", "Time per output token over the engine's recent completions.", (*MG, "quantile")),

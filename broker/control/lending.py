@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from gpubroker.broker.control.batch_rules import cap_top
 from gpubroker.broker.control.latency_model import LatencyFit
@@ -27,7 +27,6 @@ from gpubroker.quotas.ledger import LedgerError, QuotaLedger, Transfer
 from gpubroker.quotas.sizes import format_size
 
 ESCALATING = ("reclaim", "release")  # transfer kinds that escalate instead of aborting
-BACKLOG_ARRIVAL_FRAC = 0.1  # arrivals under this share of completions: the queue is a backlog (backlog_only)
 
 
 # Escalation of a reclaim (or release) the borrower has not honoured, in order (QuotaMove.kind):
@@ -65,8 +64,7 @@ class ConfirmGate(NamedTuple):
 
 def min_move_bytes(ledger: QuotaLedger) -> int:
     """Moves smaller than this are dust: not worth a transfer. 1/256 of the card (4 MiB from a 1 GiB
-    card up); a fixed 4 MiB floor made every move on a card of a few MiB dust (the LLM benchmark's
-    tiny engines lend 1.3 MiB of KV cache: no quota ever moved, 2026-12-04 and 12-05 runs)."""
+    card up), at least 64 KiB: a fixed 4 MiB floor made every move on a card of a few MiB dust."""
     return max(64 * 1024, ledger.usable_bytes // 256)
 
 
@@ -170,6 +168,47 @@ def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None, explain: bool
 
 
 # ------------------------------------------------------------------ one tick's plan
+class LendingKind(Protocol):
+    """What the lending steps ask of a model, answered by its kind (``gpubroker.broker.control.kinds``;
+    ``r``: the tick's quota round). The steps never ask which kind they have."""
+
+    def need(self, r: QuotaRound, name: str) -> int | None:
+        """The grant it wants (None: not known, it keeps its base)."""
+        ...
+
+    def working_set(self, r: QuotaRound, name: str) -> int:
+        """What it keeps when it lends or releases."""
+        ...
+
+    def idle(self, r: QuotaRound, name: str) -> bool:
+        """Whether it lends now (quiet for its idle hold, or handing its memory over)."""
+        ...
+
+    def hands_over(self, r: QuotaRound, name: str) -> bool:
+        """Whether it lends on at once because the load moved to a neighbour."""
+        ...
+
+    def reclaims(self, r: QuotaRound, owner: str) -> bool:
+        """Whether, under its base and busy for its reclaim hold, it takes its base back."""
+        ...
+
+    def reclaim_hold(self, r: QuotaRound, owner: str, spec: ModelSpec) -> float:
+        """How long its load must stay back before it reclaims."""
+        ...
+
+    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> Callable[[], str]:
+        """The reason it asks for ``wanted`` (written only when a move needs it)."""
+        ...
+
+    def borrow_reason(self, r: QuotaRound, name: str, why: Callable[[], str]) -> str | None:
+        """Why it borrows from idle neighbours (None: it takes only the free pool)."""
+        ...
+
+    def loan_buys(self, r: QuotaRound, name: str, offers: list[tuple[str, int]]) -> bool:
+        """Whether what the idle models offer buys it anything."""
+        ...
+
+
 class QuotaInputs(NamedTuple):
     """What one tick's quota plan reads of the tick: the load and each model's batch step."""
 
@@ -178,7 +217,7 @@ class QuotaInputs(NamedTuple):
     states: Mapping[str, ModelState]  # each model's state after its batch step this tick
     wants: Mapping[str, BatchWant]  # each model's wanted cap after anti-oscillation
     memory: Mapping[str, MemoryModel]  # each model's ``MemoryModel.from_load`` of this snapshot
-    need_bytes: Mapping[str, int]  # LLM engines' wanted grants (llm_window)
+    kinds: Mapping[str, LendingKind]  # each model's kind: what it needs, keeps, and when it lends (kinds.py)
 
 
 class LendingBook(NamedTuple):
@@ -242,16 +281,7 @@ class QuotaRound:
         # replicas a model's need is spread over: those reporting, else the config's count
         self._replicas = {n: max(1, load.replicas or config.models[n].replicas) for n, load in self.loads.items()}
         self.memory: dict[str, MemoryModel] = dict(inputs.memory)
-        # LLM engines holding a loan as the tick begins, a loan being reclaimed from them counted
-        # (``hands_over``: the tick's own release or lend must not end the handover it began); a
-        # loan is memory other engines lent: a grant over base from the free pool alone is none
-        lent = any(self.ledger.lent_bytes(n) >= self.dust for n in self.config.models)
-        self.engines_borrowing = {n for n in inputs.need_bytes if lent and self._borrowed(n) >= self.dust}
-
-    def _borrowed(self, name: str) -> int:
-        base = self.config.models[name].quota.base
-        reclaiming = sum(t.amount_bytes for t in self.ledger.pending if t.donor == name and t.kind == "reclaim")
-        return self.ledger.grant(name) + reclaiming - base
+        self.kinds = inputs.kinds
 
     def mm(self, name: str) -> MemoryModel:
         if name not in self.memory:
@@ -265,75 +295,23 @@ class QuotaRound:
         return confirm_gate(self.loads[donor], self.config.models[donor].replicas, version, started_s)
 
     def need(self, name: str) -> int | None:
-        """The grant ``name`` wants for its wanted cap (None: not calibrated, it keeps its base)."""
-        q = self.config.models[name].quota
-        if name in self.inputs.need_bytes:  # an LLM engine's wanted grant (gpubroker.broker.control.llm_window)
-            return min(q.max, max(q.min, int(self.inputs.need_bytes[name])))
-        model = self.mm(name)
-        if not model.calibrated:
-            return None
-        return min(q.max, max(q.min, self.replicas(name) * model.grant_for(self.inputs.wants[name].cap)))
+        """The grant ``name`` wants (None: not known, it keeps its base): its kind's answer."""
+        return self.kinds[name].need(self, name)
 
     def working_set(self, name: str) -> int:
-        """What an idle lender keeps: its memory in use now (latest reports, not the window's peak
-        memory: a burst that ended 20 s ago, served on borrowed memory, must not pin it for the
-        next model's burst) times the margin, its min, the memory for a floor batch, and up to
-        its base what its own demand at the window's peak needs (peak_batch). A lender still
-        above a lowered grant is not confirmed until it is measured under it (two-phase).
-
-        An LLM engine allocates its whole KV cache at start, so its memory in use is its cache
-        size, not its demand: idle, it keeps its quota min (the cache its rules shrink it to).
-        Counting its cache made a lend wait for the engine's own idle shrink, a restart, and a
-        reclaim of its base cost a second restart before it could lend (2026-12-05 runs)."""
-        spec, load, mm = self.config.models[name], self.loads[name], self.mm(name)
-        if name in self.inputs.need_bytes:
-            return spec.quota.min
-        ws = max(int(load.mem_used_bytes * spec.control.working_set_margin), spec.quota.min)
-        if mm.calibrated:
-            ws = max(ws, self.replicas(name) * mm.grant_for(spec.batch.floor))
-            peak = self.replicas(name) * mm.grant_for(peak_batch(load, spec, self.inputs.states[name].latency_fit))
-            ws = max(ws, min(spec.quota.base, peak))
-        return ws
+        """What an idle lender keeps: its kind's answer."""
+        return self.kinds[name].working_set(self, name)
 
     def idle(self, name: str) -> bool:
-        """Quiet for its idle hold (longer for a model whose loans keep coming back soon after it
-        lends; none for an engine that hands its burst's memory over, ``hands_over``, nor quiet at
-        all when its arrivals have stopped), and, if it borrows, idle at the batch its base holds
-        too (``busy_at_base``)."""
+        """Whether it lends now: its kind's answer (``quiet_for`` its idle hold, as a rule)."""
+        return self.kinds[name].idle(self, name)
+
+    def quiet_for(self, name: str, hold_s: float) -> bool:
+        """Quiet for ``hold_s``, and, if it borrows, idle at the batch its base holds too (``busy_at_base``)."""
         st = self.inputs.states[name]
-        handover = self.hands_over(name)
-        if handover and self.backlog_only(name):
-            return True
-        hold = 0.0 if handover else self.config.models[name].control.idle_hold_s * self.scale.get(name, 1.0)
-        if st.quiet_since_s is None or self.now_s - st.quiet_since_s < hold:
+        if st.quiet_since_s is None or self.now_s - st.quiet_since_s < hold_s:
             return False
         return not self.ledger.loan_bytes(name) or not self.busy_at_base(name)
-
-    def backlog_only(self, name: str) -> bool:
-        """Its arrivals have stopped (the last second's under ``BACKLOG_ARRIVAL_FRAC`` of the window's
-        completions): its queue is a backlog its own draining for a reclaim sheds, not load. A
-        handover waiting for the queue to empty restarted the old burster twice (the reclaim's
-        shrink shed the backlog, then the lend), 3 s more of the new burst on its smallest cache."""
-        load = self.loads[name]
-        return load.recent_arrival_rate_rps < BACKLOG_ARRIVAL_FRAC * load.completion_rate_rps
-
-    def hands_over(self, name: str) -> bool:
-        """An LLM engine that borrowed for its burst, while another engine's burst wants more than
-        it holds: the load has moved, so once its queue is empty (or at once, its arrivals stopped:
-        ``backlog_only``) it lends on instead of after its idle hold. With the hold, the quiet
-        borrower restarted twice (the owner's reclaim, then its lend 3 s later) and the bursting
-        engine twice (its base, then the loan): it was set to 18 blocks 9-12 s into its 40 s burst
-        (``bench/results/2026-12-05-llm-vllm/lending-5.json``).
-        Not for an engine whose lends came back soon (its idle hold scaled up): it waits out its hold."""
-        if name not in self.engines_borrowing or self.scale.get(name, 1.0) > 1.0:
-            return False
-        return any(other != name and self.presses(other) for other in self.inputs.need_bytes)
-
-    def presses(self, name: str) -> bool:
-        """Busy (its queue not empty) and wanting more than it holds."""
-        wanted = self.need(name)
-        quiet = self.inputs.states[name].quiet_since_s is not None
-        return not quiet and wanted is not None and wanted - self.holds(name) >= self.dust
 
     def busy_at_base(self, name: str) -> bool:
         """A loan can make its borrower look idle: at the bigger batches it buys, the same requests
@@ -444,12 +422,11 @@ def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
     ledger = r.ledger
     for owner, spec in by_priority:
         short = spec.quota.base - r.holds(owner)
-        if short < r.dust or r.idle(owner) or r.busy_for(owner) < reclaim_hold(r, owner, spec):
+        kind = r.kinds[owner]
+        if short < r.dust or r.idle(owner) or r.busy_for(owner) < kind.reclaim_hold(r, owner, spec):
             continue
-        if owner in r.inputs.need_bytes and (r.need(owner) or 0) <= r.holds(owner):
-            continue  # an LLM engine takes its base back when its cache binds, not for a stray request
-        if owner in r.inputs.need_bytes and r.backlog_only(owner):
-            continue  # its arrivals have stopped: the tail of a burst it just handed over, not load back
+        if not kind.reclaims(r, owner):
+            continue
         load = r.loads[owner]
         why = (
             f"{owner} load back for {r.busy_for(owner):.0f}s (arrival_rate_rps {load.arrival_rate_rps:.1f}, "
@@ -466,17 +443,6 @@ def reclaim_base(r: QuotaRound, by_priority: _Order) -> None:
             else:
                 r.transfer(borrower, owner, take, MoveKind.RECLAIM, why + f" from {borrower}'s loan")
                 short -= take
-
-
-def reclaim_hold(r: QuotaRound, owner: str, spec: ModelSpec) -> float:
-    """How long an owner's load must stay back before it reclaims: ``reclaim_hold_s``, which keeps a
-    clump of stray requests from pulling memory back; none for an LLM engine whose queue (running +
-    waiting) has reached its expected peak concurrency, a burst no clump makes (with the hold, a
-    bursting engine that had lent ran 4 s more on its smallest cache while its queue passed 600)."""
-    if owner in r.inputs.need_bytes and spec.llm is not None:
-        if r.loads[owner].queue_depth >= spec.llm.expected_peak_concurrency:
-            return 0.0
-    return spec.control.reclaim_hold_s
 
 
 def _lend_regret(r: QuotaRound, owner: str, spec: ModelSpec) -> str:
@@ -526,59 +492,32 @@ def lend_to(r: QuotaRound, name: str) -> None:
     wanted = r.need(name)
     if wanted is None:
         return
-    load, engine = r.loads[name], name in r.inputs.need_bytes
+    load, kind = r.loads[name], r.kinds[name]
     if load.held_over:  # refusing requests, it holds over its grant: that + its batch
         wanted = min(r.config.models[name].quota.max, load.mem_used_bytes + wanted)
     deficit = wanted - r.holds(name)
     if deficit < r.dust:
         return
-    why = _WantsWhy(r, name, wanted)
+    why = kind.wants_why(r, name, wanted)
     deficit -= r.grow(name, deficit, MoveKind.GROW, lambda: why() + ": from the free pool")
     if deficit < r.dust:
         return
-    if not engine:
-        ceiling = r.mm(name).cap_for(r.holds(name) / r.replicas(name))
-        if pressed(load, r.config.models[name], ceiling, explain=False) is not None:
-            return  # not logged: with lazy formation this is most ticks of most models
-        reason = why() + (
-            f", refusing requests: it holds {format_size(load.mem_used_bytes)}, over its grant"
-            if load.held_over
-            else f", behind at its memory ceiling {ceiling} (queue {load.queue_depth:.0f}, recent P95 "
-            f"{load.recent_p95_ms or 0.0:.0f} ms)"
-        )
-    else:
-        reason = why()
+    reason = kind.borrow_reason(r, name, why)
+    if reason is None:
+        return
     offers = _offers(r, name, deficit)
-    if not engine and offers and not load.held_over and not _lifts_ceiling(r, name, offers):
-        return  # what the idle models can spare would not raise its batch: a move that buys nothing
+    if offers and not kind.loan_buys(r, name, offers):
+        return  # what the idle models can spare would buy it nothing
     for donor, amount in offers:
         r.transfer(donor, name, amount, MoveKind.LEND, f"{reason}: {_lender_why(r, donor, amount)}")
 
 
 def _lender_why(r: QuotaRound, donor: str, amount: int) -> str:
     load = r.loads[donor]
-    if r.hands_over(donor):
+    if r.kinds[donor].hands_over(r, donor):
         return f"{donor}'s burst is over (queue {load.queue_depth:.0f}): it hands over {format_size(amount)}"
     quiet_for = r.now_s - (r.inputs.states[donor].quiet_since_s or r.now_s)
     return f"{donor} idle (busy_frac {load.busy_frac:.2f}) for {quiet_for:.0f}s lends {format_size(amount)}"
-
-
-class _WantsWhy:
-    """The reason a model asks for memory, written only when a move needs it (the grant as it
-    was when the model's turn began)."""
-
-    def __init__(self, r: QuotaRound, name: str, wanted: int) -> None:
-        self.name, self.wanted, self.grant = name, wanted, r.ledger.grant(name)
-        self.want, self.engine = r.inputs.wants[name], name in r.inputs.need_bytes
-
-    def __call__(self) -> str:
-        if self.engine:
-            return f"{self.name} engine wants {format_size(self.wanted)}, grant {format_size(self.grant)}"
-        w = self.want
-        return (
-            f"{self.name} wants batch {w.cap} ({w.trigger} {w.value:.1f}) needing {format_size(self.wanted)}, "
-            f"grant {format_size(self.grant)}"
-        )
 
 
 def _offers(r: QuotaRound, name: str, deficit: int) -> list[tuple[str, int]]:
@@ -597,7 +536,7 @@ def _offers(r: QuotaRound, name: str, deficit: int) -> list[tuple[str, int]]:
     return offers
 
 
-def _lifts_ceiling(r: QuotaRound, name: str, offers: list[tuple[str, int]]) -> bool:
+def lifts_ceiling(r: QuotaRound, name: str, offers: list[tuple[str, int]]) -> bool:
     """Whether the offers raise the batch ``name``'s memory holds (an unknown ceiling counts as raised)."""
     holds, replicas, mm = r.holds(name), r.replicas(name), r.mm(name)
     ceiling = mm.cap_for(holds / replicas)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -477,3 +477,53 @@ def load_from_report(
         incoming_bytes=int(incoming_bytes),
         max_batched_tokens=int(report.get("max_batched_tokens") or 0),
     )
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What an engine's rules decided last (``PolicyState.engines``)."""
+
+    state: LlmState
+    decision: LlmDecision
+    last_rule: str  # the rule that answered last (a new rule holding is logged)
+
+    def to_dict(self) -> dict[str, Any]:
+        s, d = asdict(self.state), self.decision
+        s["last_change_s"] = None if not math.isfinite(self.state.last_change_s) else self.state.last_change_s
+        return {
+            "state": s,
+            "decision": {**asdict(d), "value": d.value if math.isfinite(d.value) else None},
+            "last_rule": str(self.last_rule),
+        }
+
+    @classmethod
+    def from_parts(cls, state: Mapping[str, Any], decision: Mapping[str, Any], last_rule: str) -> EngineRecord:
+        s = dict(state)
+        s["last_change_s"] = float("-inf") if s.get("last_change_s") is None else float(s["last_change_s"])
+        raw = dict(
+            decision,
+            rule=LlmRule(decision["rule"]),
+            trigger=LlmTrigger(decision["trigger"]),
+            value=float(decision.get("value") or 0.0),
+        )
+        return cls(
+            LlmState(**{k: v for k, v in s.items() if k in LlmState.__dataclass_fields__}),
+            LlmDecision(**raw),
+            last_rule,
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineRecord:
+        return cls.from_parts(data["state"], data["decision"], str(data.get("last_rule", "")))
+
+
+def engines_from_llm_section(data: Mapping[str, Any] | None) -> dict[str, EngineRecord]:
+    """The engine records of a checkpoint written before the engine state joined the policy
+    state (its ``llm_state`` section: ``states``, ``decisions``, ``last_rule`` per model)."""
+    data = data or {}
+    states, decisions, rules = data.get("states", {}), data.get("decisions", {}), data.get("last_rule", {})
+    return {
+        n: EngineRecord.from_parts(states[n], decisions[n], str(rules.get(n, decisions[n]["rule"])))
+        for n in decisions
+        if n in states
+    }

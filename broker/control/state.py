@@ -1,17 +1,22 @@
-"""Per-model values shared by the batch rules, the lending planner and the policy.
+"""The policy's state and the per-model values shared by the rules, the kinds and the lending planner.
 
-``BatchWant`` (what the batch rules want for one model, before guard-rails) and
-``ModelState`` (one model's policy state between ticks) live here so that
-``gpubroker.broker.control.lending`` can take them without importing ``gpubroker.broker.control.policy`` (which imports it).
-Both are named tuples: immutable, and a tick builds one or two of each per model.
+``BatchWant`` (what a model's rules want, before guard-rails), ``ModelState`` (one model's policy
+state between ticks) and ``PolicyState`` (the whole policy's, checkpointed) live here so that the
+kinds and ``gpubroker.broker.control.lending`` can take them without importing
+``gpubroker.broker.control.policy`` (which imports them). The first two are named tuples:
+immutable, and a tick builds one or two of each per model.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.llm_rules import EngineRecord
 from gpubroker.broker.control.vocab import Rule, Trigger
+from gpubroker.quotas.ledger import QuotaLedger
 
 
 class BatchWant(NamedTuple):
@@ -50,3 +55,66 @@ class ModelState(NamedTuple):
     def evolved(self, **changes: Any) -> ModelState:
         """A copy with ``changes`` (unknown names are refused)."""
         return self._replace(**changes)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    models: Mapping[str, ModelState]
+    ledger: QuotaLedger
+    profile: str = ""
+    tick: int = 0
+    # donor -> settings version the donor must run before its pending transfers may complete
+    confirm_after: Mapping[str, int] = field(default_factory=dict)
+    # reclaim escalation (gpubroker.broker.control.lending): borrower -> step reached; model -> restart token
+    reclaim_steps: Mapping[str, int] = field(default_factory=dict)
+    restart_tokens: Mapping[str, int] = field(default_factory=dict)
+    lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
+    lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent
+    engines: Mapping[str, EngineRecord] = field(default_factory=dict)  # kind: llm -> its rules' last decision
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "models": {name: _state_to_dict(s) for name, s in self.models.items()},
+            "ledger": self.ledger.to_dict(),
+            "profile": self.profile,
+            "tick": self.tick,
+            "confirm_after": dict(self.confirm_after),
+            "reclaim_steps": dict(self.reclaim_steps),
+            "restart_tokens": dict(self.restart_tokens),
+            "lend_scale": dict(self.lend_scale),
+            "lent_at": dict(self.lent_at),
+            "engines": {name: e.to_dict() for name, e in self.engines.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PolicyState:
+        models = {}
+        for name, raw in data["models"].items():
+            raw = dict(raw)
+            raw["reversals"] = tuple(raw.get("reversals", ()))
+            if raw.get("fit") is not None:
+                raw["fit"] = tuple(raw["fit"])
+            for key in ("last_change_s", "last_reversal_s", "emergency_s"):
+                if raw.get(key) is None:
+                    raw[key] = float("-inf")
+            models[name] = ModelState(**raw)
+        return cls(
+            models=models,
+            ledger=QuotaLedger.from_dict(data["ledger"]),
+            profile=data.get("profile", ""),
+            tick=int(data.get("tick", 0)),
+            confirm_after={k: int(v) for k, v in data.get("confirm_after", {}).items()},
+            reclaim_steps={k: int(v) for k, v in data.get("reclaim_steps", {}).items()},
+            restart_tokens={k: int(v) for k, v in data.get("restart_tokens", {}).items()},
+            lend_scale={k: float(v) for k, v in data.get("lend_scale", {}).items()},
+            lent_at={k: float(v) for k, v in data.get("lent_at", {}).items()},
+            engines={k: EngineRecord.from_dict(v) for k, v in data.get("engines", {}).items()},
+        )
+
+
+def _state_to_dict(state: ModelState) -> dict[str, Any]:
+    out = state._asdict()
+    for key in ("last_change_s", "last_reversal_s", "emergency_s"):
+        if out[key] == float("-inf"):
+            out[key] = None  # JSON has no -inf
+    return out

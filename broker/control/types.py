@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpubroker.broker.control.vocab import MoveKind, Rule, Trigger
 
@@ -71,6 +72,17 @@ class ModelLoad:
     replica_reports: tuple[ReplicaSeen, ...] = ()  # every live replica's latest report (sorted by id)
 
 
+LogLine = tuple[dict[str, Any], str]  # a decision-log entry and its log line
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine's latest report over the window, as the LLM kind's rules read it."""
+
+    report: Mapping[str, Any]  # the first live replica's latest engine report (gpubroker.broker.wire.EngineReport)
+    replicas: int  # live replicas reporting engine stats
+
+
 @dataclass(frozen=True)
 class FleetSnapshot:
     """Everything a policy may look at. ``now_s`` is epoch seconds (virtual in the simulator)."""
@@ -78,6 +90,7 @@ class FleetSnapshot:
     now_s: float
     gpu: GpuLoad
     models: Mapping[str, ModelLoad] = field(default_factory=dict)
+    engines: Mapping[str, EngineView] = field(default_factory=dict)  # kind: llm models with a live engine report
 
 
 @dataclass(frozen=True)
@@ -114,3 +127,4 @@ class FleetDecision:
     models: Mapping[str, ModelDecision]
     moves: tuple[QuotaMove, ...] = ()
     notes: tuple[str, ...] = ()  # e.g. "widened dead band for mlp after 5 reversals"
+    log: tuple[LogLine, ...] = ()  # the kinds' own entries (engine bounds), logged before the settings

@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpubroker.broker.control.llm_rules import EngineRecord, LlmDecision, LlmRule, LlmState, LlmTrigger
 from gpubroker.broker.control.policy import PolicyState, decide, initial_state
 from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad, ModelLoad, ReplicaSeen
 from gpubroker.quotas.config import FleetConfig, parse_config
@@ -77,6 +78,21 @@ def gpu(free_frac: float = 0.5, capacity: int = 10 * GiB, usable: int = 9 * GiB,
     )
 
 
+def with_engine_needs(state: PolicyState, need_bytes: dict[str, int]) -> PolicyState:
+    """``state`` as if each engine's rules had last decided to want ``need_bytes`` (its other bounds
+    as they were, or a small engine's)."""
+    engines = dict(state.engines)
+    for name, want in need_bytes.items():
+        old = engines.get(name)
+        decision = (
+            replace(old.decision, want_grant_bytes=int(want))
+            if old is not None
+            else LlmDecision(8, 1024, 8, False, 8 * 256 * 1024, int(want), LlmRule.HOLD, LlmTrigger.HOLD, 0.0, "test")
+        )
+        engines[name] = EngineRecord(old.state if old else LlmState(8, 1024, 8), decision, str(decision.rule))
+    return replace(state, engines=engines)
+
+
 @dataclass
 class FakeClock:
     """Integer ticks from a fixed epoch: float steps drift, integer ticks do not."""
@@ -110,7 +126,8 @@ class Driver:
         advance: int = 1,
         need_bytes: dict[str, int] | None = None,
     ) -> FleetDecision:
-        """One tick; ``need_bytes``: the LLM engines' wanted grants (gpubroker.broker.control.llm_window)."""
+        """One tick; ``need_bytes``: LLM engines' wanted grants, as their rules would have decided
+        them on the tick before (``with_engine_needs``)."""
         now = self.clock.advance(advance)
         full = {n: loads.get(n, load(n)) for n in self.config.models}
         # replicas report running the current settings unless the test says otherwise
@@ -124,7 +141,9 @@ class Driver:
             for n, l in full.items()
         }
         snap = FleetSnapshot(now_s=now, gpu=gpu_load or gpu(), models=full)
-        decision, self.state = decide(snap, self.config, self.state, need_bytes)
+        if need_bytes:
+            self.state = with_engine_needs(self.state, need_bytes)
+        decision, self.state = decide(snap, self.config, self.state)
         self.history.append(decision)
         self.state.ledger.check()
         return decision

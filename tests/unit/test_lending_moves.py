@@ -216,7 +216,7 @@ def test_an_llm_engine_reclaims_its_base_when_its_cache_binds_not_for_a_stray_re
     """An engine that lent serves a few requests from the cache it kept (busy, but its wanted grant
     within what it holds): its loan stays out. When its cache binds (it wants more than it holds)
     it takes its base back after reclaim_hold_s."""
-    d = _two_models()
+    d = _two_engines()
     quiet = dict(busy_frac=0.0, queue_depth=0, arrival_rate_rps=0.0)
     busy = dict(busy_frac=0.6, queue_depth=3, arrival_rate_rps=5.0)
     wants = {"a": 6 * GiB, "b": 1 * GiB}  # a's cache binds; b shrank to its min

@@ -125,13 +125,11 @@ def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(t
     # the rule state survives a broker restart: the next decision continues, it does not start over
     restarted = BrokerCore(text, clock=lambda: float(now[0]), checkpoint=ckpt)
     assert restarted.restored and restarted.settings("chat").engine.max_num_seqs == 4
-    assert restarted._llm.to_dict()["states"]["chat"]["max_num_seqs"] == 4
+    assert restarted.status()["models"]["chat"]["engine"]["max_num_seqs"] == 4
 
 
 def test_batch_policy_holds_llm_models_and_lending_takes_the_engines_need():
-    from gpubroker.broker.control.llm_window import LlmControl
-    from gpubroker.broker.control.policy import LLM_HOLD_REASON
-    from gpubroker.quotas.config import parse_config_text
+    from gpubroker.broker.control.kind_llm import LLM_HOLD_REASON
 
     text = CONFIG.read_text(encoding="utf-8")
     now = [1000]
@@ -139,8 +137,7 @@ def test_batch_policy_holds_llm_models_and_lending_takes_the_engines_need():
     now[0] += 1
     core.tick()
     assert core._last_decision.models["chat"].reason == LLM_HOLD_REASON
-    ctl = LlmControl(parse_config_text(text, "t"))
-    assert ctl.models == ("chat", "code") and ctl.need_bytes() == {}
+    assert core.settings("chat").engine is None  # no engine report yet: no rules ran, no bounds, no need
 
 
 def test_a_request_shed_for_overload_gets_openais_503_streamed_or_not():

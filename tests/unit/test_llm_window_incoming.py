@@ -1,13 +1,18 @@
-"""``LlmControl.step`` hands each engine's rules the grant in flight to it (pure: engine reports as
-dicts, no engine; the broker core passes its ledger's ``incoming_bytes`` per model)."""
+"""The LLM kind's ``bounds`` hands an engine's rules the grant in flight to it (pure: engine reports
+as dicts, no engine; the ledger's ``incoming_bytes`` of the model, after the tick's quota plan)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gpubroker.broker.control.llm_rules import LlmRule
-from gpubroker.broker.control.llm_window import LlmControl
+from gpubroker.broker.control.kind_llm import LlmKind
+from gpubroker.broker.control.llm_rules import EngineRecord, LlmRule
+from gpubroker.broker.control.model_step import TickView
+from gpubroker.broker.control.policy import initial_state, quotas_of
+from gpubroker.broker.control.profiles import active_profile
+from gpubroker.broker.control.types import EngineView, FleetSnapshot, GpuLoad
 from gpubroker.quotas.config import parse_config_text
+from gpubroker.quotas.ledger import QuotaLedger
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llm-demo.yaml"
 MiB = 1024**2
@@ -35,13 +40,23 @@ def _report(**over) -> dict:
     return r
 
 
+def _bounds(engine: EngineRecord | None, now_s: float, chat_grant: int, incoming: int):
+    """The kind's bounds for ``chat`` with ``chat_grant`` and ``incoming`` on its way (from code)."""
+    cfg = parse_config_text(CONFIG.read_text(encoding="utf-8"), "t")
+    usable = 48 * MiB
+    ledger = QuotaLedger(usable, quotas_of(cfg), grants={"chat": chat_grant, "code": 12 * MiB + incoming})
+    if incoming:
+        ledger.begin_transfer("code", "chat", incoming, now_s, "lend")
+    snap = FleetSnapshot(now_s, GpuLoad(64 * MiB, usable, 0, 0.5), engines={"chat": EngineView(_report(), 1)})
+    view = TickView(snap, cfg, initial_state(cfg, usable), active_profile(cfg.profiles, now_s), now_s, 1.0)
+    return LlmKind(engine).bounds(view, "chat", cfg.models["chat"], ledger)
+
+
 def _decide(incoming: dict[str, int]) -> tuple[str, int, str]:
-    ctl = LlmControl(parse_config_text(CONFIG.read_text(encoding="utf-8"), "t"))
-    ctl.window.add("chat", "chat-1", _report(), 100.0)
-    ctl.step(100.0, 0.5, {"chat": 9 * MiB // 2, "code": 12 * MiB})  # start: the 8 blocks 4.5 MiB holds
-    ctl.window.add("chat", "chat-1", _report(), 105.0)
-    entries = ctl.step(105.0, 0.5, {"chat": 6 * MiB, "code": 12 * MiB}, incoming=incoming)
-    entry = entries[-1][0]
+    first, _ = _bounds(None, 100.0, 9 * MiB // 2, 0)  # start: the 8 blocks 4.5 MiB holds
+    _, logged = _bounds(first, 105.0, 6 * MiB, incoming.get("chat", 0))
+    assert logged is not None
+    entry = logged[0]
     return entry["rule"], entry["new"]["kv_blocks"], entry["reason"]
 
 
