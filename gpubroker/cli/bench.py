@@ -41,7 +41,9 @@ def bench(
         ...,
         help="seed | oracle | burst | overhead | trace | oracle-knee, report (bench/RESULTS.md and README.md's table "
         "from the JSON committed under bench/results/), lending "
-        "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), or scale "
+        "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), matrix (the load "
+        "matrix on the simulator: fleets x arrival processes x load levels on fresh seeds, the broker against the "
+        "fixed batch, the per-cell oracle and itself with quotas fixed), or scale "
         "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
         "(vLLM CPU engines, each a Ray actor of its own, no Serve: broker rules vs static max_num_seqs, lending "
         "between three LLMs)",
@@ -134,6 +136,9 @@ def _run_offline(a: BenchArgs) -> bool:
         print(json.dumps(res, default=str) if a.as_json else lending.table(res))
         typer.echo(f"wrote {a.out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
         return True
+    if a.scenario == "matrix":  # the load matrix on the simulator, fresh seeds (bench/matrix.py)
+        _run_matrix(a)
+        return True
     if a.scenario == "report":  # RESULTS.md and the README's table from the JSON committed under bench/results/
         from bench import results
 
@@ -152,6 +157,23 @@ def _run_offline(a: BenchArgs) -> bool:
         typer.echo(f"wrote bench/RESULTS.md and README.md's results table from {results.ROOT}/")
         return True
     return False
+
+
+def _run_matrix(a: BenchArgs) -> None:
+    """The load matrix: matrix.json (aggregates per cell, the seeds drawn now) and matrix.png under --out."""
+    from bench import matrix
+    from bench.sim_figures import code_version
+
+    res = matrix.run(quick=a.quick, out=None, say=lambda m: typer.echo(m, err=True))
+    res["command"] = "gpubroker bench matrix" + (" --quick" if a.quick else "") + f" --out {a.out}"
+    res["code"] = code_version()  # the commit the run is on (and whether the tree was clean)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "matrix.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+    print(json.dumps(res) if a.as_json else matrix.table(res))
+    png = matrix.heatmap(res, a.out / "matrix.png")
+    if png is None:
+        typer.echo("matrix.png skipped: matplotlib is not installed (pip install 'gpubroker[plot]')", err=True)
+    typer.echo(f"wrote {a.out / 'matrix.json'} in {res['runtime_s']:.0f} s", err=True)
 
 
 def _run_live(a: BenchArgs) -> None:

@@ -1,0 +1,75 @@
+"""The load matrix (``gpubroker.sim.loads``) and ``gpubroker bench matrix`` on a tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from bench import matrix
+from gpubroker.cli.main import app
+from gpubroker.quotas.config import parse_config
+from gpubroker.sim import loads as L
+
+TINY = matrix.Size(20.0, ("one", "staggered"), ("poisson", "onoff"), (0.8,), ((1.0,), (2.0,)))
+
+
+@pytest.mark.parametrize("process", L.PROCESSES)
+def test_every_process_offers_the_level_it_names(process):
+    """Each model's arrivals average the rate its level names (the capacity rule), within noise."""
+    fleet = L.FLEETS["staggered"]
+    duration = 600.0
+    times = L.times_for(process, fleet, 0.8, duration, seed=11)
+    want = L.rates(fleet, 0.8)
+    got = sum(len(t) for t in times.values()) / duration
+    assert got == pytest.approx(sum(want.values()), rel=0.15)
+    assert all(np.all(np.diff(t) >= 0) and t[-1] < duration for t in times.values())
+
+
+def test_staggered_bursts_take_turns_and_random_ones_overlap():
+    stag = [L.burst_windows("staggered", i, 3, 300.0, 5) for i in range(3)]
+    firsts = [w[0][0] for w in stag]
+    assert firsts[1] - firsts[0] == pytest.approx(L.SLOT_S) and firsts[2] - firsts[1] == pytest.approx(L.SLOT_S)
+    together = [L.burst_windows("together", i, 3, 300.0, 5) for i in range(3)]
+    assert together[0] == together[1] == together[2]
+    rand = [L.burst_windows("random", i, 3, 300.0, 5) for i in range(3)]
+    assert rand[0] != rand[1]
+
+
+def test_every_base_holds_exactly_its_batch_and_the_card_holds_every_base():
+    for fleet in L.FLEETS.values():
+        cfg = parse_config(L.fleet_config(fleet))
+        usable = cfg.usable_bytes()
+        assert sum(m.quota.base for m in cfg.models.values()) <= usable
+        for m in fleet.models:
+            spec = cfg.models[m.name]
+            per = m.item_mib * L.MIB
+            assert (spec.quota.base - m.weights_mib * L.MIB) // per == m.batch
+
+
+def test_fresh_seeds_differ():
+    assert L.fresh_seed() != L.fresh_seed()
+
+
+def test_bench_matrix_cli_writes_the_aggregates_and_the_seeds(tmp_path, monkeypatch):
+    """--quick on a tiny size: the JSON's structure, every cell's seed recorded, no per-request records."""
+    monkeypatch.setattr(matrix, "QUICK", TINY)
+    out = tmp_path / "m"
+    res = CliRunner().invoke(app, ["bench", "matrix", "--quick", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "matrix.json").read_text())
+    assert isinstance(data["root_seed"], int) and data["command"].startswith("gpubroker bench matrix")
+    assert len(data["cells"]) == 4 and data["seeds"] == [c["seed"] for c in data["cells"]]
+    assert len(set(data["seeds"])) == 4
+    for c in data["cells"]:
+        assert set(c["arms"]) == {"broker", "broker-fixed", "fixed-batch", "oracle"}
+        assert c["arms"]["oracle"]["goodput_rps"] >= c["arms"]["fixed-batch"]["goodput_rps"]
+        assert c["broker_vs_fixed"] == pytest.approx(
+            c["arms"]["broker"]["goodput_rps"] / c["arms"]["fixed-batch"]["goodput_rps"], abs=1e-3
+        )
+    assert set(data["targets"]) == set(matrix.TARGETS)
+    assert data["distributions"]["broker_vs_fixed"]["n"] == 4
+    assert data["capacity"]["fleets"]["one"]["models"]["m0"]["batch_at_base"] == 8
+    assert "latency_ms" not in json.dumps(data)  # aggregates only
