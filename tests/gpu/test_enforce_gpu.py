@@ -138,11 +138,86 @@ def check_oversize_item_fails_alone_on_cuda() -> str:
     return f"[32, 32, 1024, 32] MiB under 256 MiB: 1024 failed alone ({failed.attempted_bytes / MiB:.0f} MiB attempted), 3 answered"
 
 
+CUDA_GROWER = """
+import sys, time, torch
+torch.zeros(1, device="cuda:0")  # the CUDA context first: the watchdog's baseline
+print("ready", flush=True)
+sys.stdin.readline()
+held = [torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda:0") for _ in range(8)]  # 512 MiB, no cap
+torch.cuda.synchronize()
+print("grown", flush=True)
+time.sleep(120)
+"""
+
+
+def check_nvml_watchdog_ends_a_cuda_violator() -> str:
+    """The watchdog process (``python -m gpubroker.deployments.watch --device cuda:0``, cgroup off: NVML's
+    reading alone) ends a child that allocates 512 MiB of CUDA memory against a 64 MiB grant, past
+    the grace and the drain; the bound is ``watch.END_BOUND_S``."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from gpubroker.deployments.watch import END_BOUND_S
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", CUDA_GROWER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        base = _nvml_bytes_of(child.pid)
+        if base is None:
+            return f"child pid {child.pid} is not in NVML's process list (another pid namespace?): not run"
+        cmd = [sys.executable, "-m", "gpubroker.deployments.watch", "--pid", str(child.pid), "--model", "grower"]
+        cmd += ["--device", DEVICE, "--baseline", str(base)]
+        dog = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "GPUBROKER_CGROUP": "off"},
+        )
+        json.loads(dog.stdout.readline())
+        dog.stdin.write(json.dumps({"grant": 64 * MiB, "slack": 64 * MiB, "grace_s": 1.0, "drain_s": 1.0}) + "\n")
+        dog.stdin.flush()
+        child.stdin.write("grow\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "grown"
+        t0 = time.monotonic()
+        code = child.wait(timeout=60)
+        took = time.monotonic() - t0
+        dog.stdin.close()
+        dog.wait(timeout=30)
+        log = dog.stderr.read()
+    finally:
+        child.kill()
+    assert code == -9, (code, log)
+    assert f"pid {child.pid}: SIGKILL" in log, log
+    assert took <= END_BOUND_S + 2.0, f"ended {took:.1f} s after it grew; bound {END_BOUND_S:.1f} s"
+    return (
+        f"512 MiB of CUDA against 64 MiB + 64 MiB slack: SIGKILL {took:.1f} s after it grew (bound {END_BOUND_S:.1f} s)"
+    )
+
+
+def _nvml_bytes_of(pid: int) -> int | None:
+    """NVML's bytes for ``pid`` on card 0 (None: NVML away or the pid not listed)."""
+    from gpubroker.broker.probes import NvmlProbe
+
+    try:
+        got = NvmlProbe(0, pid).process_bytes()
+    except Exception:  # noqa: BLE001 - NVML missing or the pid not visible
+        return None
+    return got or None
+
+
 CHECKS = [
     ("fraction before load", check_fraction_before_load_refuses_past_grant),
     ("shrink: empty_cache + re-measure", check_shrink_empties_cache_and_remeasures),
     ("nvml per-process vs torch", check_nvml_process_memory_vs_torch),
     ("oversize item fails alone", check_oversize_item_fails_alone_on_cuda),
+    ("NVML watchdog ends a CUDA violator", check_nvml_watchdog_ends_a_cuda_violator),
 ]
 
 
@@ -160,3 +235,7 @@ def test_nvml_process_memory_vs_torch():
 
 def test_oversize_item_fails_alone_on_cuda():
     check_oversize_item_fails_alone_on_cuda()
+
+
+def test_nvml_watchdog_ends_a_cuda_violator():
+    check_nvml_watchdog_ends_a_cuda_violator()
