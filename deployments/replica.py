@@ -39,6 +39,7 @@ from typing import Any
 
 from gpubroker.broker.wire import ModelSettings
 from gpubroker.deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
+from gpubroker.deployments.models.base import OutputCountError
 from gpubroker.deployments.units.fast_loop import params_for
 from gpubroker.deployments.units.gate import LazyGate
 from gpubroker.deployments.units.inline_work import InlineOrThread
@@ -51,7 +52,6 @@ from gpubroker.deployments.units.oom import (
     ItemError,
     ItemOOM,
     OomCeiling,
-    OutputCountError,
     item_error,
     need_from_calibration,
     oom_error,
@@ -328,7 +328,7 @@ class ModelReplica(ReplicaMemory):
                 self.cap = min(self.cap, self.oom_ceiling.learn(result.oom_costs))
                 self._batch.set_max_batch_size(self.cap)
             if result.error_splits:  # predict raised: split until the failing items were found
-                failed = ", ".join(f"inputs[{e.index}] {e.kind}" for e in result.errors)
+                failed = ", ".join(f"item {e.index} {e.kind}" for e in result.errors)  # places in the batch
                 logger.warning(
                     "gpubroker replica %s: batch of %d raised; %d splits found the items failing alone: %s",
                     self.name,

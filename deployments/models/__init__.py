@@ -21,6 +21,7 @@ from gpubroker.deployments.models.base import (
     EmulatedOOM,
     InputError,
     ModelAdapter,
+    OutputCountError,
     attribute_module,
     is_oom,
     module_bytes,
@@ -68,6 +69,7 @@ __all__ = [
     "Model",
     "ModelAdapter",
     "ModelRefError",
+    "OutputCountError",
     "is_oom",
     "load_adapter",
     "resolve_model",
@@ -131,7 +133,7 @@ class DuckAdapter(ModelAdapter):
     def predict(self, items: list) -> list:
         out = list(self._settle(self.inner.predict(list(items))))
         if len(out) != len(items):
-            raise RuntimeError(f"model '{self.name}': predict returned {len(out)} outputs for {len(items)} inputs")
+            raise OutputCountError(f"model '{self.name}': predict returned {len(out)} outputs for {len(items)} inputs")
         return out
 
     def example_input(self, cost: int | None = None) -> Any:

@@ -21,6 +21,12 @@ class InputError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class OutputCountError(RuntimeError):
+    """``predict`` returned a different number of outputs than it was given inputs: the model broke
+    its contract, no input is at fault (a failing batch is not split for it); the text holds the
+    counts only, never an input."""
+
+
 class EmulatedOOM(MemoryError):
     """Raised by emulated models (``profiled``) when weights + batch exceed the memory limit."""
 

@@ -24,7 +24,9 @@ class Model(Protocol):
     def predict(self, items: list[Any]) -> list[Any]:
         """One output per item, in order. An output is JSON data or what PyTorch code returns:
         numpy scalars and arrays, torch tensors, tuples, dataclasses (NaN and infinity are
-        refused with a 500 naming the item and the field)."""
+        refused with a 500 naming the item and the field). When it raises, the replica splits
+        the batch until the items that fail alone are found; only they fail, with their own
+        error (``gpubroker.InputError``: 422 naming the field; anything else: 500)."""
         ...
 
     def load(self, device: str) -> None:

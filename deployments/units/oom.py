@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpubroker.deployments.models.base import InputError, is_oom
+from gpubroker.deployments.models.base import InputError, OutputCountError, is_oom
 
 OOM_STATUS = 507  # HTTP status of a request with an item that cannot run alone under the grant
 
@@ -132,11 +132,6 @@ class ItemError:
         return 422 if self.field is not None else 500
 
 
-class OutputCountError(RuntimeError):
-    """``run_batch`` returned a different number of outputs than it was given inputs: the model
-    broke its contract (no input is at fault, so nothing is split); its text holds counts only."""
-
-
 @dataclass(frozen=True)
 class BatchResult:
     outputs: tuple[Any, ...]  # per item, in order: the model's output, an ItemOOM or an ItemError
@@ -200,7 +195,9 @@ def run_items(
             return [stop[0]] * len(chunk), False
         try:
             outputs = list(run_batch(chunk))
-        except Exception as exc:  # noqa: BLE001 - any failure of the model splits the batch
+        except OutputCountError:  # the model's bug, not an input's: splitting would hide it
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other failure of the model splits the batch
             failure: Exception | None = exc
         else:
             failure = None

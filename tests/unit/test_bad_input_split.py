@@ -15,12 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpubroker.deployments.models import EmulatedOOM, InputError
+from gpubroker.deployments.models import EmulatedOOM, InputError, OutputCountError
 from gpubroker.deployments.units.oom import (
     ERROR_TEXT_CHARS,
     ItemError,
     ItemOOM,
-    OutputCountError,
     item_error,
     oom_error,
     run_items,
@@ -126,6 +125,15 @@ def test_a_wrong_output_count_is_the_models_bug_not_split():
 
     with pytest.raises(OutputCountError, match="1 outputs for a batch of 4"):
         run_items(run, [1, 2, 3, 4])
+    assert calls == [4]
+
+    def wrapped(items):  # a user model's wrapper raises it from inside predict: not split either
+        calls.append(len(items))
+        raise OutputCountError(f"predict returned 0 outputs for {len(items)} inputs")
+
+    calls.clear()
+    with pytest.raises(OutputCountError):
+        run_items(wrapped, [1, 2, 3, 4])
     assert calls == [4]
 
 

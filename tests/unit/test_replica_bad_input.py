@@ -13,9 +13,8 @@ import asyncio
 import json
 
 from gpubroker.broker.core import BrokerCore
-from gpubroker.deployments.models import InputError
+from gpubroker.deployments.models import InputError, OutputCountError
 from gpubroker.deployments.replica import ModelReplica, batch_failure_detail
-from gpubroker.deployments.units.oom import OutputCountError
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2
