@@ -43,6 +43,7 @@ from gpubroker.broker.control.llm_rules import engines_from_llm_section
 from gpubroker.broker.control.llm_window import EngineWindow, engine_status
 from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
+from gpubroker.broker.control.replica_targets import CardView
 from gpubroker.broker.control.tallies import Tallies, Tally
 from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from gpubroker.broker.control.vocab import EntryKind
@@ -333,7 +334,7 @@ class BrokerCore:
             self._log_event(EntryKind.NOTE, note)
         self._check_grants()
         self.checkpoint_now()
-        if getattr(self.metrics, "active", True):
+        if not isinstance(self.metrics, NullMetrics):  # NullMetrics records nothing: no status() to build
             self.metrics.observe_tick(decision, self.status(), time.perf_counter() - started)
         return {"ok": True, "now_s": now, "changed": changed, "profile": decision.profile, "dry_run": dry}
 
@@ -519,6 +520,11 @@ class BrokerCore:
     @property
     def config(self) -> FleetConfig:
         return self._cfg
+
+    @property
+    def card_view(self) -> CardView:
+        """What the replica rule reads of this card after its tick (``replica_targets``)."""
+        return CardView(self._cfg, self._last_snapshot, self._state)
 
     def settings(self, model: str) -> ModelSettings:
         self._require_model(model)

@@ -209,7 +209,7 @@ class FleetBroker:
             changed.extend(res.get("changed", []))
             out["profile"] = res.get("profile")
             out["dry_run"] = res.get("dry_run")
-        live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}
+        live = {cid: core.card_view for cid, core in self.cores.items() if cid not in self.lost}
         steps = self.replica_targets.step(now, live, dry_run=self._cfg.broker.dry_run, label_cards=not self.single)
         for entry, line in steps:
             self.log.append(entry, line)

@@ -3,15 +3,16 @@
 After every card's core has ticked, ``ReplicaTargets.step`` reads what the tick left (rate, live
 replicas, latency fit, grant, active profile) and decides a target per card and model (each card's
 group is its own Serve deployment), with one ``kind: replicas`` log entry per change. The targets
-live here so the core stays as it is; they are not checkpointed (a restarted broker starts from the
-configured counts). Pure: the cores are read duck-typed, time is ``now_s``.
+live here; they are not checkpointed (a restarted broker starts from the configured counts). Each
+card is read as a ``CardView`` (its config, its last tick's snapshot and policy state): the rules
+read only those. Time is ``now_s``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpubroker.broker.control.decision_log import finite
 from gpubroker.broker.control.memory_model import MemoryModel
@@ -26,16 +27,27 @@ from gpubroker.broker.control.replica_rules import (
     decide,
     initial_state,
 )
+from gpubroker.broker.control.state import PolicyState
+from gpubroker.broker.control.types import FleetSnapshot
 from gpubroker.broker.control.vocab import EntryKind
+from gpubroker.quotas.config import FleetConfig
 
 
-def core_inputs(core: Any, now_s: float, only: Callable[[str, Any], bool] | None = None) -> dict[str, ReplicaInputs]:
-    """The replica rule's inputs for the models of one card's core, after its tick (``only``:
-    the models, by name and spec, whose inputs are wanted; default every one)."""
-    cfg = core.config
+class CardView(NamedTuple):
+    """What the replica rule reads of one card after its tick."""
+
+    config: FleetConfig  # the card's config
+    snapshot: FleetSnapshot | None  # its last tick's snapshot (None before the first)
+    state: PolicyState | None  # its policy state after that tick
+
+
+def card_inputs(
+    card: CardView, now_s: float, only: Callable[[str, Any], bool] | None = None
+) -> dict[str, ReplicaInputs]:
+    """The replica rule's inputs for the models of one card, after its tick (``only``: the models,
+    by name and spec, whose inputs are wanted; default every one)."""
+    cfg, snap, state = card.config, card.snapshot, card.state
     profile = active_profile(cfg.profiles, now_s)
-    snap = getattr(core, "_last_snapshot", None)
-    state = getattr(core, "_state", None)
     out: dict[str, ReplicaInputs] = {}
     for name, spec in cfg.models.items():
         if only is not None and not only(name, spec):
@@ -65,9 +77,9 @@ def _params(window_s: float) -> ReplicaParams:
     return ReplicaParams(lower_after_s=LOWER_AFTER_WINDOWS * window_s)
 
 
-def params_for(core: Any, model: str) -> ReplicaParams:
+def params_for(config: FleetConfig, model: str) -> ReplicaParams:
     """The hysteresis of one model: a lower waits ``LOWER_AFTER_WINDOWS`` of its rate window."""
-    return _params(float(core.config.models[model].control.window_s))
+    return _params(float(config.models[model].control.window_s))
 
 
 def replicas_entry(
@@ -113,23 +125,23 @@ class ReplicaTargets:
         self.states: dict[tuple[str, str], ReplicaState] = {}
 
     def step(
-        self, now_s: float, cores: Mapping[str, Any], *, dry_run: bool, label_cards: bool
+        self, now_s: float, cards: Mapping[str, CardView], *, dry_run: bool, label_cards: bool
     ) -> list[tuple[dict[str, Any], str]]:
         """Decide every live card's models; the log entries of the targets that changed.
         ``label_cards``: entries carry ``card`` (a fleet of many cards)."""
         changes: list[tuple[dict[str, Any], str]] = []
-        for cid, core in cores.items():
+        for cid, card in cards.items():
             only = None
-            if active_profile(core.config.profiles, now_s).objective != THROUGHPUT:
+            if active_profile(card.config.profiles, now_s).objective != THROUGHPUT:
                 # off-peak every target is the configured count: only a model not there yet is decided
                 def only(name: str, spec: Any, cid: str = cid) -> bool:
                     st = self.states.get((cid, name))
                     return st is not None and st != initial_state(spec.replicas)
 
-            for name, inp in core_inputs(core, now_s, only).items():
+            for name, inp in card_inputs(card, now_s, only).items():
                 key = (cid, name)
                 st = self.states.get(key) or initial_state(inp.configured)
-                d, self.states[key] = decide(inp, st, params_for(core, name))
+                d, self.states[key] = decide(inp, st, params_for(card.config, name))
                 if d.changed:
                     changes.append(replicas_entry(inp, d, name, cid if label_cards else "", dry_run))
         return changes
@@ -140,4 +152,4 @@ class ReplicaTargets:
         return configured if st is None else st.target
 
 
-__all__ = ["ReplicaTargets", "core_inputs", "params_for", "replicas_entry"]
+__all__ = ["CardView", "ReplicaTargets", "card_inputs", "params_for", "replicas_entry"]

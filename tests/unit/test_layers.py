@@ -363,3 +363,33 @@ def test_the_private_import_check_sees_one():
         (1, "gpubroker.broker.control", "_x")
     ]
     assert private_imports(tree, "gpubroker.broker.control.window") == []  # a module's own names are its own
+
+
+def private_getattrs(tree: ast.AST) -> list[tuple[int, str]]:
+    """``getattr(x, "_name", ...)`` calls whose object is not ``self`` or ``cls``: (line, name)."""
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"):
+            continue
+        if len(node.args) < 2 or not isinstance(node.args[1], ast.Constant) or not isinstance(node.args[1].value, str):
+            continue
+        obj, name = node.args[0], node.args[1].value
+        if (
+            name.startswith("_")
+            and not name.startswith("__")
+            and not (isinstance(obj, ast.Name) and obj.id in ("self", "cls"))
+        ):
+            out.append((node.lineno, name))
+    return out
+
+
+def test_no_getattr_of_another_objects_private_attribute():
+    """A rule reads its inputs, not the mechanism's privates: ``getattr(core, "_state")`` is refused
+    (on ``self`` a class may read its own; dunders are the language's)."""
+    assert private_getattrs(ast.parse('getattr(core, "_state", None)')) == [(1, "_state")]
+    found = [
+        f"{path.relative_to(ROOT)}:{line} getattr(..., {name!r})"
+        for path in source_files().values()
+        for line, name in private_getattrs(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert not found, "getattr of another object's private attribute: " + "; ".join(found)
