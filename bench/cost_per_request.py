@@ -16,7 +16,7 @@ Processes per arm (the client runs in this process and is not counted):
   actor and the fleet API replica (not on the request path: reports and status);
   ``fleet-pinned`` is the same fleet held static at plain's batch and wait;
 - ``fleet-direct``: the same fleet with ``broker.direct_ingress``, the load sent to the model
-  replica's own port (``gpubroker.deployments.direct_ingress``: no proxy on the path; the proxy is still
+  replica's own port (``gpubroker.deployments.serve.direct_ingress``: no proxy on the path; the proxy is still
   counted, and idles). Any ``-direct`` arm starts Ray with Serve's direct ingress for every arm;
   the proxy arms then run beside it unchanged;
 - ``plain``: the proxy, the FastAPI ingress replica and the ``@serve.batch`` replica

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.enforce_accuracy [--grants 64,256] [--json PATH]
 
-Each row runs in a fresh child process: ``CpuRlimitLimiter`` (deployments/enforce.py) measures
+Each row runs in a fresh child process: ``CpuRlimitLimiter`` (deployments/enforce/limits.py) measures
 the child, takes the grant, then the child allocates with one pattern in 8 MiB steps until an
 allocation fails (or 2x the grant is reached) and reports what it got. Columns:
 
@@ -33,7 +33,7 @@ PATTERNS = ("torch-ones", "torch-empty", "numpy", "bytearray", "mmap-private", "
 CHILD = r"""
 import json, mmap, sys, tempfile, threading
 from gpubroker.broker.probes import proc_status_bytes
-from gpubroker.deployments.enforce import CpuRlimitLimiter
+from gpubroker.deployments.enforce.limits import CpuRlimitLimiter
 from gpubroker.deployments.models import is_oom
 MiB = 1024 ** 2
 pattern, grant, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -40,13 +40,13 @@ from bench import loadgen as lg
 from bench import scenarios as sc
 from bench.cost_per_request import CLK_TCK, cpu_s, descendants, serve_pids
 from bench.live_runs import Opts, Workload, knee_arrivals, minilm_workload, profiled_workload
-from gpubroker.deployments.http_model import HttpModel
+from gpubroker.deployments.serve.http_model import HttpModel
 
 PARTS = ("lag", "in", "wait", "compute", "out")
 
 
 class HttpModelResultsFirst(HttpModel):
-    """The model deployment with the order before ``gpubroker.deployments.units.next_batch``: a batch's results
+    """The model deployment with the order before ``gpubroker.deployments.replica.next_batch``: a batch's results
     are sent before the next batch starts (arm ``results-first``)."""
 
     START_NEXT_FIRST = False

@@ -40,7 +40,7 @@ A_MS, C_MS = 5.0, 1.0  # each model's batch latency: a + c x items (ms)
 STATIC_RPS = STATIC_CAP / (A_MS + C_MS * STATIC_CAP) * 1000.0  # what back-to-back batches of 4 serve: 444/s
 BURST_OVER_STATIC = 1.5  # the in-turn burst: 1.5 x that (667/s), so memory, not the load, bounds the fixed arms
 SLO_MS = 100.0
-# Every broker arm sheds requests too late for the SLO (shed_late, gpubroker.deployments.units.shed): without it
+# Every broker arm sheds requests too late for the SLO (shed_late, gpubroker.deployments.replica.shed): without it
 # an arm whose burst outruns its batches answers everything late (19 req/s within SLO), and a
 # gain over it measures that collapse, not lending. The static split is Serve's as users run it;
 # beside it (not a target) the static split with request_timeout_s at the SLO, the nearest
@@ -59,7 +59,7 @@ def fleet(
     request_timeout_s: float = 10.0,
 ) -> FleetConfig:
     """The lending card. ``fixed``: quotas pinned at base (min = base = max); ``shed_late``:
-    requests too late for the SLO answered 504 at the gate (``gpubroker.deployments.units.shed``)."""
+    requests too late for the SLO answered 504 at the gate (``gpubroker.deployments.replica.shed``)."""
     models = {}
     for name in MODELS:
         quota = (

@@ -43,7 +43,7 @@ class Opts:
     peer: bool = True
     arrivals: str = "poisson"  # knee and sweep runs: poisson, or gamma:CV (bursty, BENCHMARK.md's CV 2 and 4)
     seed_json: str | None = None  # a `bench seed` result: oracle and trace take its measured S and reference
-    # Serve's direct ingress (gpubroker.deployments.direct_ingress): a one-model fleet's load goes to its
+    # Serve's direct ingress (gpubroker.deployments.serve.direct_ingress): a one-model fleet's load goes to its
     # replica's own port instead of the proxy; fleets of several models still load through the proxy
     direct: bool = False
     # every arm of a comparison: one deadline and shedding rule, one knee search (BENCHMARK.md)

@@ -9,7 +9,7 @@ checks, reports to the broker, the fast loop, OOM split-retry.
 
 ``set_batch`` changes the setting live (for grids without a redeploy). ``build_plain_one_hop``
 is the same ``@serve.batch`` replica answering HTTP itself (one hop, like the fleet's models
-since ``gpubroker.deployments.http_model``); ``bench/cost_per_request.py`` measures both shapes.
+since ``gpubroker.deployments.serve.http_model``); ``bench/cost_per_request.py`` measures both shapes.
 """
 
 import asyncio
@@ -92,7 +92,7 @@ def build_plain(model_ref: str, options: dict[str, Any], batch: int, wait_ms: fl
 class PlainHttpModel(PlainModel):
     """Plain Serve in one hop, as a Serve user writes it: the ``@serve.batch`` deployment answers
     HTTP itself (``__call__``), routed at ``/v1/models/<name>``: the like-for-like baseline of
-    the one-hop fleet (``gpubroker.deployments.http_model``), without its checks, reports and gate."""
+    the one-hop fleet (``gpubroker.deployments.serve.http_model``), without its checks, reports and gate."""
 
     def __init__(self, model_ref: str, options: dict[str, Any], batch: int, wait_ms: float, name: str):
         super().__init__(model_ref, options, batch, wait_ms)

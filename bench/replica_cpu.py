@@ -4,7 +4,7 @@ One ``ModelReplica`` in this process (no Ray, no Serve proxy: Serve's real batch
 ``profiled`` emulation sleeping ``a + c*b``, an in-process ``BrokerCore`` behind a stand-in for
 the actor handle), eight closed-loop clients, ``--requests`` requests per arm; the arms run
 interleaved (``--rounds`` each): ``thread`` keeps validation in a worker thread, ``inline`` lets
-``gpubroker.deployments.units.inline_work`` move it onto the loop once measured cheap. Process CPU time per
+``gpubroker.deployments.replica.inline_work`` move it onto the loop once measured cheap. Process CPU time per
 request (``time.process_time``: every thread) is what each arm costs; the serving path around
 it (proxy, actor calls) is ``bench.cost_per_request``'s. Run::
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from gpubroker.broker.core import BrokerCore
 from gpubroker.broker.wire import ModelSettings, StatsReport
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica.deployment import ModelReplica
 
 MIB = 1024**2
 CONFIG = """

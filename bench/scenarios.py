@@ -53,7 +53,7 @@ class Stack:
     """Ray + Serve for one scenario; apps come and go per arm."""
 
     def __init__(self, port: int | None = None, num_cpus: int | None = None, direct_ingress: bool = False):
-        """``direct_ingress``: Ray started with Serve's direct ingress (``gpubroker.deployments.direct_ingress``):
+        """``direct_ingress``: Ray started with Serve's direct ingress (``gpubroker.deployments.serve.direct_ingress``):
         every ingress replica also answers on its own port, and ``FleetTarget.infer_base`` sends a one-model fleet's load there."""
         self.direct_ingress = direct_ingress
         self._env_set: list[str] = []
@@ -67,13 +67,13 @@ class Stack:
         import ray
         from ray import serve
 
-        from gpubroker.deployments.http_proxy import PROXY_ENV
+        from gpubroker.deployments.serve.http_proxy import PROXY_ENV
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         for key, value in PROXY_ENV.items():  # the proxy's own refusals as JSON (lost replica, Serve queue)
             os.environ.setdefault(key, value)
         if self.direct_ingress:  # Ray's processes inherit it; taken out again on exit
-            from gpubroker.deployments.direct_ingress import DIRECT_ENV
+            from gpubroker.deployments.serve.direct_ingress import DIRECT_ENV
 
             for key, value in DIRECT_ENV.items():
                 if key not in os.environ:
@@ -119,7 +119,7 @@ class Stack:
     ) -> FleetTarget:
         from gpubroker.broker.actor import start_broker
         from gpubroker.deployments.app import AppLayout, fleet_apps, run_fleet
-        from gpubroker.deployments.http_model import HttpModel
+        from gpubroker.deployments.serve.http_model import HttpModel
         from gpubroker.quotas.config import parse_config_text
 
         cfg = parse_config_text(config_text, "bench fleet")
@@ -190,7 +190,7 @@ class Stack:
         route prefix); else ""."""
         if not self.direct_ingress:
             return ""
-        from gpubroker.deployments.direct_ingress import wait_replica_ports
+        from gpubroker.deployments.serve.direct_ingress import wait_replica_ports
 
         ports = wait_replica_ports({app: app}, "127.0.0.1", timeout_s)[app]
         if not ports:

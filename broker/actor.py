@@ -3,7 +3,7 @@
 ``BrokerActor`` holds one ``FleetBroker`` on the wall clock, exports its metrics and ticks it every
 ``broker.control_interval_s``. Its methods are the ``gpubroker.broker.wire.BrokerApi`` protocol: typed
 inside, plain data over Ray (``to_dict``/``from_dict`` here and only here). It calls nobody: the
-Serve side pulls the ``ServePlan`` (``gpubroker.deployments.follow``). ``start_broker`` and ``get_broker``
+Serve side pulls the ``ServePlan`` (``gpubroker.deployments.serve.follow``). ``start_broker`` and ``get_broker``
 start and find it; the checkpoint lives in the Ray session directory.
 """
 
@@ -75,7 +75,7 @@ class BrokerActor:
         self._task: asyncio.Task | None = None
         self._last_error: str | None = None
         self._started_s = time.time()
-        # what the Serve side's follower last applied of the plan (gpubroker.deployments.follow), for status
+        # what the Serve side's follower last applied of the plan (gpubroker.deployments.serve.follow), for status
         self._reconcile: dict[str, Any] = {"applied_version": 0, "last": None, "error": None, "last_s": None}
         try:
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -102,7 +102,7 @@ class BrokerActor:
         return self._core.plan().to_dict()
 
     async def follow_placement(self) -> dict[str, Any]:
-        """A follower applies the plan to Serve (``gpubroker.deployments.follow``): from now on a card loss or
+        """A follower applies the plan to Serve (``gpubroker.deployments.serve.follow``): from now on a card loss or
         join re-places the fleet. Idempotent; a restarted broker gets it again from the follower."""
         self._ensure_loop()
         self._core.enable_replacement()
@@ -173,7 +173,7 @@ class BrokerActor:
 
     async def card_health(self) -> dict[str, list[str]]:
         """``lost``: cards marked lost; ``silent``: live cards whose replicas stopped reporting
-        (``gpubroker.broker.fleet_core``). Card routers avoid both (``gpubroker.deployments.http_cards``)."""
+        (``gpubroker.broker.fleet_core``). Card routers avoid both (``gpubroker.deployments.serve.http_cards``)."""
         return self._core.card_health()
 
 
@@ -201,7 +201,7 @@ def start_broker(
 
     The broker is pinned to the head node (a worker node's loss must not take it down; a
     restart finds its checkpoint in the head's session directory). ``cards``: the discovered
-    cards for ``gpus: auto`` (``gpubroker.deployments.cluster_discovery``)."""
+    cards for ``gpus: auto`` (``gpubroker.deployments.cluster.discovery``)."""
     cfg = parse_config_text(config_text, "broker config")
     # The driver knows the session dir; a restarted actor gets the same path back.
     checkpoint_path = checkpoint_path or str(default_checkpoint_path(cfg))

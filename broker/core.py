@@ -210,7 +210,7 @@ class BrokerCore:
         if cal.get("cost_unit"):
             self._cost_units[model] = str(cal["cost_unit"])
         self._replicas[model][replica_id] = self._clock()
-        if cal.get("enforcement"):  # cgroup, rlimit+watch, fraction+watch, watch (gpubroker.deployments.watch)
+        if cal.get("enforcement"):  # cgroup, rlimit+watch, fraction+watch, watch (gpubroker.deployments.enforce.watch)
             self._enforcement.setdefault(model, {})[replica_id] = str(cal["enforcement"])
         self._log_event(
             EntryKind.REGISTER,

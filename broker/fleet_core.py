@@ -6,7 +6,7 @@ have alone, built from the fleet config restricted to the models placed on it
 core, ticks every live core, runs the replica rule (``gpubroker.broker.control.replica_targets``), shares
 one decision log and merges ``status``. A card whose replicas all fall silent for
 ``DEAD_AFTER_S``, or whose node left the Ray cluster (``observe_cards``), is lost; with
-re-placement on (a follower applies it: ``gpubroker.deployments.follow``) its replicas are placed again on
+re-placement on (a follower applies it: ``gpubroker.deployments.serve.follow``) its replicas are placed again on
 the live cards (``gpubroker.broker.control.replacement``). ``plan()`` is what the Serve side must apply
 (``gpubroker.broker.wire.ServePlan``). The Ray actor and the simulator both drive this object.
 """
@@ -166,7 +166,7 @@ class FleetBroker:
 
     def card_health(self) -> dict[str, list[str]]:
         """Lost cards, and live ones none of whose replicas reported for ``stale_after_s`` (a node
-        may be gone but not yet lost): card routers avoid both (``gpubroker.deployments.http_cards``)."""
+        may be gone but not yet lost): card routers avoid both (``gpubroker.deployments.serve.http_cards``)."""
         now, after_s = self._clock(), stale_after_s(self._cfg)
         silent = [c for c, seen in self._seen.items() if c not in self.lost and now - seen > after_s]
         return {"lost": sorted(self.lost), "silent": sorted(silent)}

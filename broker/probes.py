@@ -10,9 +10,9 @@ A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
   enforcement from torch (what ``make_probe`` returns on cuda).
 - ``HostProbe(capacity_bytes)``: CPU-only machines; RSS per process from /proc, the same
   ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``); what
-  holds a replica to its grant is ``gpubroker.deployments.enforce`` (RLIMIT_DATA), not this probe.
+  holds a replica to its grant is ``gpubroker.deployments.enforce.limits`` (RLIMIT_DATA), not this probe.
 
-Readings the limiters of ``deployments/enforce.py`` use (the limit itself is set there):
+Readings the limiters of ``deployments/enforce/limits.py`` use (the limit itself is set there):
 ``proc_status_bytes`` (VmData, VmRSS, RssAnon/RssFile/RssShmem from /proc/<pid>/status: what
 ``RLIMIT_DATA`` counts beside what is resident), ``thread_count``, and on NVML
 ``NvmlProbe.process_bytes`` / ``NvmlProbe.process_sm_util_frac`` (this pid's memory and SM

@@ -95,15 +95,17 @@ class StatsReport:
     sm_util_frac: float | None = None  # NVML SM utilisation, None where there is no GPU
     oom_splits: int = 0  # batches split in two after an out-of-memory error
     emergency_shrinks: int = 0  # fast-loop halvings of the batch cap
-    held_refusals: int = 0  # requests refused because the replica holds over its grant (gpubroker.deployments.enforce)
+    held_refusals: int = (
+        0  # requests refused because the replica holds over its grant (gpubroker.deployments.enforce.limits)
+    )
     shed: int = (
-        0  # of the timeouts, those answered 504 at once: too late for the SLO (gpubroker.deployments.units.shed)
+        0  # of the timeouts, those answered 504 at once: too late for the SLO (gpubroker.deployments.replica.shed)
     )
     settings_version: int = 0  # version of the settings the replica runs now
     card_id: str = ""  # the card the replica was placed on ("" in a one-card fleet)
     oom_costs: tuple[
         float, ...
-    ] = ()  # cost of each batch that ran out of memory though its items then ran (gpubroker.deployments.units.oom)
+    ] = ()  # cost of each batch that ran out of memory though its items then ran (gpubroker.deployments.replica.oom)
     engine: EngineReport | None = (
         None  # kind: llm only: the engine's report (gpubroker.deployments.llm.server.engine_report)
     )
@@ -147,7 +149,7 @@ class ModelSettings:
     grant_bytes: int  # memory quota granted now (per model; replicas split it evenly)
     admit: bool = True  # False pauses admission (memory emergency)
     # A reclaim that the borrower does not honour escalates (gpubroker.broker.control.lending; the replica's
-    # reaction is gpubroker.deployments.units.reclaim): release_cache -> drain -> restart_token bumps.
+    # reaction is gpubroker.deployments.replica.reclaim): release_cache -> drain -> restart_token bumps.
     release_cache: bool = False  # empty the allocator's caches (torch.cuda.empty_cache) and re-measure
     drain: bool = False  # pause admission and let the running batches finish
     restart_token: int = 0  # a replica restarts (fails check_health) when this passes the token it started with
@@ -185,7 +187,7 @@ class ReplicaTarget:
 class ServePlan:
     """Everything the Serve side must change, as the broker wants it now. The broker publishes it
     (``BrokerApi.plan``) and never calls Serve: each replica pulls its own ``settings`` in its report
-    reply; the fleet API's follower (``gpubroker.deployments.follow``) pulls the rest and applies it."""
+    reply; the fleet API's follower (``gpubroker.deployments.serve.follow``) pulls the rest and applies it."""
 
     version: int  # placement version: +1 per re-placement (a card lost, or one joined)
     groups: Mapping[str, Mapping[str, int]]  # model -> card id -> replicas placed there now
@@ -283,7 +285,7 @@ class BrokerStatus(TypedDict, total=False):
     pid: int
     started_s: float
     last_error: str | None
-    reconcile: dict[str, Any]  # what the plan follower applied last (gpubroker.deployments.follow)
+    reconcile: dict[str, Any]  # what the plan follower applied last (gpubroker.deployments.serve.follow)
     metrics_url: str | None
 
 
@@ -337,14 +339,14 @@ class BrokerApi(Protocol):
 
     async def ping(self) -> dict[str, Any]: ...  # ok, pid, started_s, config_hash
 
-    # replicas (gpubroker.deployments.broker_link)
+    # replicas (gpubroker.deployments.replica.broker_link)
     async def register(
         self, model: str, replica_id: str, calibration: dict[str, Any] | None = None, card_id: str = ""
     ) -> dict[str, Any]: ...  # ModelSettings
 
     async def report(self, report: dict[str, Any]) -> dict[str, Any]: ...  # StatsReport in, ModelSettings out
 
-    # the Serve side (gpubroker.deployments.ingress, gpubroker.deployments.follow)
+    # the Serve side (gpubroker.deployments.serve.ingress, gpubroker.deployments.serve.follow)
     async def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]: ...  # {"counted": {model: n}}
 
     async def plan(self) -> dict[str, Any]: ...  # ServePlan
@@ -357,7 +359,7 @@ class BrokerApi(Protocol):
 
     async def card_health(self) -> dict[str, list[str]]: ...  # {"lost": [...], "silent": [...]}
 
-    # the CLI and the HTTP API (gpubroker.cli, gpubroker.deployments.ingress)
+    # the CLI and the HTTP API (gpubroker.cli, gpubroker.deployments.serve.ingress)
     async def status(self) -> BrokerStatus: ...
 
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]: ...

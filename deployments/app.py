@@ -1,9 +1,9 @@
 """Serve application builders: one application per model (its own ingress) plus the fleet API.
 
 Every model is its own Serve application, named ``<fleet app>-<model>`` and routed at
-``<prefix>/v1/models/<model>``: its deployment (``gpubroker.deployments.http_model.HttpModel``, named
+``<prefix>/v1/models/<model>``: its deployment (``gpubroker.deployments.serve.http_model.HttpModel``, named
 as the model) answers HTTP itself, so a request crosses one hop, proxy -> model replica. The
-fleet application (``gpubroker.deployments.ingress.FleetApi``, named as the fleet, at ``<prefix>/``)
+fleet application (``gpubroker.deployments.serve.ingress.FleetApi``, named as the fleet, at ``<prefix>/``)
 answers ``/v1/status``, ``/v1/decisions``, ``/v1/models`` and every path no model owns (404
 naming the known models). ``fleet_apps`` builds them all; ``run_fleet`` deploys them.
 
@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 from ray.serve import Application
 
-from gpubroker.deployments.http_model import HttpModel
-from gpubroker.deployments.ingress import FleetApi
 from gpubroker.deployments.llm.openai_api import llm_app
-from gpubroker.deployments.versions import code_digest, deployment_version
+from gpubroker.deployments.serve.http_model import HttpModel
+from gpubroker.deployments.serve.ingress import FleetApi
+from gpubroker.deployments.serve.versions import code_digest, deployment_version
 from gpubroker.quotas.config import FleetConfig, parse_config_text
 
 if TYPE_CHECKING:
-    from gpubroker.deployments.placement_resources import DeploymentPlan
+    from gpubroker.deployments.serve.placement_resources import DeploymentPlan
 
 FLEET_APP = "gpubroker"  # the fleet API's application name; model apps are "<fleet app>-<model>"
 INGRESS_NAME = "fleet-api"  # the fleet API's deployment
@@ -65,7 +65,7 @@ class ServeApp:
     route_prefix: str
     app: Application
     scalable: bool = (
-        False  # a model app: Serve's external scaler on, for the replica targets (gpubroker.deployments.scaler)
+        False  # a model app: Serve's external scaler on, for the replica targets (gpubroker.deployments.serve.scaler)
     )
 
 
@@ -95,7 +95,7 @@ def config_text_from_args(args: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class AppLayout:
     """How a fleet's Serve apps are named, routed and built: the same at deploy time and for every
-    re-placement (``gpubroker.deployments.reconcile``)."""
+    re-placement (``gpubroker.deployments.serve.reconcile``)."""
 
     fleet_app: str = FLEET_APP  # the fleet API's app; model apps are "<fleet app>-<model>"
     prefix: str = "/"  # the fleet API's route; models under <prefix>/v1/models/<model>
@@ -118,7 +118,7 @@ def model_deployment(
     replicas. A fleet with ``gpus:`` places every replica on a card (``deployment_plans``): a model on
     one card is one deployment asking for that card's resource; a model on several cards is one
     deployment per card (``<model>@<card>``) behind a ``CardRouter`` ingress. ``router`` keeps the
-    router ingress even for one group (``gpubroker.deployments.reconcile`` after a re-placement)."""
+    router ingress even for one group (``gpubroker.deployments.serve.reconcile`` after a re-placement)."""
     from ray.serve.config import BackpressureConfig
 
     spec = cfg.models[name]
@@ -147,7 +147,7 @@ def model_deployment(
 
     if plans is None:
         return one(name, spec.replicas, {"num_cpus": layout.model_num_cpus})
-    from gpubroker.deployments.http_cards import CardRouter
+    from gpubroker.deployments.serve.http_cards import CardRouter
 
     if len(plans) == 1 and not router:
         p = plans[0]
@@ -178,7 +178,7 @@ def surge_options() -> dict[str, Any]:
 
 def with_job_modules(actor_options: dict[str, Any]) -> dict[str, Any]:
     """``actor_options`` with the job's ``py_modules`` (the user's packages ``gpubroker up`` ships:
-    ``gpubroker.deployments.user_code``) added to a runtime_env of its own: Serve gives the job's runtime_env
+    ``gpubroker.deployments.cluster.user_code``) added to a runtime_env of its own: Serve gives the job's runtime_env
     only to deployments without one (a placed replica has its card in ``env_vars``)."""
     env = actor_options.get("runtime_env")
     if not env or "py_modules" in env:
@@ -192,8 +192,8 @@ def with_job_modules(actor_options: dict[str, Any]) -> dict[str, Any]:
 
 def fleet_api(config_text: str, app_names: dict[str, str] | None = None, reconciler: Any = None) -> Application:
     """The fleet API; ``app_names`` (model -> its Serve app; default: the default app names) are
-    the apps its plan follower sets replica counts on (``gpubroker.deployments.follow``); ``reconciler``
-    (``gpubroker.deployments.reconcile.ServeReconciler``): it also applies re-placements."""
+    the apps its plan follower sets replica counts on (``gpubroker.deployments.serve.follow``); ``reconciler``
+    (``gpubroker.deployments.serve.reconcile.ServeReconciler``): it also applies re-placements."""
     if app_names is None:
         cfg = parse_config_text(config_text, "fleet api config")
         app_names = {n: model_app_name(n) for n, m in cfg.models.items() if m.kind != "llm"}
@@ -212,7 +212,7 @@ def fleet_apps(
 ) -> list[ServeApp]:
     """The fleet's Serve applications: the fleet API at ``layout.prefix``, each model under it.
     With ``gpus:`` the replicas are placed on cards (``cards``: the discovered ones for ``gpus:
-    auto``) and, given a ``reconciler`` (``gpubroker.deployments.reconcile.ServeReconciler``), the fleet API
+    auto``) and, given a ``reconciler`` (``gpubroker.deployments.serve.reconcile.ServeReconciler``), the fleet API
     applies the broker's re-placements to Serve."""
     placement = None
     if cfg.gpus is not None:
@@ -224,7 +224,7 @@ def fleet_apps(
     apps = [ServeApp(fleet_app, prefix, fleet_api(config_text, scaled, reconciler))]
     plans = None
     if placement is not None:
-        from gpubroker.deployments.placement_resources import deployment_plans
+        from gpubroker.deployments.serve.placement_resources import deployment_plans
 
         plans = deployment_plans(placement, model_num_cpus=layout.model_num_cpus)
     for name, spec in cfg.models.items():
@@ -255,7 +255,7 @@ def run_fleet(apps: list[ServeApp], *, wait: bool = False, logging_config: dict[
                 name=a.name,
                 route_prefix=a.route_prefix,
                 logging_config=logging_config,
-                external_scaler_enabled=a.scalable,  # replica counts set by gpubroker.deployments.scaler, no restart
+                external_scaler_enabled=a.scalable,  # replica counts set by gpubroker.deployments.serve.scaler, no restart
             )
             for a in apps
         ],
@@ -327,7 +327,7 @@ def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP)
                 "route_prefix": model_route(name),
                 "import_path": "gpubroker.deployments.app:build_model_app",
                 "args": {"config": config_path, "model": name},
-                "external_scaler_enabled": True,  # replica counts set by gpubroker.deployments.scaler
+                "external_scaler_enabled": True,  # replica counts set by gpubroker.deployments.serve.scaler
             }
         )
     if any(m.kind == "llm" for m in cfg.models.values()):

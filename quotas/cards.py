@@ -3,7 +3,7 @@
 The YAML has two forms. Today's ``gpu:`` section alone means one card (id ``card0``). A
 ``gpus:`` section beside it lists the cards of a Ray cluster::
 
-    gpus: auto                 # every GPU of every node (gpubroker.deployments.cluster_discovery)
+    gpus: auto                 # every GPU of every node (gpubroker.deployments.cluster.discovery)
 
     gpus:                      # or explicitly; device: cpu emulates a card (capacity required)
       - {id: a0, node: node-a, index: 0, capacity: 1GiB, device: cpu}
@@ -249,7 +249,7 @@ def fleet_cards(
     if gpus == "auto":
         if discovered is None:
             raise ValueError(
-                "gpus is 'auto' and no discovered cards were given; run gpubroker.deployments.cluster_discovery.discover_cards() "
+                "gpus is 'auto' and no discovered cards were given; run gpubroker.deployments.cluster.discovery.discover_cards() "
                 "on the cluster, or list the cards under gpus:"
             )
         if not discovered:

@@ -370,7 +370,7 @@ class ModelSpec(_Strict):
     )
     shed_late: bool = Field(
         False,
-        description="Answer 504 at once to a queued request that can no longer meet slo_p95_ms (its wait plus the replica's last batch time) instead of running it late (deployments/units/shed.py); kind: batch only.",
+        description="Answer 504 at once to a queued request that can no longer meet slo_p95_ms (its wait plus the replica's last batch time) instead of running it late (deployments/replica/shed.py); kind: batch only.",
     )
     max_body_bytes: Size = Field(  # type: ignore[assignment]  # the default is a size string, parsed like the YAML's
         "1MiB", description="Request bodies over this are refused with 413 before they reach the model."
@@ -485,7 +485,7 @@ class FleetConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits(self) -> FleetConfig:
-        for name, spec in self.models.items():  # shedding runs at the lazy gate (deployments/units/shed.py)
+        for name, spec in self.models.items():  # shedding runs at the lazy gate (deployments/replica/shed.py)
             if spec.shed_late and (spec.control.strategy == "static" or self.broker.batch_formation != "lazy"):
                 raise ValueError(
                     f"models.{name}.shed_late: sheds at the replica's lazy gate, which this model does not "

@@ -48,8 +48,8 @@ from rich.console import Console  # noqa: E402
 
 from gpubroker.cli.fleet import down, up_with_progress  # noqa: E402
 from gpubroker.cli.views import describe_decision, status_table  # noqa: E402
-from gpubroker.deployments.fleet import UpOptions, example_inputs  # noqa: E402
-from gpubroker.deployments.local_ray import free_port, port_free  # noqa: E402
+from gpubroker.deployments.cluster.fleet import UpOptions, example_inputs  # noqa: E402
+from gpubroker.deployments.cluster.local_ray import free_port, port_free  # noqa: E402
 from gpubroker.quotas.config import FleetConfig, parse_config_text  # noqa: E402
 from gpubroker.quotas.sizes import format_size  # noqa: E402
 

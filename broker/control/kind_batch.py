@@ -53,7 +53,7 @@ def settings_key(state: PolicyState, model: str) -> tuple[Any, ...]:
 
 
 def quota_flags(state: PolicyState, model: str) -> dict[str, Any]:
-    """The reclaim escalation's settings for ``model`` (gpubroker.broker.control.lending, gpubroker.deployments.units.reclaim)."""
+    """The reclaim escalation's settings for ``model`` (gpubroker.broker.control.lending, gpubroker.deployments.replica.reclaim)."""
     step = state.reclaim_steps.get(model, 0)
     return {"release_cache": step >= 1, "drain": step >= 2, "restart_token": state.restart_tokens.get(model, 0)}
 

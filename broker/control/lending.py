@@ -73,7 +73,7 @@ def confirm_gate(load: ModelLoad, replicas: int, version: int, started_s: float)
     received after ``started_s`` and running settings ``version`` or later.
 
     ``used_bytes`` is what the donor may hold once confirmed: each replica is held to its share
-    of the grant (grant / ``replicas``: gpubroker.deployments.enforce), so one replica above its share while
+    of the grant (grant / ``replicas``: gpubroker.deployments.enforce.limits), so one replica above its share while
     another is below it must not pass on their sum (the one below may still grow to its share):
     the larger of the sum and ``replicas`` x the most one replica holds."""
     seen = load.replica_reports

@@ -1,13 +1,13 @@
 """A replica over its grant: the watcher's decision, a pure function of readings and the clock.
 
-The in-process limits (``gpubroker.deployments.enforce``) bind only memory that goes through them, and any
+The in-process limits (``gpubroker.deployments.enforce.limits``) bind only memory that goes through them, and any
 code in the process can lift them. So a second layer measures: the process's use (resident
 memory over its baseline on CPU, NVML's bytes for the pid on CUDA) over its grant plus slack for
 longer than ``grace_s`` is a violation. The replica then refuses new work (503), drains, and its
 process ends (Serve starts a new one). A soft limit found lifted is a violation at once.
 
 Drivers: the watcher thread inside the replica and the watchdog process outside it
-(``gpubroker.deployments.watch``), and the broker's policy from the reports (``over_grant``: a card-level
+(``gpubroker.deployments.enforce.watch``), and the broker's policy from the reports (``over_grant``: a card-level
 emergency pauses the model over its grant, not its neighbours). No clock, no I/O here.
 """
 

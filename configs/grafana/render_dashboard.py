@@ -229,8 +229,8 @@ def main() -> None:
         raise SystemExit("needs `prometheus` on PATH (Debian: apt-get install prometheus)")
     import ray
 
-    from gpubroker.deployments.fleet import deploy, example_inputs, teardown, wait_serving
-    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.deployments.cluster.fleet import deploy, example_inputs, teardown, wait_serving
+    from gpubroker.deployments.cluster.local_ray import free_port
     from gpubroker.quotas.config import parse_config_text
 
     work = Path(tempfile.mkdtemp(prefix="gpubroker-render-"))

@@ -7,7 +7,7 @@ reads ``gpubroker.broker.probes.NvmlProbe(i).card()``). A node without NVML cann
 ``DiscoveryError`` names it, and the fix is to list its cards under ``gpus:``.
 
 Discovered cards carry their Ray node id; their replicas are pinned to the node by that label
-(``gpubroker.deployments.placement_resources``), since a running node cannot declare new custom
+(``gpubroker.deployments.serve.placement_resources``), since a running node cannot declare new custom
 resources. ``card_nodes`` answers the other way round for listed cards: which Ray node
 holds each card's ``gpubroker_card_<id>`` resource.
 
@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from gpubroker.deployments.placement_resources import CARD_RESOURCE_PREFIX, NODE_LABEL, RAY_NODE_ID_LABEL
+from gpubroker.deployments.serve.placement_resources import CARD_RESOURCE_PREFIX, NODE_LABEL, RAY_NODE_ID_LABEL
 from gpubroker.quotas.cards import Card, CardDevice
 
 RAY_LABEL_PREFIX = "ray.io/"

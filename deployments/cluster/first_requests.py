@@ -1,7 +1,7 @@
 """``gpubroker up``'s first requests: one real request per model, each model's last answer
 shown, and a model that keeps refusing stopped with the reason and the fix.
 
-No I/O and no clock here: ``gpubroker.deployments.fleet.wait_serving`` posts the requests and passes
+No I/O and no clock here: ``gpubroker.deployments.cluster.fleet.wait_serving`` posts the requests and passes
 the answers and the time in. Per model:
 
 - its adapter's ``example_input()`` is the request. A model without one (it is optional in

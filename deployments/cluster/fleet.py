@@ -1,9 +1,9 @@
 """The fleet's lifecycle, without a UI: deploy, wait for the models, teardown, ``up`` and ``down``.
 
 ``up_fleet`` validates nothing (the caller loads the config), starts a local Ray head
-(``gpubroker.deployments.local_ray``) unless an address names one, starts the broker actor, deploys the
+(``gpubroker.deployments.cluster.local_ray``) unless an address names one, starts the broker actor, deploys the
 Serve app and returns once every model has answered a real request. What it started goes to
-the state file (``gpubroker.deployments.fleet_client``) that the other commands read. Progress goes to
+the state file (``gpubroker.deployments.cluster.fleet_client``) that the other commands read. Progress goes to
 an ``on_event`` callback as ``UpEvent``s (the CLI draws them with rich; the demo and tests
 can pass nothing); ``down_fleet`` reports each step to a callback too.
 
@@ -18,13 +18,20 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from gpubroker.deployments.fleet_client import APP_NAME, clear_state, connect, read_state, resolve_address, write_state
-from gpubroker.deployments.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
-from gpubroker.deployments.serve_failures import failure_cause, serve_log_dir, where_to_look
+from gpubroker.deployments.cluster.fleet_client import (
+    APP_NAME,
+    clear_state,
+    connect,
+    read_state,
+    resolve_address,
+    write_state,
+)
+from gpubroker.deployments.cluster.local_ray import FleetError, pgid_of_gcs, port_free, start_local_ray, stop_local_ray
+from gpubroker.deployments.serve.failures import failure_cause, serve_log_dir, where_to_look
 from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
 
 if TYPE_CHECKING:
-    from gpubroker.deployments.user_code import ProjectCheck
+    from gpubroker.deployments.cluster.user_code import ProjectCheck
 
 
 # =============================================================================== deploy
@@ -69,12 +76,12 @@ def deploy(
 
     from gpubroker.broker.actor import start_broker
     from gpubroker.deployments.app import MODEL_NUM_CPUS, AppLayout, fleet_apps, http_options, run_fleet
-    from gpubroker.deployments.reconcile import ServeReconciler
+    from gpubroker.deployments.serve.reconcile import ServeReconciler
 
     notify = on_progress or (lambda stage, info: None)
     cards = None
     if cfg.gpus == "auto":  # every GPU of every node, found once here; the broker and placement get the same list
-        from gpubroker.deployments.cluster_discovery import discover_cards
+        from gpubroker.deployments.cluster.discovery import discover_cards
 
         cards = tuple(discover_cards())
     notify("broker", {})
@@ -85,7 +92,7 @@ def deploy(
     serve.start(proxy_location=proxy_location(), http_options=http_options(cfg, host, port))
     # one Serve app per model (its own ingress, one hop from the proxy) and the fleet API
     num_cpus = model_num_cpus or MODEL_NUM_CPUS
-    # many cards: the fleet API applies the broker's re-placements to Serve (gpubroker.deployments.follow)
+    # many cards: the fleet API applies the broker's re-placements to Serve (gpubroker.deployments.serve.follow)
     follow = (
         ServeReconciler(config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=num_cpus)
         if cfg.gpus is not None
@@ -127,7 +134,7 @@ def first_examples(cfg: FleetConfig) -> dict[str, tuple[bool, Any, str]]:
     """Per model: (has an ``example_input``, the input, why not); no weights loaded. A model
     whose class cannot be imported or constructed with its options here is a ``FleetError``
     naming it: its replicas would fail the same way, and `up` must not report the fleet up."""
-    from gpubroker.deployments.first_requests import example_of
+    from gpubroker.deployments.cluster.first_requests import example_of
     from gpubroker.deployments.models import resolve_model
 
     out = {}
@@ -171,12 +178,12 @@ def wait_serving(
     """POST one real request (its ``example_input``; an LLM: a one-token completion) to every model until each answers 200;
     returns model -> ms. A model without ``example_input`` is skipped; one that keeps refusing,
     or has no 200 within ``wait_s`` (default ``first_requests.WAIT_S``), stops the wait with its
-    last answer and the fix (``gpubroker.deployments.first_requests``). ``on_answer`` gets the
+    last answer and the fix (``gpubroker.deployments.cluster.first_requests``). ``on_answer`` gets the
     ``FirstRequests`` record after every answer (each model's last answer); ``examples``:
     ``first_examples(cfg)`` when the caller already has it."""
     import httpx
 
-    from gpubroker.deployments.first_requests import WAIT_S, FirstRequests
+    from gpubroker.deployments.cluster.first_requests import WAIT_S, FirstRequests
 
     first = FirstRequests.for_examples(examples or first_examples(cfg), WAIT_S if wait_s is None else wait_s)
     done: dict[str, float] = {}
@@ -276,7 +283,7 @@ def up_fleet(
     """Ray (local unless ``opts.address``), broker, Serve app, one answered request per model; returns the state.
 
     Before Ray starts, every model is built here (``first_examples``) from ``opts.project_dir``
-    (``gpubroker.deployments.user_code``): a model that cannot be built, or a project folder that shadows one
+    (``gpubroker.deployments.cluster.user_code``): a model that cannot be built, or a project folder that shadows one
     of gpubroker's packages under a model path, stops ``up`` at once. The user's packages found
     there are shipped to the replicas (Ray ``py_modules``). The state file is written as soon as
     a local Ray is up, so ``down_fleet`` can clean up after a failure; a failure after that emits
@@ -300,7 +307,7 @@ def up_fleet(
             examples=examples,
         )
         progress.calibration(len(cfg.models))
-        if cfg.broker.direct_ingress:  # each replica's own port (gpubroker.deployments.direct_ingress)
+        if cfg.broker.direct_ingress:  # each replica's own port (gpubroker.deployments.serve.direct_ingress)
             _list_direct_urls(cfg, state)
     except Exception as exc:
         log_dir = serve_log_dir(state.get("session_dir"))
@@ -313,7 +320,7 @@ def up_fleet(
 
 def _checked_project(cfg: FleetConfig, project_dir: str | None) -> ProjectCheck:
     """The user's project, put on this process's path; a collision with our packages is a FleetError."""
-    from gpubroker.deployments.user_code import check_project, on_sys_path
+    from gpubroker.deployments.cluster.user_code import check_project, on_sys_path
 
     project = check_project(((n, m.model) for n, m in cfg.models.items() if m.kind != "llm"), project_dir)
     if project.errors:
@@ -440,7 +447,7 @@ def _start_broker_and_models(
 def _list_direct_urls(cfg: FleetConfig, state: dict[str, Any]) -> None:
     """broker.direct_ingress: each model's replica ports into the state (or why there are none)."""
     from gpubroker.deployments.app import model_app_name
-    from gpubroker.deployments.direct_ingress import wait_model_urls
+    from gpubroker.deployments.serve.direct_ingress import wait_model_urls
 
     apps = {name: model_app_name(name) for name, spec in cfg.models.items() if spec.kind != "llm"}
     try:
@@ -457,7 +464,7 @@ def _check_cards(cfg: FleetConfig, state: dict[str, Any], nodes: list[dict[str, 
     move once the broker marks the card lost)."""
     if not isinstance(cfg.gpus, list):
         return ""
-    from gpubroker.deployments.cluster_discovery import missing_cards, missing_cards_fix
+    from gpubroker.deployments.cluster.discovery import missing_cards, missing_cards_fix
 
     missing = missing_cards(cfg.gpus, nodes)
     if len(missing) < len(cfg.gpus):

@@ -1,7 +1,7 @@
 """Talking to a running fleet: the state file ``up`` writes, connecting to its Ray, the broker's API.
 
 The state file (``~/.gpubroker/fleet.json``, or ``$GPUBROKER_STATE_DIR``) records what
-``gpubroker.deployments.fleet.up_fleet`` started; every other command reads it to find the fleet. Reads
+``gpubroker.deployments.cluster.fleet.up_fleet`` started; every other command reads it to find the fleet. Reads
 from the broker go over HTTP (``/v1/status``, ``/v1/decisions``) when they can and through Ray
 otherwise. Ray and httpx are imported inside the functions.
 """
@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gpubroker.deployments.local_ray import FleetError
-from gpubroker.deployments.ray_auth import adopt_auth_mode
+from gpubroker.deployments.cluster.local_ray import FleetError
+from gpubroker.deployments.cluster.ray_auth import adopt_auth_mode
 
 APP_NAME = "gpubroker"
 
@@ -53,7 +53,7 @@ def clear_state() -> None:
 # =============================================================================== Ray
 def connect(address: str | None, runtime_env: dict[str, Any] | None = None) -> None:
     """ray.init to a running cluster, quietly; ``runtime_env``: the job's (Serve gives it to
-    every deployment: ``gpubroker.deployments.user_code`` ships the user's packages with it)."""
+    every deployment: ``gpubroker.deployments.cluster.user_code`` ships the user's packages with it)."""
     import ray
 
     if ray.is_initialized():

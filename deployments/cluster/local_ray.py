@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpubroker.deployments.ray_auth import ensure_token_auth, join_hint
-from gpubroker.deployments.serve_failures import latest_session
+from gpubroker.deployments.cluster.ray_auth import ensure_token_auth, join_hint
+from gpubroker.deployments.serve.failures import latest_session
 
 
 class FleetError(RuntimeError):
@@ -69,7 +69,7 @@ def start_local_ray(
     num_cpus: int | None = None, port: int | None = None, direct_ingress: bool = False
 ) -> dict[str, Any]:
     """``ray start --head`` on 127.0.0.1 in a new process group; every port picked free.
-    ``direct_ingress``: Serve's direct ingress on (``gpubroker.deployments.direct_ingress.DIRECT_ENV``).
+    ``direct_ingress``: Serve's direct ingress on (``gpubroker.deployments.serve.direct_ingress.DIRECT_ENV``).
 
     Returns ``{"address", "pgid", "dashboard", "auth_mode", "join"}`` (``join``: how another node
     joins); ``stop_local_ray(pgid)`` stops exactly it. Token auth is on unless RAY_AUTH_MODE says otherwise.
@@ -101,14 +101,14 @@ def start_local_ray(
     ]
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     # Token auth on unless the user chose a mode: their token, or a new one in Ray's token file
-    # (gpubroker.deployments.ray_auth); this process and the head agree on it.
+    # (gpubroker.deployments.cluster.ray_auth); this process and the head agree on it.
     auth = ensure_token_auth(env)
-    from gpubroker.deployments.http_proxy import PROXY_ENV  # the proxy answers a lost replica with a JSON 503
+    from gpubroker.deployments.serve.http_proxy import PROXY_ENV  # the proxy answers a lost replica with a JSON 503
 
     for key, value in PROXY_ENV.items():
         env.setdefault(key, value)
     if direct_ingress:
-        from gpubroker.deployments.direct_ingress import DIRECT_ENV
+        from gpubroker.deployments.serve.direct_ingress import DIRECT_ENV
 
         for key, value in DIRECT_ENV.items():
             env.setdefault(key, value)

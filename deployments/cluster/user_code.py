@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OUR_PACKAGES = ("gpubroker",)  # the one name the wheel installs
-# This installation's gpubroker package: deployments/ is gpubroker/deployments (a link in a clone, a
+# This installation's gpubroker package: deployments/cluster/ is gpubroker/deployments/cluster (a link in a clone, a
 # folder in the wheel), so the unresolved path's parent is the package either way.
-_PACKAGE = Path(__file__).parents[1]
+_PACKAGE = Path(__file__).parents[2]
 
 
 @dataclass(frozen=True)

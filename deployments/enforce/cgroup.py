@@ -1,7 +1,7 @@
 """A kernel memory limit per replica process: its own memory cgroup, written from outside it.
 
 Where the node's memory cgroup is writable (v1: ``memory.limit_in_bytes``; v2: ``memory.max``),
-the watchdog (``gpubroker.deployments.watch``) makes a child of the replica's current cgroup, moves the
+the watchdog (``gpubroker.deployments.enforce.watch``) makes a child of the replica's current cgroup, moves the
 replica's pid into it and sets the limit from the grant; every grant change sets it again at
 run time. Past the limit the kernel reclaims, then kills the process (Serve starts a new one).
 Where it is not writable (an unprivileged container) ``find_place`` says why, once, and the

@@ -2,12 +2,12 @@
 
 Any code in the process can lift these (a soft RLIMIT_DATA up to the hard limit); ``reassert()``
 reads the limit back at every report and sets it again, and one found lifted is a violation for
-the measurement layer (``gpubroker.deployments.watch``), which holds without the model's cooperation.
+the measurement layer (``gpubroker.deployments.enforce.watch``), which holds without the model's cooperation.
 
 A ``MemoryLimiter`` lives in one replica process. ``start()`` measures the process before the
 model loads; ``set_grant(bytes)`` sets the limit (first before the model loads, then on every
 grant change, up or down, at run time); past it an allocation fails with a catchable
-out-of-memory error -- never a kill -- which ``gpubroker.deployments.units.oom`` turns into split-and-retry.
+out-of-memory error -- never a kill -- which ``gpubroker.deployments.replica.oom`` turns into split-and-retry.
 docs/ENFORCEMENT.md says what each limit counts and what it does not, with measurements.
 
 - ``CpuRlimitLimiter`` (``device: cpu``, Linux): ``setrlimit(RLIMIT_DATA, (soft, hard))`` with
@@ -102,7 +102,7 @@ class MemoryLimiter(Protocol):
 
     def reassert(self) -> str:
         """At every report: read the limit back and set it again; "" when it was as set, else one
-        line saying what it was found at (a limit found lifted is a violation: ``gpubroker.deployments.watch``)."""
+        line saying what it was found at (a limit found lifted is a violation: ``gpubroker.deployments.enforce.watch``)."""
 
     def release_caches(self) -> None:
         """Give freed memory back to the OS / the device (after a shrink or an OOM)."""

@@ -6,9 +6,9 @@ reading (resident memory over the pre-model baseline on CPU; NVML's bytes for th
 - ``ReplicaWatch``: a thread in the replica. Over grant + slack past the grace it declares the
   violation: the replica refuses new work (503 naming the model, the reading and the grant), its
   health check fails, and once drained it ends its own process (Serve starts a new one).
-- the watchdog: a process of its own (``python -m gpubroker.deployments.watch``), started by the replica
+- the watchdog: a process of its own (``python -m gpubroker.deployments.enforce.watch``), started by the replica
   before the model loads, outside its memory and its limits. It puts the replica's pid in a
-  memory cgroup of its own where the node allows (``gpubroker.deployments.cgroup``) and sets the limit from
+  memory cgroup of its own where the node allows (``gpubroker.deployments.enforce.cgroup``) and sets the limit from
   every grant the replica sends it; it ends the pid (SIGKILL) if the violation outlives the drain
   by ``BACKSTOP_S``, and removes the cgroup once the pid is gone.
 
@@ -186,7 +186,7 @@ class WatchdogHandle:
         self.model = model
         self.cgroup = ""
         self.why_not = ""
-        cmd = [sys.executable, "-m", "gpubroker.deployments.watch", "--pid", str(os.getpid()), "--model", model]
+        cmd = [sys.executable, "-m", "gpubroker.deployments.enforce.watch", "--pid", str(os.getpid()), "--model", model]
         cmd += ["--device", device, "--baseline", str(int(baseline_bytes))]
         self.proc = subprocess.Popen(  # stderr: inherited (the worker's log)
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True
@@ -235,7 +235,7 @@ def _log(msg: str) -> None:
 
 
 def _setup_cgroup(pid: int, model: str):
-    from gpubroker.deployments.cgroup import ReplicaCgroup, find_place
+    from gpubroker.deployments.enforce.cgroup import ReplicaCgroup, find_place
 
     if os.environ.get(CGROUP_ENV, "").lower() == "off":
         return None, f"{CGROUP_ENV}=off"
@@ -273,7 +273,7 @@ def _read_grants(w: _Watched, cg, eof: threading.Event) -> None:
 
 
 def watchdog_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpubroker.deployments.watch", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m gpubroker.deployments.enforce.watch", description=__doc__)
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")

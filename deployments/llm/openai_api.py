@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve import Application
 
 from gpubroker.deployments.llm.server import CHAT, COMPLETION, LlmServer, openai_error
-from gpubroker.deployments.versions import code_digest, deployment_version
+from gpubroker.deployments.serve.versions import code_digest, deployment_version
 
 api = FastAPI(title="gpubroker LLMs", description="OpenAI-compatible completions on the fleet's LLM engines.")
 
@@ -177,9 +177,9 @@ def build_llm_fleet(
     fleet's ``config_text`` each server reports to the broker and runs the bounds it sets.
     ``spots``: each engine's card and Ray options (``llm_spots``; default: ``num_cpus`` only, no card).
 
-    Every deployment carries a version from what it runs (``gpubroker.deployments.versions``: its options,
+    Every deployment carries a version from what it runs (``gpubroker.deployments.serve.versions``: its options,
     arguments and gpubroker's own code), so deploying the app again after a re-placement
-    (``gpubroker.deployments.reconcile``) restarts only the engines that moved; the others and the ingress
+    (``gpubroker.deployments.serve.reconcile``) restarts only the engines that moved; the others and the ingress
     keep running. New code is a new version everywhere."""
     code = code_digest()
     handles = {}
@@ -221,11 +221,11 @@ def build_llm_fleet(
 
 def llm_spots(placement: Any, llm_num_cpus: float = LLM_NUM_CPUS) -> dict[str, EngineSpot]:
     """Each LLM engine's card and Ray options under a deploy-time ``gpubroker.quotas.placement.Placement``,
-    as a batch model's replica gets them (``gpubroker.deployments.placement_resources``): on a fleet of
+    as a batch model's replica gets them (``gpubroker.deployments.serve.placement_resources``): on a fleet of
     several cards the card's custom resource (its share of the card's processes), ``num_gpus``
     and ``CUDA_VISIBLE_DEVICES`` on CUDA, the card in its environment and in its reports; on the
     one card of a ``gpu:`` fleet, ``num_cpus`` only."""
-    from gpubroker.deployments.placement_resources import deployment_plans
+    from gpubroker.deployments.serve.placement_resources import deployment_plans
 
     many = len(placement.cards) > 1
     return {
@@ -268,7 +268,7 @@ def llm_app(
     """The fleet's LLM application (``gpubroker.deployments.app.fleet_apps`` routes it at ``/openai``):
     the OpenAI ingress and one reporting ``LlmServer`` per ``kind: llm`` model. With the fleet's
     ``placement`` (``gpus:``) each engine runs on its placed card (``llm_spots``); ``spots`` gives
-    them outright (a re-placement: ``gpubroker.deployments.reconcile``)."""
+    them outright (a re-placement: ``gpubroker.deployments.serve.reconcile``)."""
     llms = {name: dict(spec.options) for name, spec in cfg.models.items() if spec.kind == "llm"}
     if not llms:
         raise ValueError("models: no model has kind: llm; add one (model: tiny-llama, kind: llm) to serve completions")

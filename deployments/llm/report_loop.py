@@ -1,6 +1,6 @@
 """An LLM replica's side of the broker's report/reply path: one report per interval, bounds in the reply.
 
-Like a batch replica (``gpubroker.deployments.broker_link``), the server sends one ``StatsReport`` delta per
+Like a batch replica (``gpubroker.deployments.replica.broker_link``), the server sends one ``StatsReport`` delta per
 ``report_interval_s`` with its engine's report in ``engine``, and ``apply`` sets the bounds from
 ``ModelSettings.engine`` (bounds at once, the KV cache at the next drain); the broker never calls
 the server. Memory is the engine's own account (weights + KV cache), what the grant governs. A lost
@@ -17,8 +17,8 @@ from dataclasses import asdict
 from typing import Any
 
 from gpubroker.broker.wire import EngineReport, ModelSettings
-from gpubroker.deployments.broker_link import BrokerLink, ReplicaGauges
 from gpubroker.deployments.llm.vllm_engine import VllmEngine
+from gpubroker.deployments.replica.broker_link import BrokerLink, ReplicaGauges
 
 logger = logging.getLogger("ray.serve")
 

@@ -202,7 +202,7 @@ def model_source(ref: str) -> bytes | None:
 def module_locations(name: str, without: Path | None = None) -> list[Path] | None:
     """Where Python would import top-level module ``name`` from (its package folders, or its
     file), looked up without importing it and with ``without`` left off ``sys.path``; None when
-    it cannot be found. ``gpubroker.deployments.user_code`` tells an installed package from a project's."""
+    it cannot be found. ``gpubroker.deployments.cluster.user_code`` tells an installed package from a project's."""
     import sys
 
     loaded = sys.modules.get(name)

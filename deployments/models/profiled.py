@@ -7,7 +7,7 @@ sleeps ``a_ms + c_ms * b + token_ms * tokens`` milliseconds (time.sleep), holds
 ``weights_bytes`` of touched memory from load, and allocates ``bytes_per_item * b`` of touched
 memory while the batch runs -- the same latency and memory model the simulator uses. It does
 not check its grant itself: its memory is real (private anonymous pages, which RLIMIT_DATA
-counts), so the replica's limiter (``gpubroker.deployments.enforce``) refuses a batch past the grant the
+counts), so the replica's limiter (``gpubroker.deployments.enforce.limits``) refuses a batch past the grant the
 way it refuses a real model's, and that failure surfaces as ``EmulatedOOM`` (a MemoryError).
 """
 

@@ -44,11 +44,11 @@ class StatsDelta:
     mem_peak_bytes: int = 0
     oom_splits: int = 0
     emergency_shrinks: int = 0
-    held_refusals: int = 0  # requests refused: the replica holds over its grant (gpubroker.deployments.enforce)
-    shed: int = 0  # requests answered 504 at the gate: too late for the SLO (gpubroker.deployments.units.shed); also in timeouts
+    held_refusals: int = 0  # requests refused: the replica holds over its grant (gpubroker.deployments.enforce.limits)
+    shed: int = 0  # requests answered 504 at the gate: too late for the SLO (gpubroker.deployments.replica.shed); also in timeouts
     oom_costs: list[float] = field(
         default_factory=list
-    )  # cost of each batch too big for memory (gpubroker.deployments.units.oom)
+    )  # cost of each batch too big for memory (gpubroker.deployments.replica.oom)
 
     def add_latency(self, ms: float) -> None:
         self.latency_seen += 1

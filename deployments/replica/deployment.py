@@ -9,15 +9,15 @@ queued after ``request_timeout_s`` gets an explicit timeout (its items leave the
 The parts with logic of their own are units with an injected clock, tested without Serve
 and run unchanged by the simulator (``gpubroker.sim.engine``):
 
-- ``gpubroker.deployments.units.gate.LazyGate``: lazy batch formation in front of Serve's eager batcher;
-- ``gpubroker.deployments.units.fast_loop.fast_loop_step``: per batch, memory reading -> local cap, pause;
-- ``gpubroker.deployments.broker_link.BrokerLink``: stats deltas, one report per interval, retry.
+- ``gpubroker.deployments.replica.gate.LazyGate``: lazy batch formation in front of Serve's eager batcher;
+- ``gpubroker.deployments.replica.fast_loop.fast_loop_step``: per batch, memory reading -> local cap, pause;
+- ``gpubroker.deployments.replica.broker_link.BrokerLink``: stats deltas, one report per interval, retry.
 
-A ``gpubroker.deployments.enforce`` limiter holds this replica's share of the grant from before the
+A ``gpubroker.deployments.enforce.limits`` limiter holds this replica's share of the grant from before the
 adapter loads; every grant change resets it (a shrink releases caches), every report reads it
-back. The measurement layer (``gpubroker.deployments.watch``) ends a replica whose use stays over its
+back. The measurement layer (``gpubroker.deployments.enforce.watch``) ends a replica whose use stays over its
 grant + slack past a grace, or whose limit was lifted: new requests get 503 meanwhile. The model runs through
-``gpubroker.deployments.units.oom.run_items``: an OOM, or any exception from ``predict``, splits the
+``gpubroker.deployments.replica.oom.run_items``: an OOM, or any exception from ``predict``, splits the
 batch; an item that fails even alone fails alone (507 out of memory; 422 an ``InputError``
 naming the item and field; 500 another exception, its own only), the rest is answered; a batch too big for memory is reported (``oom_costs``) and
 caps the local batch below it. Settings apply when their version changes; if the broker is
@@ -38,16 +38,16 @@ from dataclasses import asdict
 from typing import Any
 
 from gpubroker.broker.wire import ModelSettings
-from gpubroker.deployments.broker_link import BrokerLink, ReplicaGauges, StatsDelta
 from gpubroker.deployments.models.base import OutputCountError
-from gpubroker.deployments.units.fast_loop import params_for
-from gpubroker.deployments.units.gate import LazyGate
-from gpubroker.deployments.units.inline_work import InlineOrThread
-from gpubroker.deployments.units.items import Item as _Item
-from gpubroker.deployments.units.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
-from gpubroker.deployments.units.items import error as _error
-from gpubroker.deployments.units.next_batch import NextBatchStart
-from gpubroker.deployments.units.oom import (
+from gpubroker.deployments.replica.broker_link import BrokerLink, ReplicaGauges, StatsDelta
+from gpubroker.deployments.replica.fast_loop import params_for
+from gpubroker.deployments.replica.gate import LazyGate
+from gpubroker.deployments.replica.inline_work import InlineOrThread
+from gpubroker.deployments.replica.items import Item as _Item
+from gpubroker.deployments.replica.items import batch_cost  # noqa: F401 - batch_cost is part of this module's API
+from gpubroker.deployments.replica.items import error as _error
+from gpubroker.deployments.replica.next_batch import NextBatchStart
+from gpubroker.deployments.replica.oom import (
     HeldOverGrant,
     ItemError,
     ItemOOM,
@@ -56,9 +56,9 @@ from gpubroker.deployments.units.oom import (
     need_from_calibration,
     oom_error,
 )
-from gpubroker.deployments.units.reclaim import ReplicaReclaim
-from gpubroker.deployments.units.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
-from gpubroker.deployments.units.shed import HeldRequest, Late, LateShed, wait_items
+from gpubroker.deployments.replica.reclaim import ReplicaReclaim
+from gpubroker.deployments.replica.replica_memory import HELD_RESTART_T, ReplicaMemory  # noqa: F401 - HELD_RESTART_T: API
+from gpubroker.deployments.replica.shed import HeldRequest, Late, LateShed, wait_items
 from gpubroker.quotas.config import FleetConfig, ModelSpec, parse_config_text
 
 logger = logging.getLogger("ray.serve")
@@ -90,7 +90,7 @@ class ModelReplica(ReplicaMemory):
 
     async def __init__(self, model_name: str, config_text: str, card_id: str = "", card_replicas: int = 0):
         """``card_id``/``card_replicas``: the card this replica's group was placed on and how many
-        replicas of the model share the model's grant there (``gpubroker.deployments.placement_resources``);
+        replicas of the model share the model's grant there (``gpubroker.deployments.serve.placement_resources``);
         empty/0 in a one-card fleet (all of the model's replicas share one grant)."""
         from ray import serve
 
@@ -142,11 +142,11 @@ class ModelReplica(ReplicaMemory):
         # runtime's own formation is to be left alone.
         static = self.spec.control.strategy == "static" and not getattr(self, "GATE_STATIC", False)
         self.lazy_gate = not static and cfg.broker.batch_formation == "lazy"
-        # shed_late: a request held at the gate that can no longer meet the SLO gets 504 (gpubroker.deployments.units.shed)
+        # shed_late: a request held at the gate that can no longer meet the SLO gets 504 (gpubroker.deployments.replica.shed)
         self.shed = LateShed(self.spec.slo_p95_ms / 1000.0) if self.spec.shed_late and self.lazy_gate else None
         self.next_start = NextBatchStart(self.lazy_gate and getattr(self, "START_NEXT_FIRST", True))
         # Batches never overlap in one adapter. Validation (in a thread, or inline once measured cheap:
-        # gpubroker.deployments.units.inline_work) is NOT under this lock: it would keep requests out for a whole
+        # gpubroker.deployments.replica.inline_work) is NOT under this lock: it would keep requests out for a whole
         # batch. Adapters make validate/cost safe beside predict (minilm locks its tokenizer only).
         self._model_lock, self.validating = threading.Lock(), InlineOrThread()
         await asyncio.to_thread(self._load)
@@ -163,9 +163,9 @@ class ModelReplica(ReplicaMemory):
     # ------------------------------------------------------------------ start-up
     def _load(self) -> None:
         from gpubroker.broker.probes import detect_capacity, detect_device, make_probe
-        from gpubroker.deployments.enforce import make_limiter
+        from gpubroker.deployments.enforce.limits import make_limiter
+        from gpubroker.deployments.enforce.watch import set_mps_memory_limit
         from gpubroker.deployments.models import load_adapter
-        from gpubroker.deployments.watch import set_mps_memory_limit
 
         try:
             import torch  # noqa: F401 - the runtime is per-process overhead, not the model's
@@ -180,7 +180,7 @@ class ModelReplica(ReplicaMemory):
         # CUDA context (overhead), not against the model's quota.
         self.baseline_bytes = 0 if self.on_cuda else self.probe.read().process_bytes
         # The limit holds from before the model loads (its weights and calibration count); the
-        # watchers (gpubroker.deployments.watch) from before the limit, which the watchdog must not inherit.
+        # watchers (gpubroker.deployments.enforce.watch) from before the limit, which the watchdog must not inherit.
         self._start_watch()
         self.limiter = make_limiter(self.device, own_process=self.in_serve)
         self.limiter.start()
@@ -209,7 +209,7 @@ class ModelReplica(ReplicaMemory):
         )
 
     def _calibrate(self) -> dict[str, Any]:
-        from gpubroker.deployments.calibration import replica_calibration
+        from gpubroker.deployments.replica.calibration import replica_calibration
 
         return replica_calibration(self.adapter, self.probe, self.device, self.token_priced, self.name)
 
@@ -288,10 +288,10 @@ class ModelReplica(ReplicaMemory):
             self.paused = False
         self.reclaim.on_settings(
             new
-        )  # a reclaim's escalation (gpubroker.deployments.units.reclaim): caches, drain, restart
+        )  # a reclaim's escalation (gpubroker.deployments.replica.reclaim): caches, drain, restart
 
     async def _run_batch(self, items: list[_Item]) -> list[Any]:
-        from gpubroker.deployments.units.oom import ItemPricing, run_items
+        from gpubroker.deployments.replica.oom import ItemPricing, run_items
 
         self._fast_loop()
         held = self._held_over_grant()
@@ -384,7 +384,7 @@ class ModelReplica(ReplicaMemory):
         return True
 
     async def _admit_to_batcher(self, item: _Item) -> Any:
-        """Lazy batch formation on Ray 2.60's ``@serve.batch`` (``gpubroker.deployments.units.gate``): a request
+        """Lazy batch formation on Ray 2.60's ``@serve.batch`` (``gpubroker.deployments.replica.gate``): a request
         waits at the gate while a batch runs and enters Serve's queue with the others when it
         ends. A request cancelled at the gate (request timeout) never reaches the model."""
         if not self.lazy_gate:
@@ -441,7 +441,9 @@ class ModelReplica(ReplicaMemory):
         retry_after = max(1, int(round(self.cfg.broker.control_interval_s)))
         if body_bytes > spec.max_body_bytes:
             return self._reject(n, 413, f"body of {body_bytes} bytes is over max_body_bytes ({spec.max_body_bytes})")
-        if violation := self.violation():  # over grant + slack past the grace (gpubroker.deployments.watch): drain
+        if (
+            violation := self.violation()
+        ):  # over grant + slack past the grace (gpubroker.deployments.enforce.watch): drain
             self.delta.held_refusals += n
             return self._reject(n, 503, violation, retry_after_s=retry_after)
         if self.paused or not self.settings.admit or self.reclaim.actions.pause_admission:
@@ -474,7 +476,7 @@ class ModelReplica(ReplicaMemory):
             # (wait_for would wait for the cancelled batch to finish: a late 504).
             remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))
             done, pending, late = await wait_items(tasks, remaining, self.shed is not None)
-            if late is not None:  # shed_late: it can no longer meet the SLO (gpubroker.deployments.units.shed)
+            if late is not None:  # shed_late: it can no longer meet the SLO (gpubroker.deployments.replica.shed)
                 for t in pending:
                     t.cancel()  # its other items leave the gate, or their batch, before the model
                 self.delta.timeouts += n

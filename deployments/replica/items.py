@@ -16,7 +16,7 @@ class Item:
         self.owner = owner
         self.let_in = False  # counted in the replica's let-in-not-running cost (lazy gate)
         self.req: Any = (
-            None  # its request at the gate (gpubroker.deployments.units.shed.HeldRequest), set by the replica
+            None  # its request at the gate (gpubroker.deployments.replica.shed.HeldRequest), set by the replica
         )
 
 

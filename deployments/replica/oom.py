@@ -90,11 +90,11 @@ class ItemOOM:
 @dataclass(frozen=True)
 class HeldOverGrant:
     """Items not run because the replica holds more than its grant (a grant lowered under what it
-    holds, or a model that grew into the slack and keeps it; ``gpubroker.deployments.enforce``: the limit
+    holds, or a model that grew into the slack and keeps it; ``gpubroker.deployments.enforce.limits``: the limit
     then stays at what is held + the runtime's slack). Their requests get 503 with Retry-After.
     The broker lends to a replica that refuses for this when a model idles, escalates a reclaim
     under it (caches, drain, restart), and the replica restarts itself when it stays held
-    (``gpubroker.deployments.units.replica_memory.HELD_RESTART_T``)."""
+    (``gpubroker.deployments.replica.replica_memory.HELD_RESTART_T``)."""
 
     model: str
     used_bytes: int  # the replica's resident memory over its baseline

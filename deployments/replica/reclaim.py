@@ -3,7 +3,7 @@
 The broker escalates a reclaim (or release) its borrower does not honour (``gpubroker.broker.control.lending``:
 lower the cap, then release caches, then drain, then restart, each ``transfer_timeout_s``
 after the previous) through three fields of ``ModelSettings``. This unit turns them into what
-the replica does; ``gpubroker.deployments.replica`` only carries the actions out:
+the replica does; ``gpubroker.deployments.replica.deployment`` only carries the actions out:
 
 ``release_cache``
     empty the allocator's caches (``MemoryLimiter.release_caches``: ``torch.cuda.empty_cache``

@@ -1,6 +1,6 @@
-"""The replica's memory side (``gpubroker.deployments.replica.ModelReplica`` inherits it): the grant as an
-OS or allocator limit (``gpubroker.deployments.enforce``), re-asserted at every report; the measurement
-layer that needs no cooperation (``gpubroker.deployments.watch``: the watcher thread, the watchdog process
+"""The replica's memory side (``gpubroker.deployments.replica.deployment.ModelReplica`` inherits it): the grant as an
+OS or allocator limit (``gpubroker.deployments.enforce.limits``), re-asserted at every report; the measurement
+layer that needs no cooperation (``gpubroker.deployments.enforce.watch``: the watcher thread, the watchdog process
 and its cgroup, told every grant); the fast loop's reading of memory; and a replica that holds
 over its grant (the limit keeps the runtime's slack; no batch runs; after ``HELD_RESTART_T`` x
 ``transfer_timeout_s`` it restarts itself).
@@ -17,8 +17,8 @@ from typing import Any
 
 from gpubroker.broker.control.violation import WATCH_SLACK_BYTES, WatchLimits
 from gpubroker.broker.wire import ModelSettings
-from gpubroker.deployments.units.fast_loop import FastEvent, fast_loop_step
-from gpubroker.deployments.units.oom import HeldOverGrant
+from gpubroker.deployments.replica.fast_loop import FastEvent, fast_loop_step
+from gpubroker.deployments.replica.oom import HeldOverGrant
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,8 +32,8 @@ class ReplicaMemory:
     limiter: Any
     probe: Any
     settings: ModelSettings
-    watch: Any  # gpubroker.deployments.watch.ReplicaWatch, None outside Serve
-    watchdog: Any  # gpubroker.deployments.watch.WatchdogHandle, None outside Serve or when it did not start
+    watch: Any  # gpubroker.deployments.enforce.watch.ReplicaWatch, None outside Serve
+    watchdog: Any  # gpubroker.deployments.enforce.watch.WatchdogHandle, None outside Serve or when it did not start
     watch_baseline_bytes: int
 
     def _grant_per_replica(self, settings: ModelSettings) -> int:
@@ -56,10 +56,10 @@ class ReplicaMemory:
 
     # ------------------------------------------------------------------ the measurement layer
     def _start_watch(self) -> None:
-        """The layer the model cannot lift (``gpubroker.deployments.watch``): the watchdog process (and its
+        """The layer the model cannot lift (``gpubroker.deployments.enforce.watch``): the watchdog process (and its
         cgroup where the node allows) and the watcher thread. Started before the limiter, so the
         watchdog does not inherit the replica's soft limit; not for a replica outside Serve."""
-        from gpubroker.deployments.watch import ReplicaWatch, WatchdogHandle, WatchReadings, end_own_process
+        from gpubroker.deployments.enforce.watch import ReplicaWatch, WatchdogHandle, WatchReadings, end_own_process
 
         self.watch = self.watchdog = None
         self.lifted = ""  # set when the in-process limit is found lifted (``_reassert``)
@@ -87,7 +87,7 @@ class ReplicaMemory:
     def _watch_used(self) -> int | None:
         """What the watchers measure: resident memory over the pre-model baseline on the host;
         NVML's bytes for this pid over the CUDA context on a card."""
-        from gpubroker.deployments.watch import host_used_bytes
+        from gpubroker.deployments.enforce.watch import host_used_bytes
 
         if not self.on_cuda:
             return host_used_bytes(None, self.watch_baseline_bytes)

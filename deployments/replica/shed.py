@@ -29,7 +29,7 @@ class LateShed:
     def check(self, model: str, req: HeldRequest, now_s: float, cap: int) -> Late | None:
         """The verdict on a request whose item is next to leave the gate: ``Late`` (then for all
         of its items still held) or None. Its items still held need ceil(cost / cap) batches, and
-        no more than one each (an item costlier than the cap runs alone, ``gpubroker.deployments.units.items``)."""
+        no more than one each (an item costlier than the cap runs alone, ``gpubroker.deployments.replica.items``)."""
         if req.late is None:
             waited = now_s - req.t_in
             batches = max(1, min(req.held_items, -(-req.held_cost // max(1, cap))))

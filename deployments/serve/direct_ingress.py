@@ -12,7 +12,7 @@ docs/BENCHMARKS.md). Serve's proxy keeps working beside it, on its one port, for
 What it does not give: one address for all replicas (each replica has its own port; a client or
 a load balancer in front picks one, and a replica that stops takes its port with it; Ray's own
 answer is HAProxy in front, not set up here), and the proxy's JSON answer for a replica lost
-with the request on it (``gpubroker.deployments.http_proxy``): a direct client sees the connection drop
+with the request on it (``gpubroker.deployments.serve.http_proxy``): a direct client sees the connection drop
 and retries on another URL or on the proxy.
 
 ``broker.direct_ingress: true`` asks for it. ``gpubroker up`` puts ``DIRECT_ENV`` in the

@@ -1,16 +1,16 @@
 """The Serve side pulls the broker's plan and applies it: one return channel, one applier.
 
 The broker publishes a ``gpubroker.broker.wire.ServePlan`` and calls nobody. ``PlanFollower`` runs in the
-fleet API's replica (``gpubroker.deployments.ingress.FleetApi``), every ``max(1 s, control_interval_s)``:
+fleet API's replica (``gpubroker.deployments.serve.ingress.FleetApi``), every ``max(1 s, control_interval_s)``:
 
 1. with a reconciler (a fleet of many cards deployed by ``gpubroker up``): tell the broker that a
    follower applies re-placements (``follow_placement``, idempotent: a restarted broker hears it
    again) and which cards' nodes are in the Ray cluster (``observe_cards``; a node that left
    loses its cards at once);
 2. pull the plan; when its version moved, deploy the changed card groups
-   (``gpubroker.deployments.reconcile.ServeReconciler``, in a worker thread) and tell the broker what was
+   (``gpubroker.deployments.serve.reconcile.ServeReconciler``, in a worker thread) and tell the broker what was
    applied (``plan_applied``, shown in its status);
-3. apply the replica targets (``gpubroker.deployments.scaler.ReplicaScaler``).
+3. apply the replica targets (``gpubroker.deployments.serve.scaler.ReplicaScaler``).
 
 Blocking Ray calls run off the event loop; a broker that does not answer is retried next time.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from gpubroker.broker.wire import ServePlan
-from gpubroker.deployments.scaler import ERROR_LOG_EVERY_S, ReplicaScaler
+from gpubroker.deployments.serve.scaler import ERROR_LOG_EVERY_S, ReplicaScaler
 
 logger = logging.getLogger("gpubroker.follow")
 
@@ -32,7 +32,7 @@ RPC_TIMEOUT_S = 10.0
 
 
 class Reconciler(Protocol):
-    """What the follower needs of ``gpubroker.deployments.reconcile.ServeReconciler`` (named here, not
+    """What the follower needs of ``gpubroker.deployments.serve.reconcile.ServeReconciler`` (named here, not
     imported: that module builds apps with ``gpubroker.deployments.app``, which holds the fleet API)."""
 
     def alive_cards(self) -> set[str]: ...

@@ -1,6 +1,6 @@
 """The model API's HTTP rules as plain functions: body limits, body shape, result -> response.
 
-No Serve, no Ray, no starlette: ``gpubroker.deployments.http_model`` (the HTTP adapter in the replica
+No Serve, no Ray, no starlette: ``gpubroker.deployments.serve.http_model`` (the HTTP adapter in the replica
 process) reads the request and calls these; unit tests call them directly.
 
 ``POST /v1/models/{name}/infer``  body ``{"inputs": [item, ...]}`` or ``{"input": item}``

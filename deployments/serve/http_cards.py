@@ -1,13 +1,13 @@
 """A model placed on several cards: one Serve deployment per card, one HTTP front for all.
 
 Ray Serve gives every replica of a deployment the same resources, and a replica must ask for
-its card's resource (``gpubroker.deployments.placement_resources``), so a model on two cards is two
+its card's resource (``gpubroker.deployments.serve.placement_resources``), so a model on two cards is two
 deployments (``<model>@<card>``). Its HTTP front (``CardRouter``, the model application's
 ingress) reads and checks the request exactly as a one-card model does
-(``gpubroker.deployments.http_model.read_infer_request``: path, size, body), then sends it to the group with the fewest
+(``gpubroker.deployments.serve.http_model.read_infer_request``: path, size, body), then sends it to the group with the fewest
 requests in flight from this router, weighted by the group's replicas, through Serve's
 handles (async: no blocking Ray call). That is one hop more than a one-card model; a model on
-one card keeps its one hop (``gpubroker.deployments.http_model.HttpModel``).
+one card keeps its one hop (``gpubroker.deployments.serve.http_model.HttpModel``).
 
 Lost cards. Serve holds a request sent to a group whose replicas died on a lost node until the
 group is redeployed (tens of seconds), so the router follows the broker's view of
@@ -28,8 +28,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpubroker.deployments.http_api import JSON_TYPE, HttpAnswer, answer_for
-from gpubroker.deployments.http_model import read_infer_request
+from gpubroker.deployments.serve.http_api import JSON_TYPE, HttpAnswer, answer_for
+from gpubroker.deployments.serve.http_model import read_infer_request
 from gpubroker.quotas.config import parse_config_text
 
 BROKER_RPC_TIMEOUT_S = 10.0

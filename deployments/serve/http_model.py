@@ -7,9 +7,9 @@ request is read, checked and answered in the replica process. No FastAPI, no sec
 deployment, no Ray call on the request path other than Serve's own body stream.
 
 In order: the path (``POST .../infer``), the body size (Content-Length, then the bytes read,
-both before any JSON parsing), the body's shape (``gpubroker.deployments.http_api``), then
+both before any JSON parsing), the body's shape (``gpubroker.deployments.serve.http_api``), then
 ``ModelReplica.infer`` (admission, then validation, then the batcher). Answers are built by
-``gpubroker.deployments.http_api``. As before the one hop, a 413 or a malformed body is the client's
+``gpubroker.deployments.serve.http_api``. As before the one hop, a 413 or a malformed body is the client's
 error, not a miss: only the replica's own refusals (queue full, paused) reach its stats.
 """
 
@@ -20,7 +20,8 @@ import logging
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpubroker.deployments.http_api import (
+from gpubroker.deployments.replica.deployment import ModelReplica, batch_failure_detail
+from gpubroker.deployments.serve.http_api import (
     JSON_TYPE,
     HttpAnswer,
     ParsedBody,
@@ -31,7 +32,6 @@ from gpubroker.deployments.http_api import (
     parse_body,
     too_big,
 )
-from gpubroker.deployments.replica import ModelReplica, batch_failure_detail
 
 logger = logging.getLogger("ray.serve")
 

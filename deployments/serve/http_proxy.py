@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PROXY_CALLBACK = "gpubroker.deployments.http_proxy:proxy_middlewares"
+PROXY_CALLBACK = "gpubroker.deployments.serve.http_proxy:proxy_middlewares"
 PROXY_ENV = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK}
 RETRY_AFTER_S = 1
 

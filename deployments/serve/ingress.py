@@ -1,13 +1,13 @@
 """The fleet application: what is not one model's, on Serve's proxy beside the model apps.
 
-Each model is its own Serve application on ``/v1/models/<name>`` (``gpubroker.deployments.http_model``,
+Each model is its own Serve application on ``/v1/models/<name>`` (``gpubroker.deployments.serve.http_model``,
 one hop from the proxy to the replica); this small app holds the rest of the API and every
 path no model app owns (Serve routes by the longest route prefix):
 
 ``GET /v1/status``  the broker's ``status()`` (503 + ``Retry-After`` when no broker answers)
 ``GET /v1/decisions?model=&since_seq=``  the broker's decision log
 ``GET /v1/models``  the model names; with ``broker.direct_ingress``, each batch model's replica
-    URLs under ``direct`` (``gpubroker.deployments.direct_ingress``: read from Serve's controller here,
+    URLs under ``direct`` (``gpubroker.deployments.serve.direct_ingress``: read from Serve's controller here,
     never on a model's request path)
 ``POST /v1/models/{name}/infer`` reaches this app only when no model app owns the path:
     404 for an unknown model (the detail names the known ones); 503 + ``Retry-After`` for a
@@ -15,9 +15,9 @@ path no model app owns (Serve routes by the longest route prefix):
     those refusals go to the broker (``report_rejections``, one RPC per report interval) so
     its counts include requests no replica saw.
 
-``GET /v1/replicas``  what the replica scaler applied to Serve (``gpubroker.deployments.scaler``).
+``GET /v1/replicas``  what the replica scaler applied to Serve (``gpubroker.deployments.serve.scaler``).
 
-Its replica also runs the plan follower (``gpubroker.deployments.follow``): a background task that pulls
+Its replica also runs the plan follower (``gpubroker.deployments.serve.follow``): a background task that pulls
 the broker's ``ServePlan`` and applies it: the replica targets through Serve's external-scaler
 API (``app_names``: model -> its Serve app, from ``gpubroker.deployments.app.fleet_api``) and, given a
 ``reconciler``, the re-placements after a card loss or join.
@@ -34,9 +34,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from gpubroker.deployments.follow import PlanFollower, Reconciler, follow_loop
-from gpubroker.deployments.http_api import llm_on_batch_route
-from gpubroker.deployments.scaler import ReplicaScaler, ServeReplicaSetter
+from gpubroker.deployments.serve.follow import PlanFollower, Reconciler, follow_loop
+from gpubroker.deployments.serve.http_api import llm_on_batch_route
+from gpubroker.deployments.serve.scaler import ReplicaScaler, ServeReplicaSetter
 from gpubroker.quotas.config import parse_config_text
 
 api = FastAPI(title="gpubroker", description="Several Ray Serve models sharing one GPU.")
@@ -117,7 +117,7 @@ class FleetApi:
     async def models(self) -> dict[str, Any]:
         if not self.cfg.broker.direct_ingress:
             return {"models": self.names}
-        from gpubroker.deployments.direct_ingress import model_urls, target_groups
+        from gpubroker.deployments.serve.direct_ingress import model_urls, target_groups
 
         try:
             groups = await target_groups(timeout_s=BROKER_RPC_TIMEOUT_S)

@@ -171,7 +171,7 @@ def bind_model_groups(
     from ray import serve
 
     if deployment_cls is None:
-        from gpubroker.deployments.replica import ModelReplica
+        from gpubroker.deployments.replica.deployment import ModelReplica
 
         deployment_cls = ModelReplica
     if placement is None and cfg.gpus is not None:

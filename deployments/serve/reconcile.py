@@ -1,7 +1,7 @@
 """Serve follows the broker's re-placement: the plan's card groups become Serve apps again.
 
 The broker publishes where every model's replicas should run (``gpubroker.broker.wire.ServePlan.groups``)
-and never calls Serve; the fleet API's plan follower (``gpubroker.deployments.follow``) pulls the plan and
+and never calls Serve; the fleet API's plan follower (``gpubroker.deployments.serve.follow``) pulls the plan and
 calls ``ServeReconciler`` with the groups when the plan's version moved, and asks it which cards'
 nodes are in the Ray cluster (``alive_cards``) for the broker's ``observe_cards``.
 
@@ -14,7 +14,7 @@ and route (``serve.run_many`` without waiting):
 - a group that is new on its card, or whose size changed, is pinned to its card's node by label
   (``gpubroker.io/node``, or ``ray.io/node-id`` for a discovered card), told its card in its
   environment, and asks for no card resource: the card's units are held by the deploy-time
-  replicas (``gpubroker.deployments.placement_resources``), and the broker's placement (Σ base ≤ usable
+  replicas (``gpubroker.deployments.serve.placement_resources``), and the broker's placement (Σ base ≤ usable
   per card, ``gpubroker.quotas.placement.replace_after_loss``) is the guard now. A group whose size
   changed restarts (its replicas split the grant by their count, a constructor argument);
 - the app keeps its shape: a model deployed behind a ``CardRouter`` keeps its router (groups
@@ -51,9 +51,9 @@ from gpubroker.deployments.app import (
     model_route,
     run_fleet,
 )
-from gpubroker.deployments.http_api import JSON_TYPE, HttpAnswer
-from gpubroker.deployments.http_model import HttpModel
-from gpubroker.deployments.placement_resources import (
+from gpubroker.deployments.serve.http_api import JSON_TYPE, HttpAnswer
+from gpubroker.deployments.serve.http_model import HttpModel
+from gpubroker.deployments.serve.placement_resources import (
     CARD_ENV,
     CARD_INDEX_ENV,
     NODE_LABEL,
@@ -125,7 +125,7 @@ class ServeReconciler:
     """Applies a plan's card groups to Serve (``__call__``) and reads which cards are alive (``alive_cards``).
 
     Built where the fleet is deployed, with the same arguments as ``gpubroker.deployments.app.fleet_apps``;
-    picklable (the fleet API's replica receives it: ``gpubroker.deployments.follow``)."""
+    picklable (the fleet API's replica receives it: ``gpubroker.deployments.serve.follow``)."""
 
     def __init__(
         self,
@@ -282,7 +282,7 @@ class ServeReconciler:
         """The fleet's cards whose node is alive in the Ray cluster now."""
         import ray
 
-        from gpubroker.deployments.cluster_discovery import card_nodes
+        from gpubroker.deployments.cluster.discovery import card_nodes
 
         nodes = ray.nodes()
         alive = {str(n["NodeID"]) for n in nodes if n.get("Alive", True)}

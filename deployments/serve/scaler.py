@@ -2,7 +2,7 @@
 
 The broker decides (``gpubroker.broker.control.replica_rules``) and publishes the targets in its
 ``ServePlan``; it never calls Serve. ``ReplicaScaler`` is the thin applier, run by the fleet
-API's plan follower (``gpubroker.deployments.follow``): it applies the targets that changed and every
+API's plan follower (``gpubroker.deployments.serve.follow``): it applies the targets that changed and every
 ``RESYNC_S`` all of them again (a redeploy of an app sets its configured count back). In dry run
 nothing is applied.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpubroker.broker.wire import ServePlan
-from gpubroker.deployments.placement_resources import deployment_name
+from gpubroker.deployments.serve.placement_resources import deployment_name
 
 logger = logging.getLogger("gpubroker.scaler")
 

@@ -1,5 +1,5 @@
 """Serve versions from what a deployment runs (``gpubroker.deployments.app``, ``gpubroker.deployments.llm.openai_api``,
-``gpubroker.deployments.reconcile``): redeploying an app whose deployment is unchanged leaves its replicas
+``gpubroker.deployments.serve.reconcile``): redeploying an app whose deployment is unchanged leaves its replicas
 running; one whose code, options or arguments changed restarts."""
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def code_digest(model_ref: str = "") -> str:
 @functools.cache
 def _own_code_digest() -> str:
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
+    root = (
+        Path(__file__).resolve().parents[2]
+    )  # deployments/serve/versions.py -> the folder holding broker/, deployments/, quotas/
     for pkg in ("broker", "deployments", "quotas"):
         for f in sorted((root / pkg).rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
@@ -41,7 +43,7 @@ def deployment_version(
 ) -> str:
     """A Serve version from what a deployment runs (class, name, replicas, Ray options, constructor
     arguments, ``code``: ``code_digest``). Redeploying an app whose group is unchanged is then a
-    no-op for that group: its replicas keep running (``gpubroker.deployments.reconcile``). Serve would
+    no-op for that group: its replicas keep running (``gpubroker.deployments.serve.reconcile``). Serve would
     otherwise give every ``serve.run`` a random version and restart every replica of the app."""
     digest = [hashlib.sha256(a.encode()).hexdigest() if isinstance(a, str) else a for a in args]
     blob = json.dumps(

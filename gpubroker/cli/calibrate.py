@@ -1,7 +1,7 @@
 """``gpubroker calibrate CONFIG MODEL``: measure a model's profile on this machine and write it.
 
 The model is built with its options and run in this process (no Ray): its memory model
-(weights + bytes per item) by ``gpubroker.deployments.calibration.calibrate``, the replica's own start-up
+(weights + bytes per item) by ``gpubroker.deployments.replica.calibration.calibrate``, the replica's own start-up
 calibration, and its latency L(b) = a + c*b by timing batches of its example input (median of
 a few runs per size, a least-squares line through them). The result goes under the model's
 ``profile:`` key, which ``simulate`` emulates and the quota suggestion below starts from: into
@@ -39,17 +39,17 @@ class Measured:
     weights_bytes: int
     bytes_per_item: int  # per batch unit, rounded up
     unit: str  # requests or tokens
-    memory_method: str  # gpubroker.deployments.calibration's method: hooks, cuda, probe, declared, none
+    memory_method: str  # gpubroker.deployments.replica.calibration's method: hooks, cuda, probe, declared, none
     latency_points: tuple[tuple[float, float], ...]  # (batch cost, median ms)
     memory_points: tuple[tuple[float, float], ...]  # (batch cost, bytes)
 
 
 def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) -> Measured:
     """Build the model with its options, load it on ``device`` and measure memory and latency."""
-    from gpubroker.deployments.calibration import calibrate as memory_fit  # noqa: PLC0415 - torch behind it
-    from gpubroker.deployments.calibration import fit_line  # noqa: PLC0415
+    from gpubroker.deployments.cluster.user_code import on_sys_path  # noqa: PLC0415
     from gpubroker.deployments.models import resolve_model  # noqa: PLC0415
-    from gpubroker.deployments.user_code import on_sys_path  # noqa: PLC0415
+    from gpubroker.deployments.replica.calibration import calibrate as memory_fit  # noqa: PLC0415 - torch behind it
+    from gpubroker.deployments.replica.calibration import fit_line  # noqa: PLC0415
 
     on_sys_path()
     adapter = resolve_model(spec.model)(**spec.options)

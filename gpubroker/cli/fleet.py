@@ -1,7 +1,7 @@
 """Fleet commands: ``gpubroker up | status | apply | decisions | down``.
 
-The lifecycle itself (local Ray, deploy, teardown) is ``gpubroker.deployments.fleet``, the state file and
-the broker's API ``gpubroker.deployments.fleet_client``; this module parses the options, draws ``up``'s
+The lifecycle itself (local Ray, deploy, teardown) is ``gpubroker.deployments.cluster.fleet``, the state file and
+the broker's API ``gpubroker.deployments.cluster.fleet_client``; this module parses the options, draws ``up``'s
 progress with rich and prints tables.
 """
 
@@ -20,11 +20,11 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn
 
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import describe_decision, err_console, fleet_view, print_config_error, status_table
-from gpubroker.deployments import fleet, fleet_client
-from gpubroker.deployments.first_requests import WAIT_S
-from gpubroker.deployments.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
-from gpubroker.deployments.serve_failures import replica_logs, serve_log_dir
-from gpubroker.deployments.user_code import check_project
+from gpubroker.deployments.cluster import fleet, fleet_client
+from gpubroker.deployments.cluster.first_requests import WAIT_S
+from gpubroker.deployments.cluster.fleet import FleetError, Note, UpEvent, UpOptions, UpStage
+from gpubroker.deployments.cluster.user_code import check_project
+from gpubroker.deployments.serve.failures import replica_logs, serve_log_dir
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
 from gpubroker.quotas.config_errors import did_you_mean
 
@@ -69,7 +69,7 @@ class UpBars:
 
 
 def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions | None = None) -> dict[str, Any]:
-    """``gpubroker.deployments.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
+    """``gpubroker.deployments.cluster.fleet.up_fleet`` with its progress drawn, then the line saying where the fleet answers."""
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -99,7 +99,7 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions |
             for name, found in urls.items():
                 console.print(f"  {name} direct: {', '.join(found) or '(no replica port yet)'}", highlight=False)
         else:
-            from gpubroker.deployments.direct_ingress import not_enabled_hint
+            from gpubroker.deployments.serve.direct_ingress import not_enabled_hint
 
             console.print(f"[yellow]warning:[/] {state.get('direct_error') or not_enabled_hint()}", highlight=False)
     if state.get("join"):  # a Ray that up started: token auth and how another node joins it

@@ -2,7 +2,7 @@
 
 Both take plain callables (``fetch_status() -> dict``, ``fetch_decisions(since_seq) -> list``)
 so they run without Ray in tests; ``gpubroker/cli/fleet.py`` passes closures around the broker
-(``gpubroker.deployments.fleet_client.fetch_status`` / ``fetch_decisions``). The watch redraws the very
+(``gpubroker.deployments.cluster.fleet_client.fetch_status`` / ``fetch_decisions``). The watch redraws the very
 tables ``gpubroker status`` prints (``gpubroker.cli.views.fleet_view``).
 """
 

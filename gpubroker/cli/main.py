@@ -51,7 +51,7 @@ def _root(
 
 def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[list[ConfigIssue], list[str]]:
     """What the schema cannot see: the project shadowing our packages, and each model built in a child."""
-    from gpubroker.deployments.user_code import check_project  # noqa: PLC0415 - reads the file tree only
+    from gpubroker.deployments.cluster.user_code import check_project  # noqa: PLC0415 - reads the file tree only
 
     project = check_project((n, s.model) for n, s in cfg.models.items())
     issues = [ConfigIssue("models", MISSING, message) for message in project.errors]

@@ -147,7 +147,7 @@ STATUS_COLUMNS = (
     "attain",
     "rps",
     "$/1k",
-    "repl",
+    "repl -> target",
     "ver",
     "enforce",
     "flags",

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from gpubroker.broker.wire import ModelSettings
-from gpubroker.deployments.units.fast_loop import FastLoopParams, fast_loop_step, params_for
-from gpubroker.deployments.units.gate import LazyGate
-from gpubroker.deployments.units.shed import LateShed
+from gpubroker.deployments.replica.fast_loop import FastLoopParams, fast_loop_step, params_for
+from gpubroker.deployments.replica.gate import LazyGate
+from gpubroker.deployments.replica.shed import LateShed
 from gpubroker.quotas.config import FleetConfig
 from gpubroker.sim.broker import SimBroker
 from gpubroker.sim.profile import profile_for
@@ -89,7 +89,7 @@ class Simulator:
             raise ValueError(f"batching '{batching}' is not known; use {' or '.join(BATCHING_MODES)}")
         # ``batching`` is how plain @serve.batch forms batches (what static arms get). The broker's
         # replicas run Ray's eager batcher behind the replica's own lazy gate
-        # (broker.batch_formation: lazy, the default): gpubroker.deployments.units.gate.LazyGate, the same code.
+        # (broker.batch_formation: lazy, the default): gpubroker.deployments.replica.gate.LazyGate, the same code.
         # A static arm gets the same gate when it asks for it (``static:B:W:gate``, the ablation).
         self.gated = (arm.kind == "broker" and config.broker.batch_formation == "lazy") or arm.gated
         if arm.kind == "broker" or arm.gated:
@@ -265,7 +265,7 @@ class Simulator:
     def _pump(self, rep: SimReplica) -> None:
         """The slot freed: the gate lets up to one cap in; requests that timed out while held
         were answered 504 by the replica and are dropped, as are those too late for the SLO
-        (``shed_late``, ``gpubroker.deployments.units.shed``)."""
+        (``shed_late``, ``gpubroker.deployments.replica.shed``)."""
         now = self.now
         limit = now - rep.timeout_s
         arr_t, status, shed = self.arr_t, self.status, rep.shed
@@ -446,7 +446,7 @@ class Simulator:
         self.batch_log.append((rep.m, self.now, len(ids), float(sum(self.cost[i] for i in ids)), oversize))
 
     def _fast_loop(self, rep: SimReplica) -> None:
-        """The replica's own fast-loop step (``gpubroker.deployments.units.fast_loop``) on the emulated card's
+        """The replica's own fast-loop step (``gpubroker.deployments.replica.fast_loop``) on the emulated card's
         free share (what a CUDA replica reads from NVML)."""
         used = self.mem_pool.total
         free = 1.0 - used / self.capacity

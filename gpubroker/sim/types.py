@@ -7,8 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpubroker.deployments.units.gate import LazyGate
-from gpubroker.deployments.units.shed import LateShed
+from gpubroker.deployments.replica.gate import LazyGate
+from gpubroker.deployments.replica.shed import LateShed
 from gpubroker.sim.profile import Profile
 
 START_EPOCH_S = 1_700_000_000.0  # Tue 2023-11-14 22:13 UTC: the default profile's hours
@@ -23,7 +23,7 @@ EV_GPU, EV_TIMER, EV_REPORT, EV_CONTROL, EV_SAMPLE = 0, 1, 2, 3, 4
 # the batch waits for a max_concurrent_batches slot; batches do NOT grow while the replica is
 # busy. "lazy" is BENCHMARK.md's quick model: the next batch forms only when a slot is free,
 # from everything queued by then (up to the cap). gpubroker's replicas get lazy formation on
-# Ray 2.60 by gating requests while a batch runs (deployments/replica.py, _admit_to_batcher).
+# Ray 2.60 by gating requests while a batch runs (deployments/replica/deployment.py, _admit_to_batcher).
 BATCHING_MODES = ("eager", "lazy")
 
 LATENCY_SAMPLES_PER_REPORT = 512  # the replica caps the samples it sends; we keep every k-th
@@ -177,7 +177,7 @@ class SimReplica:
         self.form_cost = 0
         self.formed: deque[list[int]] = deque()  # eager mode: formed batches waiting for a slot
         self.gate: LazyGate[int] | None = None  # the replica's lazy gate (broker arm, lazy formation)
-        self.shed: LateShed | None = None  # shed_late behind the gate (gpubroker.deployments.units.shed)
+        self.shed: LateShed | None = None  # shed_late behind the gate (gpubroker.deployments.replica.shed)
         self.paused = False  # the fast loop paused admission
         self.held = 0  # requests admitted and not answered yet (the replica's ``waiting``)
         self._reset_stats()

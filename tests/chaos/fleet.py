@@ -67,7 +67,7 @@ def fleet_text(tmp: Path, http_port: int, metrics_port: int) -> str:
 
 
 def up(tmp: Path, timeout_s: float = 420) -> LiveFleet:
-    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.deployments.cluster.local_ray import free_port
 
     text = fleet_text(tmp, free_port(), free_port())
     cfg_path = tmp / "fleet.yaml"
@@ -97,7 +97,7 @@ def connect(fleet: LiveFleet) -> None:
     import ray
 
     os.environ["PYTHONPATH"] = fleet.env["PYTHONPATH"]
-    from gpubroker.deployments.ray_auth import adopt_auth_mode
+    from gpubroker.deployments.cluster.ray_auth import adopt_auth_mode
 
     adopt_auth_mode(fleet.state.get("auth_mode") or "token")  # as `gpubroker up` started the head
     ray.init(
@@ -114,7 +114,7 @@ def down(fleet: LiveFleet) -> None:
         fleet.cli("down", timeout_s=120)
     except subprocess.TimeoutExpired:
         pass
-    from gpubroker.deployments.local_ray import stop_local_ray
+    from gpubroker.deployments.cluster.local_ray import stop_local_ray
 
     if fleet.state.get("pgid"):
         stop_local_ray(fleet.state["pgid"])  # in case `down` could not

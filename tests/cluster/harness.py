@@ -2,7 +2,7 @@
 
 ``CardCluster(cfg)`` starts one Ray node per node named in the config's ``gpus:`` (the first is
 the head), each declaring its cards as custom resources (``gpubroker_card_<id>: 1000``) and the
-``gpubroker.io/node`` label, exactly what ``gpubroker.deployments.placement_resources.node_start_args``
+``gpubroker.io/node`` label, exactly what ``gpubroker.deployments.serve.placement_resources.node_start_args``
 tells a user to pass to ``ray start``. Nodes get few CPUs (this machine has two cores for all).
 One ``CardCluster`` per test module: start it in a module fixture, ``shutdown()`` at the end.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from gpubroker.deployments.placement_resources import node_labels, node_resources
+from gpubroker.deployments.serve.placement_resources import node_labels, node_resources
 from gpubroker.quotas.cards import Card, fleet_cards
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -68,13 +68,13 @@ class CardCluster:
 
     def node_of_card(self, card_id: str) -> str:
         """Ray node id of the (alive) node declaring the card's resource."""
-        from gpubroker.deployments.cluster_discovery import card_nodes
+        from gpubroker.deployments.cluster.discovery import card_nodes
 
         return card_nodes()[card_id]
 
     def card_nodes(self) -> dict[str, str]:
         """card id -> Ray node id, for the alive nodes."""
-        from gpubroker.deployments.cluster_discovery import card_nodes
+        from gpubroker.deployments.cluster.discovery import card_nodes
 
         return card_nodes()
 
@@ -111,13 +111,13 @@ def deployed_fleet(
 ) -> Iterator[tuple[CardCluster, str, Any]]:
     """A ``CardCluster`` for the config, its broker, Serve (head-only proxy on a free port) and the
     fleet deployed and running; with ``follow`` the fleet API applies the broker's re-placements
-    to Serve (``gpubroker.deployments.follow``). Yields (cluster, base URL, broker handle); shuts it all down after."""
+    to Serve (``gpubroker.deployments.serve.follow``). Yields (cluster, base URL, broker handle); shuts it all down after."""
     from ray import serve
 
     from gpubroker.broker.actor import start_broker
     from gpubroker.deployments.app import AppLayout, fleet_apps, run_fleet
-    from gpubroker.deployments.local_ray import free_port
-    from gpubroker.deployments.reconcile import ServeReconciler
+    from gpubroker.deployments.cluster.local_ray import free_port
+    from gpubroker.deployments.serve.reconcile import ServeReconciler
     from gpubroker.quotas.config import parse_config_text
 
     cfg = parse_config_text(config_text)

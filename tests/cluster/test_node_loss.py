@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from gpubroker.deployments.http_proxy import PROXY_ENV
+from gpubroker.deployments.serve.http_proxy import PROXY_ENV
 from tests.cluster.harness import deployed_fleet, wait_until
 
 # slow: a node killed under load takes 75 s; `make chaos` runs it, `make test` (CI, 15-minute budget) does not

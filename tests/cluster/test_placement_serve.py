@@ -41,7 +41,7 @@ class Root:
 def placed():
     from ray import serve
 
-    from gpubroker.deployments.placement_resources import bind_model_groups, deployment_plans
+    from gpubroker.deployments.serve.placement_resources import bind_model_groups, deployment_plans
     from gpubroker.quotas.config import load_config
     from gpubroker.quotas.placement import place_fleet
 

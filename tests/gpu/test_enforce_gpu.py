@@ -1,7 +1,7 @@
 """The CUDA enforcement path on a real card (skipped without CUDA); ``scripts/gpu-check`` runs
 the same ``CHECKS`` without pytest, beside tests/gpu/test_gpu.py's.
 
-``gpubroker.deployments.enforce.CudaFractionLimiter`` as the replica uses it: the fraction set before the
+``gpubroker.deployments.enforce.limits.CudaFractionLimiter`` as the replica uses it: the fraction set before the
 model loads, an allocation past it raising ``torch.cuda.OutOfMemoryError`` (caught, the process
 goes on), a shrink that empties the cache and re-measures under the new grant, NVML's bytes for
 this pid against torch's reserved bytes, this pid's SM share, and an oversize item failing
@@ -29,7 +29,7 @@ MiB = 1024**2
 
 
 def _limiter():
-    from gpubroker.deployments.enforce import CudaFractionLimiter
+    from gpubroker.deployments.enforce.limits import CudaFractionLimiter
 
     torch.cuda.empty_cache()
     return CudaFractionLimiter(0)
@@ -119,7 +119,7 @@ def check_nvml_process_memory_vs_torch() -> str:
 
 def check_oversize_item_fails_alone_on_cuda() -> str:
     """Under a real CUDA cap, an item that cannot fit alone fails alone; the rest of its batch runs."""
-    from gpubroker.deployments.units.oom import run_items
+    from gpubroker.deployments.replica.oom import run_items
 
     lim = _limiter()
     lim.set_grant(torch.cuda.memory_reserved(0) + 256 * MiB)
@@ -151,7 +151,7 @@ time.sleep(120)
 
 
 def check_nvml_watchdog_ends_a_cuda_violator() -> str:
-    """The watchdog process (``python -m gpubroker.deployments.watch --device cuda:0``, cgroup off: NVML's
+    """The watchdog process (``python -m gpubroker.deployments.enforce.watch --device cuda:0``, cgroup off: NVML's
     reading alone) ends a child that allocates 512 MiB of CUDA memory against a 64 MiB grant, past
     the grace and the drain; the bound is ``watch.END_BOUND_S``."""
     import json
@@ -159,7 +159,7 @@ def check_nvml_watchdog_ends_a_cuda_violator() -> str:
     import sys
     import time
 
-    from gpubroker.deployments.watch import END_BOUND_S
+    from gpubroker.deployments.enforce.watch import END_BOUND_S
 
     child = subprocess.Popen(
         [sys.executable, "-c", CUDA_GROWER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -169,7 +169,15 @@ def check_nvml_watchdog_ends_a_cuda_violator() -> str:
         base = _nvml_bytes_of(child.pid)
         if base is None:
             return f"child pid {child.pid} is not in NVML's process list (another pid namespace?): not run"
-        cmd = [sys.executable, "-m", "gpubroker.deployments.watch", "--pid", str(child.pid), "--model", "grower"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpubroker.deployments.enforce.watch",
+            "--pid",
+            str(child.pid),
+            "--model",
+            "grower",
+        ]
         cmd += ["--device", DEVICE, "--baseline", str(base)]
         dog = subprocess.Popen(
             cmd,

@@ -87,8 +87,8 @@ def check_fraction_caps_process() -> str:
 
 
 def _check_calibration(ref: str, options: dict) -> str:
-    from gpubroker.deployments.calibration import calibrate
     from gpubroker.deployments.models import load_adapter
+    from gpubroker.deployments.replica.calibration import calibrate
 
     adapter = load_adapter(ref, options, DEVICE)
     try:
@@ -122,7 +122,7 @@ def check_calibration_minilm() -> str:
 def check_oom_split_retry() -> str:
     """A real CUDA OOM inside a batch is split and retried; every result comes back in order."""
     from gpubroker.broker.probes import TorchCudaProbe
-    from gpubroker.deployments.units.oom import split_retry
+    from gpubroker.deployments.replica.oom import split_retry
 
     item_bytes = 64 * MiB
     probe = TorchCudaProbe(0)

@@ -102,8 +102,8 @@ def ray_local():
 
 
 def _deploy(text: str):
-    from gpubroker.deployments.fleet import deploy, wait_serving
-    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.deployments.cluster.fleet import deploy, wait_serving
+    from gpubroker.deployments.cluster.local_ray import free_port
     from gpubroker.quotas.config import parse_config_text
 
     cfg = parse_config_text(text)
@@ -115,7 +115,7 @@ def _deploy(text: str):
 
 
 def test_one_cuda_card_grant_holds_and_neighbour_answers(ray_local):
-    from gpubroker.deployments.fleet import APP_NAME, teardown
+    from gpubroker.deployments.cluster.fleet import APP_NAME, teardown
     from tests.integration._fleet import burst, replica_status
     from tests.integration._load import open_loop_bg
 
@@ -163,7 +163,7 @@ def test_one_cuda_card_grant_holds_and_neighbour_answers(ray_local):
 
 
 def test_gpus_auto_finds_the_card_and_places_replicas_on_it(ray_local):
-    from gpubroker.deployments.fleet import teardown
+    from gpubroker.deployments.cluster.fleet import teardown
 
     total = int(torch.cuda.get_device_properties(0).total_memory)
     cfg, broker, url = _deploy(AUTO)

@@ -13,8 +13,8 @@ def local_fleet(config_text: str, *, wait: bool = True) -> Iterator[tuple[str, A
     local Ray of its own (2 CPUs); ``wait``: until every model answered its first request."""
     import ray
 
-    from gpubroker.deployments.fleet import deploy, teardown, wait_serving
-    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.deployments.cluster.fleet import deploy, teardown, wait_serving
+    from gpubroker.deployments.cluster.local_ray import free_port
     from gpubroker.quotas.config import parse_config_text
 
     cfg = parse_config_text(config_text)

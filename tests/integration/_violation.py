@@ -4,7 +4,7 @@
 process reads the violator replica's resident memory from /proc every 50 ms until the process
 ends; a neighbour gets open-loop load meanwhile. ``Violation`` holds what was measured: the peak
 over the pre-model baseline, how long the process stayed over grant + slack before it ended
-(the bound of ``gpubroker.deployments.watch.END_BOUND_S``), and every status each model got.
+(the bound of ``gpubroker.deployments.enforce.watch.END_BOUND_S``), and every status each model got.
 """
 
 from __future__ import annotations

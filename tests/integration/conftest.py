@@ -36,8 +36,8 @@ class Fleet:
 def fleet(tmp_path_factory):
     import ray
 
-    from gpubroker.deployments.fleet import deploy, teardown, wait_serving
-    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.deployments.cluster.fleet import deploy, teardown, wait_serving
+    from gpubroker.deployments.cluster.local_ray import free_port
     from gpubroker.quotas.config import parse_config_text
 
     text = FLEET_YAML.read_text()

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpubroker.deployments.local_ray import free_port
+from gpubroker.deployments.cluster.local_ray import free_port
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent

@@ -1,4 +1,4 @@
-"""Direct ingress on the real stack (``gpubroker.deployments.direct_ingress``): Ray started with Serve's
+"""Direct ingress on the real stack (``gpubroker.deployments.serve.direct_ingress``): Ray started with Serve's
 direct ingress, a fleet with ``broker.direct_ingress: true``; each model replica answers its own
 port on 127.0.0.1, with the same admission and validation as through the proxy, and the broker
 counts what it answers. One Ray instance for the module (it needs its own environment)."""
@@ -65,9 +65,9 @@ def get(url: str) -> dict:
 def direct_fleet():
     import ray
 
-    from gpubroker.deployments.direct_ingress import DIRECT_ENV
-    from gpubroker.deployments.fleet import deploy, teardown, wait_serving
-    from gpubroker.deployments.local_ray import free_port
+    from gpubroker.deployments.cluster.fleet import deploy, teardown, wait_serving
+    from gpubroker.deployments.cluster.local_ray import free_port
+    from gpubroker.deployments.serve.direct_ingress import DIRECT_ENV
     from gpubroker.quotas.config import parse_config_text
 
     port = free_port()

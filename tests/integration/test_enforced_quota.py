@@ -1,7 +1,7 @@
 """A grant is a limit (issue 11): a user model that takes whatever memory it is sent, on real Ray
 Serve (CPU), under ``quota: {base: 256MiB, max: 320MiB}``.
 
-Its replica's RLIMIT_DATA (deployments/enforce.py) refuses what does not fit: a batch too big
+Its replica's RLIMIT_DATA (deployments/enforce/limits.py) refuses what does not fit: a batch too big
 splits and every item that fits alone is answered 200; an item that cannot fit alone gets 507
 naming its need and the grant; the replica process's peak resident memory (VmHWM, read from
 /proc) stays within its largest possible grant + ``TOLERANCE_BYTES``; the OOMs reach the broker,
@@ -18,8 +18,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from gpubroker.deployments.fleet import APP_NAME
-from gpubroker.deployments.watch import END_BOUND_S
+from gpubroker.deployments.cluster.fleet import APP_NAME
+from gpubroker.deployments.enforce.watch import END_BOUND_S
 from tests.chaos.harness import FaultKind, Faults, classify
 from tests.integration._fleet import burst, local_fleet, replica_status
 from tests.integration._load import open_loop_bg

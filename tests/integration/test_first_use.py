@@ -1,5 +1,5 @@
 """First use on real Ray Serve (CPU): the first requests ``gpubroker up`` sends
-(``gpubroker.deployments.fleet.wait_serving``, the function ``up_fleet`` calls) with user models written
+(``gpubroker.deployments.cluster.fleet.wait_serving``, the function ``up_fleet`` calls) with user models written
 from the README. ``strict`` has ``validate`` and no ``example_input``: it is not asked, it
 serves. ``wrong``'s ``example_input`` is refused by its own ``validate``: the wait stops with
 an error naming the model, the answer and the fix, not at its timeout.
@@ -40,7 +40,7 @@ def fleet():
 
 
 def test_first_requests_skip_the_model_without_example_and_stop_on_the_refused_one(fleet):
-    from gpubroker.deployments.fleet import FleetError, wait_serving
+    from gpubroker.deployments.cluster.fleet import FleetError, wait_serving
 
     cfg, url = fleet
     labels: list[str] = []

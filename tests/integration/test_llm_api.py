@@ -31,8 +31,8 @@ def url():
     import ray
     from ray import serve
 
+    from gpubroker.deployments.cluster.local_ray import free_port
     from gpubroker.deployments.llm.openai_api import build_llm_app
-    from gpubroker.deployments.local_ray import free_port
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:

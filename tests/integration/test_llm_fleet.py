@@ -1,6 +1,6 @@
 """One fleet, one batch model and one LLM (vLLM), on real Ray Serve: both serve, the broker drives the engine.
 
-The fleet comes up the way ``gpubroker up`` brings it up (``gpubroker.deployments.fleet.deploy``): the
+The fleet comes up the way ``gpubroker up`` brings it up (``gpubroker.deployments.cluster.fleet.deploy``): the
 broker actor, the batch model's app, the OpenAI app at ``/openai``. The LLM server reports
 through the same report/reply path as the batch replica; the bounds the broker logs are the
 ones the engine runs. One Ray instance for the module.

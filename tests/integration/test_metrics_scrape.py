@@ -7,7 +7,7 @@ exporter on a free port, some traffic, then ``/metrics`` is scraped over HTTP, p
 ``gpubroker status --json`` prints): grant bytes, max batch, config hash; then an ``apply``
 shows up as a new config hash and a successful reload.
 
-The fleet is started with the library functions of ``deployments/fleet.py``
+The fleet is started with the library functions of ``deployments/cluster/fleet.py``
 (``deploy``, ``wait_serving``, ``teardown``), the same ones ``gpubroker up`` uses.
 """
 
@@ -28,8 +28,8 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from gpubroker.deployments.fleet import deploy, example_inputs, teardown, wait_serving  # noqa: E402
-from gpubroker.deployments.local_ray import free_port  # noqa: E402
+from gpubroker.deployments.cluster.fleet import deploy, example_inputs, teardown, wait_serving  # noqa: E402
+from gpubroker.deployments.cluster.local_ray import free_port  # noqa: E402
 from gpubroker.quotas.config import parse_config_text  # noqa: E402
 
 CONFIG = """

@@ -34,7 +34,7 @@ if not Path(PROMETHEUS).is_file():
     )
 httpx = pytest.importorskip("httpx")
 
-from gpubroker.deployments.local_ray import free_port  # noqa: E402
+from gpubroker.deployments.cluster.local_ray import free_port  # noqa: E402
 from tests.integration.test_metrics_scrape import CONFIG, running_fleet, traffic  # noqa: E402
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "gpubroker.json"

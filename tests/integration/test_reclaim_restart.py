@@ -1,6 +1,6 @@
 """The last step of a reclaim's escalation on real Ray Serve (CPU): a replica whose settings carry
-a larger ``restart_token`` fails its health check (``gpubroker.deployments.units.reclaim.ReplicaReclaim``, wired
-as in ``gpubroker.deployments.replica``) and Serve replaces it with a fresh process.
+a larger ``restart_token`` fails its health check (``gpubroker.deployments.replica.reclaim.ReplicaReclaim``, wired
+as in ``gpubroker.deployments.replica.deployment``) and Serve replaces it with a fresh process.
 
 This measures the ``restart`` term of the bound in ``gpubroker.broker.control.lending`` (3 T + restart +
 stale_after_s + control_interval_s) with the health-check period the fleet deploys with
@@ -28,7 +28,7 @@ class Holder:
 
     def __init__(self, token: int):
         from gpubroker.broker.wire import ModelSettings
-        from gpubroker.deployments.units.reclaim import ReplicaReclaim
+        from gpubroker.deployments.replica.reclaim import ReplicaReclaim
 
         self.reclaim = ReplicaReclaim("holder", lambda: None, print)
         self.base = ModelSettings(

@@ -2,7 +2,7 @@
 
 One ``profiled`` model with 2 replicas under a ``throughput`` default profile. After its first
 requests the model is idle: one replica carries no load, so the broker lowers its target to 1
-after the hysteresis (2 x window_s); the fleet API's scaler (``gpubroker.deployments.scaler``) sets the Serve
+after the hysteresis (2 x window_s); the fleet API's scaler (``gpubroker.deployments.serve.scaler``) sets the Serve
 deployment to 1 replica through the external-scaler API, and the replica left is one of the two
 that were running (same actor id, same pid). An ``apply`` of a ``latency`` profile raises the
 target back to 2 at once: Serve starts one replica and the survivor keeps running. Requests are
@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gpubroker.deployments.fleet import APP_NAME
+from gpubroker.deployments.cluster.fleet import APP_NAME
 from tests.integration._fleet import local_fleet
 from tests.integration.conftest import wait_for
 

@@ -4,7 +4,7 @@ directory (a tmp dir holding ``acme/models.py``), real Ray Serve on CPU, real HT
 ``acme.models`` holds what ordinary PyTorch code looks like: numpy outputs (a float32 score, an
 array, an int64 label), an ``async def predict``, a torch module in an attribute called
 ``encoder`` returning tensors. Each answers over HTTP with JSON. ``up`` ships the package to the
-replicas (``gpubroker.deployments.user_code``: Ray ``py_modules``, what a node without the project directory
+replicas (``gpubroker.deployments.cluster.user_code``: Ray ``py_modules``, what a node without the project directory
 imports; on the node ``up`` ran on, Ray also puts the driver's directory on the path). A model
 that cannot be built stops ``up`` with a non-zero exit naming it, before any Ray starts.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpubroker.deployments.local_ray import free_port
+from gpubroker.deployments.cluster.local_ray import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Models that go around their in-process limit, held by the measurement layer alone (issue 37).
 
 Real Ray Serve on CPU, the cgroup turned off (``GPUBROKER_CGROUP=off``), so what ends a violator
-is the watcher (``gpubroker.deployments.watch``): over grant + slack past the grace, refuse, drain, end.
+is the watcher (``gpubroker.deployments.enforce.watch``): over grant + slack past the grace, refuse, drain, end.
 Each violator keeps 48 MiB a request, 2 a second for 20 s, on a 256 MiB grant, beside ``mlp``:
 
 - ``sneaky``: lifts its soft RLIMIT_DATA, allocates, and puts the limit back: the measurement
@@ -21,8 +21,8 @@ import os
 
 import pytest
 
-from gpubroker.deployments.fleet import APP_NAME
-from gpubroker.deployments.watch import CGROUP_ENV, END_BOUND_S
+from gpubroker.deployments.cluster.fleet import APP_NAME
+from gpubroker.deployments.enforce.watch import CGROUP_ENV, END_BOUND_S
 from tests.chaos.harness import FaultKind, Faults, classify
 from tests.integration._fleet import local_fleet, replica_status
 from tests.integration._violation import drive_violator, serves_again

@@ -1,5 +1,5 @@
 """A bad input fails alone: an exception from ``predict`` splits the batch (the path an
-out-of-memory error takes, ``gpubroker.deployments.units.oom.run_items``) until the failing items
+out-of-memory error takes, ``gpubroker.deployments.replica.oom.run_items``) until the failing items
 are found; each gets its own error and nothing else, every other item its output; the work is
 bounded by 2·k·⌈log2 n⌉ extra calls for k bad items in a batch of n.
 
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpubroker.deployments.models import EmulatedOOM, InputError, OutputCountError
-from gpubroker.deployments.units.oom import (
+from gpubroker.deployments.replica.oom import (
     ERROR_TEXT_CHARS,
     ItemError,
     ItemOOM,

@@ -6,7 +6,7 @@ import asyncio
 
 from starlette.requests import Request
 
-from gpubroker.deployments.http_cards import CardRouter, pick_group
+from gpubroker.deployments.serve.http_cards import CardRouter, pick_group
 from gpubroker.quotas.config import load_config
 from gpubroker.quotas.placement import place_fleet
 
@@ -19,7 +19,7 @@ def test_the_router_sends_to_the_least_loaded_group_per_replica():
 
 def test_cluster_demo_apps_follow_the_placement():
     from gpubroker.deployments.app import fleet_apps
-    from gpubroker.deployments.placement_resources import card_resource
+    from gpubroker.deployments.serve.placement_resources import card_resource
 
     cfg = load_config("configs/cluster-demo.yaml")
     text = open("configs/cluster-demo.yaml", encoding="utf-8").read()

@@ -1,4 +1,4 @@
-"""The per-replica memory cgroup writer (``gpubroker.deployments.cgroup``): against a temporary directory
+"""The per-replica memory cgroup writer (``gpubroker.deployments.enforce.cgroup``): against a temporary directory
 laid out like cgroupfs (v1 and v2), and once for real under /sys/fs/cgroup/memory where this
 machine lets us write (a child of this process's cgroup, removed after)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.deployments.cgroup import CGROUP_MARGIN_BYTES, CgroupVersion, ReplicaCgroup, find_place
+from gpubroker.deployments.enforce.cgroup import CGROUP_MARGIN_BYTES, CgroupVersion, ReplicaCgroup, find_place
 
 MiB = 1024**2
 

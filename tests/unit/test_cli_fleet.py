@@ -1,4 +1,4 @@
-"""gpubroker.cli.fleet draws gpubroker.deployments.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
+"""gpubroker.cli.fleet draws gpubroker.deployments.cluster.fleet's UpEvents as rich bars; the lifecycle library needs no UI (no Ray here)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from gpubroker.cli import fleet as cli_fleet
-from gpubroker.deployments import fleet, fleet_client
-from gpubroker.deployments.fleet import FleetError, Note, UpEvent, UpStage
+from gpubroker.deployments.cluster import fleet, fleet_client
+from gpubroker.deployments.cluster.fleet import FleetError, Note, UpEvent, UpStage
 
 
 def _bars(monkeypatch) -> tuple[cli_fleet.UpBars, Progress, io.StringIO]:

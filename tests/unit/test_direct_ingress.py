@@ -1,4 +1,4 @@
-"""Direct ingress (``gpubroker.deployments.direct_ingress``): Serve's target groups -> each model's replica
+"""Direct ingress (``gpubroker.deployments.serve.direct_ingress``): Serve's target groups -> each model's replica
 URLs, the config switch and the environment ``gpubroker up`` gives the local Ray. Pure: the
 target groups are plain objects shaped as Serve 2.60's ``TargetGroup`` (fakes of Serve's
 controller answer; ``tests/integration/test_direct_ingress.py`` runs the real one)."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gpubroker.deployments.direct_ingress import DIRECT_ENV, model_urls, not_enabled_hint, replica_ports, url_host
+from gpubroker.deployments.serve.direct_ingress import DIRECT_ENV, model_urls, not_enabled_hint, replica_ports, url_host
 from gpubroker.quotas.config import ConfigError, parse_config
 
 
@@ -88,7 +88,7 @@ def test_the_local_ray_environment_and_the_hint_name_the_variable():
 def test_start_local_ray_passes_the_variables_only_when_asked(monkeypatch):
     import subprocess
 
-    from gpubroker.deployments import local_ray
+    from gpubroker.deployments.cluster import local_ray
 
     seen: list[dict[str, str]] = []
 

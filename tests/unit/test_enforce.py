@@ -1,4 +1,4 @@
-"""Memory limits outside the model's goodwill (deployments/enforce.py).
+"""Memory limits outside the model's goodwill (deployments/enforce/limits.py).
 
 CPU: a real ``RLIMIT_DATA`` in a child process (a limit set in pytest's own process would
 outlive the test): a torch allocation past the grant raises a catchable RuntimeError, the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gpubroker.broker import probes
-from gpubroker.deployments.enforce import (
+from gpubroker.deployments.enforce.limits import (
     CpuRlimitLimiter,
     CudaFractionLimiter,
     LimiterKind,
@@ -45,7 +45,7 @@ def run_child(code: str) -> dict:
 def test_torch_allocation_past_the_limit_raises_and_raising_the_limit_lets_it_run():
     result = run_child("""
         import json, resource, torch
-        from gpubroker.deployments.enforce import CpuRlimitLimiter
+        from gpubroker.deployments.enforce.limits import CpuRlimitLimiter
         from gpubroker.deployments.models import is_oom
         MiB = 1024 ** 2
         hard0 = resource.getrlimit(resource.RLIMIT_DATA)[1]
@@ -87,9 +87,9 @@ def test_torch_allocation_past_the_limit_raises_and_raising_the_limit_lets_it_ru
 def test_profiled_emulation_is_refused_by_the_same_limit():
     result = run_child("""
         import json
-        from gpubroker.deployments.enforce import CpuRlimitLimiter
+        from gpubroker.deployments.enforce.limits import CpuRlimitLimiter
         from gpubroker.deployments.models import EmulatedOOM, load_adapter
-        from gpubroker.deployments.units.oom import run_items
+        from gpubroker.deployments.replica.oom import run_items
         MiB = 1024 ** 2
         lim = CpuRlimitLimiter(slack_bytes=0)
         lim.start()
@@ -219,7 +219,7 @@ def test_a_grant_lowered_under_held_memory_leaves_the_runtime_its_slack():
     result = run_child("""
         import json, resource
         import numpy as np
-        from gpubroker.deployments.enforce import CpuRlimitLimiter
+        from gpubroker.deployments.enforce.limits import CpuRlimitLimiter
         MiB = 1024 ** 2
         lim = CpuRlimitLimiter(slack_bytes=16 * MiB)
         lim.start()

@@ -1,9 +1,15 @@
-"""``gpubroker up``'s first requests (gpubroker.deployments.first_requests) without HTTP: skip a model
+"""``gpubroker up``'s first requests (gpubroker.deployments.cluster.first_requests) without HTTP: skip a model
 without example_input, keep asking while a model starts, stop on one that keeps refusing."""
 
 from __future__ import annotations
 
-from gpubroker.deployments.first_requests import REFUSALS_TO_STOP, REFUSING_S, FirstRequests, FirstState, example_of
+from gpubroker.deployments.cluster.first_requests import (
+    REFUSALS_TO_STOP,
+    REFUSING_S,
+    FirstRequests,
+    FirstState,
+    example_of,
+)
 from gpubroker.deployments.models import InputError, resolve_model
 
 
@@ -65,7 +71,7 @@ def test_a_503_between_refusals_restarts_the_count():
 
 
 def test_a_model_without_a_200_for_wait_s_stops_with_its_last_answer_and_what_to_do():
-    from gpubroker.deployments.first_requests import WAIT_S
+    from gpubroker.deployments.cluster.first_requests import WAIT_S
 
     first = FirstRequests.for_examples({"lifter": (True, {}, ""), "ok": (True, {}, "")}, wait_s=WAIT_S)
     first.record("ok", 200, "{}", 0.0)

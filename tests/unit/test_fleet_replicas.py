@@ -174,6 +174,7 @@ def test_the_status_tables_and_the_log_line_show_the_target():
     console.print(status_table(st))
     text = console.export_text()
     assert "target" in text and st["models"]["hot"]["replica_target"] == 1
+    assert "3 -> 1" in text  # hot's live replicas and the target the broker set
     [entry] = _replica_entries(fb)
     line = describe_decision(entry)
     assert "hot: replicas 3->1" in line and "[arrival_rate_rps=" in line and "replicas_" not in line.split("]")[0]

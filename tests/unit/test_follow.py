@@ -1,4 +1,4 @@
-"""One return channel: the Serve side pulls the broker's ``ServePlan`` and applies it (``gpubroker.deployments.follow``).
+"""One return channel: the Serve side pulls the broker's ``ServePlan`` and applies it (``gpubroker.deployments.serve.follow``).
 
 A real ``BrokerActor`` built in this process (no Ray: its methods called as a handle would, plain
 data both ways), the four-card fleet of ``tests/unit/test_fleet_replace.py``, a fake reconciler
@@ -15,8 +15,8 @@ from typing import Any
 
 from gpubroker.broker.actor import BrokerActor
 from gpubroker.broker.wire import ServePlan
-from gpubroker.deployments.follow import PlanFollower
-from gpubroker.deployments.scaler import ReplicaScaler
+from gpubroker.deployments.serve.follow import PlanFollower
+from gpubroker.deployments.serve.scaler import ReplicaScaler
 from tests.unit.test_fleet_replace import CONFIG
 
 APPS = {"spread": "t-spread", "solo": "t-solo", "west": "t-west"}

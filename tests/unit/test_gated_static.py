@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from bench.gated_static import GatedStaticModel
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica.deployment import ModelReplica
 from tests.unit.test_replica_lazy_formation import CONFIG, _replica
 
 STATIC = CONFIG.format(formation="lazy").replace(

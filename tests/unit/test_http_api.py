@@ -1,10 +1,10 @@
-"""The model API's HTTP rules (gpubroker.deployments.http_api) without Serve: limits, shapes, answers."""
+"""The model API's HTTP rules (gpubroker.deployments.serve.http_api) without Serve: limits, shapes, answers."""
 
 from __future__ import annotations
 
 import json
 
-from gpubroker.deployments.http_api import (
+from gpubroker.deployments.serve.http_api import (
     HttpAnswer,
     ParsedBody,
     answer_for,
@@ -128,7 +128,7 @@ def test_an_llm_on_the_batch_route_is_a_400_naming_the_openai_route():
 
 
 def test_an_llms_first_request_is_one_token_on_the_openai_route():
-    from gpubroker.deployments.fleet import first_request
+    from gpubroker.deployments.cluster.fleet import first_request
     from gpubroker.quotas.config import parse_config_text
 
     cfg = parse_config_text(

@@ -1,4 +1,4 @@
-"""The proxy middleware (gpubroker.deployments.http_proxy) on fake ASGI apps: only empty answers and
+"""The proxy middleware (gpubroker.deployments.serve.http_proxy) on fake ASGI apps: only empty answers and
 plain-text 503s are rewritten; everything else passes through untouched."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gpubroker.deployments.http_proxy import ExplicitErrors, proxy_middlewares
+from gpubroker.deployments.serve.http_proxy import ExplicitErrors, proxy_middlewares
 
 
 def run(app) -> list[dict]:

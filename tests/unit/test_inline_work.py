@@ -1,4 +1,4 @@
-"""gpubroker.deployments.units.inline_work: cheap work goes inline after a warm run of quick measurements in the
+"""gpubroker.deployments.replica.inline_work: cheap work goes inline after a warm run of quick measurements in the
 thread; one slow inline run sends it back for the cooldown (no Ray, no model)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gpubroker.deployments.units.inline_work import InlineOrThread
+from gpubroker.deployments.replica.inline_work import InlineOrThread
 
 
 def test_quick_runs_in_a_row_move_the_work_inline_and_one_slow_run_resets_the_count():

@@ -1,4 +1,4 @@
-"""LLM engines on a fleet of cards (``gpubroker.deployments.llm.openai_api.llm_spots``, ``gpubroker.deployments.reconcile``),
+"""LLM engines on a fleet of cards (``gpubroker.deployments.llm.openai_api.llm_spots``, ``gpubroker.deployments.serve.reconcile``),
 no Ray running: what the bound Serve deployments ask Ray for.
 
 Three cards on two nodes, listed a0 (node-a), b0 (node-b), a1 (node-a). ``chat_a`` may run on a0
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from gpubroker.broker.fleet_core import FleetBroker
 from gpubroker.deployments.llm.openai_api import LLM_NUM_CPUS, llm_app
-from gpubroker.deployments.placement_resources import CARD_ENV, NODE_LABEL, card_resource
-from gpubroker.deployments.reconcile import ServeReconciler, moved_actor_options
+from gpubroker.deployments.serve.placement_resources import CARD_ENV, NODE_LABEL, card_resource
+from gpubroker.deployments.serve.reconcile import ServeReconciler, moved_actor_options
 from gpubroker.quotas.config import parse_config_text
 from gpubroker.quotas.placement import place_fleet
 

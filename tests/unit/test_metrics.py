@@ -844,7 +844,7 @@ def _cli(monkeypatch, answers):
     from typer.testing import CliRunner
 
     from gpubroker.cli.main import app
-    from gpubroker.deployments import fleet_client
+    from gpubroker.deployments.cluster import fleet_client
 
     calls = []
 

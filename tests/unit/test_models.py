@@ -14,7 +14,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 
-from gpubroker.deployments.calibration import calibrate, fit_line  # noqa: E402
 from gpubroker.deployments.models import (  # noqa: E402
     BUILTINS,
     EmulatedOOM,
@@ -25,6 +24,7 @@ from gpubroker.deployments.models import (  # noqa: E402
     load_adapter,
     resolve_model,
 )
+from gpubroker.deployments.replica.calibration import calibrate, fit_line  # noqa: E402
 
 FIXTURE = "tests.unit.user_model_fixture"
 
@@ -405,7 +405,7 @@ def test_models_package_import_is_light():
     import subprocess
     import sys
 
-    code = "import sys, gpubroker.deployments.models, gpubroker.deployments.units.oom; print('torch' in sys.modules)"
+    code = "import sys, gpubroker.deployments.models, gpubroker.deployments.replica.oom; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

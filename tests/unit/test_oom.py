@@ -11,7 +11,7 @@ from gpubroker.broker.control.types import ModelLoad
 from gpubroker.broker.core import BrokerCore
 from gpubroker.broker.wire import StatsReport
 from gpubroker.deployments.models import EmulatedOOM
-from gpubroker.deployments.units.oom import (
+from gpubroker.deployments.replica.oom import (
     OOM_STATUS,
     BatchResult,
     HeldOverGrant,
@@ -240,7 +240,7 @@ def test_an_oom_lowers_the_cap_at_the_next_tick_and_it_stays_below():
 
 
 def test_replica_helpers_answer_507_and_hold_the_local_ceiling():
-    from gpubroker.deployments.units.oom import OomCeiling, need_from_calibration, oom_error
+    from gpubroker.deployments.replica.oom import OomCeiling, need_from_calibration, oom_error
 
     item = ItemOOM(0, 1.0, 300 * MiB, None, 256 * MiB, "EmulatedOOM: no")
     err = oom_error(2, item)

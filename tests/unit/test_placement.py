@@ -176,7 +176,7 @@ def test_property_within_usable_complete_deterministic_and_spread(fleet):
 
 # --------------------------------------------------------------------------- as Ray resources
 def test_deployment_plans_name_groups_and_share_each_card_resource():
-    from gpubroker.deployments.placement_resources import deployment_plans
+    from gpubroker.deployments.serve.placement_resources import deployment_plans
 
     p = place_fleet(load_config("configs/cluster-demo.yaml"))
     plans = {plan.name: plan for plan in deployment_plans(p, model_num_cpus=0.1)}
@@ -189,7 +189,7 @@ def test_deployment_plans_name_groups_and_share_each_card_resource():
 
 
 def test_one_card_fleet_keeps_todays_names_and_options():
-    from gpubroker.deployments.placement_resources import deployment_plans
+    from gpubroker.deployments.serve.placement_resources import deployment_plans
 
     cfg = load_config("configs/demo.yaml")
     plans = deployment_plans(place_fleet(cfg), model_num_cpus=0.1)
@@ -198,7 +198,7 @@ def test_one_card_fleet_keeps_todays_names_and_options():
 
 
 def test_cuda_replica_asks_a_gpu_share_and_sees_its_card():
-    from gpubroker.deployments.placement_resources import replica_actor_options
+    from gpubroker.deployments.serve.placement_resources import replica_actor_options
 
     opts = replica_actor_options(Card("g1", "n", 1, CardDevice.CUDA, 1), replicas_on_card=3, num_cpus=1)
     assert opts["resources"] == {"gpubroker_card_g1": 333.0} and opts["num_gpus"] == 0.333
@@ -210,7 +210,7 @@ def test_cuda_replica_asks_a_gpu_share_and_sees_its_card():
 
 
 def test_node_start_args_declare_the_nodes_cards_and_labels():
-    from gpubroker.deployments.placement_resources import node_start_args
+    from gpubroker.deployments.serve.placement_resources import node_start_args
     from gpubroker.quotas.cards import fleet_cards
 
     cfg = load_config("configs/cluster-demo.yaml")
@@ -224,7 +224,7 @@ def test_node_start_args_declare_the_nodes_cards_and_labels():
 
 
 def test_discover_cards_from_ray_nodes_and_nvml_totals():
-    from gpubroker.deployments.cluster_discovery import DiscoveryError, card_nodes, discover_cards
+    from gpubroker.deployments.cluster.discovery import DiscoveryError, card_nodes, discover_cards
 
     nodes = [
         {
@@ -303,7 +303,7 @@ def test_property_replacing_after_a_node_loss_keeps_survivors_and_never_overgran
 
 
 def test_fleet_plans_of_a_one_card_fleet_need_no_capacity():
-    from gpubroker.deployments.placement_resources import fleet_plans
+    from gpubroker.deployments.serve.placement_resources import fleet_plans
     from gpubroker.quotas.config import parse_config
 
     cfg = parse_config(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from gpubroker.deployments.local_ray import port_free
+from gpubroker.deployments.cluster.local_ray import port_free
 
 
 def _time_wait_port() -> int:

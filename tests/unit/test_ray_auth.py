@@ -1,4 +1,4 @@
-"""gpubroker.deployments.ray_auth: `gpubroker up` starts Ray with token auth unless the user chose a mode."""
+"""gpubroker.deployments.cluster.ray_auth: `gpubroker up` starts Ray with token auth unless the user chose a mode."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from gpubroker.deployments.ray_auth import TokenSource, ensure_token_auth, join_hint
+from gpubroker.deployments.cluster.ray_auth import TokenSource, ensure_token_auth, join_hint
 
 
 @pytest.fixture
@@ -15,7 +15,7 @@ def clean_env(monkeypatch, tmp_path):
         monkeypatch.setenv(var, "")  # recorded, so the test's own settings are undone afterwards
         monkeypatch.delenv(var)
     # this process's Ray config stays as it was (other tests here run Ray)
-    monkeypatch.setattr("gpubroker.deployments.ray_auth._refresh_ray_config", lambda: None)
+    monkeypatch.setattr("gpubroker.deployments.cluster.ray_auth._refresh_ray_config", lambda: None)
     monkeypatch.setenv("HOME", str(tmp_path))
     return tmp_path
 

@@ -1,11 +1,11 @@
-"""deployments/units/reclaim.py: the replica's reaction to a reclaim's escalation, without Serve."""
+"""deployments/replica/reclaim.py: the replica's reaction to a reclaim's escalation, without Serve."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from gpubroker.broker.wire import ModelSettings
-from gpubroker.deployments.units.reclaim import ReclaimActions, ReclaimState, reclaim_step
+from gpubroker.deployments.replica.reclaim import ReclaimActions, ReclaimState, reclaim_step
 
 BASE = ModelSettings(model="m", version=3, max_batch_size=8, batch_wait_timeout_s=0.0, grant_bytes=1 << 30)
 
@@ -60,7 +60,7 @@ def test_replica_started_after_the_restart_keeps_running():
 
 
 def test_replica_holder_releases_logs_and_fails_health():
-    from gpubroker.deployments.units.reclaim import ReplicaReclaim
+    from gpubroker.deployments.replica.reclaim import ReplicaReclaim
 
     released, lines = [], []
     holder = ReplicaReclaim("m", lambda: released.append(1), lines.append)
@@ -77,7 +77,7 @@ def test_replica_holder_releases_logs_and_fails_health():
 
 
 def test_replica_holder_survives_a_failing_release():
-    from gpubroker.deployments.units.reclaim import ReplicaReclaim
+    from gpubroker.deployments.replica.reclaim import ReplicaReclaim
 
     def boom() -> None:
         raise OSError("no allocator")

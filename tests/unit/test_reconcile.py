@@ -1,4 +1,4 @@
-"""What ``gpubroker.deployments.reconcile.ServeReconciler`` would deploy after a re-placement (no Ray running).
+"""What ``gpubroker.deployments.serve.reconcile.ServeReconciler`` would deploy after a re-placement (no Ray running).
 
 Uses the fleet of ``tests/unit/test_fleet_replace.py``: after node-b's loss spread keeps its
 a0 group exactly as deployed (so Serve leaves it running) and gets a new a1 group pinned to
@@ -13,9 +13,9 @@ import pickle
 
 from gpubroker.broker.fleet_core import FleetBroker
 from gpubroker.deployments.app import deployment_version
-from gpubroker.deployments.fleet import proxy_location
-from gpubroker.deployments.placement_resources import NODE_LABEL, card_resource
-from gpubroker.deployments.reconcile import ServeReconciler, moved_actor_options
+from gpubroker.deployments.cluster.fleet import proxy_location
+from gpubroker.deployments.serve.placement_resources import NODE_LABEL, card_resource
+from gpubroker.deployments.serve.reconcile import ServeReconciler, moved_actor_options
 from tests.unit.test_fleet_replace import CONFIG
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from gpubroker.broker.core import BrokerCore
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica.deployment import ModelReplica
 from tests.chaos.harness import CoreLink, FakeProbe, FaultKind, Faults, classify, rss_bytes
 
 MIB = 1024**2

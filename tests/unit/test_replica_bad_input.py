@@ -14,7 +14,7 @@ import json
 
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.models import InputError, OutputCountError
-from gpubroker.deployments.replica import ModelReplica, batch_failure_detail
+from gpubroker.deployments.replica.deployment import ModelReplica, batch_failure_detail
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2

@@ -1,5 +1,5 @@
 """A replica that holds more than its grant runs no batch (and restarts itself when that lasts),
-and a grant lowered while a batch runs is set when the batch ends (deployments/replica.py).
+and a grant lowered while a batch runs is set when the batch ends (deployments/replica/deployment.py).
 
 In-process (no Ray cluster): Serve's own ``@serve.batch`` batcher, a real ``BrokerCore`` behind a
 ``CoreLink``. The limiter is a FAKE (a replica built outside Serve sets no OS limit: it would
@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from gpubroker.broker.core import BrokerCore
-from gpubroker.deployments.replica import HELD_RESTART_T, ModelReplica
+from gpubroker.deployments.replica.deployment import HELD_RESTART_T, ModelReplica
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from gpubroker.broker.core import BrokerCore
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica.deployment import ModelReplica
 from tests.chaos.harness import CoreLink
 from tests.unit.test_reliability_replica import count_predicts
 

@@ -1,4 +1,4 @@
-"""The next batch starts before a finished batch's results are sent (``gpubroker.deployments.units.next_batch``).
+"""The next batch starts before a finished batch's results are sent (``gpubroker.deployments.replica.next_batch``).
 
 In-process, Serve's real batcher, the ``profiled`` EMULATION (it sleeps a + c*b): a request runs
 alone while ten more wait at the lazy gate; when its batch ends, the ten form the next batch. With
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica.deployment import ModelReplica
 from tests.unit.test_replica_lazy_formation import CONFIG, _replica
 
 

@@ -14,7 +14,7 @@ import asyncio
 
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.models import EmulatedOOM
-from gpubroker.deployments.replica import ModelReplica
+from gpubroker.deployments.replica.deployment import ModelReplica
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2

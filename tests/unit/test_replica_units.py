@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gpubroker.deployments.broker_link import BrokerLink, ReplicaGauges
-from gpubroker.deployments.units.fast_loop import FastEvent, FastLoopParams, fast_loop_step
-from gpubroker.deployments.units.gate import LazyGate
+from gpubroker.deployments.replica.broker_link import BrokerLink, ReplicaGauges
+from gpubroker.deployments.replica.fast_loop import FastEvent, FastLoopParams, fast_loop_step
+from gpubroker.deployments.replica.gate import LazyGate
 
 
 class Clock:

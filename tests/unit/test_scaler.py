@@ -1,4 +1,4 @@
-"""The replica scaler (``gpubroker.deployments.scaler``): the broker's plan -> Serve deployments' replica counts.
+"""The replica scaler (``gpubroker.deployments.serve.scaler``): the broker's plan -> Serve deployments' replica counts.
 
 No Ray: a fake ``set_replicas`` records the calls and a fake clock drives the resync.
 """
@@ -9,7 +9,7 @@ import asyncio
 
 from gpubroker.broker.fleet_core import FleetBroker
 from gpubroker.broker.wire import ReplicaTarget, ServePlan
-from gpubroker.deployments.scaler import ReplicaScaler, ScaleCall, deployment_targets
+from gpubroker.deployments.serve.scaler import ReplicaScaler, ScaleCall, deployment_targets
 from tests.unit.test_fleet_core import CONFIG as CARDS_CONFIG
 
 APPS = {"hot": "gpubroker-hot", "cold": "gpubroker-cold"}

@@ -1,4 +1,4 @@
-"""Why a Serve deployment failed (``gpubroker.deployments.serve_failures``): the cause comes from the failed
+"""Why a Serve deployment failed (``gpubroker.deployments.serve.failures``): the cause comes from the failed
 deployment's own message (Serve's app message only says "Failed to update the deployments"), and
 ``gpubroker logs`` finds a model's replica logs by its app."""
 
@@ -11,8 +11,8 @@ from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, Deplo
 from typer.testing import CliRunner
 
 from gpubroker.cli.main import app
-from gpubroker.deployments import fleet_client
-from gpubroker.deployments.serve_failures import failure_cause, replica_logs
+from gpubroker.deployments.cluster import fleet_client
+from gpubroker.deployments.serve.failures import failure_cause, replica_logs
 
 TRACE = "\n".join(
     ["Traceback (most recent call last):"]

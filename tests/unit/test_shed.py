@@ -1,6 +1,6 @@
 """shed_late: a request held at the gate that can no longer meet its SLO is answered 504 at once.
 
-The rule (``gpubroker.deployments.units.shed.LateShed``) is pure; the replica tests run the real
+The rule (``gpubroker.deployments.replica.shed.LateShed``) is pure; the replica tests run the real
 ``ModelReplica`` in-process on Serve's real batcher beside an in-process broker core, with a
 ``profiled`` model (EMULATION: it sleeps a + c*b ms; there is no GPU here).
 """
@@ -14,9 +14,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gpubroker.broker.metrics import BrokerMetrics
-from gpubroker.deployments.broker_link import StatsDelta
-from gpubroker.deployments.replica import ModelReplica
-from gpubroker.deployments.units.shed import HeldRequest, LateShed
+from gpubroker.deployments.replica.broker_link import StatsDelta
+from gpubroker.deployments.replica.deployment import ModelReplica
+from gpubroker.deployments.replica.shed import HeldRequest, LateShed
 from gpubroker.quotas.config import parse_config_text
 from gpubroker.quotas.config_errors import ConfigError
 from tests.unit.test_metrics import report, value

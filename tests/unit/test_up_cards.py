@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpubroker.deployments.cluster_discovery import missing_cards, missing_cards_fix
-from gpubroker.deployments.fleet import _check_cards
-from gpubroker.deployments.local_ray import FleetError
+from gpubroker.deployments.cluster.discovery import missing_cards, missing_cards_fix
+from gpubroker.deployments.cluster.fleet import _check_cards
+from gpubroker.deployments.cluster.local_ray import FleetError
 from gpubroker.quotas.config import load_config
 
 
@@ -62,7 +62,7 @@ def test_the_ports_ray_start_gets_are_distinct_and_free(monkeypatch):
     ports are picked with every socket held: never equal to each other, nor to the one avoided."""
     import socket
 
-    from gpubroker.deployments import local_ray
+    from gpubroker.deployments.cluster import local_ray
 
     handed = iter([40001, 40001, 40002, 40003, 40003, 40004])  # what a racy OS could hand out
 

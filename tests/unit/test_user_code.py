@@ -1,4 +1,4 @@
-"""A user's project directory (``gpubroker.deployments.user_code``): the packages shipped to the replicas,
+"""A user's project directory (``gpubroker.deployments.cluster.user_code``): the packages shipped to the replicas,
 a folder named like one of gpubroker's packages refused or warned about with the fix."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gpubroker.deployments.user_code import check_project
+from gpubroker.deployments.cluster.user_code import check_project
 
 
 def _package(root: Path, name: str) -> Path:

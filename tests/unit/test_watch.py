@@ -1,6 +1,6 @@
 """The measurement layer (issue 37): the watcher's decision as a pure function of readings, grant,
 slack, grace and a fake clock (``gpubroker.broker.control.violation``); the replica's watcher thread's steps
-(``gpubroker.deployments.watch.ReplicaWatch``, stepped by hand); the watchdog process against a real child
+(``gpubroker.deployments.enforce.watch.ReplicaWatch``, stepped by hand); the watchdog process against a real child
 process that grows past its grant (a real SIGKILL); the fast loop's blame on a card."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from gpubroker.broker.control.violation import Verdict, WatchLimits, WatchState, over_grant, watch_step
-from gpubroker.deployments.units.fast_loop import FastEvent, FastLoopParams, fast_loop_step
-from gpubroker.deployments.watch import ReplicaWatch, WatchReadings, set_mps_memory_limit
+from gpubroker.deployments.enforce.watch import ReplicaWatch, WatchReadings, set_mps_memory_limit
+from gpubroker.deployments.replica.fast_loop import FastEvent, FastLoopParams, fast_loop_step
 
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,7 +135,15 @@ def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
     try:
         time.sleep(0.2)
         base = proc_status_bytes(victim.pid)["VmRSS"]
-        cmd = [sys.executable, "-m", "gpubroker.deployments.watch", "--pid", str(victim.pid), "--model", "grower"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpubroker.deployments.enforce.watch",
+            "--pid",
+            str(victim.pid),
+            "--model",
+            "grower",
+        ]
         dog = subprocess.Popen(
             [*cmd, "--baseline", str(base)],
             cwd=ROOT,
@@ -163,7 +171,7 @@ def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
 def test_the_watchdogs_cuda_reading_is_nvml_bytes_for_the_pid_over_the_context(monkeypatch):
     """A FAKE NVML probe (no GPU here): one handle for every reading; NVML missing reads 0."""
     from gpubroker.broker import probes
-    from gpubroker.deployments.watch import nvml_reader
+    from gpubroker.deployments.enforce.watch import nvml_reader
 
     made = []
 
