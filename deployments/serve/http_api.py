@@ -7,9 +7,12 @@ process) reads the request and calls these; unit tests call them directly.
     200 ``{"model", "outputs": [...], "latency_ms"}`` (``{"output": ...}`` for a single input)
     413 body over the model's ``max_body_bytes`` (Content-Length, then the bytes read, both
         checked before any JSON parsing)
-    422 bad input: the detail names the field (``inputs[2].text``, ``input.image``, ``body``)
-    500 the model failed, or returned what JSON cannot hold (NaN or infinity, an object of
-        no JSON shape): the detail names the item and the field (``outputs[1].score``)
+    422 bad input: the detail names the field (``inputs[2].text``, ``input.image``, ``body``),
+        from the replica's checks or an ``InputError`` the model's ``predict`` raised for this input
+    500 the model failed on this request's own input (its batch split until the failing inputs ran
+        alone: only they fail, each with its own error), or returned what JSON cannot hold (NaN
+        or infinity, an object of no JSON shape): the detail names the item and the field
+        (``outputs[1].score``); a failure no input explains names the exception's type only
     503 + ``Retry-After`` on back-pressure (queue full, admission paused)
     504 when a request waited past the model's ``request_timeout_s``
     507 an input that cannot run even alone under the model's memory grant
