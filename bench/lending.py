@@ -2,7 +2,7 @@
 
 Lending proves something only where the static split runs out of memory: four models on one
 16 GiB card, each limited by its batch memory (1 GiB of weights + 512 MiB per item, so a 3.5 GiB
-base holds a batch of 4), each bursting in turn (gamma CV 2) past what batches of 4 serve. Arms,
+base holds a batch of 5), each bursting in turn (gamma CV 2) past what batches of 5 serve. Arms,
 all with the same lazy batch formation: ``static-split``, ``broker-fixed`` (quotas fixed at base),
 ``broker`` (lending on); ``static-split-timeout`` beside them. Both broker arms shed late
 requests, so a gain over ``broker-fixed`` is the borrowed memory, not a queue's collapse. An
@@ -32,13 +32,13 @@ from gpubroker.sim.workload import finish
 GIB = 1024**3
 MIB = 1024**2
 MODELS = ("m0", "m1", "m2", "m3")
-STATIC_CAP = 4  # (0.9 x base 3.5 GiB - weights 1 GiB) / 512 MiB per item
+STATIC_CAP = 5  # (base 3.5 GiB - weights 1 GiB) / 512 MiB per item: the largest batch the base holds
 GRANULARITY_BYTES = 2 * MIB  # allocator granularity: use above grant by less is not an over-grant
 TARGET_GAIN = 1.3
 IND_MEAN_RPS = 40.0
 A_MS, C_MS = 5.0, 1.0  # each model's batch latency: a + c x items (ms)
-STATIC_RPS = STATIC_CAP / (A_MS + C_MS * STATIC_CAP) * 1000.0  # what back-to-back batches of 4 serve: 444/s
-BURST_OVER_STATIC = 1.5  # the in-turn burst: 1.5 x that (667/s), so memory, not the load, bounds the fixed arms
+STATIC_RPS = STATIC_CAP / (A_MS + C_MS * STATIC_CAP) * 1000.0  # what back-to-back batches of 5 serve: 500/s
+BURST_OVER_STATIC = 1.5  # the in-turn burst: 1.5 x that (750/s), so memory, not the load, bounds the fixed arms
 SLO_MS = 100.0
 # Every broker arm sheds requests too late for the SLO (shed_late, gpubroker.deployments.replica.shed): without it
 # an arm whose burst outruns its batches answers everything late (19 req/s within SLO), and a

@@ -5,6 +5,16 @@ and carried in the snapshot. The batch ceiling from memory is
 ``cap_mem = (grant_per_replica - weights) / bytes_per_unit``; with no calibration (bytes per
 unit 0) memory does not limit the batch.
 
+The grant is not all usable: an allocator holds more than the bytes a model asks for (a GPU's
+caching allocator rounds and fragments; on the emulated card it holds exactly the modelled
+bytes). That slack is learned, not assumed: ``slack_frac`` is the share of what a replica
+really held at its peak over the window beyond the modelled bytes of the biggest batch behind
+that peak (``measured_slack``), at most ``SLACK_MAX``; until a replica has reported a peak
+that holds that batch it is ``SLACK_UNMEASURED``. Both bounds are a tenth of every grant, so
+the ceiling is never higher than before where a replica holds more than modelled, and a
+grant sized for a batch holds that batch where it holds exactly the modelled bytes. A real
+slack above the bound is caught by the OOM ceiling below.
+
 Every out-of-memory error teaches it at once: a batch of cost ``c`` that ran out of memory
 (``ModelLoad.oom_costs``, over the window) caps the ceiling at ``ceil(c) - 1`` below the smallest
 such cost, calibrated or not, whatever the grant arithmetic says, so the cap that ran out of
@@ -20,7 +30,20 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:  # pragma: no cover
     from gpubroker.broker.control.types import ModelLoad
 
-HEADROOM_FRAC = 0.9  # use at most this share of the grant for weights + batch, the rest is allocator slack
+SLACK_UNMEASURED = 0.10  # share of the grant kept for allocator slack until a replica reports its memory
+SLACK_MAX = 0.10  # the most a measured slack keeps (a larger real one is caught by the OOM ceiling)
+
+
+MATCH_REL = 1e-6  # a peak this close under the modelled bytes is the same bytes (reports round to whole bytes)
+
+
+def measured_slack(held_bytes: float, modelled_bytes: float) -> float:
+    """Share of what a replica held at its peak beyond the modelled bytes of the batch behind it,
+    at most ``SLACK_MAX``. A peak below those bytes measures no slack (the peak and that batch
+    did not meet in the window, or the calibration overstates the model): ``SLACK_UNMEASURED``."""
+    if held_bytes <= 0 or held_bytes < modelled_bytes * (1.0 - MATCH_REL):
+        return SLACK_UNMEASURED
+    return min(SLACK_MAX, max(0.0, (held_bytes - modelled_bytes) / held_bytes))
 
 
 class MemoryModel(NamedTuple):
@@ -29,6 +52,7 @@ class MemoryModel(NamedTuple):
     weights_bytes: int
     bytes_per_unit: float
     oom_cost: float | None = None  # smallest batch cost that ran out of memory in the window, None: none did
+    slack_frac: float = SLACK_UNMEASURED  # share of a grant the allocator's slack takes (module docstring)
 
     @classmethod
     def from_load(cls, load: ModelLoad) -> MemoryModel:
@@ -36,18 +60,22 @@ class MemoryModel(NamedTuple):
         the window, less what its biggest recent batch needs, is above the calibrated weights (allocator
         pools, runtime, fragmentation: on host memory RSS never shrinks back), that observed
         fixed part is used instead, so the batch ceiling and the memory a model asks to borrow
-        follow what is measured against its grant."""
+        follow what is measured against its grant. The same peak, against the modelled bytes of the
+        window's biggest batch, gives the allocator's slack (``measured_slack``)."""
         oom = min(load.oom_costs) if load.oom_costs else None
         weights, per_unit = int(load.weights_bytes), float(load.bytes_per_unit)
+        slack = SLACK_UNMEASURED
         if per_unit > 0 and load.mem_peak_bytes > 0 and load.replicas > 0:
             # the biggest batch over the same window as the peak (the fit's recent batches may
             # all be smaller than the one that set the peak: that would inflate the fixed part)
             fit_max = max(map(itemgetter(0), load.batch_timings), default=load.mean_batch)
             biggest = max(load.max_batch, fit_max)
-            observed = load.mem_peak_bytes / load.replicas - load.bytes_per_unit * biggest
+            held = load.mem_peak_bytes / load.replicas
+            slack = measured_slack(held, weights + per_unit * load.max_batch)
+            observed = held - load.bytes_per_unit * biggest
             if observed > weights:
                 weights = int(observed)
-        return cls(weights, per_unit, oom)
+        return cls(weights, per_unit, oom, slack)
 
     @property
     def calibrated(self) -> bool:
@@ -63,10 +91,10 @@ class MemoryModel(NamedTuple):
         below_oom = None if self.oom_cost is None else max(0, math.ceil(self.oom_cost) - 1)
         if not self.calibrated:
             return below_oom
-        room = grant_per_replica_bytes * HEADROOM_FRAC - self.weights_bytes
+        room = grant_per_replica_bytes * (1.0 - self.slack_frac) - self.weights_bytes
         fits = max(0, int(room // self.bytes_per_unit))
         return fits if below_oom is None else min(fits, below_oom)
 
     def grant_for(self, batch: float) -> int:
         """Grant per replica that lets a batch of this cost run, with the same slack."""
-        return int(self.bytes_for(batch) / HEADROOM_FRAC) + 1
+        return int(self.bytes_for(batch) / (1.0 - self.slack_frac)) + 1

@@ -1,7 +1,7 @@
 """Where memory binds, lending buys goodput (bench/lending.py's card, short runs in the simulator).
 
-Four models, each held to a batch of 4 by its base quota; one bursts at a time to 1.5x what
-batches of 4 serve. The static split drowns (its queue answers the burst late); the broker with
+Four models, each held to a batch of 5 by its base quota; one bursts at a time to 1.5x what
+batches of 5 serve. The static split drowns (its queue answers the burst late); the broker with
 quotas fixed at base sheds what cannot meet the SLO and serves its batches' worth; the broker
 lends the idle models' memory to the bursting one. Memory is enforced as the simulator
 does it (a batch over its grant runs out of memory and is split), and no sample may show a
@@ -13,9 +13,11 @@ from __future__ import annotations
 from bench import lending as L
 from gpubroker.broker.control.lending import plan_quota  # noqa: F401 - the policy under test runs inside the simulator
 
+LENDING_GAIN_SHORT = 1.25  # borrowed memory over quotas fixed at base on the shortened in-turn load
+
 
 def _in_turn(burst_rps: float | None = None):
-    """The in-turn load, shortened; the burst is the benchmark's (1.5 x what batches of 4 serve)."""
+    """The in-turn load, shortened; the burst is the benchmark's (1.5 x what batches of 5 serve)."""
     burst = L.BURST_OVER_STATIC * L.STATIC_RPS if burst_rps is None else burst_rps
     times, windows = L.in_turn(5.0, burst, 30.0, 18.0, seed=1)
     return times, windows, 30.0 * len(L.MODELS)
@@ -23,13 +25,16 @@ def _in_turn(burst_rps: float | None = None):
 
 def test_lending_buys_fleet_goodput_where_memory_binds():
     """Both broker arms shed requests too late for the SLO, so the quotas-fixed arm serves what
-    its batches of 4 can: the gain over it is what the borrowed memory buys."""
+    its batches of 5 can: the gain over it is what the borrowed memory buys. It is 1.29 on this
+    short run (389.9 / 302.4 req/s), below the benchmark's 1.3: that figure (1.33) was measured
+    against a quotas-fixed arm that left a tenth of its grant unused (batches of 4 where its base
+    holds 5); the memory slack is learned now (``memory_model.measured_slack``), nil on the emulated card."""
     times, windows, duration = _in_turn()
     static = L.run_arm(L.fleet(fixed=True), f"static:{L.STATIC_CAP}:10", times, duration, 5.0, windows)
     fixed = L.run_arm(L.fleet(fixed=True, **L.BROKER_OPTS), "broker", times, duration, 5.0, windows)
     broker = L.run_arm(L.fleet(**L.BROKER_OPTS), "broker", times, duration, 5.0, windows)
     assert broker["fleet_goodput_rps"] >= L.TARGET_GAIN * static["fleet_goodput_rps"]
-    assert broker["fleet_goodput_rps"] >= L.TARGET_GAIN * fixed["fleet_goodput_rps"]
+    assert broker["fleet_goodput_rps"] >= LENDING_GAIN_SHORT * fixed["fleet_goodput_rps"]
     assert broker["quota_moves"] > 0 and fixed["quota_moves"] == 0
     for arm in (static, fixed, broker):
         assert arm["over_grant_events"] == 0
@@ -74,18 +79,25 @@ def test_the_static_cap_is_what_the_base_quota_holds():
     cfg = L.fleet(fixed=True)
     spec = cfg.models["m0"]
     per_item = spec.options["bytes_per_item"]
-    room = 0.9 * spec.quota.base - spec.options["weights_bytes"]
+    room = spec.quota.base - spec.options["weights_bytes"]  # the emulated card holds what is modelled
     assert int(room // per_item) == L.STATIC_CAP
 
 
 def test_a_lender_whose_loans_keep_coming_back_waits_longer_before_it_lends_again():
-    """Independent bursts: a model that lends while idle and reclaims soon after, because its
-    own burst came, doubles its idle hold (lend regret); the decision log says so."""
-    times = L.independent(L.IND_MEAN_RPS, 90.0, seed=0)
+    """Short bursts in turn, two rounds (12-s phases, 8-s bursts): a model that lends while idle
+    and reclaims soon after, because its own burst came, doubles its idle hold (lend regret); the
+    decision log says so. (On the independent load at 40 req/s no model is behind at the batch of
+    5 its base holds, so none borrows and none lends.)"""
+    import numpy as np
+
     from gpubroker.sim.engine import Simulator, parse_arm
 
+    burst = L.BURST_OVER_STATIC * L.STATIC_RPS
+    first, _ = L.in_turn(5.0, burst, 12.0, 8.0, seed=0)
+    second, _ = L.in_turn(5.0, burst, 12.0, 8.0, seed=10)
+    times = [np.concatenate([a, 48.0 + b]) for a, b in zip(first, second)]
     cfg = L.fleet()
-    sim = Simulator(cfg, parse_arm("broker"), L.workload(cfg, times), 90.0)
+    sim = Simulator(cfg, parse_arm("broker"), L.workload(cfg, times), 96.0)
     sim.run()
     core = next(iter(sim.broker.broker.cores.values()))  # the one card's core
     scales = core._state.lend_scale  # noqa: SLF001 - the policy's state
@@ -142,7 +154,7 @@ def test_the_independent_load_reports_the_target_and_the_two_readings_beside_it(
 def _demo_prof(seed: int):
     """``make demo``'s ``prof`` as the simulator has it: 30 ms + 0.5 ms an item, 40 MiB fixed (what
     the broker measured on 2026-12-03's machine; the config says 32) + 2 MiB an item, so its
-    48 MiB base holds a batch of 1. Its burst: requests of 16 items (16 requests at one instant
+    42 MiB base holds a batch of 1. Its burst: requests of 16 items (16 requests at one instant
     here) at 2.6 a second for 40 s, beside ``cnn``, which lends."""
     import numpy as np
 
@@ -157,7 +169,7 @@ def _demo_prof(seed: int):
             "prof": {
                 "model": "profiled",
                 "options": {"a_ms": 30, "c_ms": 0.5, "weights_bytes": 40 * mib, "bytes_per_item": 2 * mib},
-                "quota": {"min": "40MiB", "base": "48MiB", "max": "200MiB"},
+                "quota": {"min": "40MiB", "base": "42MiB", "max": "200MiB"},
                 "batch": {"floor": 1, "ceiling": 48},
                 "wait": {"min_ms": 0, "max_ms": 10},
                 "slo_p95_ms": 300,

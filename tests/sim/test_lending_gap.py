@@ -1,7 +1,7 @@
 """bench lending's independent load: what the broker with quotas fixed does that the static split does not.
 
-On this card every model's base holds a batch of 4, the static cap; the batch rules hold the
-memory ceiling (4) throughout, so what is left to differ is the wait timeout and where the gate's
+On this card every model's base holds a batch of 5, the static cap; the batch rules hold the
+memory ceiling (5) throughout, so what is left to differ is the wait timeout and where the gate's
 wait window starts. Pin both to the static split's and the broker-fixed arm serves exactly the
 requests the static split serves (``bench.lending_gap``, which measures the rest on 600 s loads).
 """

@@ -73,3 +73,14 @@ def test_bench_matrix_cli_writes_the_aggregates_and_the_seeds(tmp_path, monkeypa
     assert data["distributions"]["broker_vs_fixed"]["n"] == 4
     assert data["capacity"]["fleets"]["one"]["models"]["m0"]["batch_at_base"] == 8
     assert "latency_ms" not in json.dumps(data)  # aggregates only
+
+
+def test_the_broker_runs_the_batch_its_base_holds_on_the_emulated_card():
+    """Saturated (level 1.1), one model whose base holds a batch of exactly 8: the emulated card
+    holds the modelled bytes, so the learned slack is nil and the broker's cap reaches 8 (7 while a
+    tenth of every grant was kept), with no OOM, and it serves at least the fixed batch's goodput."""
+    fleet = L.FLEETS["one"]
+    c = matrix.run_cell(fleet, "poisson", 1.1, 4242, TINY)
+    assert c["arms"]["broker"]["models"]["m0"]["ooms"] == 0
+    assert c["arms"]["broker"]["models"]["m0"]["mean_batch"] > 7.5
+    assert c["broker_vs_fixed"] >= 0.98
