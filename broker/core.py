@@ -45,7 +45,7 @@ from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
 from gpubroker.broker.control.replica_targets import CardView
 from gpubroker.broker.control.tallies import Tallies, Tally
-from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
+from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad, ModelDecision
 from gpubroker.broker.control.vocab import EntryKind
 from gpubroker.broker.control.window import ReportWindow
 from gpubroker.broker.metrics import BrokerMetrics, NullMetrics
@@ -57,6 +57,37 @@ from gpubroker.quotas.sizes import format_size
 logger = logging.getLogger("gpubroker.broker")
 
 REPLICA_STALE_S = 10.0  # a replica silent this long no longer counts in `replicas`
+
+
+def wire_settings(name: str, md: ModelDecision) -> ModelSettings:
+    """What the replicas of ``name`` run after a tick's decision: its settings as the wire carries them."""
+    return ModelSettings(
+        model=name,
+        version=md.version,
+        max_batch_size=md.max_batch_size,
+        batch_wait_timeout_s=md.batch_wait_timeout_s,
+        grant_bytes=md.grant_bytes,
+        admit=md.admit,
+        release_cache=md.release_cache,
+        drain=md.drain,
+        restart_token=md.restart_token,
+        engine=md.engine,
+    )
+
+
+def _settings_fields(s: ModelDecision | ModelSettings) -> tuple[Any, ...]:
+    """The fields a decision and the settings a replica runs share: equal fields, equal settings."""
+    return (
+        s.version,
+        s.max_batch_size,
+        s.batch_wait_timeout_s,
+        s.grant_bytes,
+        s.admit,
+        s.release_cache,
+        s.drain,
+        s.restart_token,
+        s.engine,
+    )
 
 
 class BrokerCore:
@@ -130,7 +161,6 @@ class BrokerCore:
         self._config_hash = cfg.config_hash()
         self._usable = cfg.usable_bytes(self._capacity)
         self._window = ReportWindow(cfg)
-        self._settings_from: dict[str, tuple[tuple[Any, ...], ModelSettings]] = {}
         # kind: llm engines' reports (gpubroker.broker.control.llm_window), kept across a new config
         self._engines = self.__dict__.get("_engines") or EngineWindow(stale_after_s=REPLICA_STALE_S)
         self._engines.window_s = max(m.control.window_s for m in cfg.models.values()) if cfg.models else 30.0
@@ -147,15 +177,6 @@ class BrokerCore:
     def _policy_settings(self, state: Any, name: str) -> ModelSettings:
         """The policy's versioned settings (its version numbers gate two-phase confirms)."""
         return policy.model_settings(state, name, self._cfg)
-
-    def _tick_settings(self, state: Any, name: str) -> ModelSettings:
-        """``_policy_settings``; the same object while ``policy.settings_key`` is (states change more often)."""
-        got, key = self._settings_from.get(name), policy.settings_key(state, name)
-        if got is not None and got[0] == key:
-            return got[1]
-        new = self._policy_settings(state, name)
-        self._settings_from[name] = (key, new)
-        return new
 
     def _restore(self) -> bool:
         if self._checkpoint is None:
@@ -309,11 +330,11 @@ class BrokerCore:
             if name not in self._settings:
                 continue
             old = self._settings[name]
-            new = self._tick_settings(new_state, name)
-            if md.changed or (new is not old and settings_view(new) != settings_view(old)):
-                self._append(*settings_entry(now, name, old, new, md, snap.models.get(name), dry))
-            if new is not old and new != old and not dry:
-                self._settings[name] = new  # version from the policy: bumps only on change
+            differs = _settings_fields(md) != _settings_fields(old)  # the wire object is built only then
+            if md.changed or (differs and settings_view(md) != settings_view(old)):
+                self._append(*settings_entry(now, name, old, wire_settings(name, md), md, snap.models.get(name), dry))
+            if differs and not dry:
+                self._settings[name] = wire_settings(name, md)  # version from the policy: bumps only on change
                 changed.append(name)
         for move in decision.moves:
             self._append(

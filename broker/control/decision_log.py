@@ -62,7 +62,8 @@ def finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def settings_view(s: ModelSettings) -> dict[str, Any]:
+def settings_view(s: ModelSettings | ModelDecision) -> dict[str, Any]:
+    """What a settings entry shows of a model's settings (a decision's or the replicas'), the wait rounded."""
     return {
         "max_batch_size": s.max_batch_size,
         "batch_wait_timeout_s": round(s.batch_wait_timeout_s, 6),

@@ -8,22 +8,28 @@ raises its batch ceiling. Pure.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpubroker.broker.control.batch_rules import decide_batch
 from gpubroker.broker.control.lending import QuotaRound, lifts_ceiling, peak_batch, pressed
-from gpubroker.broker.control.model_step import ModelStep, TickView, WantInputs, rule_context, step_model
+from gpubroker.broker.control.model_step import (
+    NO_BOUNDS,
+    KindBounds,
+    ModelStep,
+    TickView,
+    WantInputs,
+    rule_context,
+    step_model,
+)
 from gpubroker.broker.control.state import BatchWant, ModelState
-from gpubroker.broker.control.types import LogLine, ModelLoad
+from gpubroker.broker.control.types import ModelLoad
 from gpubroker.broker.wire import ModelSettings
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.ledger import QuotaLedger
 from gpubroker.quotas.sizes import format_size
 
 if TYPE_CHECKING:
-    from gpubroker.broker.control.llm_rules import EngineRecord
     from gpubroker.broker.control.state import PolicyState
 
 
@@ -38,17 +44,6 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
         grant_bytes=state.ledger.grant(model),
         admit=ms.admit,
         **quota_flags(state, model),
-    )
-
-
-def settings_key(state: PolicyState, model: str) -> tuple[Any, ...]:
-    """Everything a kind's ``settings`` reads: equal keys, equal settings (the sign of the wait too:
-    0.0 == -0.0, but they are two settings; an engine's last decision for its bounds)."""
-    ms = state.models[model]
-    return (
-        (ms.version, ms.max_batch, ms.wait_s, math.copysign(1.0, ms.wait_s), ms.admit),
-        (state.ledger.grant(model), state.reclaim_steps.get(model, 0), state.restart_tokens.get(model, 0)),
-        state.engines.get(model),
     )
 
 
@@ -137,10 +132,8 @@ class BatchKind:
     def settings(self, state: PolicyState, name: str, config: FleetConfig) -> ModelSettings:
         return settings_for(state, name, config)
 
-    def bounds(
-        self, view: TickView, name: str, spec: ModelSpec, ledger: QuotaLedger
-    ) -> tuple[EngineRecord | None, LogLine | None]:
-        return None, None
+    def bounds(self, view: TickView, name: str, spec: ModelSpec, ledger: QuotaLedger) -> KindBounds:
+        return NO_BOUNDS
 
 
 BATCH = BatchKind()

@@ -38,7 +38,7 @@ from gpubroker.broker.control.llm_rules import (
     load_from_report,
     rule_config_for,
 )
-from gpubroker.broker.control.model_step import ModelStep, TickView, WantInputs, step_model
+from gpubroker.broker.control.model_step import KindBounds, ModelStep, TickView, WantInputs, step_model
 from gpubroker.broker.control.state import BatchWant, ModelState
 from gpubroker.broker.control.types import LogLine, ModelLoad
 from gpubroker.broker.control.vocab import EntryKind, Rule, Trigger
@@ -171,13 +171,12 @@ class LlmKind:
         s = settings_for(state, name, config)
         return s if self.engine is None else replace(s, engine=engine_settings(self.engine.decision))
 
-    def bounds(
-        self, view: TickView, name: str, spec: ModelSpec, ledger: QuotaLedger
-    ) -> tuple[EngineRecord | None, LogLine | None]:
-        """Its engine rules on its latest report, under its new grant (and the grant in flight to it)."""
+    def bounds(self, view: TickView, name: str, spec: ModelSpec, ledger: QuotaLedger) -> KindBounds:
+        """Its engine rules on its latest report, under its new grant (and the grant in flight to it);
+        with no live report, the bounds its rules decided last (none before their first)."""
         seen = view.snapshot.engines.get(name)
         if seen is None:
-            return self.engine, None
+            return KindBounds(self.engine, None if self.engine is None else engine_settings(self.engine.decision), None)
         report, replicas = seen.report, max(1, seen.replicas)
         assert spec.llm is not None  # a kind: llm model's config has its llm section
         cfg = rule_config_for(
@@ -202,7 +201,7 @@ class LlmKind:
             entry = _entry(
                 view.now, name, old, state, decision, _engine_inputs(load, grant), view.config.broker.dry_run
             )
-        return EngineRecord(state, decision, decision.rule), entry
+        return KindBounds(EngineRecord(state, decision, decision.rule), engine_settings(decision), entry)
 
 
 def _presses(r: QuotaRound, name: str) -> bool:

@@ -18,8 +18,7 @@ from gpubroker.broker.control.kind_batch import BATCH
 from gpubroker.broker.control.kind_llm import LlmKind
 from gpubroker.broker.control.lending import LendingKind
 from gpubroker.broker.control.llm_rules import EngineRecord
-from gpubroker.broker.control.model_step import ModelStep, TickView
-from gpubroker.broker.control.types import LogLine
+from gpubroker.broker.control.model_step import KindBounds, ModelStep, TickView
 from gpubroker.broker.wire import ModelSettings
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.ledger import QuotaLedger
@@ -40,11 +39,9 @@ class ModelKind(LendingKind, Protocol):
         """Its versioned settings in ``state``."""
         ...
 
-    def bounds(
-        self, view: TickView, name: str, spec: ModelSpec, ledger: QuotaLedger
-    ) -> tuple[EngineRecord | None, LogLine | None]:
-        """After the quota plan: the bounds it runs inside its new grant, and their log entry
-        (None, None: the kind sets nothing there)."""
+    def bounds(self, view: TickView, name: str, spec: ModelSpec, ledger: QuotaLedger) -> KindBounds:
+        """After the quota plan: the bounds it runs inside its new grant, what its settings carry
+        of them, and their log entry (``NO_BOUNDS``: the kind sets nothing there)."""
         ...
 
 

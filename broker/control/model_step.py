@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from gpubroker.broker.control.batch_rules import RuleContext
 from gpubroker.broker.control.latency_model import LatencyFit, fit_for_load
+from gpubroker.broker.control.llm_rules import EngineRecord
 from gpubroker.broker.control.memory_model import MemoryModel
 from gpubroker.broker.control.state import BatchWant, ModelState
-from gpubroker.broker.control.types import FleetSnapshot, ModelLoad
+from gpubroker.broker.control.types import FleetSnapshot, LogLine, ModelLoad
 from gpubroker.broker.control.violation import WATCH_SLACK_BYTES, over_grant
 from gpubroker.broker.control.vocab import Rule
+from gpubroker.broker.wire import EngineBounds
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.schedule import ProfileSpec
 
@@ -61,6 +63,17 @@ class ModelStep(NamedTuple):
     state: ModelState  # its state with the tick's spells, fit and reversals
     memory: MemoryModel  # its memory model from this tick's load
     note: str  # anti-oscillation's remark ("" for none)
+
+
+class KindBounds(NamedTuple):
+    """What a kind sets after the quota plan, inside the new grant (``ModelKind.bounds``)."""
+
+    record: EngineRecord | None  # what its engine rules decided (``PolicyState.engines`` keeps it)
+    engine: EngineBounds | None  # the engine bounds its settings carry
+    entry: LogLine | None  # their decision-log entry (None: nothing to log)
+
+
+NO_BOUNDS = KindBounds(None, None, None)  # a kind that sets nothing there
 
 
 class WantInputs(NamedTuple):

@@ -16,21 +16,19 @@ Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from gpubroker.broker.control.batch_rules import cap_top
-from gpubroker.broker.control.kind_batch import settings_for, settings_key
-from gpubroker.broker.control.kinds import ModelKind, kind_for, kinds_of
+from gpubroker.broker.control.kind_batch import settings_for
+from gpubroker.broker.control.kinds import kind_for, kinds_of
 from gpubroker.broker.control.lending import LendingBook, QuotaInputs, QuotaPlan, plan_quota
-from gpubroker.broker.control.llm_rules import EngineRecord
 from gpubroker.broker.control.memory_model import MemoryModel
 from gpubroker.broker.control.model_step import ModelStep, TickView, initial_model_state
 from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.state import ModelState, PolicyState
-from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, LogLine, ModelDecision, ModelLoad, QuotaMove
-from gpubroker.broker.wire import ModelSettings
+from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
+from gpubroker.broker.wire import EngineBounds, ModelSettings
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.ledger import ModelQuota, QuotaLedger
 
@@ -141,11 +139,13 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         ),
     )
     notes.extend(plan.notes)
+    bounds = {name: kinds[name].bounds(view, name, spec, plan.ledger) for name, spec in config.models.items()}
     decisions: dict[str, ModelDecision] = {}
     new_states: dict[str, ModelState] = {}
     for name, spec in config.models.items():
-        decisions[name], new_states[name] = settle_model(view, name, spec, steps[name], plan)
-    engines, log = _bounds(view, kinds, plan.ledger)
+        decisions[name], new_states[name] = settle_model(view, name, spec, steps[name], plan, bounds[name].engine)
+    engines = {name: b.record for name, b in bounds.items() if b.record is not None}
+    log = tuple(b.entry for b in bounds.values() if b.entry is not None)
     # a donor whose grant was lowered this tick must run the new version before it can confirm
     confirm_after = dict(plan.confirm_after)
     for donor in plan.new_donors:
@@ -168,26 +168,12 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
     return decision, new_state
 
 
-def _bounds(
-    view: TickView, kinds: Mapping[str, ModelKind], ledger: QuotaLedger
-) -> tuple[dict[str, EngineRecord], tuple[LogLine, ...]]:
-    """Each kind's bounds inside the new grants (engines: their rules on their latest report)."""
-    engines: dict[str, EngineRecord] = {}
-    log: list[LogLine] = []
-    for name, spec in view.config.models.items():
-        record, entry = kinds[name].bounds(view, name, spec, ledger)
-        if record is not None:
-            engines[name] = record
-        if entry is not None:
-            log.append(entry)
-    return engines, tuple(log)
-
-
 def settle_model(
-    view: TickView, name: str, spec: ModelSpec, step: ModelStep, plan: QuotaPlan
+    view: TickView, name: str, spec: ModelSpec, step: ModelStep, plan: QuotaPlan, engine: EngineBounds | None
 ) -> tuple[ModelDecision, ModelState]:
     """One model's settings after the quota plan: guard-rails inside its new grant, the version
-    bumped when a setting changed, and the reason with the grant's move."""
+    bumped when a setting changed, the reclaim flags, its kind's ``engine`` bounds, and the reason
+    with the grant's move."""
     state, now = view.state, view.now
     ms, want = step.state, step.want
     grant = plan.ledger.grant(name)
@@ -195,8 +181,9 @@ def settle_model(
     old_grant = state.ledger.grant(name) if known else grant
     # the reclaim flags before and after this tick as (step up to 2, restart token): the same
     # facts as _quota_flags' settings (steps 2 and 3 both release caches and drain)
+    steps, token = plan.reclaim_steps.get(name, 0), plan.restart_tokens.get(name, 0)
     flags_was = (min(2, state.reclaim_steps.get(name, 0)), state.restart_tokens.get(name, 0))
-    flags = (min(2, plan.reclaim_steps.get(name, 0)), plan.restart_tokens.get(name, 0))
+    flags = (min(2, steps), token)
     cap, clamp_note = _guard(want.cap, spec, grant, step.memory)
     old = state.models.get(name)
     prev = (old.max_batch, round(old.wait_s, 6), old_grant, old.admit, flags_was) if old and known else None
@@ -223,6 +210,11 @@ def settle_model(
         trigger_value=want.value,
         changed=changed,
         rule=want.rule,
+        version=version,
+        release_cache=steps >= 1,
+        drain=steps >= 2,
+        restart_token=token,
+        engine=engine,
     )
     return decision, ms
 
@@ -252,5 +244,4 @@ __all__ = [
     "model_settings",
     "reconfigure_state",
     "settings_for",
-    "settings_key",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpubroker.broker.control.vocab import MoveKind, Rule, Trigger
+from gpubroker.broker.wire import EngineBounds
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class FleetSnapshot:
 
 @dataclass(frozen=True)
 class ModelDecision:
-    """The broker's settings for one model after one tick, and why."""
+    """The broker's settings for one model after one tick, and why: every field a replica's
+    ``ModelSettings`` carries (the core builds that wire object from these) and the reason."""
 
     max_batch_size: int  # new batch cap
     batch_wait_timeout_s: float  # new wait timeout
@@ -104,8 +106,14 @@ class ModelDecision:
     reason: str  # one line: trigger metric, its value, the rule, old -> new
     trigger: Trigger  # metric that drove the decision (a StrEnum: compares and serialises as its string)
     trigger_value: float  # its value
-    changed: bool = False  # did batch cap, wait, grant or admit change?
+    changed: bool = False  # did batch cap, wait, grant, admit or a reclaim flag change?
     rule: Rule = Rule.HOLD  # the batch rule that answered (docs/RULES.md), or held by anti-oscillation
+    version: int = 1  # settings version: rises with every change (a replica applies a new version)
+    # the reclaim escalation (gpubroker.broker.control.lending.RECLAIM_STEPS) on the model as a borrower
+    release_cache: bool = False  # step 1 reached: empty its caches
+    drain: bool = False  # step 2 reached: pause admission and drain
+    restart_token: int = 0  # bumped by step 3: its replicas restart
+    engine: EngineBounds | None = None  # kind: llm: the engine bounds inside its grant
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpubroker.broker.control.policy import PolicyState, decide, initial_state, settings_for, settings_key
+from gpubroker.broker.control.policy import PolicyState, decide, initial_state, settings_for
 from gpubroker.broker.control.types import FleetSnapshot
 from tests.unit.policy_builders import MONDAY_UTC, Driver, FakeClock, GiB, MiB, gpu, load, make_config, timings
 
@@ -290,54 +290,32 @@ def test_settings_version_bumps_only_on_change():
     assert spec.max_ongoing_requests >= spec.batch.ceiling * spec.batch.max_concurrent_batches
 
 
-def test_settings_key_moves_whenever_the_settings_do():
-    """The broker core reuses a model's settings object while ``settings_key`` is equal
-    (``BrokerCore._tick_settings``): every state field, grant and flag that moves the settings
-    must move the key, and the fields that do not must leave it."""
-    d = Driver(make_config())
-    d.step({"a": load("a", queue_depth=10, arrival_rate_rps=20)})
-    base, ms = d.state, d.state.models["a"]
-    other = {
-        "max_batch": ms.max_batch + 1,
-        "wait_s": ms.wait_s * 2,
-        "admit": not ms.admit,
-        "version": ms.version + 1,
-        "last_dir": 1 - ms.last_dir,
-        "last_change_s": 5.0,
-        "reversals": (1.0,),
-        "band_scale": 2.0,
-        "hold_s": 9.0,
-        "last_reversal_s": 3.0,
-        "last_arrival_s": 7.0,
-        "loaded_since_s": 8.0,
-        "quiet_since_s": 6.0,
-        "emergency_s": 4.0,
-        "paused_since_s": 2.0,
-        "fit": (1.0, 2.0, 3),
-    }
-    assert set(other) == set(type(ms)._fields)  # a new field must be listed here
-    states = [
-        PolicyState(**{**base.__dict__, "models": {**base.models, "a": ms.evolved(**{k: v})}}) for k, v in other.items()
+def test_a_decision_carries_the_settings_of_its_new_state():
+    """``decide``'s per-model settings (what the core sends the replicas) are the new state's
+    settings (``model_settings``, what the core starts from and applies on a new config), tick by
+    tick, through grows, lends, reclaims with their escalation flags and engine bounds."""
+    from gpubroker.broker.control.policy import model_settings
+    from gpubroker.broker.core import wire_settings
+
+    engine = {"kind": "llm", "model": "tiny-llama", "llm": {"expected_peak_concurrency": 16}}
+    runs = [
+        (Driver(make_config()), None),
+        (Driver(make_config(gpu={"capacity": "6.7GiB"}, models={"a": engine, "b": engine}), usable=6 * GiB), True),
     ]
-    ledger = base.ledger.copy()
-    assert ledger.free_bytes >= 1 << 20
-    ledger.grow("a", 1 << 20)
-    states += [
-        PolicyState(**{**base.__dict__, "ledger": ledger}),
-        PolicyState(**{**base.__dict__, "reclaim_steps": {"a": 1}}),
-        PolicyState(**{**base.__dict__, "reclaim_steps": {"a": 2}}),
-        PolicyState(**{**base.__dict__, "restart_tokens": {"a": 1}}),
-    ]
-    s0, k0 = settings_for(base, "a", d.config), settings_key(base, "a")
-    moved = 0
-    for st in states:
-        s1, k1 = settings_for(st, "a", d.config), settings_key(st, "a")
-        assert (s1.to_dict() == s0.to_dict() and repr(s1) == repr(s0)) == (k1 == k0), (s1, k1)
-        moved += k1 != k0
-    assert moved == 8  # cap, wait, admission, version, grant, two reclaim steps, restart token
-    zero, minus = (PolicyState(**{**base.__dict__, "models": {"a": ms.evolved(wait_s=w)}}) for w in (0.0, -0.0))
-    assert repr(settings_for(zero, "a", d.config)) != repr(settings_for(minus, "a", d.config))
-    assert settings_key(zero, "a") != settings_key(minus, "a")  # 0.0 == -0.0, yet two settings
+    busy = dict(busy_frac=1.0, queue_depth=300, arrival_rate_rps=50.0, mem_used_bytes=5 * GiB)  # a keeps its loan
+    quiet = dict(busy_frac=0.0, queue_depth=0, arrival_rate_rps=0.0, mem_used_bytes=GiB // 2)
+    seen: set[str] = set()
+    for d, engines in runs:
+        for t in range(80):
+            a, b = (busy, quiet) if t < 15 else (busy, {**busy, "mem_used_bytes": GiB})
+            needs = {"a": 6 * GiB, "b": 1 * GiB if t < 15 else 6 * GiB} if engines else None
+            dec = d.step({"a": load("a", **a), "b": load("b", **b)}, need_bytes=needs)
+            for name, md in dec.models.items():
+                got, want = wire_settings(name, md), model_settings(d.state, name, d.config)
+                assert (got.to_dict(), repr(got)) == (want.to_dict(), repr(want)), (t, name)
+                seen.update(k for k in ("release_cache", "drain", "engine") if got.to_dict()[k])
+            seen.update(m.kind for m in dec.moves)
+    assert {"lend", "reclaim", "engine", "release_cache"} <= seen, seen
 
 
 def test_every_decision_names_trigger_and_value():
