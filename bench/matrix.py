@@ -58,6 +58,7 @@ class Size:
     processes: tuple[str, ...]
     levels: tuple[float, ...]
     grid: tuple[tuple[float, ...], tuple[float, ...]]
+    bento: bool = True  # the adaptive batcher at the fixed split (bench.matrix_bento)
 
 
 FULL = Size(120.0, tuple(L.FLEETS), L.PROCESSES, L.LEVELS, GRID_FULL)
@@ -77,11 +78,19 @@ def _workload(cfg: FleetConfig, times: Mapping[str, np.ndarray]) -> dict[str, Mo
     return {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in times.items()}
 
 
-def run_arm(cfg: FleetConfig, arm: Arm, times: Mapping[str, np.ndarray], duration_s: float, batches=None) -> dict:
-    """One arm on one cell: fleet goodput within SLO and a few aggregates per model."""
+def run_arm(
+    cfg: FleetConfig,
+    arm: Arm,
+    times: Mapping[str, np.ndarray],
+    duration_s: float,
+    batches: Mapping[str, int] | None = None,
+    static_cls: type[PerModelStatic] = PerModelStatic,
+) -> dict:
+    """One arm on one cell: fleet goodput within SLO and a few aggregates per model. ``batches``:
+    a static arm's batch per model, run by ``static_cls``."""
     cls: type[Simulator] = Simulator
     if batches is not None:
-        cls = type("Static", (PerModelStatic,), {"batches": dict(batches)})
+        cls = type("Static", (static_cls,), {"batches": dict(batches)})
     opts = SimOptions(warmup_s=WARMUP_S, drain_s=10.0, batching="lazy")
     res = cls(cfg, arm, _workload(cfg, times), duration_s, opts).run()
     return {
@@ -110,6 +119,11 @@ def run_cell(fleet: L.FleetDef, process: str, level: float, seed: int, size: Siz
         "broker-fixed": run_arm(fixed, Arm("broker"), times, size.duration_s),
         "fixed-batch": run_arm(fixed, Arm("static", 1, WAIT_MS, gated=True), times, size.duration_s, base),
     }
+    if size.bento:
+        from bench.matrix_bento import CorkSim  # noqa: PLC0415 - it builds on this module
+
+        ungated = Arm("static", 1, WAIT_MS)  # its own dispatcher forms batches and cancels late requests
+        arms["bentoml-adaptive"] = run_arm(fixed, ungated, times, size.duration_s, base, CorkSim)
     grid: dict[str, float] = {f"1:{WAIT_MS:g}": arms["fixed-batch"]["goodput_rps"]}
     for share in size.grid[0]:
         for wait in size.grid[1]:
@@ -135,6 +149,7 @@ def ratios(arms: Mapping[str, Mapping[str, Any]]) -> dict[str, float | None]:
         "broker_vs_fixed": _ratio(g["broker"], g["fixed-batch"]),
         "broker_vs_oracle": _ratio(g["broker"], g["oracle"]),
         "lending_vs_quotas_fixed": _ratio(g["broker"], g["broker-fixed"]),
+        "broker_vs_bentoml": _ratio(g["broker"], g["bentoml-adaptive"]) if "bentoml-adaptive" in g else None,
     }
 
 
@@ -160,6 +175,7 @@ def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
         "broker_vs_fixed_moving": dist(vals("broker_vs_fixed", moving)),
         "lending_vs_quotas_fixed": dist(vals("lending_vs_quotas_fixed", shared)),
         "lending_vs_quotas_fixed_staggered": dist(vals("lending_vs_quotas_fixed", staggered)),
+        "broker_vs_bentoml": dist(vals("broker_vs_bentoml")),  # beside the targets
     }
     checks = {
         "broker_vs_fixed_min": (d["broker_vs_fixed"]["min"], "broker_vs_fixed", lambda _c: True, "min"),

@@ -64,7 +64,7 @@ def test_bench_matrix_cli_writes_the_aggregates_and_the_seeds(tmp_path, monkeypa
     assert len(data["cells"]) == 4 and data["seeds"] == [c["seed"] for c in data["cells"]]
     assert len(set(data["seeds"])) == 4
     for c in data["cells"]:
-        assert set(c["arms"]) == {"broker", "broker-fixed", "fixed-batch", "oracle"}
+        assert set(c["arms"]) == {"broker", "broker-fixed", "fixed-batch", "oracle", "bentoml-adaptive"}
         assert c["arms"]["oracle"]["goodput_rps"] >= c["arms"]["fixed-batch"]["goodput_rps"]
         assert c["broker_vs_fixed"] == pytest.approx(
             c["arms"]["broker"]["goodput_rps"] / c["arms"]["fixed-batch"]["goodput_rps"], abs=1e-3
@@ -84,3 +84,23 @@ def test_the_broker_runs_the_batch_its_base_holds_on_the_emulated_card():
     assert c["arms"]["broker"]["models"]["m0"]["ooms"] == 0
     assert c["arms"]["broker"]["models"]["m0"]["mean_batch"] > 7.5
     assert c["broker_vs_fixed"] >= 0.98
+
+
+def test_the_adaptive_batcher_fits_its_batches_and_cancels_what_cannot_make_its_latency():
+    """bench.matrix_bento's dispatcher: after a few batches its fit of the batch duration is near
+    the profile's (20 ms + 1 ms a request alone on the card), its batches stay within the base's,
+    and a request too late for the SLO is cancelled (a timeout), not run."""
+    from bench.matrix_bento import Cork, CorkSim
+    from gpubroker.sim.engine import SimOptions
+    from gpubroker.sim.types import Arm
+
+    fleet = L.FLEETS["one"]
+    cfg = parse_config(L.fleet_config(fleet, fixed=True))
+    times = L.times_for("gamma:4", fleet, 1.1, 60.0, seed=3)
+    cls = type("Cork8", (CorkSim,), {"batches": {"m0": 8}})
+    sim = cls(cfg, Arm("static", 1, 10.0), matrix._workload(cfg, times), 60.0, SimOptions(batching="lazy"))
+    res = sim.run()
+    cork: Cork = sim.cork(sim.replicas[0][0])
+    assert cork.o_a == pytest.approx(0.001, rel=0.2) and cork.o_b == pytest.approx(0.020, rel=0.2)
+    assert max(n for _m, _t, n, _c, _o in sim.batch_log) <= 8
+    assert res.models["m0"].timeouts > 0 and res.models["m0"].ooms == 0
