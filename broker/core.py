@@ -43,7 +43,8 @@ from gpubroker.broker.control.llm_rules import engines_from_llm_section
 from gpubroker.broker.control.llm_window import EngineWindow, engine_status
 from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.reconfig import next_up_notes, redeploy_issues, weights_issues
-from gpubroker.broker.control.replica_targets import CardView
+from gpubroker.broker.control.replica_rules import ReplicaChange
+from gpubroker.broker.control.replica_targets import replica_target
 from gpubroker.broker.control.tallies import Tallies, Tally
 from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad, ModelDecision
 from gpubroker.broker.control.vocab import EntryKind
@@ -542,10 +543,14 @@ class BrokerCore:
     def config(self) -> FleetConfig:
         return self._cfg
 
+    def replica_target(self, model: str) -> int:
+        """How many replicas ``model`` should run on this card (its configured count before its first decision)."""
+        return replica_target(self._state.replicas, model, self._cfg.models[model].replicas)
+
     @property
-    def card_view(self) -> CardView:
-        """What the replica rule reads of this card after its tick (``replica_targets``)."""
-        return CardView(self._cfg, self._last_snapshot, self._state)
+    def replica_changes(self) -> tuple[ReplicaChange, ...]:
+        """The replica targets its last tick changed (the fleet logs them once every card ticked)."""
+        return () if self._last_decision is None else self._last_decision.replicas
 
     def settings(self, model: str) -> ModelSettings:
         self._require_model(model)

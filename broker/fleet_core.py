@@ -3,8 +3,8 @@
 A card is a memory domain: quota moves only inside it, so every card gets the core it would
 have alone, built from the fleet config restricted to the models placed on it
 (``gpubroker.quotas.card_fleet.card_config``). ``FleetBroker`` routes each replica's calls to its card's
-core, ticks every live core, runs the replica rule (``gpubroker.broker.control.replica_targets``), shares
-one decision log and merges ``status``. A card whose replicas all fall silent for
+core, ticks every live core (each card's decision holds its models' replica targets:
+``gpubroker.broker.control.replica_targets``), shares one decision log and merges ``status``. A card whose replicas all fall silent for
 ``DEAD_AFTER_S``, or whose node left the Ray cluster (``observe_cards``), is lost; with
 re-placement on (a follower applies it: ``gpubroker.deployments.serve.follow``) its replicas are placed again on
 the live cards (``gpubroker.broker.control.replacement``). ``plan()`` is what the Serve side must apply
@@ -29,7 +29,7 @@ from gpubroker.broker.control.replacement import (
     replace_fleet,
     write_placement,
 )
-from gpubroker.broker.control.replica_targets import ReplicaTargets
+from gpubroker.broker.control.replica_targets import replicas_entry
 from gpubroker.broker.control.window import stale_after_s
 from gpubroker.broker.core import BrokerCore, NullMetrics
 from gpubroker.broker.fleet_store import FleetStore
@@ -97,9 +97,6 @@ class FleetBroker:
         if log_problem:
             self._event(log_problem)
         self._restore_placement()
-        self.replica_targets = (
-            ReplicaTargets()
-        )  # per (card, model): gpubroker.broker.control.replica_rules after each tick
         for plan in self._placement.cards:
             if plan.models:
                 self.cores[plan.card.id] = self._make_core(plan.card.id)
@@ -209,11 +206,15 @@ class FleetBroker:
             changed.extend(res.get("changed", []))
             out["profile"] = res.get("profile")
             out["dry_run"] = res.get("dry_run")
-        live = {cid: core.card_view for cid, core in self.cores.items() if cid not in self.lost}
-        steps = self.replica_targets.step(now, live, dry_run=self._cfg.broker.dry_run, label_cards=not self.single)
-        for entry, line in steps:
-            self.log.append(entry, line)
-        out["replicas_changed"] = [e["model"] for e, _ in steps]
+        # each card's decide set its replica targets; their changes are logged after every card's
+        # settings, as one block for the fleet
+        dry, replicas_changed = self._cfg.broker.dry_run, []
+        for cid, core in self.cores.items():
+            if cid not in self.lost:
+                for change in core.replica_changes:
+                    self.log.append(*replicas_entry(change, "" if self.single else cid, dry))
+                    replicas_changed.append(change.model)
+        out["replicas_changed"] = replicas_changed
         self.metrics.observe_checkpoint(self._store.save(self.cores))  # every card's in one write
         return out
 
@@ -386,7 +387,7 @@ class FleetBroker:
     # ------------------------------------------------------------------ reading
     def _target(self, card_id: str, model: str) -> int:
         """The replica target of ``model`` on a card (gpubroker.broker.control.replica_rules; configured before a tick)."""
-        return self.replica_targets.target(card_id, model, self.cores[card_id].config.models[model].replicas)
+        return self.cores[card_id].replica_target(model)
 
     @property
     def config(self) -> FleetConfig:

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import mul
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gpubroker.broker.control.types import ModelLoad
+from typing import NamedTuple
 
 C_MIN_MS = 1e-4  # smallest per-unit cost the fit may report (ms per request or token)
 FIT_DECIMALS = 9  # a and c are kept to a nanosecond of a millisecond
@@ -63,11 +60,6 @@ def fit_sums(timings: Iterable[tuple[float, float]]) -> FitSums:
         return 0, 0.0, 0.0, 0.0, 0.0
     bs, ms = zip(*valid)
     return len(valid), sum(bs, 0.0), sum(ms, 0.0), sum(map(mul, bs, bs), 0.0), sum(map(mul, bs, ms), 0.0)
-
-
-def fit_for_load(load: ModelLoad, prior: LatencyFit | None) -> LatencyFit | None:
-    """The fit over a snapshot's recent batches (``ModelLoad.batch_timings``)."""
-    return fit_from_sums(fit_sums(load.batch_timings), prior)
 
 
 def fit_from_sums(sums: FitSums, prior: LatencyFit | None = None) -> LatencyFit | None:

@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpubroker.broker.control.batch_rules import RuleContext
-from gpubroker.broker.control.latency_model import LatencyFit, fit_for_load
+from gpubroker.broker.control.latency_model import LatencyFit, fit_from_sums, fit_sums
 from gpubroker.broker.control.llm_rules import EngineRecord
 from gpubroker.broker.control.memory_model import MemoryModel
 from gpubroker.broker.control.state import BatchWant, ModelState
@@ -104,7 +104,7 @@ def step_model(view: TickView, name: str, spec: ModelSpec, quiet_rule: QuietRule
     load = view.snapshot.models.get(name) or ModelLoad(name=name, replicas=0)
     active = load.arrival_rate_rps > 0 or load.queue_depth > 0
     quiet = quiet_rule(load, spec, old)
-    fit = fit_for_load(load, old.latency_fit)
+    fit = fit_from_sums(fit_sums(load.batch_timings), old.latency_fit)  # over its recent batches
     mm = MemoryModel.from_load(load)
     # a model is idle from its last arrival, or from the first tick it was seen
     last_arrival = now if (active or old.last_arrival_s is None) else old.last_arrival_s

@@ -1,17 +1,23 @@
-"""The fleet policy: ``decide(snapshot, config, state) -> (FleetDecision, new_state)``.
+"""The card's policy: ``decide(snapshot, config, state) -> (FleetDecision, new_state)``.
 
 Pure and deterministic given its inputs: no ray, torch, pynvml or clock (time is
 ``snapshot.now_s``). One tick:
 
 1. pick the active price profile (``gpubroker.broker.control.profiles``) -> effective P95 cap and objective;
-2. per model, fit L(b) and run the batch rules (``gpubroker.broker.control.batch_rules``) -> wanted cap/wait;
+2. per model, its kind's step (``gpubroker.broker.control.kinds``): fit L(b) and run the batch rules
+   (``gpubroker.broker.control.batch_rules``) -> wanted cap/wait;
 3. anti-oscillation: a non-safety change inside the hold time is suppressed; direction
    reversals are counted and, past ``reversal_limit`` in ``reversal_window_s``, the dead band
    widens and the hold lengthens (and both relax after a quiet spell);
 4. quota (``gpubroker.broker.control.lending``): abort stale transfers, confirm donors now under their grant,
    reclaim base for owners whose load returned, lend from idle models to memory-bound ones;
-5. guard-rails, in one place: floor <= cap <= min(ceiling, memory ceiling from the grant);
-6. versioned settings: a model's version bumps when any of its settings changes.
+5. each kind's bounds inside its new grant (an LLM engine's rules) and each model's replica
+   target (``gpubroker.broker.control.replica_targets``);
+6. guard-rails, in one place: floor <= cap <= min(ceiling, memory ceiling from the grant);
+7. versioned settings: a model's version bumps when any of its settings changes.
+
+The decision holds everything the broker applies: per model every setting its replicas run and
+its replica target, the quota moves, the replica targets that changed, and log entries.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from gpubroker.broker.control.lending import LendingBook, QuotaInputs, QuotaPlan
 from gpubroker.broker.control.memory_model import MemoryModel
 from gpubroker.broker.control.model_step import ModelStep, TickView, initial_model_state
 from gpubroker.broker.control.profiles import active_profile
+from gpubroker.broker.control.replica_targets import replica_target, step_replicas
 from gpubroker.broker.control.state import ModelState, PolicyState
 from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
 from gpubroker.broker.wire import EngineBounds, ModelSettings
@@ -75,6 +82,7 @@ def reconfigure_state(
     after = {t.donor: models[t.donor].version for t in ledger.pending}
     tokens = {n: v for n, v in state.restart_tokens.items() if n in config.models}
     engines = {n: e for n, e in state.engines.items() if n in config.models and config.models[n].kind == "llm"}
+    replicas = {n: r for n, r in state.replicas.items() if n in config.models}  # clamped by their next tick
     return replace(
         state,
         models=models,
@@ -83,6 +91,7 @@ def reconfigure_state(
         reclaim_steps={},
         restart_tokens=tokens,
         engines=engines,
+        replicas=replicas,
     )
 
 
@@ -140,10 +149,15 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
     )
     notes.extend(plan.notes)
     bounds = {name: kinds[name].bounds(view, name, spec, plan.ledger) for name, spec in config.models.items()}
+    fits = {name: step.state for name, step in steps.items()}  # the latency fits settle_model keeps
+    replicas = step_replicas(config, snapshot, fits, plan.ledger, view.profile, state.replicas)
     decisions: dict[str, ModelDecision] = {}
     new_states: dict[str, ModelState] = {}
     for name, spec in config.models.items():
-        decisions[name], new_states[name] = settle_model(view, name, spec, steps[name], plan, bounds[name].engine)
+        target = replica_target(replicas.states, name, spec.replicas)
+        decisions[name], new_states[name] = settle_model(
+            view, name, spec, steps[name], plan, bounds[name].engine, target
+        )
     engines = {name: b.record for name, b in bounds.items() if b.record is not None}
     log = tuple(b.entry for b in bounds.values() if b.entry is not None)
     # a donor whose grant was lowered this tick must run the new version before it can confirm
@@ -161,19 +175,32 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         lend_scale=plan.lend_scale,
         lent_at=plan.lent_at,
         engines=engines,
+        replicas=replicas.states,
     )
     decision = FleetDecision(
-        now_s=view.now, profile=view.profile.name, models=decisions, moves=plan.moves, notes=tuple(notes), log=log
+        now_s=view.now,
+        profile=view.profile.name,
+        models=decisions,
+        moves=plan.moves,
+        notes=tuple(notes),
+        log=log,
+        replicas=replicas.changes,
     )
     return decision, new_state
 
 
 def settle_model(
-    view: TickView, name: str, spec: ModelSpec, step: ModelStep, plan: QuotaPlan, engine: EngineBounds | None
+    view: TickView,
+    name: str,
+    spec: ModelSpec,
+    step: ModelStep,
+    plan: QuotaPlan,
+    engine: EngineBounds | None,
+    replica_target: int,
 ) -> tuple[ModelDecision, ModelState]:
     """One model's settings after the quota plan: guard-rails inside its new grant, the version
-    bumped when a setting changed, the reclaim flags, its kind's ``engine`` bounds, and the reason
-    with the grant's move."""
+    bumped when a setting changed, the reclaim flags, its kind's ``engine`` bounds, its
+    ``replica_target``, and the reason with the grant's move."""
     state, now = view.state, view.now
     ms, want = step.state, step.want
     grant = plan.ledger.grant(name)
@@ -215,6 +242,7 @@ def settle_model(
         drain=steps >= 2,
         restart_token=token,
         engine=engine,
+        replica_target=replica_target,
     )
     return decision, ms
 

@@ -97,6 +97,15 @@ class ReplicaDecision:
         return self.target != self.old
 
 
+@dataclass(frozen=True)
+class ReplicaChange:
+    """A model whose target changed this tick, with what the rule read (for its log entry)."""
+
+    model: str
+    inputs: ReplicaInputs
+    decision: ReplicaDecision
+
+
 def planned_batch(fit: LatencyFit, units_per_s: float, unit_per_request: float, rho: float) -> float | None:
     """The batch that runs one replica at utilisation ``rho`` at this rate (None: no batch does)."""
     lam = units_per_s / 1000.0  # units per ms
@@ -245,6 +254,7 @@ def decide(
 
 __all__ = [
     "RULES",
+    "ReplicaChange",
     "ReplicaDecision",
     "ReplicaInputs",
     "ReplicaParams",

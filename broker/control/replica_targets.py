@@ -1,91 +1,108 @@
-"""Replica targets of a fleet: the replica rule (``gpubroker.broker.control.replica_rules``) for every model on every card.
+"""Replica targets of one card: the replica rule (``gpubroker.broker.control.replica_rules``) for
+each of its models, a step of ``gpubroker.broker.control.policy.decide`` after the quota plan.
 
-After every card's core has ticked, ``ReplicaTargets.step`` reads what the tick left (rate, live
-replicas, latency fit, grant, active profile) and decides a target per card and model (each card's
-group is its own Serve deployment), with one ``kind: replicas`` log entry per change. The targets
-live here; they are not checkpointed (a restarted broker starts from the configured counts). Each
-card is read as a ``CardView`` (its config, its last tick's snapshot and policy state): the rules
-read only those. Time is ``now_s``.
+A card's models are one Serve deployment per card, so a target is per card and model and reads
+only that card's tick: the model's rate and live replicas (the snapshot), its latency fit and
+its new grant (the tick's model states and ledger) and the active profile. The hysteresis lives
+in ``PolicyState.replicas`` (not checkpointed: a restarted broker starts from the configured
+counts). Changes come back as ``ReplicaChange`` for the decision log (``replicas_entry``). Pure:
+time is the snapshot's ``now_s``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from gpubroker.broker.control.decision_log import finite
 from gpubroker.broker.control.memory_model import MemoryModel
-from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.replica_rules import (
     LOWER_AFTER_WINDOWS,
     THROUGHPUT,
-    ReplicaDecision,
+    ReplicaChange,
     ReplicaInputs,
     ReplicaParams,
     ReplicaState,
     decide,
     initial_state,
 )
-from gpubroker.broker.control.state import PolicyState
-from gpubroker.broker.control.types import FleetSnapshot
+from gpubroker.broker.control.state import ModelState
+from gpubroker.broker.control.types import FleetSnapshot, LogLine
 from gpubroker.broker.control.vocab import EntryKind
-from gpubroker.quotas.config import FleetConfig
+from gpubroker.quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.ledger import QuotaLedger
+from gpubroker.quotas.schedule import ProfileSpec
 
 
-class CardView(NamedTuple):
-    """What the replica rule reads of one card after its tick."""
+class ReplicaStep(NamedTuple):
+    """The replica rule's answer for one card's tick."""
 
-    config: FleetConfig  # the card's config
-    snapshot: FleetSnapshot | None  # its last tick's snapshot (None before the first)
-    state: PolicyState | None  # its policy state after that tick
+    states: Mapping[str, ReplicaState]  # model -> its hysteresis after this tick (the next state's)
+    changes: tuple[ReplicaChange, ...]  # the targets that changed, in config order
 
 
-def card_inputs(
-    card: CardView, now_s: float, only: Callable[[str, Any], bool] | None = None
-) -> dict[str, ReplicaInputs]:
-    """The replica rule's inputs for the models of one card, after its tick (``only``: the models,
-    by name and spec, whose inputs are wanted; default every one)."""
-    cfg, snap, state = card.config, card.snapshot, card.state
-    profile = active_profile(cfg.profiles, now_s)
-    out: dict[str, ReplicaInputs] = {}
-    for name, spec in cfg.models.items():
-        if only is not None and not only(name, spec):
+def model_inputs(
+    name: str,
+    spec: ModelSpec,
+    snapshot: FleetSnapshot,
+    ms: ModelState | None,
+    ledger: QuotaLedger,
+    profile: ProfileSpec,
+) -> ReplicaInputs:
+    """What the replica rule reads of one model after the tick's quota plan (``ms``: its state)."""
+    load = snapshot.models.get(name)
+    fit = ms.latency_fit if (ms is not None and spec.kind != "llm") else None  # LLM engines: configured count
+    grant = ledger.grant(name) if name in ledger.quotas else spec.quota.base
+    mem_cap = MemoryModel.from_load(load).cap_for(grant / max(1, spec.replicas)) if load is not None else None
+    cap = spec.batch.ceiling if mem_cap is None else max(spec.batch.floor, min(spec.batch.ceiling, mem_cap))
+    return ReplicaInputs(
+        now_s=snapshot.now_s,
+        configured=int(spec.replicas),
+        live=int(load.replicas) if load is not None else 0,
+        objective=str(profile.objective),
+        arrival_rate_rps=float(load.arrival_rate_rps) if load is not None else 0.0,
+        unit_per_request=max(float(load.cost_per_request), 1.0) if load is not None else 1.0,
+        fit=fit,
+        batch_cap=int(cap),
+        slo_ms=spec.slo_p95_ms * profile.latency_slack,
+    )
+
+
+def step_replicas(
+    config: FleetConfig,
+    snapshot: FleetSnapshot,
+    models: Mapping[str, ModelState],
+    ledger: QuotaLedger,
+    profile: ProfileSpec,
+    states: Mapping[str, ReplicaState],
+) -> ReplicaStep:
+    """Each model's replica target after the quota plan (``models``, ``ledger``: the tick's).
+    Under another objective than throughput every target is the configured count, so only a model
+    not there yet is decided; a lower waits ``LOWER_AFTER_WINDOWS`` of the model's rate window."""
+    out = dict(states)
+    changes: list[ReplicaChange] = []
+    for name, spec in config.models.items():
+        st = states.get(name)
+        if profile.objective != THROUGHPUT and (st is None or st == initial_state(spec.replicas)):
             continue
-        load = snap.models.get(name) if snap is not None else None
-        ms = state.models.get(name) if state is not None else None
-        fit = ms.latency_fit if (ms is not None and spec.kind != "llm") else None  # LLM engines: configured count
-        grant = state.ledger.grant(name) if state is not None and name in state.ledger.quotas else spec.quota.base
-        mem_cap = MemoryModel.from_load(load).cap_for(grant / max(1, spec.replicas)) if load is not None else None
-        cap = spec.batch.ceiling if mem_cap is None else max(spec.batch.floor, min(spec.batch.ceiling, mem_cap))
-        out[name] = ReplicaInputs(
-            now_s=now_s,
-            configured=int(spec.replicas),
-            live=int(load.replicas) if load is not None else 0,
-            objective=str(profile.objective),
-            arrival_rate_rps=float(load.arrival_rate_rps) if load is not None else 0.0,
-            unit_per_request=max(float(load.cost_per_request), 1.0) if load is not None else 1.0,
-            fit=fit,
-            batch_cap=int(cap),
-            slo_ms=spec.slo_p95_ms * profile.latency_slack,
-        )
-    return out
+        inp = model_inputs(name, spec, snapshot, models.get(name), ledger, profile)
+        params = ReplicaParams(lower_after_s=LOWER_AFTER_WINDOWS * float(spec.control.window_s))
+        d, out[name] = decide(inp, st or initial_state(inp.configured), params)
+        if d.changed:
+            changes.append(ReplicaChange(name, inp, d))
+    return ReplicaStep(out, tuple(changes))
 
 
-@functools.lru_cache(maxsize=256)
-def _params(window_s: float) -> ReplicaParams:
-    return ReplicaParams(lower_after_s=LOWER_AFTER_WINDOWS * window_s)
+def replica_target(states: Mapping[str, ReplicaState], name: str, configured: int) -> int:
+    """The target of ``name`` (the configured count before its first decision)."""
+    st = states.get(name)
+    return configured if st is None else st.target
 
 
-def params_for(config: FleetConfig, model: str) -> ReplicaParams:
-    """The hysteresis of one model: a lower waits ``LOWER_AFTER_WINDOWS`` of its rate window."""
-    return _params(float(config.models[model].control.window_s))
-
-
-def replicas_entry(
-    inp: ReplicaInputs, d: ReplicaDecision, name: str, card: str, dry: bool
-) -> tuple[dict[str, Any], str]:
-    """One replica-target change for the decision log: the entry and its log line."""
+def replicas_entry(change: ReplicaChange, card: str, dry: bool) -> LogLine:
+    """One replica-target change for the decision log: the entry and its log line (``card``: the
+    card it names, "" in a one-card fleet)."""
+    inp, d, name = change.inputs, change.decision, change.model
     entry: dict[str, Any] = {
         "kind": EntryKind.REPLICAS,
         "time_s": inp.now_s,
@@ -118,38 +135,4 @@ def replicas_entry(
     return entry, line
 
 
-class ReplicaTargets:
-    """The replica target of every (card, model); ``step`` once per fleet tick."""
-
-    def __init__(self) -> None:
-        self.states: dict[tuple[str, str], ReplicaState] = {}
-
-    def step(
-        self, now_s: float, cards: Mapping[str, CardView], *, dry_run: bool, label_cards: bool
-    ) -> list[tuple[dict[str, Any], str]]:
-        """Decide every live card's models; the log entries of the targets that changed.
-        ``label_cards``: entries carry ``card`` (a fleet of many cards)."""
-        changes: list[tuple[dict[str, Any], str]] = []
-        for cid, card in cards.items():
-            only = None
-            if active_profile(card.config.profiles, now_s).objective != THROUGHPUT:
-                # off-peak every target is the configured count: only a model not there yet is decided
-                def only(name: str, spec: Any, cid: str = cid) -> bool:
-                    st = self.states.get((cid, name))
-                    return st is not None and st != initial_state(spec.replicas)
-
-            for name, inp in card_inputs(card, now_s, only).items():
-                key = (cid, name)
-                st = self.states.get(key) or initial_state(inp.configured)
-                d, self.states[key] = decide(inp, st, params_for(card.config, name))
-                if d.changed:
-                    changes.append(replicas_entry(inp, d, name, cid if label_cards else "", dry_run))
-        return changes
-
-    def target(self, card: str, model: str, configured: int) -> int:
-        """The target of ``model`` on ``card`` (the configured count before its first decision)."""
-        st = self.states.get((card, model))
-        return configured if st is None else st.target
-
-
-__all__ = ["CardView", "ReplicaTargets", "card_inputs", "params_for", "replicas_entry"]
+__all__ = ["ReplicaChange", "ReplicaStep", "model_inputs", "replica_target", "replicas_entry", "step_replicas"]

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from gpubroker.broker.control.latency_model import LatencyFit
 from gpubroker.broker.control.llm_rules import EngineRecord
+from gpubroker.broker.control.replica_rules import ReplicaState
 from gpubroker.broker.control.vocab import Rule, Trigger
 from gpubroker.quotas.ledger import QuotaLedger
 
@@ -71,6 +72,9 @@ class PolicyState:
     lend_scale: Mapping[str, float] = field(default_factory=dict)  # model -> idle-hold multiplier (lend regret)
     lent_at: Mapping[str, float] = field(default_factory=dict)  # model -> when it last lent
     engines: Mapping[str, EngineRecord] = field(default_factory=dict)  # kind: llm -> its rules' last decision
+    # model -> its replica target and the lower spell in progress (gpubroker.broker.control.replica_targets);
+    # not checkpointed: a restarted broker starts from the configured counts
+    replicas: Mapping[str, ReplicaState] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {

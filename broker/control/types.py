@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpubroker.broker.control.replica_rules import ReplicaChange
 from gpubroker.broker.control.vocab import MoveKind, Rule, Trigger
 from gpubroker.broker.wire import EngineBounds
 
@@ -114,6 +115,7 @@ class ModelDecision:
     drain: bool = False  # step 2 reached: pause admission and drain
     restart_token: int = 0  # bumped by step 3: its replicas restart
     engine: EngineBounds | None = None  # kind: llm: the engine bounds inside its grant
+    replica_target: int = 1  # replicas it should run on this card (gpubroker.broker.control.replica_targets)
 
 
 @dataclass(frozen=True)
@@ -136,3 +138,4 @@ class FleetDecision:
     moves: tuple[QuotaMove, ...] = ()
     notes: tuple[str, ...] = ()  # e.g. "widened dead band for mlp after 5 reversals"
     log: tuple[LogLine, ...] = ()  # the kinds' own entries (engine bounds), logged before the settings
+    replicas: tuple[ReplicaChange, ...] = ()  # replica targets that changed (each model's is in ``models``)
