@@ -1,10 +1,11 @@
 """The broker as a named, detached Ray actor: a thin wrapper around ``gpubroker.broker.fleet_core.FleetBroker``.
 
 ``BrokerActor`` holds one ``FleetBroker`` on the wall clock, exports its metrics and ticks it every
-``broker.control_interval_s``. Its methods are the ``gpubroker.broker.wire.BrokerApi`` protocol: typed
-inside, plain data over Ray (``to_dict``/``from_dict`` here and only here). It calls nobody: the
-Serve side pulls the ``ServePlan`` (``gpubroker.deployments.serve.follow``). ``start_broker`` and ``get_broker``
-start and find it; the checkpoint lives in the Ray session directory.
+``broker.control_interval_s``. Its methods are those of ``gpubroker.broker.wire.BrokerApi`` taking and
+giving plain data: this is the actor's side of the one conversion (``to_dict``/``from_dict`` here; the
+callers' side is ``gpubroker.broker.client.BrokerClient``); everything inside is typed. It calls nobody:
+the Serve side pulls the ``ServePlan`` (``gpubroker.deployments.serve.follow``). ``start_broker`` and
+``get_broker`` start and find it; the checkpoint lives in the Ray session directory.
 """
 
 from __future__ import annotations
@@ -15,13 +16,29 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
+from gpubroker.broker.client import BrokerClient, blocking
 from gpubroker.broker.fleet_core import FleetBroker
 from gpubroker.broker.metrics import start_exporter
-from gpubroker.broker.wire import BrokerApi, BrokerStatus, DecisionRecord, StatsReport, TickResult
+from gpubroker.broker.wire import (
+    ApplyResult,
+    BrokerStatus,
+    Calibration,
+    CardCheckpoint,
+    CardHealth,
+    CardsChanged,
+    DecisionRecord,
+    Ping,
+    PlacementFollowed,
+    ReconcileView,
+    RejectionsCounted,
+    Replaced,
+    StatsReport,
+    TickResult,
+)
 from gpubroker.quotas.cards import Card
 from gpubroker.quotas.config import FleetConfig, parse_config_text
 
@@ -72,11 +89,11 @@ class BrokerActor:
             capacity = _detect_capacity(cfg)
         self._core = FleetBroker(config_text, cards=cards, capacity_bytes=capacity, checkpoint_path=path)
         self._exporter = start_exporter(self._core.metrics, cfg.broker.metrics_host, cfg.broker.metrics_port)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._last_error: str | None = None
         self._started_s = time.time()
         # what the Serve side's follower last applied of the plan (gpubroker.deployments.serve.follow), for status
-        self._reconcile: dict[str, Any] = {"applied_version": 0, "last": None, "error": None, "last_s": None}
+        self._reconcile = ReconcileView(applied_version=0, last=None, error=None, last_s=None, enabled=False)
         try:
             self._task = asyncio.get_running_loop().create_task(self._loop())
         except RuntimeError:
@@ -96,30 +113,31 @@ class BrokerActor:
                 self._last_error = repr(exc)
                 logger.exception("broker tick failed")
 
-    async def plan(self) -> dict[str, Any]:
+    async def plan(self) -> dict[str, Any]:  # ServePlan
         """The ``ServePlan`` (``gpubroker.broker.wire``) the Serve side applies; it pulls it, the broker calls nobody."""
         self._ensure_loop()
         return self._core.plan().to_dict()
 
-    async def follow_placement(self) -> dict[str, Any]:
+    async def follow_placement(self) -> PlacementFollowed:
         """A follower applies the plan to Serve (``gpubroker.deployments.serve.follow``): from now on a card loss or
         join re-places the fleet. Idempotent; a restarted broker gets it again from the follower."""
         self._ensure_loop()
         self._core.enable_replacement()
         return {"ok": True, "version": self._core.placement_version}
 
-    async def observe_cards(self, alive: list[str]) -> dict[str, Any]:
+    async def observe_cards(self, alive: list[str]) -> CardsChanged:
         """The cards whose node is in the Ray cluster now, as the follower reads Ray."""
         return {"changed": self._core.observe_cards(alive)}
 
-    async def plan_applied(self, version: int, result: dict[str, Any] | None, error: str | None) -> None:
+    async def plan_applied(self, version: int, result: Replaced | None, error: str | None) -> None:
         """What the follower applied of plan ``version`` (or why it failed): shown in status."""
         if error is None:
-            self._reconcile.update(applied_version=version, last=result, error=None, last_s=time.time())
+            self._reconcile["applied_version"], self._reconcile["last"] = version, result
+            self._reconcile["error"], self._reconcile["last_s"] = None, time.time()
         else:
             self._reconcile["error"] = error
 
-    async def ping(self) -> dict[str, Any]:
+    async def ping(self) -> Ping:
         self._ensure_loop()
         return {
             "ok": True,
@@ -129,8 +147,8 @@ class BrokerActor:
         }
 
     async def register(
-        self, model: str, replica_id: str, calibration: dict[str, Any] | None = None, card_id: str = ""
-    ) -> dict[str, Any]:
+        self, model: str, replica_id: str, calibration: Calibration | None = None, card_id: str = ""
+    ) -> dict[str, Any]:  # ModelSettings
         self._ensure_loop()
         return self._core.register(model, replica_id, calibration, card_id).to_dict()
 
@@ -139,7 +157,7 @@ class BrokerActor:
         self._ensure_loop()
         return self._core.report(StatsReport.from_dict(report)).to_dict()
 
-    async def report_rejections(self, counts: dict) -> dict:
+    async def report_rejections(self, counts: dict[str, int]) -> RejectionsCounted:
         self._ensure_loop()
         return self._core.report_rejections(counts)
 
@@ -149,38 +167,32 @@ class BrokerActor:
         out["pid"] = os.getpid()
         out["started_s"] = self._started_s
         out["last_error"] = self._last_error
-        out["reconcile"] = dict(self._reconcile, enabled=self._core.replacing)
+        out["reconcile"] = ReconcileView(**{**self._reconcile, "enabled": self._core.replacing})
         out["metrics_url"] = self._exporter.url if self._exporter is not None else None
         return out
 
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]:
         return self._core.decisions(model, since_seq)
 
-    async def apply(self, config_text: str) -> dict:
+    async def apply(self, config_text: str) -> ApplyResult:
         return self._core.apply(config_text)
 
     async def tick(self) -> TickResult:
         return self._core.tick()
 
-    async def checkpoint_now(self) -> dict:
+    async def checkpoint_now(self) -> dict[str, CardCheckpoint]:
         return self._core.checkpoint_now()
 
     async def config_text(self) -> str:
         return self._core.config_text
 
-    async def settings(self, model: str, card_id: str = "") -> dict[str, Any]:
+    async def settings(self, model: str, card_id: str = "") -> dict[str, Any]:  # ModelSettings
         return self._core.settings(model, card_id).to_dict()
 
-    async def card_health(self) -> dict[str, list[str]]:
+    async def card_health(self) -> CardHealth:
         """``lost``: cards marked lost; ``silent``: live cards whose replicas stopped reporting
         (``gpubroker.broker.fleet_core``). Card routers avoid both (``gpubroker.deployments.serve.http_cards``)."""
         return self._core.card_health()
-
-
-if TYPE_CHECKING:
-
-    def _offers(actor: BrokerActor) -> BrokerApi:  # the type checker holds the actor to the protocol
-        return actor
 
 
 RemoteBroker = ray.remote(BrokerActor)
@@ -196,7 +208,7 @@ def start_broker(
     checkpoint_path: str | None = None,
     cards: tuple[Card, ...] | None = None,
     timeout_s: float = 60.0,
-) -> ray.actor.ActorHandle:
+) -> ray.actor.ActorHandle[BrokerActor]:
     """Create the named detached broker (or return the running one). Needs ray.init first.
 
     The broker is pinned to the head node (a worker node's loss must not take it down; a
@@ -216,10 +228,13 @@ def start_broker(
         get_if_exists=True,
         resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote(config_text, capacity_bytes, checkpoint_path, cards)
-    ray.get(handle.ping.remote(), timeout=timeout_s)
-    return handle
+    blocking(BrokerClient(handle, timeout_s).ping())
+    started: ray.actor.ActorHandle[BrokerActor] = handle
+    return started
 
 
-def get_broker(name: str = "gpubroker", namespace: str = "gpubroker") -> ray.actor.ActorHandle:
-    """The running broker. Raises ValueError when there is none."""
-    return ray.get_actor(name, namespace=namespace)
+def get_broker(name: str = "gpubroker", namespace: str = "gpubroker") -> ray.actor.ActorHandle[BrokerActor]:
+    """The running broker's handle (wrap it in a ``gpubroker.broker.client.BrokerClient`` to call it).
+    Raises ValueError when there is none."""
+    found: ray.actor.ActorHandle[BrokerActor] = ray.get_actor(name, namespace=namespace)
+    return found

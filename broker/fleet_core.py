@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,9 +35,14 @@ from gpubroker.broker.core import BrokerCore, NullMetrics
 from gpubroker.broker.fleet_store import FleetStore
 from gpubroker.broker.metrics import BrokerMetrics
 from gpubroker.broker.wire import (
+    ApplyResult,
     BrokerStatus,
+    Calibration,
+    CardCheckpoint,
+    CardHealth,
     DecisionRecord,
     ModelSettings,
+    RejectionsCounted,
     ReplicaTarget,
     ServePlan,
     StatsReport,
@@ -92,7 +97,9 @@ class FleetBroker:
         self.unplaced_reasons: dict[str, str] = {}  # model -> why its unplaced replicas fit nowhere
         self._replacing = False  # enable_replacement: a loss or join re-places (module note)
         self._observed: set[str] = set()  # cards seen on a live node (observe_cards)
-        self._registered: dict[tuple[str, str], dict[str, Any]] = {}  # (card, model) -> replica id -> calibration
+        self._registered: dict[
+            tuple[str, str], dict[str, Calibration | None]
+        ] = {}  # (card, model) -> replica id -> calibration
         self._launch_hash = self._cfg.config_hash()
         if log_problem:
             self._event(log_problem)
@@ -138,7 +145,7 @@ class FleetBroker:
 
     # ------------------------------------------------------------------ replica RPCs
     def register(
-        self, model: str, replica_id: str, calibration: dict[str, Any] | None, card_id: str = ""
+        self, model: str, replica_id: str, calibration: Calibration | None, card_id: str = ""
     ) -> ModelSettings:
         core = self._core(model, card_id)
         self._mark_alive(core)
@@ -146,7 +153,7 @@ class FleetBroker:
         known[replica_id] = calibration  # replayed on a rebuilt core (re-placement)
         while len(known) > 16:
             known.pop(next(iter(known)))
-        return core.register(model, replica_id, calibration)
+        return core.register(model, replica_id, None if calibration is None else dict(calibration))
 
     def report(self, report: StatsReport) -> ModelSettings:
         """One replica's delta to its card's core (by the card it says it runs on); its settings back."""
@@ -161,14 +168,15 @@ class FleetBroker:
             self.lost.discard(cid)
             self._event(f"card {cid}: replicas report again; live", card=cid)
 
-    def card_health(self) -> dict[str, list[str]]:
+    def card_health(self) -> CardHealth:
         """Lost cards, and live ones none of whose replicas reported for ``stale_after_s`` (a node
         may be gone but not yet lost): card routers avoid both (``gpubroker.deployments.serve.http_cards``)."""
         now, after_s = self._clock(), stale_after_s(self._cfg)
         silent = [c for c, seen in self._seen.items() if c not in self.lost and now - seen > after_s]
         return {"lost": sorted(self.lost), "silent": sorted(silent)}
 
-    def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
+    def report_rejections(self, counts: Mapping[str, int]) -> RejectionsCounted:
+        """Rejections the ingress made (it knows no card): counted on each model's first card."""
         taken: dict[str, int] = {}
         for model, n in counts.items():
             cards = self._placement.cards_of(model) if model in self._placement.replicas else ()
@@ -256,7 +264,7 @@ class FleetBroker:
         entry = {"kind": kind, "time_s": self._clock(), "model": model, "reason": reason, **extra}
         self.log.append(entry, f"[{kind}] {reason}")
 
-    def observe_cards(self, alive: Any) -> bool:
+    def observe_cards(self, alive: Iterable[str]) -> bool:
         """The cards whose node is in the Ray cluster now (the reconciler reads Ray's resources).
         With re-placement on: a card seen before and gone is lost now; a lost card seen again is
         live and empty, and unplaced replicas are placed (on it or elsewhere). True when the
@@ -294,7 +302,7 @@ class FleetBroker:
             for (card, model), known in self._registered.items():
                 if card == cid and model in core.config.models:
                     for rid, cal in known.items():  # the replicas already there keep their calibration
-                        core.register(model, rid, cal)
+                        core.register(model, rid, None if cal is None else dict(cal))
         self.placement_version += 1
         if self._placement_path is not None:
             write_placement(self._placement_path, rep.placement, self.lost, self.placement_version, self._launch_hash)
@@ -313,15 +321,19 @@ class FleetBroker:
         self._store.save(self.cores)
         return rep
 
-    def apply(self, config_text: str) -> dict[str, Any]:
+    def apply(self, config_text: str) -> ApplyResult:
         """A new config for every card, or none: placement must stay as deployed. Every outcome
         shows in the reload metrics (the cores count their own; refusals here are counted here)."""
         out = self._apply(config_text)
         if not out.get("_counted"):
             self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
-        out.pop("_counted", None)
         self._store.save(self.cores)
-        return out
+        return ApplyResult(
+            ok=bool(out["ok"]),
+            config_hash=str(out["config_hash"]),
+            issues=[str(i) for i in out.get("issues", [])],
+            notes=[str(n) for n in out.get("notes", [])],
+        )
 
     def _apply(self, config_text: str) -> dict[str, Any]:
         from gpubroker.quotas.config import ConfigError
@@ -379,8 +391,9 @@ class FleetBroker:
         out["config_hash"] = self.config_hash
         return out
 
-    def checkpoint_now(self) -> dict[str, Any]:
-        out = {cid: core.checkpoint_now() for cid, core in self.cores.items()}
+    def checkpoint_now(self) -> dict[str, CardCheckpoint]:
+        """Every card's state saved now: card id -> where it went."""
+        out = {cid: cast(CardCheckpoint, core.checkpoint_now()) for cid, core in self.cores.items()}
         self._store.save(self.cores)
         return out
 
@@ -410,7 +423,7 @@ class FleetBroker:
 
     def plan(self) -> ServePlan:
         """What the Serve side must apply now (``gpubroker.broker.wire.ServePlan``): the placement's card
-        groups, the unplaced, every live card's replica targets and settings."""
+        groups, the unplaced, every live card's replica targets."""
         live = {cid: core for cid, core in self.cores.items() if cid not in self.lost}
         return ServePlan(
             version=self.placement_version,
@@ -419,7 +432,6 @@ class FleetBroker:
             replica_targets=tuple(
                 ReplicaTarget(m, cid, self._target(cid, m)) for cid, core in live.items() for m in core.config.models
             ),
-            settings={cid: {m: core.settings(m) for m in core.config.models} for cid, core in live.items()},
             replacing=self._replacing,
             dry_run=self._cfg.broker.dry_run,
         )

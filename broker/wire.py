@@ -1,17 +1,58 @@
-"""The wire: what crosses the Ray boundary between replicas, the Serve side and the broker.
+r"""The wire: what crosses the Ray boundary between replicas, the Serve side and the broker.
 
 A replica sends a ``StatsReport`` (one delta per report interval) and gets its ``ModelSettings``
 back in the same round trip; the Serve side pulls the ``ServePlan`` (replica targets and
-re-placement); ``BrokerApi`` names every actor method. Typed on both sides, plain data
-(``to_dict``/``from_dict``) only over Ray. No ray, torch, pynvml or clock here.
+re-placement); ``BrokerApi`` names every broker method with these types as its parameters and
+results. Plain data crosses Ray only at one conversion on each side: the actor
+(``gpubroker.broker.actor.BrokerActor``) and the callers' client (``gpubroker.broker.client.BrokerClient``),
+both with the ``to_dict``/``from_dict`` below. The replies that are plain data already (status,
+decision records, the small results) are ``TypedDict``\ s and cross Ray as they are.
+
+**Unknown fields are dropped and logged, in both directions.** A ``from_dict`` keeps the fields its
+type has and drops the rest, logging each dropped name once per type (``gpubroker.wire``): a newer
+replica's report reaches an older broker, and a newer broker's reply an older replica, while a
+rolling upgrade runs. A field the type requires and the data lacks raises ``WireError`` naming it.
+A ``TypedDict`` reply is read by its keys: a reader takes the keys it knows and ignores the others.
+No ray, torch, pynvml or clock here.
 """
 
 from __future__ import annotations
 
-import copy
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Protocol, TypedDict
+
+logger = logging.getLogger("gpubroker.wire")
+
+_DROPPED_SEEN: set[tuple[str, str]] = set()  # (type, field) already logged: once each, not per report
+
+
+class WireError(ValueError):
+    """Plain data that does not make the wire type it should (a required field missing)."""
+
+
+def known_fields(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``data`` that the dataclass ``cls`` has; every other one is dropped and logged
+    (once per type and name). Raises ``WireError`` naming a required field that ``data`` lacks."""
+    own = fields(cls)
+    names = {f.name for f in own}
+    for name in sorted(k for k in data if k not in names):
+        if (cls.__name__, name) not in _DROPPED_SEEN:
+            _DROPPED_SEEN.add((cls.__name__, name))
+            logger.warning(
+                "%s: unknown field %r dropped (a peer on a newer gpubroker sends it; upgrade this side to read it)",
+                cls.__name__,
+                name,
+            )
+    required = [f.name for f in own if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise WireError(
+            f"{cls.__name__}: missing field(s) {', '.join(missing)}; the peer runs an older gpubroker "
+            "than this wire needs: upgrade it"
+        )
+    return {k: v for k, v in data.items() if k in names}
 
 
 class EngineReport(TypedDict, total=False):
@@ -111,20 +152,22 @@ class StatsReport:
     )
 
     def to_dict(self) -> dict[str, Any]:
-        """``asdict`` without its deep copy (tuples of numbers are immutable already)."""
+        """Plain data for the Ray boundary: ``asdict`` without its deep copy (tuples of numbers are
+        immutable already; the engine report is copied one level, its values are numbers)."""
         out = dict(self.__dict__)
         if self.engine is not None:
-            out["engine"] = copy.deepcopy(self.engine)
+            out["engine"] = dict(self.engine)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StatsReport:
-        data = dict(data)
-        data["oom_costs"] = tuple(float(c) for c in data.get("oom_costs", ()))
-        data["latency_ms"] = tuple(data.get("latency_ms", ()))
-        data["batches"] = tuple(tuple(b) for b in data.get("batches", ()))
-        data["batch_requests"] = tuple(data.get("batch_requests", ()))
-        return cls(**data)
+        """From plain data; unknown fields dropped and logged (module note)."""
+        known = known_fields(cls, data)
+        known["oom_costs"] = tuple(float(c) for c in known.get("oom_costs", ()))
+        known["latency_ms"] = tuple(known.get("latency_ms", ()))
+        known["batches"] = tuple((b[0], b[1]) for b in known.get("batches", ()))
+        known["batch_requests"] = tuple(known.get("batch_requests", ()))
+        return cls(**known)
 
 
 @dataclass(frozen=True)
@@ -166,11 +209,11 @@ class ModelSettings:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSettings:
-        """Known fields only: a checkpoint or a reply from an older broker may carry retired ones."""
-        names = cls.__dataclass_fields__
-        known = {k: v for k, v in data.items() if k in names}
+        """From plain data (a reply, a checkpoint); unknown fields, a retired one or a newer
+        broker's, dropped and logged (module note)."""
+        known = known_fields(cls, data)
         if isinstance(known.get("engine"), Mapping):
-            known["engine"] = EngineBounds(**known["engine"])
+            known["engine"] = EngineBounds(**known_fields(EngineBounds, known["engine"]))
         return cls(**known)
 
 
@@ -185,39 +228,41 @@ class ReplicaTarget:
 
 @dataclass(frozen=True)
 class ServePlan:
-    """Everything the Serve side must change, as the broker wants it now. The broker publishes it
-    (``BrokerApi.plan``) and never calls Serve: each replica pulls its own ``settings`` in its report
-    reply; the fleet API's follower (``gpubroker.deployments.serve.follow``) pulls the rest and applies it."""
+    """What the Serve side must change, as the broker wants it now: the card groups to deploy
+    (``gpubroker.deployments.serve.reconcile``) and the replica targets to scale to
+    (``gpubroker.deployments.serve.scaler``). The broker publishes it (``BrokerApi.plan``) and never calls
+    Serve; the fleet API's follower (``gpubroker.deployments.serve.follow``) pulls it and applies it. A
+    replica's settings are not in it: each replica pulls its own in its report reply."""
 
     version: int  # placement version: +1 per re-placement (a card lost, or one joined)
     groups: Mapping[str, Mapping[str, int]]  # model -> card id -> replicas placed there now
     unplaced: Mapping[str, str]  # model -> why some of its replicas fit on no live card
     replica_targets: tuple[ReplicaTarget, ...]  # one per model per live card
-    settings: Mapping[str, Mapping[str, ModelSettings]]  # card id -> model -> what its replicas run
     replacing: bool  # re-placement is on: a card loss re-places (a follower asked for it)
     dry_run: bool  # broker.dry_run: decide and log, apply nothing
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data for the Ray boundary."""
         return {
             "version": self.version,
             "groups": {m: dict(g) for m, g in self.groups.items()},
             "unplaced": dict(self.unplaced),
             "replica_targets": [dict(t.__dict__) for t in self.replica_targets],
-            "settings": {c: {m: s.to_dict() for m, s in ms.items()} for c, ms in self.settings.items()},
             "replacing": self.replacing,
             "dry_run": self.dry_run,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServePlan:
+        """From plain data; unknown fields (the plan's and its targets') dropped and logged (module note)."""
+        known = known_fields(cls, data)
         return cls(
-            version=int(data["version"]),
-            groups={m: {c: int(n) for c, n in g.items()} for m, g in data["groups"].items()},
-            unplaced=dict(data["unplaced"]),
-            replica_targets=tuple(ReplicaTarget(**t) for t in data["replica_targets"]),
-            settings={c: {m: ModelSettings.from_dict(s) for m, s in ms.items()} for c, ms in data["settings"].items()},
-            replacing=bool(data["replacing"]),
-            dry_run=bool(data["dry_run"]),
+            version=int(known["version"]),
+            groups={m: {c: int(n) for c, n in g.items()} for m, g in known["groups"].items()},
+            unplaced={m: str(why) for m, why in known["unplaced"].items()},
+            replica_targets=tuple(ReplicaTarget(**known_fields(ReplicaTarget, t)) for t in known["replica_targets"]),
+            replacing=bool(known["replacing"]),
+            dry_run=bool(known["dry_run"]),
         )
 
 
@@ -257,6 +302,16 @@ class ModelStatus(TypedDict, total=False):
     replica_target: int  # replicas the broker wants, all cards (gpubroker.broker.control.replica_rules)
 
 
+class ReconcileView(TypedDict):
+    """In ``status()``: what the plan follower applied last (``gpubroker.deployments.serve.follow``)."""
+
+    applied_version: int  # the plan version Serve runs
+    last: Replaced | None  # what that re-placement changed
+    error: str | None  # why the latest one failed (None: it did not)
+    last_s: float | None  # when the latest one was applied
+    enabled: bool  # re-placement is on
+
+
 class BrokerStatus(TypedDict, total=False):
     """``status()``: one card's core, or the fleet (``gpubroker.broker.fleet_core`` adds ``cards``,
     ``placement_version`` and ``unplaced``; the actor adds its process and reconcile fields)."""
@@ -285,7 +340,7 @@ class BrokerStatus(TypedDict, total=False):
     pid: int
     started_s: float
     last_error: str | None
-    reconcile: dict[str, Any]  # what the plan follower applied last (gpubroker.deployments.serve.follow)
+    reconcile: ReconcileView  # what the plan follower applied last (gpubroker.deployments.serve.follow)
     metrics_url: str | None
 
 
@@ -331,45 +386,120 @@ class TickResult(TypedDict, total=False):
     replicas_changed: list[str]  # models whose replica target changed
 
 
-class BrokerApi(Protocol):
-    """Every method of the broker actor (``gpubroker.broker.actor.BrokerActor``) that replicas, the CLI and the
-    Serve side call, through ``handle.<method>.remote(...)``. Arguments and results cross Ray as
-    plain data: the typed form named in each line is rebuilt with its ``from_dict`` on the caller's
-    side (or sent with ``to_dict``)."""
+class Calibration(TypedDict, total=False):
+    """What a replica measured at start-up, sent with ``register`` (``gpubroker.deployments.replica.calibration``)."""
 
-    async def ping(self) -> dict[str, Any]: ...  # ok, pid, started_s, config_hash
+    weights_bytes: int  # memory of the loaded model before any batch
+    bytes_per_unit: float  # memory per unit of batch cost (request or token)
+    bytes_per_item: float  # the same, by its older name
+    parameter_bytes: int  # the weights as the parameters count them
+    cost_unit: str  # the model's batch unit ("request", "token", ...)
+    enforcement: str  # the memory layers the replica registered (docs/ENFORCEMENT.md)
+    points: list[list[float]]  # measured (batch cost, bytes) points
+    seconds: float  # wall time calibration took
+
+
+class Ping(TypedDict):
+    """``ping``: the broker answers, and which one."""
+
+    ok: bool
+    pid: int
+    started_s: float
+    config_hash: str
+
+
+class RejectionsCounted(TypedDict):
+    """``report_rejections``: what the broker counted, model -> requests."""
+
+    counted: dict[str, int]
+
+
+class PlacementFollowed(TypedDict):
+    """``follow_placement``: re-placement is on, at this placement version."""
+
+    ok: bool
+    version: int
+
+
+class CardsChanged(TypedDict):
+    """``observe_cards``: True when the live cards moved (a loss or a join re-placed the fleet)."""
+
+    changed: bool
+
+
+class CardHealth(TypedDict):
+    """``card_health``: the cards a router avoids (``gpubroker.deployments.serve.http_cards``)."""
+
+    lost: list[str]  # cards marked lost
+    silent: list[str]  # live cards whose replicas stopped reporting
+
+
+class Replaced(TypedDict):
+    """What the follower applied of a plan (``gpubroker.deployments.serve.reconcile.ReconcileResult``),
+    sent back with ``plan_applied`` and shown in status."""
+
+    redeployed: list[str]  # models whose apps were deployed again
+    unplaced: list[str]  # of those, models with no replica placed
+    groups: dict[str, dict[str, int]]  # model -> card -> replicas, for the redeployed models
+    kept: dict[str, list[str]]  # model -> deployments kept exactly as deployed
+
+
+class ApplyResult(TypedDict, total=False):
+    """``apply``: the new config in force (``ok``) or refused (``issues`` say why and the fix)."""
+
+    ok: bool
+    config_hash: str  # the config in force after the call
+    issues: list[str]
+    notes: list[str]  # what the change did (or that nothing changed)
+
+
+class CardCheckpoint(TypedDict, total=False):
+    """``checkpoint_now``, per card: where the state was saved (``ok`` False: no checkpoint path)."""
+
+    ok: bool
+    path: str | None
+    saved_at_s: float
+
+
+class BrokerApi(Protocol):
+    """Every method of the broker that replicas, the CLI and the Serve side call, with the wire
+    types as parameters and results. Callers hold a ``gpubroker.broker.client.BrokerClient`` (which
+    offers this protocol over an actor handle); the actor (``gpubroker.broker.actor.BrokerActor``) takes
+    the same methods as plain data and converts at its side."""
+
+    async def ping(self) -> Ping: ...
 
     # replicas (gpubroker.deployments.replica.broker_link)
     async def register(
-        self, model: str, replica_id: str, calibration: dict[str, Any] | None = None, card_id: str = ""
-    ) -> dict[str, Any]: ...  # ModelSettings
+        self, model: str, replica_id: str, calibration: Calibration | None = None, card_id: str = ""
+    ) -> ModelSettings: ...
 
-    async def report(self, report: dict[str, Any]) -> dict[str, Any]: ...  # StatsReport in, ModelSettings out
+    async def report(self, report: StatsReport) -> ModelSettings: ...
 
     # the Serve side (gpubroker.deployments.serve.ingress, gpubroker.deployments.serve.follow)
-    async def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]: ...  # {"counted": {model: n}}
+    async def report_rejections(self, counts: Mapping[str, int]) -> RejectionsCounted: ...
 
-    async def plan(self) -> dict[str, Any]: ...  # ServePlan
+    async def plan(self) -> ServePlan: ...
 
-    async def follow_placement(self) -> dict[str, Any]: ...  # re-placement on; {"ok", "version"}
+    async def follow_placement(self) -> PlacementFollowed: ...  # re-placement on
 
-    async def observe_cards(self, alive: list[str]) -> dict[str, Any]: ...  # cards on live nodes; {"changed"}
+    async def observe_cards(self, alive: list[str]) -> CardsChanged: ...  # cards on live nodes
 
-    async def plan_applied(self, version: int, result: dict[str, Any] | None, error: str | None) -> None: ...
+    async def plan_applied(self, version: int, result: Replaced | None, error: str | None) -> None: ...
 
-    async def card_health(self) -> dict[str, list[str]]: ...  # {"lost": [...], "silent": [...]}
+    async def card_health(self) -> CardHealth: ...
 
     # the CLI and the HTTP API (gpubroker.cli, gpubroker.deployments.serve.ingress)
     async def status(self) -> BrokerStatus: ...
 
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> list[DecisionRecord]: ...
 
-    async def apply(self, config_text: str) -> dict[str, Any]: ...  # {"ok", "config_hash", "issues", "notes"}
+    async def apply(self, config_text: str) -> ApplyResult: ...
 
     async def tick(self) -> TickResult: ...
 
-    async def checkpoint_now(self) -> dict[str, Any]: ...
+    async def checkpoint_now(self) -> dict[str, CardCheckpoint]: ...  # card id -> where its state went
 
     async def config_text(self) -> str: ...
 
-    async def settings(self, model: str, card_id: str = "") -> dict[str, Any]: ...  # ModelSettings
+    async def settings(self, model: str, card_id: str = "") -> ModelSettings: ...

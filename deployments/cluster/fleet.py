@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from gpubroker.broker.client import BrokerClient, blocking
 from gpubroker.deployments.cluster.fleet_client import (
     APP_NAME,
     clear_state,
@@ -31,6 +32,9 @@ from gpubroker.deployments.serve.failures import failure_cause, serve_log_dir, w
 from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from gpubroker.broker.actor import BrokerActor
     from gpubroker.deployments.cluster.user_code import ProjectCheck
 
 
@@ -396,7 +400,7 @@ class _UpProgress:
         self.cfg = cfg
         self.emit = emit
         self.n = len(cfg.models)
-        self.broker: Any = None  # the broker's handle, once it started
+        self.broker: ActorHandle[BrokerActor] | None = None  # the broker's handle, once it started
         emit(UpEvent(UpStage.BROKER, "Starting broker", 0, 1))
         emit(UpEvent(UpStage.MODELS, "Loading models", 0, self.n))
         emit(UpEvent(UpStage.CALIBRATION, "Calibrating", 0, self.n))
@@ -404,9 +408,8 @@ class _UpProgress:
 
     def calibrated(self, timeout_s: float) -> int:
         """How many models the broker has calibrated."""
-        import ray
-
-        st = ray.get(self.broker.status.remote(), timeout=timeout_s)
+        assert self.broker is not None, "the broker starts before calibration is read"
+        st = blocking(BrokerClient(self.broker, timeout_s).status())
         return sum(1 for m in st["models"].values() if m.get("calibrated"))
 
     def calibration(self, done: int) -> None:

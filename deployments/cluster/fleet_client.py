@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from gpubroker.broker.client import BrokerClient, blocking
+from gpubroker.broker.wire import ApplyResult, BrokerStatus, DecisionRecord
 from gpubroker.deployments.cluster.local_ray import FleetError
 from gpubroker.deployments.cluster.ray_auth import adopt_auth_mode
 
@@ -99,8 +101,9 @@ def http_get(path: str, timeout_s: float = 5.0) -> Any | None:
     return r.json() if r.status_code == 200 else None
 
 
-def broker_handle(address: str | None):
-    """The running broker actor (connecting to Ray first); FleetError names how to start one."""
+def broker_client(address: str | None, timeout_s: float = 30.0) -> BrokerClient:
+    """The running broker actor (connecting to Ray first), called through a typed client; FleetError
+    names how to start one."""
     import ray
 
     addr = resolve_address(address)
@@ -112,39 +115,33 @@ def broker_handle(address: str | None):
     state = read_state() or {}
     name, ns = state.get("broker_name", "gpubroker"), state.get("broker_namespace", "gpubroker")
     try:
-        return ray.get_actor(name, namespace=ns)
+        return BrokerClient(ray.get_actor(name, namespace=ns), timeout_s)
     except ValueError:
         raise FleetError(
             f"no broker '{name}' in namespace '{ns}' at {addr}; start the fleet with `gpubroker up`"
         ) from None
 
 
-def fetch_status(address: str | None) -> dict[str, Any]:
+def fetch_status(address: str | None) -> BrokerStatus:
     """The broker's status over HTTP, else through Ray; raises (FleetError, Ray errors) instead of exiting."""
     st = None if address else http_get("/v1/status")
     if st is None:
-        import ray
-
-        st = ray.get(broker_handle(address).status.remote(), timeout=30)
-    return st
+        return blocking(broker_client(address).status())
+    return cast(BrokerStatus, st)  # the fleet API answers the broker's status as it is
 
 
-def fetch_decisions(address: str | None, model: str | None, since_seq: int) -> list[dict[str, Any]]:
+def fetch_decisions(address: str | None, model: str | None, since_seq: int) -> list[DecisionRecord]:
     """Decision-log entries after ``since_seq`` (one model's, or all), over HTTP, else through Ray."""
     query = f"/v1/decisions?since_seq={since_seq}" + (f"&model={model}" if model else "")
     out = None if address else http_get(query)
     if out is None:
-        import ray
-
-        out = ray.get(broker_handle(address).decisions.remote(model, since_seq), timeout=30)
-    return out
+        return blocking(broker_client(address).decisions(model, since_seq))
+    return cast(list[DecisionRecord], out)  # the fleet API answers the broker's entries as they are
 
 
-def apply_config(address: str | None, text: str, source: str) -> dict[str, Any]:
+def apply_config(address: str | None, text: str, source: str) -> ApplyResult:
     """Swap the running broker's config; on success the state file records it. Returns the broker's answer."""
-    import ray
-
-    result = ray.get(broker_handle(address).apply.remote(text), timeout=60)
+    result = blocking(broker_client(address, timeout_s=60.0).apply(text))
     if result["ok"]:
         state = read_state()
         if state:

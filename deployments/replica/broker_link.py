@@ -4,13 +4,13 @@ A replica sends one ``StatsReport`` delta per report interval and gets its ``Mod
 back in the same round trip; the broker never calls a replica. ``StatsDelta`` keeps the counters
 since the last report that reached the broker: a report that fails before it was sent is merged
 into the next delta (nothing lost); one that timed out may still land (the actor retries tasks
-across restarts) and is not resent (nothing counted twice). The broker handle (``get_handle``)
-and the clock are injected.
+across restarts) and is not resent (nothing counted twice). The broker's actor handle
+(``get_handle``, wrapped in a ``gpubroker.broker.client.BrokerClient``: wire types both ways) and the
+clock are injected.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpubroker.broker.wire import EngineReport, ModelSettings, StatsReport
+from gpubroker.broker.client import BrokerClient
+from gpubroker.broker.wire import Calibration, EngineReport, ModelSettings, StatsReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -110,8 +111,8 @@ class BrokerLink:
         self.model = model
         self.card_id = card_id  # the card this replica was placed on ("" in a one-card fleet)
         self.replica_id = replica_id
-        self._get_handle = get_handle
-        self._handle: Any = None
+        self._get_handle = get_handle  # the actor's handle (or a stand-in with its `.remote` calls)
+        self._broker: BrokerClient | None = None
         self.rpc_timeout_s = rpc_timeout_s
         self.clock = clock
         self.delta = StatsDelta(clock())
@@ -120,10 +121,10 @@ class BrokerLink:
         self.failures = 0
         self.last_ok_s: float | None = None
 
-    def _handle_or_lookup(self) -> Any:
-        if self._handle is None:
-            self._handle = self._get_handle()
-        return self._handle
+    def _broker_or_lookup(self) -> BrokerClient:
+        if self._broker is None:
+            self._broker = BrokerClient(self._get_handle(), self.rpc_timeout_s)
+        return self._broker
 
     def _ok(self) -> None:
         self.last_ok_s = self.clock()
@@ -131,7 +132,7 @@ class BrokerLink:
 
     def _failed(self, exc: BaseException, what: str, version: int) -> None:
         self.failures += 1
-        self._handle = None  # look the actor up again next time (it may have been re-created)
+        self._broker = None  # look the actor up again next time (it may have been re-created)
         if self.failures in (1, 10) or self.failures % 100 == 0:
             logger.warning(
                 "gpubroker replica %s: broker %s failed (%d in a row, %r); serving on settings v%d",
@@ -142,24 +143,16 @@ class BrokerLink:
                 version,
             )
 
-    async def register(self, calibration: dict[str, Any], version: int) -> ModelSettings | None:
+    async def register(self, calibration: Calibration, version: int) -> ModelSettings | None:
         """The broker's settings for this model, or None (serve on what we have, retry later)."""
         try:
-            handle = self._handle_or_lookup()
-            reply = await asyncio.wait_for(
-                (
-                    handle.register.remote(self.model, self.replica_id, calibration, self.card_id)
-                    if self.card_id
-                    else handle.register.remote(self.model, self.replica_id, calibration)
-                ),
-                timeout=self.rpc_timeout_s,
-            )
+            reply = await self._broker_or_lookup().register(self.model, self.replica_id, calibration, self.card_id)
         except Exception as exc:  # noqa: BLE001 - serve on config settings, retry from the report loop
             self._failed(exc, "register", version)
             return None
         self.registered = True
         self._ok()
-        return ModelSettings.from_dict(reply)  # plain data over Ray, typed from here on
+        return reply
 
     def report_of(
         self, delta: StatsDelta, now_s: float, g: ReplicaGauges, engine: EngineReport | None = None
@@ -201,14 +194,14 @@ class BrokerLink:
         delta, self.delta = self.delta, StatsDelta(now)
         report = self.report_of(delta, now, gauges, engine)
         try:
-            handle = self._handle_or_lookup()
+            broker = self._broker_or_lookup()
         except Exception as exc:  # noqa: BLE001 - no broker: keep the counts for the next try
             self.delta.merge(delta)
             self._failed(exc, "lookup", gauges.settings_version)
             return None
         self.seq += 1
         try:
-            reply = await asyncio.wait_for(handle.report.remote(report.to_dict()), timeout=self.rpc_timeout_s)
+            reply = await broker.report(report)
         except TimeoutError as exc:
             # The call may still land (the actor retries tasks across restarts): do not resend.
             self._failed(exc, "report (timeout)", gauges.settings_version)
@@ -220,4 +213,4 @@ class BrokerLink:
                 self.registered = False
             return None
         self._ok()
-        return ModelSettings.from_dict(reply)
+        return reply

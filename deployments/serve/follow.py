@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gpubroker.broker.wire import ServePlan
+from gpubroker.broker.client import BrokerClient
+from gpubroker.broker.wire import Replaced, ServePlan
 from gpubroker.deployments.serve.scaler import ERROR_LOG_EVERY_S, ReplicaScaler
 
 logger = logging.getLogger("gpubroker.follow")
@@ -39,54 +40,57 @@ class Reconciler(Protocol):
 
     def __call__(
         self, groups: Mapping[str, Mapping[str, int]], reasons: Mapping[str, str] | None = None
-    ) -> dict[str, Any]: ...
+    ) -> Replaced: ...
 
 
 class PlanFollower:
     """One ``step`` pulls the plan and applies it. ``get_broker``: looks up the broker actor's handle
-    (or a stand-in with the same ``<method>.remote`` calls, ``gpubroker.broker.wire.BrokerApi``)."""
+    (or a stand-in with the same ``<method>.remote`` calls), called through a ``BrokerClient``."""
 
     def __init__(
         self, get_broker: Callable[[], Any], scaler: ReplicaScaler, reconciler: Reconciler | None = None
     ) -> None:
         self._get_broker = get_broker
-        self._broker: Any = None
+        self._broker: BrokerClient | None = None
         self.scaler = scaler
         self.reconciler = reconciler
         self.applied_version = 0  # the deploy-time placement is what Serve runs at first
-        self.last: dict[str, Any] | None = None  # what the latest re-placement applied
+        self.last: Replaced | None = None  # what the latest re-placement applied
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _client(self) -> BrokerClient:
         if self._broker is None:
-            self._broker = await asyncio.to_thread(self._get_broker)
+            self._broker = BrokerClient(await asyncio.to_thread(self._get_broker), RPC_TIMEOUT_S)
+        return self._broker
+
+    async def step(self) -> ServePlan:
         try:
-            return await asyncio.wait_for(getattr(self._broker, method).remote(*args), timeout=RPC_TIMEOUT_S)
+            return await self._step(await self._client())
         except Exception:
             self._broker = None  # a restarted broker is looked up again
             raise
 
-    async def step(self) -> ServePlan:
+    async def _step(self, broker: BrokerClient) -> ServePlan:
         if self.reconciler is not None:
-            await self._call("follow_placement")  # first: the broker counts cards only while followed
+            await broker.follow_placement()  # first: the broker counts cards only while followed
             alive = await asyncio.to_thread(self.reconciler.alive_cards)
-            await self._call("observe_cards", sorted(alive))
-        plan = ServePlan.from_dict(await self._call("plan"))
+            await broker.observe_cards(sorted(alive))
+        plan = await broker.plan()
         if self.reconciler is not None and plan.version != self.applied_version:
-            await self._replace(plan)
+            await self._replace(broker, plan)
         await self.scaler.step(plan)
         return plan
 
-    async def _replace(self, plan: ServePlan) -> None:
+    async def _replace(self, broker: BrokerClient, plan: ServePlan) -> None:
         assert self.reconciler is not None
         started = time.monotonic()
         try:
             done = await asyncio.to_thread(self.reconciler, plan.groups, plan.unplaced)
         except Exception as exc:
-            await self._call("plan_applied", plan.version, None, repr(exc))
+            await broker.plan_applied(plan.version, None, repr(exc))
             raise
         self.applied_version, self.last = plan.version, done
         logger.info("placement %d applied to Serve in %.2fs: %s", plan.version, time.monotonic() - started, done)
-        await self._call("plan_applied", plan.version, done, None)
+        await broker.plan_applied(plan.version, done, None)
 
     def view(self) -> dict[str, Any]:
         """JSON-safe: the scaler's calls and the re-placement applied last."""

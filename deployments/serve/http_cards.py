@@ -28,6 +28,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gpubroker.broker.client import BrokerClient
+from gpubroker.broker.wire import CardHealth
 from gpubroker.deployments.serve.http_api import JSON_TYPE, HttpAnswer, answer_for
 from gpubroker.deployments.serve.http_model import read_infer_request
 from gpubroker.quotas.config import parse_config_text
@@ -61,22 +63,23 @@ class CardRouter:
         self.lost: frozenset[str] = frozenset()  # the broker's lost cards among this router's groups
         self.silent: frozenset[str] = frozenset()  # live, but their replicas stopped reporting
         self.waiting: dict[str, set[tuple[asyncio.Future, Any]]] = {cid: set() for cid in groups}
-        self._broker: Any = None
+        self._broker: BrokerClient | None = None
         self._watch_task: asyncio.Task | None = None
 
-    async def health_now(self) -> dict[str, list[str]]:
+    async def health_now(self) -> CardHealth:
         """The broker's ``card_health`` (one actor call; raises when the broker is away)."""
         if self._broker is None:
             import ray
 
-            self._broker = await asyncio.to_thread(ray.get_actor, self.broker_name, namespace=self.broker_namespace)
-        return await asyncio.wait_for(self._broker.card_health.remote(), timeout=BROKER_RPC_TIMEOUT_S)
+            handle = await asyncio.to_thread(ray.get_actor, self.broker_name, namespace=self.broker_namespace)
+            self._broker = BrokerClient(handle, BROKER_RPC_TIMEOUT_S)
+        return await self._broker.card_health()
 
     async def _watch(self) -> None:
         while True:
             try:
                 health = await self.health_now()
-                self.set_health(health.get("lost", ()), health.get("silent", ()))
+                self.set_health(health["lost"], health["silent"])
             except Exception:  # noqa: BLE001 - broker away or restarting: keep what it said last
                 self._broker = None
             await asyncio.sleep(self.poll_s)

@@ -27,6 +27,7 @@ broker call is awaited with a timeout. Nothing here blocks the loop.
 """
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -34,6 +35,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from gpubroker.broker.client import BrokerClient
 from gpubroker.deployments.serve.follow import PlanFollower, Reconciler, follow_loop
 from gpubroker.deployments.serve.http_api import llm_on_batch_route
 from gpubroker.deployments.serve.scaler import ReplicaScaler, ServeReplicaSetter
@@ -70,16 +72,15 @@ class FleetApi:
         self.names = sorted(self.cfg.models)
         self.app_names = dict(app_names or {})
         self.retry_after_s = max(1, int(round(self.cfg.broker.control_interval_s)))
-        self._broker = None
+        self._broker: BrokerClient | None = None
         self._rejected: dict[str, int] = {}  # refused here, not yet reported to the broker
         self._flush_task: asyncio.Task | None = None
 
-    async def _broker_handle(self):
+    async def _client(self) -> BrokerClient:
         if self._broker is None:
-            import ray
-
             b = self.cfg.broker
-            self._broker = await asyncio.to_thread(ray.get_actor, b.name, namespace=b.namespace)  # type: ignore[func-returns-value,arg-type]  # Ray stub
+            handle = await asyncio.to_thread(ray.get_actor, b.name, namespace=b.namespace)
+            self._broker = BrokerClient(handle, BROKER_RPC_TIMEOUT_S)
         return self._broker
 
     def _count_rejection(self, name: str) -> None:
@@ -93,21 +94,12 @@ class FleetApi:
             await asyncio.sleep(self.cfg.broker.report_interval_s)
             counts, self._rejected = self._rejected, {}
             try:
-                broker = await self._broker_handle()
-                await asyncio.wait_for(broker.report_rejections.remote(counts), timeout=BROKER_RPC_TIMEOUT_S)
+                await (await self._client()).report_rejections(counts)
             except Exception:  # noqa: BLE001 - broker away: keep the counts for the next try
                 self._broker = None
                 for k, v in counts.items():
                     self._rejected[k] = self._rejected.get(k, 0) + v
                 await asyncio.sleep(self.retry_after_s)
-
-    async def _broker_status(self) -> dict[str, Any]:
-        try:
-            handle = await self._broker_handle()
-            return await asyncio.wait_for(handle.status.remote(), timeout=BROKER_RPC_TIMEOUT_S)
-        except Exception:
-            self._broker = None  # a restarted broker is looked up again
-            raise
 
     @api.get("/v1/replicas")
     async def replicas(self) -> dict[str, Any]:
@@ -146,20 +138,18 @@ class FleetApi:
 
     @api.get("/v1/status")
     async def status(self) -> JSONResponse:
-        return await self._ask_broker("status")
+        return await self._ask_broker(lambda broker: broker.status())
 
     @api.get("/v1/decisions")
     async def decisions(self, model: str | None = None, since_seq: int = 0) -> JSONResponse:
-        return await self._ask_broker("decisions", model, since_seq)
+        return await self._ask_broker(lambda broker: broker.decisions(model, since_seq))
 
-    async def _ask_broker(self, method: str, *args: Any) -> JSONResponse:
+    async def _ask_broker(self, ask: Callable[[BrokerClient], Awaitable[object]]) -> JSONResponse:
         broker = self.cfg.broker
         error: Exception | None = None
         for _ in range(2):  # a stale handle (broker restarted) is looked up once more
             try:
-                handle = await self._broker_handle()
-                ref = getattr(handle, method).remote(*args)
-                return _json(200, await asyncio.wait_for(ref, timeout=BROKER_RPC_TIMEOUT_S))
+                return JSONResponse(status_code=200, content=await ask(await self._client()))
             except Exception as exc:  # noqa: BLE001
                 self._broker, error = None, exc
         return _json(

@@ -38,6 +38,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gpubroker.broker.wire import Replaced
 from gpubroker.deployments.app import (
     FLEET_APP,
     INGRESS_NUM_CPUS,
@@ -112,13 +113,11 @@ class ReconcileResult:
     groups: dict[str, dict[str, int]]  # model -> card -> replicas, for the redeployed models
     kept: dict[str, list[str]]  # model -> deployments kept exactly as deployed (Serve leaves them be)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "redeployed": list(self.redeployed),
-            "unplaced": list(self.unplaced),
-            "groups": self.groups,
-            "kept": self.kept,
-        }
+    def to_dict(self) -> Replaced:
+        """As the follower reports it to the broker (``gpubroker.broker.wire.Replaced``)."""
+        return Replaced(
+            redeployed=list(self.redeployed), unplaced=list(self.unplaced), groups=self.groups, kept=self.kept
+        )
 
 
 class ServeReconciler:
@@ -270,7 +269,7 @@ class ServeReconciler:
         )
 
     # ---------------------------------------------------------------- Ray and Serve
-    def __call__(self, groups: Groups, reasons: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def __call__(self, groups: Groups, reasons: Mapping[str, str] | None = None) -> Replaced:
         """Deploy the changed models' apps (not waiting for them to run); returns what it did."""
         apps, result = self.apps_for(groups, reasons)
         if apps:

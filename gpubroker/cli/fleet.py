@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
+from gpubroker.broker.wire import DecisionRecord
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import describe_decision, err_console, fleet_view, print_config_error, status_table
 from gpubroker.deployments.cluster import fleet, fleet_client
@@ -199,7 +200,7 @@ def status(
 
 
 def _follow(
-    first: list[dict[str, Any]], model: str | None, since: int, address: str | None, interval: float, as_json: bool
+    first: list[DecisionRecord], model: str | None, since: int, address: str | None, interval: float, as_json: bool
 ) -> None:
     """Print ``first``, then poll the decision log and print each new entry (JSON lines with --json) until Ctrl-C."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from gpubroker.broker.fleet_core import FleetBroker
 from gpubroker.broker.metrics import NullMetrics
-from gpubroker.broker.wire import ModelSettings, StatsReport
+from gpubroker.broker.wire import Calibration, ModelSettings, StatsReport
 from gpubroker.quotas.config import FleetConfig
 from gpubroker.sim.types import LATENCY_SAMPLES_PER_REPORT, SimReplica
 
@@ -48,7 +48,7 @@ class SimBroker:
         self.trace: list[tuple[str, float, Any]] | None = [] if record else None
         self._seen_seq = 0
 
-    def calibration(self, rep: SimReplica) -> dict[str, Any]:
+    def calibration(self, rep: SimReplica) -> Calibration:
         p = rep.prof
         return {"weights_bytes": int(p.weights_bytes), "bytes_per_unit": float(p.bytes_per_item), "cost_unit": p.unit}
 

@@ -28,7 +28,6 @@ def status(targets: dict[str, dict[str, int]], *, lost: tuple[str, ...] = (), dr
         replica_targets=tuple(
             ReplicaTarget(m, cid, n) for cid, models in targets.items() if cid not in lost for m, n in models.items()
         ),
-        settings={},
         replacing=False,
         dry_run=dry_run,
     )
