@@ -8,7 +8,6 @@ raises its batch ceiling. Pure.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpubroker.broker.control.batch_rules import decide_batch
@@ -105,20 +104,20 @@ class BatchKind:
         """``reclaim_hold_s``: it keeps a clump of stray requests from pulling memory back."""
         return spec.control.reclaim_hold_s
 
-    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> Callable[[], str]:
-        w, grant = r.inputs.wants[name], r.ledger.grant(name)
-        return lambda: (
+    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> str:
+        w = r.inputs.wants[name]
+        return (
             f"{name} wants batch {w.cap} ({w.trigger} {w.value:.1f}) needing {format_size(wanted)}, "
-            f"grant {format_size(grant)}"
+            f"grant {format_size(r.ledger.grant(name))}"
         )
 
-    def borrow_reason(self, r: QuotaRound, name: str, why: Callable[[], str]) -> str | None:
+    def borrow_reason(self, r: QuotaRound, name: str, why: str) -> str | None:
         """Only while its memory holds it back (``pressed``)."""
         load = r.loads[name]
         ceiling = r.mm(name).cap_for(r.holds(name) / r.replicas(name))
-        if pressed(load, r.config.models[name], ceiling, explain=False) is not None:
-            return None  # not logged: with lazy formation this is most ticks of most models
-        return why() + (
+        if pressed(load, r.config.models[name], ceiling) is not None:
+            return None
+        return why + (
             f", refusing requests: it holds {format_size(load.mem_used_bytes)}, over its grant"
             if load.held_over
             else f", behind at its memory ceiling {ceiling} (queue {load.queue_depth:.0f}, recent P95 "

@@ -22,7 +22,6 @@ Until its rules have decided once (no report yet) it is lent for as a request mo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -154,14 +153,13 @@ class LlmKind:
                 return 0.0
         return spec.control.reclaim_hold_s
 
-    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> Callable[[], str]:
+    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> str:
         if self.need_bytes is None:
             return BATCH.wants_why(r, name, wanted)
-        grant = r.ledger.grant(name)
-        return lambda: f"{name} engine wants {format_size(wanted)}, grant {format_size(grant)}"
+        return f"{name} engine wants {format_size(wanted)}, grant {format_size(r.ledger.grant(name))}"
 
-    def borrow_reason(self, r: QuotaRound, name: str, why: Callable[[], str]) -> str | None:
-        return BATCH.borrow_reason(r, name, why) if self.need_bytes is None else why()
+    def borrow_reason(self, r: QuotaRound, name: str, why: str) -> str | None:
+        return BATCH.borrow_reason(r, name, why) if self.need_bytes is None else why
 
     def loan_buys(self, r: QuotaRound, name: str, offers: list[tuple[str, int]]) -> bool:
         return BATCH.loan_buys(r, name, offers) if self.need_bytes is None else True

@@ -12,7 +12,8 @@ also bounded by measured free memory. ``plan_quota`` changes nothing: it returns
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from enum import StrEnum
 from typing import NamedTuple, Protocol
 
 from gpubroker.broker.control.batch_rules import cap_top
@@ -135,36 +136,31 @@ def peak_batch(load: ModelLoad, spec: ModelSpec, fit: LatencyFit | None) -> int:
     return peak
 
 
-NOT_PRESSED = "not pressed"  # ``pressed(..., explain=False)``'s answer for every reason
+class Unpressed(StrEnum):
+    """Why a model that wants more memory should not borrow it (``pressed``)."""
+
+    NO_CEILING = "memory does not limit its batch"
+    UNDER_CEILING = "its biggest batch in the window is under its memory ceiling"
+    NOT_BEHIND = "not behind: no backlog over its ceiling and its recent P95 within its SLO"
 
 
-def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None, explain: bool = True) -> str | None:
+def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> Unpressed | None:
     """Why a model that wants more memory should not borrow it (None: it should).
 
     A batch cap that wants more than the grant holds is not a need by itself (with lazy
     formation every model wants a large cap). A borrower must be held back by its memory now:
     its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
     its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or it
-    refuses requests because it holds over its grant (``held_over``: it runs no batch).
-    ``explain=False``: the same answer, with ``NOT_PRESSED`` for every reason (nothing formatted)."""
-    if ceiling is None:  # memory does not limit its batch
-        return "memory does not limit its batch" if explain else NOT_PRESSED
+    refuses requests because it holds over its grant (``held_over``: it runs no batch)."""
+    if ceiling is None:
+        return Unpressed.NO_CEILING
     if load.held_over:
         return None
     if load.max_batch < ceiling:
-        if not explain:
-            return NOT_PRESSED
-        return f"its biggest batch in the window ({load.max_batch:.0f}) is under its memory ceiling {ceiling}"
+        return Unpressed.UNDER_CEILING
     backlog = load.queue_depth > ceiling * max(1, load.replicas)
     late = load.recent_p95_ms is not None and load.recent_p95_ms > spec.slo_p95_ms
-    if not (backlog or late):
-        if not explain:
-            return NOT_PRESSED
-        return (
-            f"not behind (queue {load.queue_depth:.0f}, recent P95 "
-            f"{0.0 if load.recent_p95_ms is None else load.recent_p95_ms:.0f} ms within its SLO {spec.slo_p95_ms:g} ms)"
-        )
-    return None
+    return None if backlog or late else Unpressed.NOT_BEHIND
 
 
 # ------------------------------------------------------------------ one tick's plan
@@ -196,11 +192,11 @@ class LendingKind(Protocol):
         """How long its load must stay back before it reclaims."""
         ...
 
-    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> Callable[[], str]:
-        """The reason it asks for ``wanted`` (written only when a move needs it)."""
+    def wants_why(self, r: QuotaRound, name: str, wanted: int) -> str:
+        """The reason it asks for ``wanted``."""
         ...
 
-    def borrow_reason(self, r: QuotaRound, name: str, why: Callable[[], str]) -> str | None:
+    def borrow_reason(self, r: QuotaRound, name: str, why: str) -> str | None:
         """Why it borrows from idle neighbours (None: it takes only the free pool)."""
         ...
 
@@ -346,9 +342,8 @@ class QuotaRound:
             self.lent[donor] = self.now_s
         self.moves.append(QuotaMove(kind, donor, recipient, t.amount_bytes, why))
 
-    def grow(self, name: str, amount: int, kind: MoveKind, why: str | Callable[[], str]) -> int:
-        """Grow ``name`` from the free pool, within its headroom and the measured free bytes.
-        ``why``: the move's reason, or a function that writes it (called only when there is a move)."""
+    def grow(self, name: str, amount: int, kind: MoveKind, why: str) -> int:
+        """Grow ``name`` from the free pool, within its headroom and the measured free bytes."""
         ledger = self.ledger
         amount = min(amount, ledger.free_bytes)
         if amount > 0:
@@ -362,7 +357,7 @@ class QuotaRound:
         except LedgerError as exc:
             self.notes.append(f"grow {name} refused: {exc}")
             return 0
-        self.moves.append(QuotaMove(kind, None, name, amount, why if isinstance(why, str) else why()))
+        self.moves.append(QuotaMove(kind, None, name, amount, why))
         return amount
 
 
@@ -499,7 +494,7 @@ def lend_to(r: QuotaRound, name: str) -> None:
     if deficit < r.dust:
         return
     why = kind.wants_why(r, name, wanted)
-    deficit -= r.grow(name, deficit, MoveKind.GROW, lambda: why() + ": from the free pool")
+    deficit -= r.grow(name, deficit, MoveKind.GROW, why + ": from the free pool")
     if deficit < r.dust:
         return
     reason = kind.borrow_reason(r, name, why)

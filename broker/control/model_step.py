@@ -8,52 +8,60 @@ for all. Pure: time is ``TickView.now``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpubroker.broker.control.batch_rules import RuleContext
 from gpubroker.broker.control.latency_model import LatencyFit, fit_from_sums, fit_sums
 from gpubroker.broker.control.llm_rules import EngineRecord
 from gpubroker.broker.control.memory_model import MemoryModel
+from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.state import BatchWant, ModelState
 from gpubroker.broker.control.types import FleetSnapshot, LogLine, ModelLoad
 from gpubroker.broker.control.violation import WATCH_SLACK_BYTES, over_grant
 from gpubroker.broker.control.vocab import Rule
 from gpubroker.broker.wire import EngineBounds
 from gpubroker.quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.ledger import QuotaLedger
 from gpubroker.quotas.schedule import ProfileSpec
 
 if TYPE_CHECKING:  # policy imports this module
     from gpubroker.broker.control.state import PolicyState
 
 
-@dataclass(frozen=True)
-class TickView:
-    """What every model's step of one tick reads: the tick's inputs and its price profile."""
+class TickView(NamedTuple):
+    """What every model's step of one tick reads: the tick's inputs, its price profile and the
+    models over their grant (``over_grant_of``). Built by ``of``."""
 
     snapshot: FleetSnapshot
     config: FleetConfig
     state: PolicyState
-    profile: ProfileSpec
+    profile: ProfileSpec  # the profile in force at snapshot.now_s
     now: float  # snapshot.now_s
     interval: float  # config.broker.control_interval_s
+    over_grant: Mapping[str, int]  # model -> bytes over its grant + slack, while the card is short
 
-    @cached_property
-    def over_grant(self) -> dict[str, int]:
-        """Models whose reported use is over their grant (plus what they are still giving away)
-        + slack, by how much: a card-level emergency pauses them, not their neighbours (read only
-        while the card is short: the emergency rule is its one reader)."""
-        ledger, out = self.state.ledger, dict[str, int]()
-        if self.snapshot.gpu.free_frac >= self.config.gpu.emergency_free_frac:
-            return out
-        for name, load in self.snapshot.models.items():
-            if name in ledger.quotas:
-                allowed = ledger.grant(name) + ledger.outgoing_bytes(name)
-                if over_grant(load.mem_used_bytes, allowed, load.replicas):
-                    out[name] = load.mem_used_bytes - allowed - max(1, load.replicas) * WATCH_SLACK_BYTES
+    @classmethod
+    def of(cls, snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> TickView:
+        now = snapshot.now_s
+        profile = active_profile(config.profiles, now)
+        over = over_grant_of(snapshot, config, state.ledger)
+        return cls(snapshot, config, state, profile, now, config.broker.control_interval_s, over)
+
+
+def over_grant_of(snapshot: FleetSnapshot, config: FleetConfig, ledger: QuotaLedger) -> dict[str, int]:
+    """Models whose reported use is over their grant (plus what they are still giving away) +
+    slack, by how much: a card-level emergency pauses them, not their neighbours. Empty while the
+    card is not short (the emergency rule is its one reader)."""
+    out: dict[str, int] = {}
+    if snapshot.gpu.free_frac >= config.gpu.emergency_free_frac:
         return out
+    for name, load in snapshot.models.items():
+        if name in ledger.quotas:
+            allowed = ledger.grant(name) + ledger.outgoing_bytes(name)
+            if over_grant(load.mem_used_bytes, allowed, load.replicas):
+                out[name] = load.mem_used_bytes - allowed - max(1, load.replicas) * WATCH_SLACK_BYTES
+    return out
 
 
 class ModelStep(NamedTuple):
@@ -165,7 +173,7 @@ def anti_oscillation(
             rule=Rule.HELD,
             reason=f"{want.reason} (held: last change {now - ms.last_change_s:.1f}s ago < hold {ms.hold_s:.1f}s)",
         )
-        return held, (ms if reversals is ms.reversals else ms.evolved(reversals=reversals)), note
+        return held, (ms if reversals == ms.reversals else ms.evolved(reversals=reversals)), note
     if direction != 0 and ms.last_dir != 0 and direction != ms.last_dir:
         reversals = reversals + (now,)
         if len(reversals) >= ctl.reversal_limit:
@@ -176,4 +184,4 @@ def anti_oscillation(
             )
             note = f"{len(reversals)} reversals in {ctl.reversal_window_s:.0f}s: dead band x{ms.band_scale:.2f}, hold {ms.hold_s:.1f}s"
             reversals = ()
-    return want, (ms if reversals is ms.reversals else ms.evolved(reversals=reversals)), note
+    return want, (ms if reversals == ms.reversals else ms.evolved(reversals=reversals)), note

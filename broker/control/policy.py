@@ -31,7 +31,6 @@ from gpubroker.broker.control.kinds import kind_for, kinds_of
 from gpubroker.broker.control.lending import LendingBook, QuotaInputs, QuotaPlan, plan_quota
 from gpubroker.broker.control.memory_model import MemoryModel
 from gpubroker.broker.control.model_step import ModelStep, TickView, initial_model_state
-from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.replica_targets import replica_target, step_replicas
 from gpubroker.broker.control.state import ModelState, PolicyState
 from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, ModelDecision, ModelLoad, QuotaMove
@@ -120,8 +119,7 @@ def memory_view(load: ModelLoad | None, spec: ModelSpec, grant_bytes: int) -> di
 def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> tuple[FleetDecision, PolicyState]:
     """One tick for the fleet: each model's step (its kind's rules), the quota plan over them all,
     then each model's settings inside its new grant and its kind's bounds there."""
-    now, interval = snapshot.now_s, config.broker.control_interval_s
-    view = TickView(snapshot, config, state, active_profile(config.profiles, now), now, interval)
+    view = TickView.of(snapshot, config, state)
     kinds = kinds_of(config, state.engines)
     notes: list[str] = []
     if state.profile and state.profile != view.profile.name:

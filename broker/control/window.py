@@ -36,25 +36,12 @@ MIN_INTERVAL_S = 1e-9  # a replica's reports covering less than this say nothing
 MAX_LATENCY_SAMPLES = 20_000  # per model per window, newest kept
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile of an ascending list (None when empty)."""
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile of an ascending sequence (None when empty)."""
     if not sorted_values:
         return None
     k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values) - 1e-9) - 1))
     return sorted_values[k]
-
-
-def tail_percentiles(sorted_values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
-    """``percentile`` at 50, 95 and 99 in one call (the snapshot asks all three per model)."""
-    n = len(sorted_values)
-    if not n:
-        return None, None, None
-    top = n - 1
-    return (
-        sorted_values[max(0, min(top, math.ceil(0.5 * n - 1e-9) - 1))],
-        sorted_values[max(0, min(top, math.ceil(0.95 * n - 1e-9) - 1))],
-        sorted_values[max(0, min(top, math.ceil(0.99 * n - 1e-9) - 1))],
-    )
 
 
 class Digest:
@@ -510,7 +497,6 @@ class ReportWindow:
                 reject += acc[2] / iv
                 busy += acc[3] / iv
                 rated += 1
-        p50, p95, p99 = tail_percentiles(latencies)
         rate_latencies = mw.rate_latencies()
         batches, batch_requests = mw.nbatch_sum, mw.requests_sum
         return ModelLoad(
@@ -521,9 +507,9 @@ class ReportWindow:
             recent_arrival_rate_rps=recent.arrival_rate_rps,
             completion_rate_rps=completion,
             reject_rate_rps=reject + edge_recent / self._rate_s,
-            p50_ms=p50,
-            p95_ms=p95,
-            p99_ms=p99,
+            p50_ms=percentile(latencies, 50),
+            p95_ms=percentile(latencies, 95),
+            p99_ms=percentile(latencies, 99),
             latency_samples=len(latencies),
             recent_p95_ms=percentile(rate_latencies, 95),
             recent_samples=len(rate_latencies),

@@ -9,7 +9,6 @@ from gpubroker.broker.control.kind_llm import LlmKind
 from gpubroker.broker.control.llm_rules import EngineRecord, LlmRule
 from gpubroker.broker.control.model_step import TickView
 from gpubroker.broker.control.policy import initial_state, quotas_of
-from gpubroker.broker.control.profiles import active_profile
 from gpubroker.broker.control.types import EngineView, FleetSnapshot, GpuLoad
 from gpubroker.quotas.config import parse_config_text
 from gpubroker.quotas.ledger import QuotaLedger
@@ -48,13 +47,13 @@ def _bounds(engine: EngineRecord | None, now_s: float, chat_grant: int, incoming
     if incoming:
         ledger.begin_transfer("code", "chat", incoming, now_s, "lend")
     snap = FleetSnapshot(now_s, GpuLoad(64 * MiB, usable, 0, 0.5), engines={"chat": EngineView(_report(), 1)})
-    view = TickView(snap, cfg, initial_state(cfg, usable), active_profile(cfg.profiles, now_s), now_s, 1.0)
+    view = TickView.of(snap, cfg, initial_state(cfg, usable))
     return LlmKind(engine).bounds(view, "chat", cfg.models["chat"], ledger)
 
 
 def _decide(incoming: dict[str, int]) -> tuple[str, int, str]:
-    first, _ = _bounds(None, 100.0, 9 * MiB // 2, 0)  # start: the 8 blocks 4.5 MiB holds
-    _, logged = _bounds(first, 105.0, 6 * MiB, incoming.get("chat", 0))
+    first, _, _ = _bounds(None, 100.0, 9 * MiB // 2, 0)  # start: the 8 blocks 4.5 MiB holds
+    _, _, logged = _bounds(first, 105.0, 6 * MiB, incoming.get("chat", 0))
     assert logged is not None
     entry = logged[0]
     return entry["rule"], entry["new"]["kv_blocks"], entry["reason"]
