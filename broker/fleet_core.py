@@ -31,9 +31,9 @@ from gpubroker.broker.control.replacement import (
 )
 from gpubroker.broker.control.replica_targets import replicas_entry
 from gpubroker.broker.control.window import stale_after_s
-from gpubroker.broker.core import BrokerCore, NullMetrics
+from gpubroker.broker.core import BrokerCore
 from gpubroker.broker.fleet_store import FleetStore
-from gpubroker.broker.metrics import BrokerMetrics
+from gpubroker.broker.metrics import BrokerMetrics, NullMetrics
 from gpubroker.broker.wire import (
     ApplyResult,
     BrokerStatus,

@@ -27,6 +27,7 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def _cuda_index(device: str | int) -> int:
 _nvml_ready = False
 
 
-def _nvml():
+def _nvml() -> Any:  # the pynvml module (it ships no types)
     """pynvml, initialised once per process. Raises if NVML is unavailable."""
     global _nvml_ready
     import pynvml
@@ -136,7 +137,7 @@ class NvmlProbe:
     def sm_util_frac(self) -> float | None:
         nvml = _nvml()
         try:
-            return nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0
+            return float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu) / 100.0
         except nvml.NVMLError:
             return None
 
@@ -357,7 +358,7 @@ def detect_device(device_cfg: str = "auto") -> str:
     return f"cuda:{index}"
 
 
-def _device_str(device) -> str:
+def _device_str(device: object) -> str:
     """A device string from 'auto'/'cpu'/'cuda:N', an int index, or a config's gpu section."""
     if isinstance(device, int):
         return f"cuda:{device}"
@@ -368,15 +369,15 @@ def _device_str(device) -> str:
     return detect_device(device) if device == "auto" else device
 
 
-def detect_capacity(device) -> int:
+def detect_capacity(device: object) -> int:
     """Total bytes of the CUDA card, or host MemTotal (cgroup-limited) on cpu.
 
     ``device``: 'cpu', 'cuda:N', 'auto', or the config's gpu section (its ``device`` is used).
     """
-    device = _device_str(device)
-    if device == "cpu":
+    name = _device_str(device)
+    if name == "cpu":
         return host_total_bytes()
-    index = _cuda_index(device)
+    index = _cuda_index(name)
     try:
         import torch
 
@@ -385,12 +386,12 @@ def detect_capacity(device) -> int:
         return NvmlProbe(index).card()[0]
 
 
-def make_probe(device: str, capacity_bytes: int | None = None):
+def make_probe(device: object, capacity_bytes: int | None = None) -> HostProbe | CudaProbe:
     """The probe a replica uses: HostProbe on cpu, CudaProbe (NVML if it works) on cuda."""
-    device = _device_str(device)
-    if device == "cpu":
+    name = _device_str(device)
+    if name == "cpu":
         return HostProbe(capacity_bytes)
-    index = _cuda_index(device)
+    index = _cuda_index(name)
     try:
         nvml: NvmlProbe | None = NvmlProbe.for_torch_device(index)
     except Exception:

@@ -194,7 +194,7 @@ def _type_name(annotation: Any, where: str) -> str:
 
 
 def _yaml(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1000).strip()
+    text = str(yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=1000)).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
 
 

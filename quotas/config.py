@@ -29,7 +29,8 @@ from pydantic import (
 )
 
 from gpubroker.quotas.cards import GpusSection, PlacementSpec
-from gpubroker.quotas.config_errors import MISSING, ConfigError, ConfigIssue, duplicate_keys, issue_from_pydantic
+from gpubroker.quotas.config_errors import MISSING, ConfigIssue, duplicate_keys, issue_from_pydantic
+from gpubroker.quotas.config_errors import ConfigError as ConfigError  # re-exported: the config's error
 from gpubroker.quotas.llm_spec import LLM_ENGINES, LlmSpec
 from gpubroker.quotas.placement import check_fleet_cards
 from gpubroker.quotas.schedule import ProfilesSection
@@ -494,7 +495,8 @@ class FleetConfig(_Strict):
                     "strategy other than static"
                 )
         if self.gpus is not None:  # many cards: every model placed, Σ base per card <= usable
-            return check_fleet_cards(self)
+            check_fleet_cards(self)
+            return self
         capacity = self.gpu.capacity_bytes
         if capacity is None:
             return self

@@ -157,7 +157,9 @@ def _rate_text(inp: ReplicaInputs) -> str:
 _Rule = Callable[[ReplicaInputs, ReplicaState, ReplicaParams], "tuple[ReplicaDecision, ReplicaState] | None"]
 
 
-def configured(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
+def configured(
+    inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams
+) -> tuple[ReplicaDecision, ReplicaState] | None:
     if inp.objective == THROUGHPUT and inp.fit is not None:
         return None
     why = f"objective {inp.objective}" if inp.objective != THROUGHPUT else "no latency fit yet"
@@ -173,7 +175,9 @@ def configured(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
     return d, ReplicaState(inp.configured)
 
 
-def raise_now(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
+def raise_now(
+    inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams
+) -> tuple[ReplicaDecision, ReplicaState] | None:
     need = needed(inp, params)
     if need <= st.target:
         return None
@@ -187,7 +191,9 @@ def raise_now(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
     ), ReplicaState(new)
 
 
-def lower_later(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
+def lower_later(
+    inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams
+) -> tuple[ReplicaDecision, ReplicaState] | None:
     low = _clamp(needed(inp, params, 1.0 + params.lower_margin_frac), inp, params)
     if low >= st.target or inp.live < st.target:
         return None
@@ -212,7 +218,7 @@ def lower_later(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
     ), ReplicaState(want)
 
 
-def hold(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams):
+def hold(inp: ReplicaInputs, st: ReplicaState, params: ReplicaParams) -> tuple[ReplicaDecision, ReplicaState]:
     need = needed(inp, params)
     why = f"{st.target} replica(s) for {_rate_text(inp)} (fewest that carry it: {need})"
     if inp.live < st.target:

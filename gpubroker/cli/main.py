@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -20,7 +21,7 @@ from gpubroker.cli import bench, calibrate, fleet, simulate
 from gpubroker.cli.views import budget_table, config_table, placement_table, print_config_error
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue
-from gpubroker.quotas.placement import place_fleet
+from gpubroker.quotas.placement import Placement, place_fleet
 from gpubroker.validate import budget, build_models
 
 app = typer.Typer(
@@ -121,7 +122,9 @@ def _issue_json(issue: ConfigIssue) -> dict[str, str]:
     return {"path": issue.path, "message": issue.message, "text": str(issue)}
 
 
-def _valid_json(cfg: FleetConfig, config: Path, placement, explain: bool, warnings: list[str]) -> dict:  # noqa: ANN001
+def _valid_json(
+    cfg: FleetConfig, config: Path, placement: Placement | None, explain: bool, warnings: list[str]
+) -> dict[str, Any]:
     doc = {
         "valid": True,
         "source": str(config),

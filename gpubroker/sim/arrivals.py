@@ -20,6 +20,7 @@ sorted, all ``< duration_s``; they come back as float64 numpy arrays.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ def _check(rate: float, duration_s: float) -> None:
         raise ValueError(f"duration_s ({duration_s}) must be > 0 seconds")
 
 
-def _from_gaps(draw, rate: float, duration_s: float) -> np.ndarray:
+def _from_gaps(draw: Callable[[int], np.ndarray], rate: float, duration_s: float) -> np.ndarray:
     """Cumulative sums of gaps drawn in chunks until they pass duration_s."""
     chunks: list[np.ndarray] = []
     total = 0.0
@@ -87,10 +88,11 @@ def exact_count(rate: float, duration_s: float, seed: int = 0, cv: float | None 
     gaps = rng.exponential(1.0, n + 1) if cv is None else rng.gamma(1.0 / cv**2, 1.0, n + 1)
     times = np.cumsum(gaps)
     times = times[:n] * (duration_s / times[n])
-    return np.minimum(times, np.nextafter(duration_s, 0.0))
+    out: np.ndarray = np.minimum(times, np.nextafter(duration_s, 0.0))
+    return out
 
 
-def trace_path(path: str | os.PathLike | None = None) -> Path:
+def trace_path(path: str | os.PathLike[str] | None = None) -> Path:
     """The trace file: ``path``, else env GPUBROKER_TRACE, else the vendored copy (``DEFAULT_TRACE``)."""
     if path is not None:
         return Path(path)
@@ -101,7 +103,7 @@ def trace_path(path: str | os.PathLike | None = None) -> Path:
 _TRACE_CACHE: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def load_trace(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+def load_trace(path: str | os.PathLike[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(inter-arrival gaps in seconds, ContextTokens per row) of the trace, sorted by time."""
     p = trace_path(path)
     key = str(p.resolve()) if p.exists() else str(p)
@@ -140,7 +142,7 @@ def load_trace(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.nd
 
 
 def trace(
-    path: str | os.PathLike | None = None, rate: float = 1.0, duration_s: float = 60.0, seed: int = 0
+    path: str | os.PathLike[str] | None = None, rate: float = 1.0, duration_s: float = 60.0, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Replay the trace's gaps scaled to ``rate``; returns (times, token lengths = ContextTokens).
 
