@@ -57,11 +57,10 @@ def _queue_ms(rho: float, service_ms: float, batch: float) -> float:
 
 def useful_batch(fit: LatencyFit, frac: float = USEFUL_THROUGHPUT_FRAC) -> float:
     """The smallest batch whose throughput b / L(b) is ``frac`` of the curve's top, 1/c:
-    b = frac / (1 - frac) * a / c. Found live on MiniLM (a 13 ms, c 15 ms a request): with the
-    machine slowing the model, the fit said no batch keeps up and the cap went to the ceiling (128
-    requests); the lazy gate then let in everything waiting, batches of 1-2 s ran past the request
-    timeout, and a load batches of 1-2 served collapsed. Past this batch a lazy batch only grows its
-    latency (a nearly linear curve: 8 requests there; a = 20, c = 0.5 ms: 360, past any ceiling)."""
+    b = frac / (1 - frac) * a / c. Past this batch a lazy batch only grows its latency (a nearly
+    linear curve: 8 requests there; a = 20, c = 0.5 ms: 360, past any ceiling). Without the bound,
+    a fit that says no batch keeps up sends the cap to the ceiling, the lazy gate lets in everything
+    waiting, and batches run past the request timeout on a load small batches serve."""
     return math.inf if fit.c_ms <= 0 else frac / (1.0 - frac) * fit.a_ms / fit.c_ms
 
 

@@ -62,8 +62,8 @@ def engine_settings(d: LlmDecision) -> EngineBounds:
 def sequences_arriving(load: ModelLoad) -> float:
     """The sequences an engine's arrivals keep running (Little's law: the rate window's arrivals
     times their median latency); 0 with no latency in the window. A steady load's queue dips to
-    one or none for seconds at a time; on its queue alone the engine read as quiet, lent, and
-    took its base back seconds later (bench/notes/llm-lending.md)."""
+    one or none for seconds at a time: read on its queue alone, the engine would look quiet, lend,
+    and take its base back seconds later."""
     return load.arrival_rate_rps * (load.p50_ms or 0.0) / 1000.0
 
 

@@ -269,7 +269,7 @@ def _idle_shrink(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | N
 def cache_pressed(load: EngineLoad, cfg: LlmRuleConfig) -> bool:
     """The cache binds: what runs plus what waits would fill over ``busy_used_frac`` of it. A queue
     behind ``max_num_seqs`` alone is seqs_grow's; one request arriving at a quiet engine is neither
-    (it used to regrow an engine that had just shrunk to lend, at every stray request)."""
+    (counted, it would regrow an engine that had just shrunk to lend, at every stray request)."""
     demand = load.kv_blocks_reserved + load.waiting * cfg.blocks_per_seq
     return demand >= cfg.busy_used_frac * max(1, load.kv_blocks_total)
 
@@ -291,8 +291,8 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
     new = cap  # straight to what the grant allows: every resize drains the engine once
     if new < s.kv_blocks * (1.0 + cfg.grow_min_gain_frac):
         return None  # not worth a drain: wait for more grant
-    # the sequences waiting for blocks may run once the cache holds them: seqs_grow's steps of 2 s
-    # each took 10 s after a resize to fill a cache grown mid-burst (2026-12-05 runs)
+    # the sequences waiting for blocks may run once the cache holds them: seqs_grow's 2-s steps
+    # would take several of them to fill a cache grown mid-burst
     seqs = max(s.max_num_seqs, min(new // cfg.blocks_per_seq, s.max_num_seqs + load.waiting))
     tokens = step_tokens_for(cfg, new, s.max_batched_tokens)
     return _Want(
@@ -307,10 +307,8 @@ def _busy_grow(load: EngineLoad, cfg: LlmRuleConfig, s: LlmState) -> _Want | Non
 
 def step_tokens_for(cfg: LlmRuleConfig, blocks: int, tokens_now: int) -> int:
     """The step a cache of ``blocks`` is fed by: the configured share of the cache, never below the
-    step in force nor over the ceiling. One engine alone on the bursty load's first burst served 112
-    req/s at 18 blocks with the 8-block step (512 tokens) and 128 with 1,024; at 8 blocks the step made
-    no difference (68, 67, 73 at 512, 1,024, 2,048; bench/results/2026-12-05-llm-vllm/llm-probe-2.json).
-    The step changes only with the resize's restart, which the grow pays anyway."""
+    step in force nor over the ceiling. A larger cache serves more with a larger step, a small one
+    the same with any. The step changes only with the resize's restart, which the grow pays anyway."""
     if cfg.step_tokens_per_block <= 0:
         return tokens_now
     share = math.ceil(blocks * cfg.step_tokens_per_block)
