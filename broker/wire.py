@@ -109,6 +109,7 @@ class EngineReport(TypedDict, total=False):
     kv_cache_blocks_max: int
     idle_for_s: float  # seconds since the engine last had work
     asleep: bool  # CUDA sleep mode level 1: the cache is freed
+    weights_bytes: int  # the engine's weights (added by the report loop, gpubroker.deployments.llm.report_loop)
 
 
 @dataclass(frozen=True)
