@@ -189,16 +189,30 @@ def summarise(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "median",
         ),
     }
-    targets, misses = {}, []
+    targets: dict[str, dict[str, Any]] = {}
+    misses = []
     for name, (value, key, keep, _how) in checks.items():
         goal = TARGETS[name]
         targets[name] = {"target": goal, "value": value, "met": value is not None and value >= goal}
-        if key is None:
+        if key is None:  # a median over cells: what the same cells show beside it
+            targets[name]["beside"] = beside([c for c in cells if keep(c)])
             continue
         for c in cells:
             if keep(c) and c[key] is not None and c[key] < goal:
                 misses.append({"target": name, "cell": cell_id(c), key: c[key], "cause": cause(c, key)})
     return {"distributions": d, "targets": targets, "misses": misses}
+
+
+def beside(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """What bounds a median target on these cells: how far the best static setting gets past the
+    fixed batch (the room batch and wait leave within the bases), and how often the broker moved quota."""
+    room = [
+        c["arms"]["oracle"]["goodput_rps"] / c["arms"]["fixed-batch"]["goodput_rps"]
+        for c in cells
+        if c["arms"]["fixed-batch"]["goodput_rps"] > 0
+    ]
+    moves = [c["arms"]["broker"]["quota_moves"] for c in cells]
+    return {"oracle_vs_fixed": dist([round(x, 4) for x in room]), "quota_moves": dist(moves)}
 
 
 def cell_id(c: Mapping[str, Any]) -> str:
@@ -211,7 +225,14 @@ def cause(c: Mapping[str, Any], key: str) -> str:
         key
     ]
     b = c["arms"]["broker"]
-    o = c["arms"][other] if other != "oracle" else c["arms"]["fixed-batch"]
+    if other == "oracle":  # a grid point: no per-model figures, its setting (batch share:wait ms) and its goodput
+        o = c["arms"]["oracle"]
+        return (
+            f"broker vs oracle: goodput {b['goodput_rps']:.1f} vs {o['goodput_rps']:.1f}/s at static setting "
+            f"{o['setting']} (share of each base's batch : wait ms), the broker's wait bounded at the fleet's "
+            f"wait.max_ms {L.WAIT_MAX_MS:g}; fixed batch {c['arms']['fixed-batch']['goodput_rps']:.1f}/s"
+        )
+    o = c["arms"][other]
     parts = []
     for n, m in b["models"].items():
         om = o["models"][n]
@@ -219,8 +240,7 @@ def cause(c: Mapping[str, Any], key: str) -> str:
             f"{n}: attainment {m['attainment']:.3f} vs {om['attainment']:.3f}, batch {m['mean_batch']:.1f} vs "
             f"{om['mean_batch']:.1f}, OOM {m['ooms']}"
         )
-    extra = f"; oracle setting {c['arms']['oracle']['setting']}" if other == "oracle" else ""
-    return f"broker vs {other}: " + "; ".join(parts) + f"; broker quota moves {b['quota_moves']}" + extra
+    return f"broker vs {other}: " + "; ".join(parts) + f"; broker quota moves {b['quota_moves']}"
 
 
 def run(
@@ -258,7 +278,8 @@ def run(
             "levels": list(size.levels),
             "oracle_grid": {"batch_shares": list(size.grid[0]), "waits_ms": list(size.grid[1])},
         },
-        "rule": "every arm: lazy formation at the gate, shed_late, request_timeout_s 10, drain 10 s",
+        "rule": "lazy formation at the replica's gate, late requests shed (shed_late), request_timeout_s 10, drain 10 s; "
+        "the adaptive batcher forms its own batches and cancels requests that cannot make the SLO",
         "capacity": capacity(size.fleets),
         "cells": cells,
         **summarise(cells),
@@ -266,8 +287,13 @@ def run(
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "matrix.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+        (out / "matrix.json").write_text(dumps(result), encoding="utf-8")
     return result
+
+
+def dumps(res: Mapping[str, Any]) -> str:
+    """The result as compact JSON (a full run's 144 cells: about 260 kB)."""
+    return json.dumps(res, separators=(",", ":"))
 
 
 def capacity(fleets: tuple[str, ...]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ ROOT = Path("bench/results")
 SIM = "sim"
 LIVE_ONE_RULE = "2026-12-05-one-rule"  # broker vs static 8 vs BentoML under one rule, direct and through the proxy
 LIVE_BURST = "2026-12-05-burst"  # three models on one card, one bursting 5x: broker vs a static equal split
+MATRIX = "2026-12-06-matrix"  # the load matrix on the simulator (bench.matrix), fresh seeds
 README_BEGIN = "<!-- results:begin -->"
 README_END = "<!-- results:end -->"
 
@@ -46,6 +47,9 @@ def load(root: Path = ROOT) -> dict[str, Any]:
             if doc is not None:
                 one[(w, path)] = {**doc, "_file": f"bench/results/{LIVE_ONE_RULE}/seed-{w}-{path}.json"}
     docs["live-one-rule"] = one
+    matrix = _read(root, f"{MATRIX}/matrix.json")
+    if matrix is not None:
+        docs["matrix"] = {**matrix, "_file": f"bench/results/{MATRIX}/matrix.json"}
     burst = _read(root, f"{LIVE_BURST}/burst.json")
     if burst is not None:
         docs["live-burst"] = {**burst, "_file": f"bench/results/{LIVE_BURST}/burst.json"}
@@ -154,6 +158,84 @@ def _largest_part(ablation: dict[str, float]) -> str:
     """The ablation row, one part on alone, with the highest fleet goodput."""
     alone = {k: v for k, v in ablation.items() if not k.startswith(("none", "all on"))}
     return max(alone, key=lambda k: alone[k]) if alone else "–"
+
+
+MATRIX_ROWS = (  # (distribution, what it compares, the target it carries)
+    ("broker_vs_fixed", "broker / fixed batch, every cell", "broker_vs_fixed_min"),
+    ("broker_vs_oracle", "broker / per-cell oracle, every cell", "broker_vs_oracle_min"),
+    ("broker_vs_fixed_moving", "broker / fixed batch, where load moves", "broker_vs_fixed_median_moving"),
+    ("lending_vs_quotas_fixed", "lending / quotas fixed, two models or more", "lending_vs_quotas_fixed_min"),
+    (
+        "lending_vs_quotas_fixed_staggered",
+        "lending / quotas fixed, staggered",
+        "lending_vs_quotas_fixed_median_staggered",
+    ),
+    ("broker_vs_bentoml", "broker / adaptive batcher (BentoML's) at the fixed split", None),
+)
+
+
+def _matrix_miss(m: dict[str, Any], cells: dict[str, dict[str, Any]]) -> str:
+    """One miss: its cell, its ratio, and the broker's batches and attainment against the other arm's."""
+    key = next(k for k in m if k not in ("target", "cell", "cause"))
+    c = cells[m["cell"]]
+    if key == "broker_vs_oracle":  # a grid point: no per-model figures, the cause as the run wrote it
+        return f"- {m['cell']}: {key} {fmt(m[key], 3)}; {m['cause']}"
+    other = {"broker_vs_fixed": "fixed-batch", "lending_vs_quotas_fixed": "broker-fixed"}[key]
+
+    def mean(arm: str, field: str) -> float:
+        rows = c["arms"][arm]["models"].values()
+        return sum(r[field] for r in rows) / max(1, len(rows))
+
+    return (
+        f"- {m['cell']}: {key} {fmt(m[key], 3)}; mean batch {fmt(mean('broker', 'mean_batch'), 1)} against "
+        f"{fmt(mean(other, 'mean_batch'), 1)} ({other}), attainment {fmt(mean('broker', 'attainment'), 3)} against "
+        f"{fmt(mean(other, 'attainment'), 3)}, quota moves {c['arms']['broker']['quota_moves']}"
+    )
+
+
+def matrix_section(docs: dict[str, Any]) -> list[str]:
+    d = docs.get("matrix")
+    if not d:
+        return []
+    size, dist, targets = d["size"], d["distributions"], d["targets"]
+    out = [
+        "## Loads nobody tuned for: the load matrix (simulator)",
+        "",
+        f"{len(d['cells'])} cells: fleets {', '.join(size['fleets'])} x arrivals {', '.join(size['processes'])} x "
+        f"load levels {', '.join(fmt(x, 2) for x in size['levels'])} of the capacity computed from the profiles "
+        f"({d['capacity']['rule']}), {fmt(size['duration_s'], 0)} s each, every cell on its own seed drawn at the run "
+        f"(root seed {d['root_seed']}; each cell's seed is in the file). One rule for every arm: {d['rule']}. "
+        "Fleet goodput within SLO, as ratios over the cells:",
+        "",
+        "| ratio | cells | min | median | max | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, label, target in MATRIX_ROWS:
+        x = dist.get(key) or {}
+        if not x.get("n"):
+            continue
+        t = targets.get(target) if target else None
+        how = "min" if str(target).endswith("_min") else "median"
+        goal = "–" if t is None else f"{how} ≥ {t['target']}"
+        met = "–" if t is None else ("yes" if t["met"] else "**no**")
+        out.append(
+            f"| {label} | {x['n']} | {fmt(x['min'], 3)} | {fmt(x['median'], 3)} | {fmt(x['max'], 3)} | {goal} | {met} |"
+        )
+    for key, t in targets.items():
+        x = t.get("beside")
+        if x and not t["met"]:
+            o, q = x["oracle_vs_fixed"], x["quota_moves"]
+            out.append(
+                f"\n{key} missed on the same cells: the best static setting of the grid over the fixed batch "
+                f"{fmt(o['min'], 3)} / {fmt(o['median'], 3)} / {fmt(o['max'], 3)}, the broker's quota moves a cell "
+                f"{q['min']} / {q['median']} / {q['max']} (min / median / max)."
+            )
+    cells = {f"{c['fleet']}/{c['process']}/{c['level']:g}/{c['seed']}": c for c in d["cells"]}
+    misses = d.get("misses") or []
+    out += ["", f"Cells under a per-cell target ({len(misses)}; each with its cause in the file's `misses`):"]
+    out += [_matrix_miss(m, cells) for m in misses] or ["- none"]
+    out += ["", f"![broker / fixed batch per cell](results/{MATRIX}/matrix.png)", "", f"Source: {_origin(d)}."]
+    return out
 
 
 def lending_section(docs: dict[str, Any]) -> list[str]:
@@ -308,7 +390,8 @@ A rerun that commits its JSON here comes back through this command.
 def build(root: Path = ROOT) -> str:
     docs = load(root)
     parts = [HEAD.rstrip("\n")]
-    for section in (knee_section, ablation_section, lending_section, one_rule_section, burst_section):
+    sections = (knee_section, ablation_section, lending_section, matrix_section, one_rule_section, burst_section)
+    for section in sections:
         lines = section(docs)
         if lines:
             parts.append("\n".join(lines))

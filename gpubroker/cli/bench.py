@@ -168,7 +168,7 @@ def _run_matrix(a: BenchArgs) -> None:
     res["command"] = "gpubroker bench matrix" + (" --quick" if a.quick else "") + f" --out {a.out}"
     res["code"] = code_version()  # the commit the run is on (and whether the tree was clean)
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "matrix.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+    (a.out / "matrix.json").write_text(matrix.dumps(res), encoding="utf-8")
     print(json.dumps(res) if a.as_json else matrix.table(res))
     png = matrix.heatmap(res, a.out / "matrix.png")
     if png is None:

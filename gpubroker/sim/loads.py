@@ -43,6 +43,7 @@ ON_MEAN_S, OFF_MEAN_S = 10.0, 20.0  # on/off (random phase): mean burst and gap 
 SLOT_S = 15.0  # on/off staggered or together: each burst's length
 DIURNAL_AMPLITUDE = 0.8  # diurnal: rate = mean x (1 + A sin(2 pi (t / duration + phase)))
 DIURNAL_STEP_S = 5.0
+WAIT_MAX_MS = 20.0  # every model's wait.max_ms: the longest batch wait the broker may set
 SLO_BATCHES = 4.0  # a model's SLO: this many of its static batch's run times with the card shared n ways
 
 
@@ -145,7 +146,7 @@ def fleet_config(fleet: FleetDef, *, fixed: bool = False) -> dict[str, Any]:
             },
             "quota": quota,
             "batch": {"floor": floor, "ceiling": m.ceiling, "initial": m.batch},
-            "wait": {"min_ms": 0, "max_ms": 20},
+            "wait": {"min_ms": 0, "max_ms": WAIT_MAX_MS},
             "slo_p95_ms": m.slo_ms(n),
             "max_queued": 2000,
             "request_timeout_s": 10.0,
