@@ -94,7 +94,7 @@ class HeldOverGrant:
     then stays at what is held + the runtime's slack). Their requests get 503 with Retry-After.
     The broker lends to a replica that refuses for this when a model idles, escalates a reclaim
     under it (caches, drain, restart), and the replica restarts itself when it stays held
-    (``gpubroker.deployments.replica.replica_memory.HELD_RESTART_T``)."""
+    (``gpubroker.deployments.replica.deployment.HELD_RESTART_T``)."""
 
     model: str
     used_bytes: int  # the replica's resident memory over its baseline
