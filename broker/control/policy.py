@@ -127,11 +127,12 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
         notes.append(f"profile {state.profile} -> {p.name} (objective {p.objective}, slack {p.latency_slack:g})")
     steps = {name: kinds[name].step(view, name, spec) for name, spec in config.models.items()}
     notes.extend(f"{name}: {step.note}" for name, step in steps.items() if step.note)
+    stepped = {name: step.state for name, step in steps.items()}  # spells and fit (settle_model keeps them)
     plan = plan_quota(
         QuotaInputs(
             snapshot=snapshot,
             config=config,
-            states={name: step.state for name, step in steps.items()},
+            states=stepped,
             wants={name: step.want for name, step in steps.items()},
             memory={name: step.memory for name, step in steps.items()},
             kinds=kinds,
@@ -147,8 +148,7 @@ def decide(snapshot: FleetSnapshot, config: FleetConfig, state: PolicyState) -> 
     )
     notes.extend(plan.notes)
     bounds = {name: kinds[name].bounds(view, name, spec, plan.ledger) for name, spec in config.models.items()}
-    fits = {name: step.state for name, step in steps.items()}  # the latency fits settle_model keeps
-    replicas = step_replicas(config, snapshot, fits, plan.ledger, view.profile, state.replicas)
+    replicas = step_replicas(config, snapshot, stepped, plan.ledger, view.profile, state.replicas)
     decisions: dict[str, ModelDecision] = {}
     new_states: dict[str, ModelState] = {}
     for name, spec in config.models.items():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpubroker.broker.control.replica_rules import ReplicaChange
 from gpubroker.broker.control.vocab import MoveKind, Rule, Trigger
@@ -95,10 +95,10 @@ class FleetSnapshot:
     engines: Mapping[str, EngineView] = field(default_factory=dict)  # kind: llm models with a live engine report
 
 
-@dataclass(frozen=True)
-class ModelDecision:
+class ModelDecision(NamedTuple):
     """The broker's settings for one model after one tick, and why: every field a replica's
-    ``ModelSettings`` carries (the core builds that wire object from these) and the reason."""
+    ``ModelSettings`` carries (the core builds that wire object from these) and the reason.
+    A named tuple: immutable, and a tick builds one per model."""
 
     max_batch_size: int  # new batch cap
     batch_wait_timeout_s: float  # new wait timeout
