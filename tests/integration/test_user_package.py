@@ -166,23 +166,32 @@ def test_a_model_that_cannot_be_built_stops_up_naming_it(project):
     assert not (Path(env["GPUBROKER_STATE_DIR"]) / "fleet.json").exists()  # stopped before any Ray started
 
 
-def test_a_project_deployments_folder_under_a_model_path_stops_up_with_the_fix(tmp_path):
-    """A Ray Serve project often has its own ``deployments/``: a model path into it cannot import
-    beside gpubroker's package of that name; `up` says so and how to fix it, before Ray starts."""
-    (tmp_path / "deployments").mkdir()
-    (tmp_path / "deployments" / "__init__.py").write_text("")
+def test_a_project_with_its_own_deployments_and_broker_packages_serves_from_them(tmp_path):
+    """A Ray Serve project often has its own ``deployments/`` (and ``broker/``): gpubroker installs one
+    import name, ``gpubroker``, so a model path into the user's ``deployments`` imports the user's
+    package, which is shipped to the replicas like any other, and serves."""
+    for pkg in ("deployments", "broker"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(f"WHO = 'user {pkg}'\n")
     (tmp_path / "deployments" / "scorer.py").write_text(MODELS)
+    port = free_port()
     (tmp_path / "fleet.yaml").write_text(
-        CONFIG.replace("PORT", str(free_port())).replace("acme.models:", "deployments.scorer:")
+        CONFIG.replace("PORT", str(port)).replace("acme.models:", "deployments.scorer:")
     )
     env = dict(os.environ, GPUBROKER_STATE_DIR=str(tmp_path / "state"), RAY_USAGE_STATS_ENABLED="0")
     env.pop("RAY_ADDRESS", None)
     env.pop("PYTHONPATH", None)
     r = run(tmp_path, env, "up", "fleet.yaml", "--num-cpus", "2", timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out
-    assert str(tmp_path / "deployments") in " ".join(out.split()) and "rename" in out, out
-    assert not (tmp_path / "state" / "fleet.json").exists()
+    try:
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out
+        assert f"shipped to the replicas: {tmp_path / 'deployments'}" in r.stdout, r.stdout
+        with httpx.Client(timeout=60) as client:
+            scorer = client.post(f"http://127.0.0.1:{port}/v1/models/scorer/infer", json={"input": {"x": 1.5}})
+        assert scorer.status_code == 200 and scorer.json()["output"]["score"] == 3.0, scorer.text
+    finally:
+        down = run(tmp_path, env, "down", timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
 
 
 SLOW = """
