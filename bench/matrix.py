@@ -22,13 +22,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gpubroker.broker.wire import ModelSettings
+from bench.matrix_bento import CorkSim
+from bench.matrix_static import PerModelStatic
 from gpubroker.quotas.config import FleetConfig, parse_config
 from gpubroker.sim import loads as L
 from gpubroker.sim.engine import SimOptions, Simulator
@@ -65,16 +66,7 @@ FULL = Size(120.0, tuple(L.FLEETS), L.PROCESSES, L.LEVELS, GRID_FULL)
 QUICK = Size(60.0, tuple(L.FLEETS), ("poisson", "gamma:4", "onoff", "diurnal"), (0.8, 1.1), GRID_QUICK)
 
 
-class PerModelStatic(Simulator):
-    """A static arm whose batch is set per model (the simulator's own static arm sets one for all)."""
-
-    batches: Mapping[str, int] = {}
-
-    def _static_settings(self, name: str) -> ModelSettings:
-        return replace(super()._static_settings(name), max_batch_size=self.batches[name])
-
-
-def _workload(cfg: FleetConfig, times: Mapping[str, np.ndarray]) -> dict[str, ModelArrivals]:
+def workload(cfg: FleetConfig, times: Mapping[str, np.ndarray]) -> dict[str, ModelArrivals]:
     return {n: finish(t, profile_for(n, cfg.models[n]), None, 0) for n, t in times.items()}
 
 
@@ -92,7 +84,7 @@ def run_arm(
     if batches is not None:
         cls = type("Static", (static_cls,), {"batches": dict(batches)})
     opts = SimOptions(warmup_s=WARMUP_S, drain_s=10.0, batching="lazy")
-    res = cls(cfg, arm, _workload(cfg, times), duration_s, opts).run()
+    res = cls(cfg, arm, workload(cfg, times), duration_s, opts).run()
     return {
         "goodput_rps": round(sum(m.goodput_rps for m in res.models.values()), 3),
         "offered_rps": round(sum(m.offered_rps for m in res.models.values()), 3),
@@ -120,8 +112,6 @@ def run_cell(fleet: L.FleetDef, process: str, level: float, seed: int, size: Siz
         "fixed-batch": run_arm(fixed, Arm("static", 1, WAIT_MS, gated=True), times, size.duration_s, base),
     }
     if size.bento:
-        from bench.matrix_bento import CorkSim  # noqa: PLC0415 - it builds on this module
-
         ungated = Arm("static", 1, WAIT_MS)  # its own dispatcher forms batches and cancels late requests
         arms["bentoml-adaptive"] = run_arm(fixed, ungated, times, size.duration_s, base, CorkSim)
     grid: dict[str, float] = {f"1:{WAIT_MS:g}": arms["fixed-batch"]["goodput_rps"]}

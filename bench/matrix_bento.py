@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.matrix import PerModelStatic
+from bench.matrix_static import PerModelStatic
 from gpubroker.sim.types import EV_TIMER, TIMED_OUT, SimBatch, SimReplica
 
 TICK_S = 0.001

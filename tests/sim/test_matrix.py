@@ -98,7 +98,7 @@ def test_the_adaptive_batcher_fits_its_batches_and_cancels_what_cannot_make_its_
     cfg = parse_config(L.fleet_config(fleet, fixed=True))
     times = L.times_for("gamma:4", fleet, 1.1, 60.0, seed=3)
     cls = type("Cork8", (CorkSim,), {"batches": {"m0": 8}})
-    sim = cls(cfg, Arm("static", 1, 10.0), matrix._workload(cfg, times), 60.0, SimOptions(batching="lazy"))
+    sim = cls(cfg, Arm("static", 1, 10.0), matrix.workload(cfg, times), 60.0, SimOptions(batching="lazy"))
     res = sim.run()
     cork: Cork = sim.cork(sim.replicas[0][0])
     assert cork.o_a == pytest.approx(0.001, rel=0.2) and cork.o_b == pytest.approx(0.020, rel=0.2)
