@@ -10,10 +10,10 @@ caching allocator rounds and fragments; on the emulated card it holds exactly th
 bytes). That slack is learned, not assumed: ``slack_frac`` is the share of what a replica
 really held at its peak over the window beyond the modelled bytes of the biggest batch behind
 that peak (``measured_slack``), at most ``SLACK_MAX``; until a replica has reported a peak
-that holds that batch it is ``SLACK_UNMEASURED``. Both bounds are a tenth of every grant, so
-the ceiling is never higher than before where a replica holds more than modelled, and a
-grant sized for a batch holds that batch where it holds exactly the modelled bytes. A real
-slack above the bound is caught by the OOM ceiling below.
+that holds that batch it is ``SLACK_UNMEASURED``. Both are a tenth of every grant: unmeasured,
+or where a replica holds a tenth more than modelled, the ceiling keeps that tenth free; where it
+holds exactly the modelled bytes, a grant sized for a batch holds that batch. A real slack
+above the bound is caught by the OOM ceiling below.
 
 Every out-of-memory error teaches it at once: a batch of cost ``c`` that ran out of memory
 (``ModelLoad.oom_costs``, over the window) caps the ceiling at ``ceil(c) - 1`` below the smallest
@@ -32,8 +32,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 SLACK_UNMEASURED = 0.10  # share of the grant kept for allocator slack until a replica reports its memory
 SLACK_MAX = 0.10  # the most a measured slack keeps (a larger real one is caught by the OOM ceiling)
-
-
 MATCH_REL = 1e-6  # a peak this close under the modelled bytes is the same bytes (reports round to whole bytes)
 
 
