@@ -62,7 +62,7 @@ test: lint prometheus
 
 # The LLM tests on vLLM (skipped in the main venv): the engine and the rules in process, then Serve.
 test-llm: venv-vllm
-	$(VPY) -m pytest -q -m "not slow and not gpu" --timeout 900 tests/unit/test_llm_engine.py tests/unit/test_llm_control.py tests/unit/test_llm_broker_path.py tests/unit/test_llm_reaper.py
+	$(VPY) -m pytest -q -m "not slow and not gpu" --timeout 900 tests/unit/test_llm_engine.py tests/unit/test_llm_engine_kwargs.py tests/unit/test_llm_control.py tests/unit/test_llm_broker_path.py tests/unit/test_llm_reaper.py
 	$(VPY) -m pytest -q -m "not slow and not gpu" --timeout 900 tests/integration/test_llm_api.py tests/integration/test_llm_fleet.py
 
 # Debian's Prometheus for tests/integration/test_prometheus_dashboard.py, which runs the binary

@@ -5,6 +5,11 @@ whether the class takes the options written under it: ``up`` would find out minu
 replica. ``build_models`` imports every batch model's class and builds it with its options in a
 child process (no Ray; the project directory appended to its path, as ``up`` imports it), under a
 timeout, so a model that hangs or crashes in its constructor cannot take the command with it.
+``check_llms`` checks each ``kind: llm`` model without starting it: its model on disk (a directory
+or the local Hugging Face cache), its bounds, its deprecated option names (warnings), and its
+``engine_kwargs`` against the installed vLLM's own argument list, read in a child process (importing
+vLLM takes seconds and sets up its logging); where vLLM is not installed, a warning says the names
+went unchecked and why.
 ``budget`` is the arithmetic of the quotas (docs/quotas.md: capacity, reserve, per-process CUDA context,
 usable, each model's min/base/max) for ``validate --explain``, with the quota a model's
 ``profile:`` suggests for its SLO (``suggest_quota``; ``gpubroker calibrate`` measures the profile).
@@ -23,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from gpubroker.quotas.config import FleetConfig, ModelSpec
-from gpubroker.quotas.config_errors import MISSING, ConfigIssue
+from gpubroker.quotas.config_errors import MISSING, ConfigIssue, did_you_mean
+from gpubroker.quotas.llm_spec import deprecated_options
 from gpubroker.sim.profile import profile_for
 
 PROFILE_KEYS = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "mean_tokens", "tokens_cv")
@@ -164,6 +170,94 @@ def _value_at(spec: Any, field: str) -> Any:
     if field.startswith("options."):
         return spec.options.get(field.partition(".")[2], MISSING)
     return MISSING
+
+
+# ============================================================================ kind: llm engines
+# The child that reads vLLM's engine arguments: the dataclass fields of AsyncEngineArgs (EngineArgs' and its own)
+_VLLM_CHILD = """
+import dataclasses, json
+try:
+    import vllm
+except ImportError as exc:
+    print("\\n" + MARK + json.dumps({"missing": str(exc)}))
+    raise SystemExit(0)
+from vllm.engine.arg_utils import AsyncEngineArgs
+names = sorted(f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_"))
+print("\\n" + MARK + json.dumps({"version": vllm.__version__, "names": names}))
+""".replace("MARK", repr(MARK))
+
+
+@dataclass(frozen=True)
+class LlmCheck:
+    """What ``check_llms`` found: issues refuse the config, warnings do not."""
+
+    issues: list[ConfigIssue]
+    warnings: list[str]
+    checked: str  # one line for validate's summary: how the engine_kwargs were checked
+
+
+def check_llms(cfg: FleetConfig, with_vllm: bool = True, timeout_s: float = 120.0) -> LlmCheck:
+    """Every ``kind: llm`` model: its model on disk, its bounds, its old option names (warnings) and,
+    with ``with_vllm``, its engine_kwargs' names against the installed vLLM."""
+    from gpubroker.deployments.llm.engine_config import engine_options  # noqa: PLC0415 - no vLLM import
+    from gpubroker.deployments.llm.model_source import ModelNotFound  # noqa: PLC0415
+
+    llms = {n: s for n, s in cfg.models.items() if s.kind == "llm"}
+    issues: list[ConfigIssue] = []
+    warnings = [f"models.{n}.{w}" for n, s in llms.items() for w in deprecated_options(s.options)]
+    for name, spec in llms.items():
+        try:
+            engine_options(dict(spec.options), dict(spec.engine_kwargs), spec.model, spec.llm, cfg.gpu.device, False)
+        except ModelNotFound as exc:
+            issues.append(ConfigIssue(f"models.{name}.model", spec.model, str(exc)))
+        except ValueError as exc:
+            named = re.match(r"^((?:options|engine_kwargs)\.\w+)", str(exc))
+            where = named.group(1) if named else "engine_kwargs"
+            issues.append(ConfigIssue(f"models.{name}.{where}", MISSING, str(exc)))
+    written = {n: s.engine_kwargs for n, s in llms.items() if s.engine_kwargs}
+    if not written:
+        return LlmCheck(issues, warnings, "no engine_kwargs to check")
+    if not with_vllm:
+        return LlmCheck(issues, warnings, "engine_kwargs not checked against vLLM (--no-import)")
+    names = vllm_argument_names(timeout_s)
+    if isinstance(names, str):
+        warnings.append(f"engine_kwargs of {', '.join(written)} not checked against vLLM's arguments: {names}")
+        return LlmCheck(issues, warnings, "engine_kwargs not checked: see the warning")
+    version, known = names
+    for name, kwargs in written.items():
+        for key in sorted(set(kwargs) - set(known)):
+            issues.append(
+                ConfigIssue(
+                    f"models.{name}.engine_kwargs.{key}",
+                    kwargs[key],
+                    f"not an engine argument of vLLM {version} (vllm.engine.arg_utils.EngineArgs);"
+                    f"{did_you_mean(key, known) or ' remove it or correct its spelling'}",
+                )
+            )
+    return LlmCheck(issues, warnings, f"engine_kwargs checked against vLLM {version}'s arguments")
+
+
+def vllm_argument_names(timeout_s: float = 120.0) -> tuple[str, list[str]] | str:
+    """(vLLM's version, its engine argument names) from the vLLM installed beside this Python, or
+    why there are none (vLLM not installed, or the child failed). A child reads them: an import
+    of vLLM takes seconds and sets up its logging, none of which validate's process needs."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _VLLM_CHILD], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return f"reading vLLM's arguments took over {timeout_s:g} s; raise --import-timeout"
+    found = [line[len(MARK) :] for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not found:
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-2:])
+        return f"importing vLLM failed (exit {proc.returncode}): {tail}"
+    doc = json.loads(found[-1])
+    if "missing" in doc:
+        return (
+            f"vLLM is not installed in this Python ({sys.executable}: {doc['missing']}); run validate in the "
+            "environment the engines run in (in this repository: .venv-vllm, make venv-vllm)"
+        )
+    return str(doc["version"]), list(doc["names"])
 
 
 # ============================================================================ budget (--explain)

@@ -31,7 +31,7 @@ from pydantic import (
 from gpubroker.quotas.cards import GpusSection, PlacementSpec
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue, duplicate_keys, issue_from_pydantic
 from gpubroker.quotas.config_errors import ConfigError as ConfigError  # re-exported: the config's error
-from gpubroker.quotas.llm_spec import LLM_ENGINES, LlmSpec
+from gpubroker.quotas.llm_spec import LLM_ENGINES, LlmSpec, check_engine_keys, is_llm_model_ref
 from gpubroker.quotas.placement import check_fleet_cards
 from gpubroker.quotas.schedule import ProfilesSection
 from gpubroker.quotas.sizes import UNITS_REQUIRED, ExactSize, Size, format_size
@@ -337,16 +337,28 @@ class ModelProfile(_Strict):
 class ModelSpec(_Strict):
     kind: Literal["batch", "llm"] = Field(
         "batch",
-        description="batch: request batches under the batch rules; llm: a continuous-batching engine (model: tiny-llama) under the LLM rules, options are its engine options.",
+        description="batch: request batches under the batch rules; llm: a vLLM engine under the LLM rules (engine_kwargs: vLLM's arguments; options: the broker's bounds, docs/llm.md).",
     )
     llm: LlmSpec = Field(
         default_factory=LlmSpec,
         description="LLM objectives: expected peak concurrency, TTFT and TPOT SLOs (kind: llm).",
     )
     model: str = Field(
-        description="Built-in model (minilm, mlp, cnn, profiled), an LLM engine (tiny-llama, kind: llm) or a user class as 'pkg.module:Class'."
+        description="Built-in model (minilm, mlp, cnn, profiled) or a user class as 'pkg.module:Class'; with kind: llm, "
+        "tiny-llama, a local Hugging Face directory or a model id in the local Hugging Face cache (never downloaded)."
     )
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the model class.")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments passed to the model class; with kind: llm, gpubroker's engine options "
+        "(the broker's bounds: gpubroker.quotas.llm_spec.ENGINE_OPTIONS).",
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        exclude_if=lambda value: not value,  # configs without them keep their hash
+        description="kind: llm: vLLM's engine arguments under vLLM's own names (EngineArgs), passed through; "
+        "max_num_seqs and max_num_batched_tokens are the largest the broker sets, num_gpu_blocks_override the "
+        "cache at start.",
+    )
     profile: ModelProfile | None = Field(
         None,
         exclude_if=lambda value: value is None,  # configs without one keep their hash
@@ -417,10 +429,15 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _kind(self) -> ModelSpec:
-        if self.kind == "llm" and self.model not in LLM_ENGINES:
+        if self.kind == "llm" and (self.model in BUILTIN_MODELS or not is_llm_model_ref(self.model)):
             raise ValueError(
-                f"model '{self.model}' is not an LLM engine; with kind: llm write model: {', '.join(LLM_ENGINES)}"
+                f"model '{self.model}' is not an LLM; with kind: llm write model: {', '.join(LLM_ENGINES)}, a local "
+                "Hugging Face directory or a model id in the local Hugging Face cache"
             )
+        if self.kind == "llm":
+            check_engine_keys(self.model, self.options, self.engine_kwargs)
+        elif self.engine_kwargs:
+            raise ValueError("engine_kwargs: vLLM's arguments, for kind: llm only; remove them or add kind: llm")
         if self.kind == "batch" and self.model in LLM_ENGINES:
             raise ValueError(f"model '{self.model}' is an LLM engine; add kind: llm")
         if self.kind == "llm" and self.shed_late:
@@ -432,9 +449,11 @@ class ModelSpec(_Strict):
 
     @field_validator("model")
     @classmethod
-    def _model_ref(cls, value: str) -> str:
+    def _model_ref(cls, value: str, info: ValidationInfo) -> str:
         if value in BUILTIN_MODELS or value in LLM_ENGINES:
             return value
+        if info.data.get("kind") == "llm" and is_llm_model_ref(value):
+            return value  # a directory or a model id: gpubroker validate looks for it
         if re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*", value):
             return value
         raise ValueError(

@@ -170,6 +170,11 @@ class InlineLLM:
         return cls(engine, loop)
 
     @property
+    def vllm_config(self) -> Any:
+        """vLLM's resolved config (dtypes, cache), as ``AsyncLLM.vllm_config``."""
+        return self._engine.vllm_config
+
+    @property
     def errored(self) -> bool:
         return self._error is not None or not self._thread.is_alive()
 

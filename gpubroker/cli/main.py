@@ -22,7 +22,7 @@ from gpubroker.cli.views import budget_table, config_table, placement_table, pri
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue
 from gpubroker.quotas.placement import Placement, place_fleet
-from gpubroker.validate import budget, build_models
+from gpubroker.validate import budget, build_models, check_llms
 
 app = typer.Typer(
     name="gpubroker",
@@ -50,15 +50,17 @@ def _root(
     """Share one GPU between several Ray Serve models."""
 
 
-def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[list[ConfigIssue], list[str]]:
-    """What the schema cannot see: the project shadowing our packages, and each model built in a child."""
+def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[list[ConfigIssue], list[str], str]:
+    """What the schema cannot see: the project shadowing our packages, each model built in a child,
+    each LLM's model on disk and its engine_kwargs against vLLM (and how they were checked)."""
     from gpubroker.deployments.cluster.user_code import check_project  # noqa: PLC0415 - reads the file tree only
 
-    project = check_project((n, s.model) for n, s in cfg.models.items())
+    project = check_project((n, s.model) for n, s in cfg.models.items() if s.kind == "batch")
     issues = [ConfigIssue("models", MISSING, message) for message in project.errors]
     if not no_import and not project.errors:
         issues += build_models(cfg, timeout_s=timeout_s)
-    return issues, list(project.warnings)
+    llms = check_llms(cfg, with_vllm=not no_import, timeout_s=max(timeout_s, 120.0))
+    return issues + llms.issues, list(project.warnings) + llms.warnings, llms.checked
 
 
 @app.command()
@@ -84,7 +86,7 @@ def validate(
     (no Ray), from the current directory as `gpubroker up` runs it."""
     try:
         cfg = load_config(config)
-        issues, warnings = _deep_issues(cfg, no_import, import_timeout_s)
+        issues, warnings, llm_checked = _deep_issues(cfg, no_import, import_timeout_s)
         if issues:
             raise ConfigError(issues, str(config))
     except ConfigError as exc:
@@ -113,8 +115,8 @@ def validate(
     batch = sum(1 for m in cfg.models.values() if m.kind == "batch")
     llms = len(cfg.models) - batch
     checked = "file only (--no-import)" if no_import else f"{batch} model class(es) imported and built"
-    if llms and not no_import:
-        checked += f"; {llms} LLM engine(s): their options are checked when they start"
+    if llms:
+        checked += f"; {llms} LLM engine(s): models found on disk, {llm_checked}"
     console.print(f"[green]valid[/] - config hash {cfg.config_hash()} ({checked})")
 
 
