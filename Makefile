@@ -139,12 +139,12 @@ bench-setup: $(STAMP)
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"
 
 bench: bench-setup
-	@for s in $(SCENARIOS); do $(PY) -m gpubroker bench $$s --out $(BENCH_OUT) || exit 1; done
-	$(PY) -m gpubroker bench report
+	@for s in $(SCENARIOS); do $(PY) -m bench $$s --out $(BENCH_OUT) || exit 1; done
+	$(PY) -m bench report
 
 bench-quick: bench-setup
-	@for s in $(SCENARIOS); do $(PY) -m gpubroker bench $$s --quick --out $(BENCH_OUT)/quick || exit 1; done
-	$(PY) -m gpubroker bench report
+	@for s in $(SCENARIOS); do $(PY) -m bench $$s --quick --out $(BENCH_OUT)/quick || exit 1; done
+	$(PY) -m bench report
 
 bench-peer-venv:
 	$(PY) -c "from bench.peer.runner import ensure_venv; ensure_venv()"

@@ -1,4 +1,4 @@
-"""``gpubroker bench lending``: where memory binds, does lending buy goodput?
+"""``python -m bench lending``: where memory binds, does lending buy goodput?
 
 Lending proves something only where the static split runs out of memory: four models on one
 16 GiB card, each limited by its batch memory (1 GiB of weights + 512 MiB per item, so a 3.5 GiB

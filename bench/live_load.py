@@ -1,4 +1,4 @@
-"""``gpubroker bench burst``, ``overhead`` and ``trace``: a burst on a shared card, the wrapper's
+"""``python -m bench burst``, ``overhead`` and ``trace``: a burst on a shared card, the wrapper's
 overhead against plain Serve, and the Azure code trace."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``gpubroker bench oracle`` and ``oracle-knee``: the broker against the best static arms.
+"""``python -m bench oracle`` and ``oracle-knee``: the broker against the best static arms.
 
 The static grid (``screen_arms``: batch x wait x formation, Ray's eager one and the lazy gate, as
 the simulator's oracle) is screened in the simulator (``screen_grid``, ``screen_knees``); only the

@@ -1,4 +1,4 @@
-"""``gpubroker bench seed``: the knees of static 8, the broker and BentoML at one cap 1.2·S (static 8 at S beside)."""
+"""``python -m bench seed``: the knees of static 8, the broker and BentoML at one cap 1.2·S (static 8 at S beside)."""
 
 from __future__ import annotations
 

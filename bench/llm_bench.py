@@ -24,7 +24,7 @@ rules on bounds and cache, quotas fixed at base), ``broker`` (the same with lend
 shrinks to ``KV_MIN`` and the bursting one grows, each resize a drain and restart of vLLM on CPU,
 whose seconds are reported, and its quota moves).
 Goodput: requests per second within both the TTFT and the TPOT SLO. ``python -m bench.llm_bench
---quick --out bench/out`` or ``gpubroker bench llm``.
+--quick --out bench/out`` or ``python -m bench llm``.
 """
 
 from __future__ import annotations

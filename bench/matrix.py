@@ -1,4 +1,4 @@
-"""``gpubroker bench matrix``: the broker against the settings a user would pick, over a load matrix.
+"""``python -m bench matrix``: the broker against the settings a user would pick, over a load matrix.
 
 Every cell of ``gpubroker.sim.loads`` (fleet x arrival process x load level, a fresh seed each)
 runs these arms on the same requests, under one rule (lazy batch formation at the replica's

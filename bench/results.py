@@ -1,4 +1,4 @@
-"""``gpubroker bench report``: bench/RESULTS.md and the README's at-a-glance table, written from
+"""``python -m bench report``: bench/RESULTS.md and the README's at-a-glance table, written from
 the JSON committed under ``bench/results/`` and nothing else.
 
 Every figure names the file it comes from, the command that wrote that file and the code it ran
@@ -370,10 +370,10 @@ def _burst_won(d: dict[str, Any], busy: str) -> str:
 
 HEAD = """# Benchmark results
 
-Written by `gpubroker bench report` from the JSON committed under `bench/results/`: do not edit by
+Written by `python -m bench report` from the JSON committed under `bench/results/`: do not edit by
 hand (a test compares this file with what the command writes). How each figure is measured:
 [docs/BENCHMARKS.md](../docs/BENCHMARKS.md). Regenerate the simulator's files with
-`.venv/bin/python -m bench.sim_figures`, then `.venv/bin/gpubroker bench report`.
+`.venv/bin/python -m bench.sim_figures`, then `.venv/bin/python -m bench report`.
 
 Not reported, for want of a committed result: the live oracle, oracle-knee, overhead, trace
 and cost-per-request runs on the final code. Kept elsewhere: the scale runs' JSON under

@@ -1,4 +1,4 @@
-"""``gpubroker bench scale``: how the control plane grows with models and cards.
+"""``python -m bench scale``: how the control plane grows with models and cards.
 
 The broker core runs on a fake clock with synthetic, moving replica reports (each model busy in
 one phase of four, so models idle, lend, get busy and reclaim); only ``tick()`` and the reports

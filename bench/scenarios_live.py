@@ -1,4 +1,4 @@
-"""The live-stack scenarios of ``gpubroker bench``: seed, oracle, burst, overhead, trace.
+"""The live-stack scenarios of ``python -m bench``: seed, oracle, burst, overhead, trace.
 
 Every scenario starts its own Ray + Serve (``bench.scenarios.Stack``), deploys one app per
 arm, runs open-loop HTTP load (``bench.loadgen``) and tears everything down. Arms compared

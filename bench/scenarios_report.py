@@ -1,4 +1,4 @@
-"""Markdown tables of the live scenarios (what ``gpubroker bench`` prints and RESULTS.md holds)."""
+"""Markdown tables of the live scenarios (what ``python -m bench`` prints and RESULTS.md holds)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """``gpubroker`` command line (Typer + rich): the top of the import graph.
 
 Every command is imported here statically; each lives in the module of what it drives
-(``gpubroker.cli.fleet``, ``gpubroker.cli.simulate``, ``gpubroker.cli.calibrate``,
-``gpubroker.cli.bench``). Heavy imports (ray, torch) stay inside the command bodies so
+(``gpubroker.cli.fleet``, ``gpubroker.cli.simulate``, ``gpubroker.cli.calibrate``); the benchmarks
+are ``python -m bench`` from a clone (bench/ is not installed, so no installed command runs it). Heavy imports (ray, torch) stay inside the command bodies so
 ``gpubroker validate --no-import`` answers in well under a second. Habits of other CLIs hold:
 ``-h``, ``--version``, shell completion, flags without values, the config file as an argument.
 """
@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from gpubroker import __version__
-from gpubroker.cli import bench, calibrate, fleet, simulate
+from gpubroker.cli import calibrate, fleet, simulate
 from gpubroker.cli.views import budget_table, config_table, placement_table, print_config_error
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue
@@ -150,4 +150,3 @@ app.command(name="apply")(fleet.apply)
 app.command(name="decisions")(fleet.decisions)
 app.command(name="logs")(fleet.logs)
 app.command(name="down")(fleet.down)
-app.command(name="bench")(bench.bench)

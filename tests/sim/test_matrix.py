@@ -1,4 +1,4 @@
-"""The load matrix (``gpubroker.sim.loads``) and ``gpubroker bench matrix`` on a tiny size."""
+"""The load matrix (``gpubroker.sim.loads``) and ``python -m bench matrix`` on a tiny size."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bench import matrix
-from gpubroker.cli.main import app
+from bench.cli import app as bench_app
 from gpubroker.quotas.config import parse_config
 from gpubroker.sim import loads as L
 
@@ -57,10 +57,10 @@ def test_bench_matrix_cli_writes_the_aggregates_and_the_seeds(tmp_path, monkeypa
     """--quick on a tiny size: the JSON's structure, every cell's seed recorded, no per-request records."""
     monkeypatch.setattr(matrix, "QUICK", TINY)
     out = tmp_path / "m"
-    res = CliRunner().invoke(app, ["bench", "matrix", "--quick", "--out", str(out)])
+    res = CliRunner().invoke(bench_app, ["matrix", "--quick", "--out", str(out)])
     assert res.exit_code == 0, res.output
     data = json.loads((out / "matrix.json").read_text())
-    assert isinstance(data["root_seed"], int) and data["command"].startswith("gpubroker bench matrix")
+    assert isinstance(data["root_seed"], int) and data["command"].startswith("python -m bench matrix")
     assert len(data["cells"]) == 4 and data["seeds"] == [c["seed"] for c in data["cells"]]
     assert len(set(data["seeds"])) == 4
     for c in data["cells"]:

@@ -1,4 +1,4 @@
-"""``gpubroker bench report`` reads the results directory it is given, and nothing else; the
+"""``python -m bench report`` reads the results directory it is given, and nothing else; the
 command refuses a ``--out`` it would not read (``make bench`` passed one, issue 39)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from bench import results
-from gpubroker.cli.main import app
+from bench.cli import app as bench_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_the_report_written_from_a_directory_reads_that_directory(tmp_path):
 def test_report_refuses_an_out_it_would_not_read(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     before = (ROOT / "bench/RESULTS.md").read_text(encoding="utf-8")
-    res = CliRunner().invoke(app, ["bench", "report", "--out", str(tmp_path)])
+    res = CliRunner().invoke(bench_app, ["report", "--out", str(tmp_path)])
     assert res.exit_code == 2
     assert "--out" in res.output and "bench/results/" in res.output and "drop --out" in res.output
     assert (ROOT / "bench/RESULTS.md").read_text(encoding="utf-8") == before

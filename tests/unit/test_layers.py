@@ -10,7 +10,7 @@ Only ``gpubroker/cli/`` imports typer or rich; the pure rooms (``quotas/``, ``br
     quotas -> nothing of ours
     broker -> quotas
     deployments -> broker, quotas
-    gpubroker -> deployments, broker, quotas (and bench, from the ``gpubroker bench`` command only)
+    gpubroker -> deployments, broker, quotas (never bench: ``python -m bench`` is the benchmarks' door)
     bench -> everything (bench/ is not installed)
 """
 
@@ -33,9 +33,6 @@ ALLOWED: dict[str, frozenset[str]] = {
     "gpubroker": frozenset({"deployments", "broker", "quotas"}),
     "bench": frozenset({"gpubroker", "deployments", "broker", "quotas"}),
 }
-# bench/ lives in the repository, not in the wheel: the `gpubroker bench` command is its one door,
-# a lazy import that says so when bench/ is absent.
-BENCH_DOOR = frozenset({"gpubroker.cli.bench"})
 # The broker's pure rooms: its control subpackage and the wire. Everything else in broker/ is the
 # mechanism around them (the actor, checkpoints, metrics, probes).
 BROKER_PURE_PREFIXES = ("gpubroker.broker.control", "gpubroker.broker.wire")
@@ -177,7 +174,7 @@ def _hits(target: str, names: frozenset[str]) -> bool:
 def test_every_package_is_found():
     tops = {_top(m) for m in source_files()}
     assert tops == set(PACKAGES), f"packages without sources: {set(PACKAGES) - tops}"
-    named = NO_HARDWARE_MODULES | {PROBES} | BENCH_DOOR
+    named = NO_HARDWARE_MODULES | {PROBES}
     assert named <= set(source_files()), f"named in this test but missing: {sorted(named - set(source_files()))}"
     assert {
         "gpubroker.broker.control.policy",
@@ -200,7 +197,7 @@ def test_arrows_run_one_way():
         layer = _top(mod)
         for imp in imports_of(mod):
             ours = _ours(imp.target)
-            allowed = ALLOWED[layer] | ({"bench"} if mod in BENCH_DOOR else frozenset())
+            allowed = ALLOWED[layer]
             if ours and _top(ours) != layer and _top(ours) not in allowed:
                 bad.append(f"{_where(mod, imp)}: {layer} may import only {sorted(ALLOWED[layer]) or 'nothing of ours'}")
     assert not bad, "\n".join(bad)
@@ -210,7 +207,7 @@ def test_only_the_cli_draws():
     bad = [
         _where(m, i)
         for m in source_files()
-        if not m.startswith("gpubroker.cli")
+        if not m.startswith("gpubroker.cli") and m != "bench.cli"  # the benchmarks' own command line
         for i in imports_of(m)
         if _hits(i.target, UI)
     ]

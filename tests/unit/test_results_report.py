@@ -1,5 +1,5 @@
 """Every figure from a command: bench/RESULTS.md and the README's results table, as committed, are
-what ``gpubroker bench report`` (``bench.results``) writes from the JSON committed under bench/results/."""
+what ``python -m bench report`` (``bench.results``) writes from the JSON committed under bench/results/."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_results_md_as_committed_is_what_the_report_writes(monkeypatch):
     monkeypatch.chdir(ROOT)
     committed = (ROOT / "bench/RESULTS.md").read_text(encoding="utf-8")
-    assert committed == results.build(), "bench/RESULTS.md differs: run `gpubroker bench report` and commit it"
+    assert committed == results.build(), "bench/RESULTS.md differs: run `python -m bench report` and commit it"
 
 
 def test_readme_table_as_committed_is_what_the_report_writes(monkeypatch):
     monkeypatch.chdir(ROOT)
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert results.glance() in readme, "README.md's results table differs: run `gpubroker bench report`"
+    assert results.glance() in readme, "README.md's results table differs: run `python -m bench report`"
     assert results.with_glance(readme, results.glance()) == readme
 
 
@@ -84,7 +84,7 @@ def _burst_doc(peak_mib: int) -> dict:
         "capacity": "192MiB",
         "quota_base_bytes": 64 * 2**20,
         "arms": {"broker": arm, "static-split": arm},
-        "command": "gpubroker bench burst --out x",
+        "command": "python -m bench burst --out x",
         "code": {"commit": "abc1234", "dirty_paths": []},
     }
 
@@ -104,6 +104,6 @@ def test_the_live_burst_says_whether_borrowed_memory_won_it(tmp_path, peak, won)
     assert won in text and "mean batch 3.0 under the broker against 3.0 under the static split" in text
     assert "| live burst: attainment in it, broker / static | 0.80 / 0.80 |" in results.glance(tmp_path)
     assert (
-        f"bench/results/{results.LIVE_BURST}/burst.json`, written by `gpubroker bench burst --out x` on commit abc1234"
+        f"bench/results/{results.LIVE_BURST}/burst.json`, written by `python -m bench burst --out x` on commit abc1234"
         in text
     )

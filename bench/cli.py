@@ -1,6 +1,8 @@
-"""``gpubroker bench SCENARIO``: the live-stack benchmarks (``bench.scenarios_live``).
+"""``python -m bench SCENARIO``, from the root of a clone: the benchmarks (bench/ is not installed).
 
-Heavy imports (ray, aiohttp, matplotlib) stay inside the function.
+Live ones on Ray Serve (``bench.scenarios_live``), lending, scale and the load matrix on the
+simulator, llm on vLLM engines as Ray actors, and report (bench/RESULTS.md and README's table from
+the committed JSON). Heavy imports (ray, aiohttp, matplotlib) stay inside the functions.
 """
 
 from __future__ import annotations
@@ -15,25 +17,6 @@ import typer
 
 SCENARIO_NAMES = ("seed", "oracle", "burst", "overhead", "trace", "oracle-knee")
 DEFAULT_OUT = Path("bench/out")
-
-
-def _require_bench() -> None:
-    """bench/ lives in the repository, not in the wheel. From a clone's root (the console script
-    does not put the current directory on the path, ``python -m`` does) the clone's bench/ is
-    used; elsewhere say where it lives instead of a bare ImportError."""
-    try:
-        import bench  # noqa: F401, PLC0415 - only to see whether it is importable
-    except ImportError:
-        here = Path.cwd()
-        if (here / "bench" / "__init__.py").is_file() and (here / "gpubroker").is_dir():
-            sys.path.insert(0, str(here))
-            return
-        typer.echo(
-            "gpubroker bench: the benchmarks live in the repository's bench/ folder, which pip does not "
-            "install. Run it from the root of a clone of the gpubroker repository (`make bench-setup` first).",
-            err=True,
-        )
-        raise typer.Exit(2) from None
 
 
 def bench(
@@ -87,7 +70,6 @@ def bench(
 
     The live scenarios start and tear down their own apps; report writes bench/RESULTS.md and the
     README's results table from the JSON committed under bench/results/ (bench.results)."""
-    _require_bench()
     args = BenchArgs(scenario, out, quick, time_scale, seeds, peer, arrivals, models, direct, as_json)
     if not _run_offline(args):
         _run_live(args)
@@ -95,7 +77,7 @@ def bench(
 
 @dataclass(frozen=True)
 class BenchArgs:
-    """The options of one ``gpubroker bench`` run, as the command line gave them."""
+    """The options of one ``python -m bench`` run, as the command line gave them."""
 
     scenario: str
     out: Path
@@ -144,7 +126,7 @@ def _run_offline(a: BenchArgs) -> bool:
 
         if a.out != DEFAULT_OUT:  # the report has one source, the committed JSON: a --out would be ignored
             typer.echo(
-                f"gpubroker bench report: --out {a.out} is not read: the report reads the JSON committed under "
+                f"python -m bench report: --out {a.out} is not read: the report reads the JSON committed under "
                 f"{results.ROOT}/ (commit a run's JSON there to report it); drop --out",
                 err=True,
             )
@@ -152,7 +134,7 @@ def _run_offline(a: BenchArgs) -> bool:
         try:
             results.write()
         except (OSError, ValueError) as exc:
-            typer.echo(f"gpubroker bench report: {exc}", err=True)
+            typer.echo(f"python -m bench report: {exc}", err=True)
             raise typer.Exit(2) from None
         typer.echo(f"wrote bench/RESULTS.md and README.md's results table from {results.ROOT}/")
         return True
@@ -165,7 +147,7 @@ def _run_matrix(a: BenchArgs) -> None:
     from bench.sim_figures import code_version
 
     res = matrix.run(quick=a.quick, out=None, say=lambda m: typer.echo(m, err=True))
-    res["command"] = "gpubroker bench matrix" + (" --quick" if a.quick else "") + f" --out {a.out}"
+    res["command"] = "python -m bench matrix" + (" --quick" if a.quick else "") + f" --out {a.out}"
     res["code"] = code_version()  # the commit the run is on (and whether the tree was clean)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "matrix.json").write_text(matrix.dumps(res), encoding="utf-8")
@@ -216,7 +198,7 @@ def _run_live(a: BenchArgs) -> None:
     else:
         res = live.SCENARIOS[a.scenario](o)
     res["runtime_s"] = round(time.time() - t0, 1)
-    res["command"] = "gpubroker bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:])
+    res["command"] = "python -m bench " + " ".join(sys.argv[1:])
     res["code"] = code
     res["quick"] = a.quick
     res["arrivals"] = a.arrivals
@@ -232,3 +214,17 @@ def _run_live(a: BenchArgs) -> None:
         print(md)
         for p in pngs:
             print(f"plot: {p}")
+
+
+app = typer.Typer(
+    name="python -m bench",
+    add_completion=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command()(bench)  # one command: the scenario is its first argument
+
+
+def main() -> None:
+    """``python -m bench``."""
+    app(prog_name="python -m bench")
