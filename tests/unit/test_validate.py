@@ -156,11 +156,15 @@ def test_explain_shows_the_card_budget(tmp_path):
 
 
 def test_help_version_and_plain_flags():
-    for args in (["-h"], ["validate", "-h"], ["simulate", "-h"], ["calibrate", "-h"], ["up", "-h"], ["bench", "-h"]):
+    for args in (["-h"], ["validate", "-h"], ["simulate", "-h"], ["calibrate", "-h"], ["up", "-h"], ["logs", "-h"]):
         r = runner.invoke(app, args)
         assert r.exit_code == 0 and "Usage:" in r.output, (args, r.output)
         assert "<bool>" not in r.output, r.output  # a flag takes no value
     assert "--install-completion" in runner.invoke(app, ["-h"]).output
+    assert runner.invoke(app, ["bench", "-h"]).exit_code != 0  # the benchmarks are python -m bench, from a clone
+    from bench.cli import app as bench_app
+
+    assert "Usage: python -m bench" in runner.invoke(bench_app, ["-h"], prog_name="python -m bench").output
     r = runner.invoke(app, ["--version"])
     assert r.exit_code == 0 and r.output.strip() == f"gpubroker {__version__}"
 
