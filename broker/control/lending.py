@@ -141,16 +141,30 @@ class Unpressed(StrEnum):
 
     NO_CEILING = "memory does not limit its batch"
     UNDER_CEILING = "its biggest batch in the window is under its memory ceiling"
-    NOT_BEHIND = "not behind: no backlog over its ceiling and its recent P95 within its SLO"
+    NOT_BEHIND = "not behind: its backlog drains at its ceiling within its SLO and its recent P95 is within it"
 
 
-def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> Unpressed | None:
+def drain_ms(load: ModelLoad, ceiling: int, fit: LatencyFit | None) -> float | None:
+    """How long its queue takes to drain at its memory ceiling: batches of ``ceiling`` per replica,
+    one after another, each as long as the latency fit says (measured on the shared card). None
+    without a fit or a ceiling above nought."""
+    if fit is None or ceiling < 1:
+        return None
+    batches = math.ceil(load.queue_depth / (ceiling * max(1, load.replicas)))
+    return batches * fit.predict_ms(ceiling)
+
+
+def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None, fit: LatencyFit | None = None) -> Unpressed | None:
     """Why a model that wants more memory should not borrow it (None: it should).
 
     A batch cap that wants more than the grant holds is not a need by itself (with lazy
     formation every model wants a large cap). A borrower must be held back by its memory now:
-    its window's biggest batch reached the ceiling its grant holds, and it is behind: a backlog
-    its ceiling cannot take in one batch per replica, or its recent P95 over its SLO. Or it
+    its window's biggest batch reached the ceiling its grant holds, and it is behind: its recent
+    P95 over its SLO, or a backlog that will be: the recent P95 plus the time its queue takes to
+    drain at the ceiling (``drain_ms``, from the latency fit) over its SLO. A queue of a few
+    batches that drains well within the SLO costs no goodput, and a loan taken for it costs its
+    lender when the lender's load comes back (the load matrix, bench/notes/load-matrix.md).
+    Without a fit, a backlog is a queue its ceiling cannot take in one batch per replica. Or it
     refuses requests because it holds over its grant (``held_over``: it runs no batch)."""
     if ceiling is None:
         return Unpressed.NO_CEILING
@@ -158,7 +172,12 @@ def pressed(load: ModelLoad, spec: ModelSpec, ceiling: int | None) -> Unpressed 
         return None
     if load.max_batch < ceiling:
         return Unpressed.UNDER_CEILING
-    backlog = load.queue_depth > ceiling * max(1, load.replicas)
+    p95 = load.recent_p95_ms or 0.0
+    drain = drain_ms(load, ceiling, fit)
+    if drain is None:
+        backlog = load.queue_depth > ceiling * max(1, load.replicas)
+    else:
+        backlog = p95 + drain > spec.slo_p95_ms
     late = load.recent_p95_ms is not None and load.recent_p95_ms > spec.slo_p95_ms
     return None if backlog or late else Unpressed.NOT_BEHIND
 

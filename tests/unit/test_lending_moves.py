@@ -8,7 +8,7 @@ ceiling is not made. Pure policy, fake clock.
 from __future__ import annotations
 
 from gpubroker.broker.control.latency_model import LatencyFit
-from gpubroker.broker.control.lending import LEND_TAIL_FRAC, Unpressed, peak_batch, pressed
+from gpubroker.broker.control.lending import LEND_TAIL_FRAC, Unpressed, drain_ms, peak_batch, pressed
 from gpubroker.broker.control.memory_model import MemoryModel
 from tests.unit.policy_builders import Driver, GiB, MiB, load, make_config, timings
 
@@ -53,6 +53,21 @@ def test_pressed_names_why_a_model_should_not_borrow():
     assert pressed(calm, SPEC, 35) is Unpressed.NOT_BEHIND
     # two replicas take two batches at once: 50 queued is not a backlog at a ceiling of 35 each
     assert pressed(load("a", replicas=2, max_batch=35.0, queue_depth=50), SPEC, 35) is Unpressed.NOT_BEHIND
+
+
+def test_with_a_latency_fit_a_backlog_is_one_that_drains_past_the_slo():
+    # ceiling 35: L(35) = 40 ms a batch; SLO 100 ms
+    quick = load("a", max_batch=35.0, queue_depth=70, recent_p95_ms=10.0)  # 2 batches: 10 + 80 ms
+    assert drain_ms(quick, 35, FIT) == 80.0
+    assert pressed(quick, SPEC, 35, FIT) is Unpressed.NOT_BEHIND
+    assert pressed(quick, SPEC, 35) is None  # without the fit, 70 queued is over one batch: a backlog
+    slow = load("a", max_batch=35.0, queue_depth=71, recent_p95_ms=10.0)  # 3 batches: 10 + 120 ms
+    assert pressed(slow, SPEC, 35, FIT) is None
+    late_soon = load("a", max_batch=35.0, queue_depth=70, recent_p95_ms=30.0)  # 30 + 80 ms
+    assert pressed(late_soon, SPEC, 35, FIT) is None
+    two = load("a", replicas=2, max_batch=35.0, queue_depth=140, recent_p95_ms=10.0)  # 2 batches each
+    assert pressed(two, SPEC, 35, FIT) is Unpressed.NOT_BEHIND
+    assert drain_ms(quick, 35, None) is None
 
 
 def test_pressed_says_borrow_at_the_ceiling_with_a_backlog_or_a_late_p95():
