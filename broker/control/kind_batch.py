@@ -115,7 +115,7 @@ class BatchKind:
         """Only while its memory holds it back (``pressed``)."""
         load = r.loads[name]
         ceiling = r.mm(name).cap_for(r.holds(name) / r.replicas(name))
-        if pressed(load, r.config.models[name], ceiling) is not None:
+        if pressed(load, r.config.models[name], ceiling, r.inputs.states[name].latency_fit) is not None:
             return None
         return why + (
             f", refusing requests: it holds {format_size(load.mem_used_bytes)}, over its grant"
