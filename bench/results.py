@@ -412,7 +412,16 @@ def glance(root: Path = ROOT) -> str:
     d = docs.get("lending")
     if d:
         b, f = d["arms"]["broker"]["fleet_goodput_rps"], d["arms"]["broker-fixed"]["fleet_goodput_rps"]
-        rows.append(f"| lending / fixed quotas | {_x(b / f if f else None)} |")
+        rows.append(f"| lending / fixed quotas (one burst) | {_x(b / f if f else None)} |")
+    m = docs.get("matrix")
+    if m:
+        for key, label in (
+            ("broker_vs_fixed", "broker / fixed batch"),
+            ("lending_vs_quotas_fixed", "lending / fixed quotas"),
+        ):
+            s = m["distributions"][key]
+            spread = f"{fmt(s['min'], 3)}/{fmt(s['median'], 3)}/{fmt(s['max'], 3)}"
+            rows.append(f"| matrix ({len(m['cells'])} cells) min/median/max: {label} | {spread} |")
     direct = {w: d for (w, path), d in (docs.get("live-one-rule") or {}).items() if path == "direct"}
     if direct:
         vals = ", ".join(fmt(d["results"][0].get("broker_vs_bentoml"), 2) for d in direct.values())
