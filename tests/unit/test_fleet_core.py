@@ -75,7 +75,7 @@ def _report(fb, running, seq, clock, busy: set[tuple[str, str]], silent: frozens
                 batches=tuple((float(s["max_batch_size"]), 22.0) for _ in range(5)),
                 batch_requests=tuple(s["max_batch_size"] for _ in range(5)),
                 busy_s=0.11,
-                queue_depth=60,
+                queue_depth=4000,  # a backlog its grant cannot drain within the SLO: it borrows
                 mem_used_bytes=min(s["grant_bytes"], 100 * MIB),
             )
         else:

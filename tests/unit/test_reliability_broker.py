@@ -80,7 +80,7 @@ class FakeFleet:
         now = self.clock()
         for name in ("hot", "cold"):
             running = self.running[name]
-            if name == "hot":  # busy: a deep queue, full batches, 40 req/s
+            if name == "hot":  # busy: a backlog that would miss its SLO, full batches, 40 req/s
                 body = dict(
                     arrivals=20,
                     completions=20,
@@ -88,7 +88,7 @@ class FakeFleet:
                     batches=tuple((float(running["max_batch_size"]), 22.0) for _ in range(5)),
                     batch_requests=tuple(running["max_batch_size"] for _ in range(5)),
                     busy_s=0.11,
-                    queue_depth=60,
+                    queue_depth=2000,  # a backlog its grant cannot drain within the SLO: it borrows
                     mem_used_bytes=min(running["grant_bytes"], 100 * MIB),
                 )
             else:  # idle and well under any grant it may be given
