@@ -410,21 +410,28 @@ class ModelReplica:
 
     # ------------------------------------------------------------------ requests
     def _validate_all(self, inputs: list) -> list[_Item] | dict[str, Any]:
-        """Validated items with their cost, or a 422 naming the field (in a thread, or inline)."""
+        """Validated items with their cost, or a 422 naming every bad input: ``field`` and
+        ``detail`` lead with the first, ``errors`` lists each (``field``, ``detail``) in order, so a
+        client fixes its whole request at once (in a thread, or inline)."""
         from gpubroker.deployments.models import InputError
 
-        items = []
+        items, errors = [], []
         for i, raw in enumerate(inputs):
             try:
                 value = self.adapter.validate(raw)
                 cost = int(self.adapter.cost(value)) if self.token_priced else 1
             except InputError as exc:
                 where = f"inputs[{i}]" if exc.field == "body" else f"inputs[{i}].{exc.field}"
-                return _error(422, f"{where}: {exc.message}", field=where)
+                errors.append({"field": where, "detail": f"{where}: {exc.message}"})
+                continue
             except Exception as exc:  # noqa: BLE001 - a validator bug is still the input's 422, never a crash
-                return _error(422, f"inputs[{i}]: {exc}", field=f"inputs[{i}]")
+                errors.append({"field": f"inputs[{i}]", "detail": f"inputs[{i}]: {exc}"})
+                continue
             items.append(_Item(value, max(1, cost), self))
-        return items
+        if not errors:
+            return items
+        more = f" (and {len(errors) - 1} more bad input(s): see errors)" if len(errors) > 1 else ""
+        return _error(422, errors[0]["detail"] + more, field=errors[0]["field"], errors=errors)
 
     def _predict(self, values: list) -> list:
         with self._model_lock:

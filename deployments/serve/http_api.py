@@ -175,6 +175,7 @@ def answer_for(name: str, result: dict[str, Any], single: bool, retry_after_s: i
     if single and "field" in body:
         body["field"] = str(body["field"]).replace("inputs[0]", "input")
         body["detail"] = str(body["detail"]).replace("inputs[0]", "input")
+        body.pop("errors", None)  # one input: its one error is the answer
     headers = {"Retry-After": str(result.get("retry_after_s", retry_after_s))} if status == 503 else {}
     return HttpAnswer(status, body, headers)
 
