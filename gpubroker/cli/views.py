@@ -182,6 +182,19 @@ def _latency(m: Mapping[str, Any]) -> str:
     return f"{_ms(m.get('p50_ms'))}/{shown}/{_ms(m.get('p99_ms'))}"
 
 
+def _engine_cells(e: Mapping[str, Any]) -> tuple[str, str, str, str, str]:
+    """An LLM's batch, wait, latency, SLO and attainment cells: it has no batch cap or wait (its
+    bounds are in the engines table); its latency is TTFT and TPOT P95 against their SLOs."""
+    over = [
+        e.get(p) is not None and e.get(s) is not None and e[p] > e[s]
+        for p, s in (("ttft_p95_ms", "ttft_slo_ms"), ("tpot_p95_ms", "tpot_slo_ms"))
+    ]
+    ttft, tpot = _ms(e.get("ttft_p95_ms")), _ms(e.get("tpot_p95_ms"))
+    latency = f"ttft {'[red]' + ttft + '[/]' if over[0] else ttft} tpot {'[red]' + tpot + '[/]' if over[1] else tpot}"
+    slo = f"{_ms(e.get('ttft_slo_ms'))}/{_ms(e.get('tpot_slo_ms'))}"
+    return f"{e.get('max_num_seqs', '-')} seqs", "-", latency, slo, "-"
+
+
 def status_table(st: Mapping[str, Any]) -> Table:
     """One row per model: grant and use against base, batch cap and wait, queue, latency against the
     SLO, attainment, rate, cost, replicas and their target, settings version, enforcement, flags.
@@ -193,16 +206,28 @@ def status_table(st: Mapping[str, Any]) -> Table:
         unit = " tok" if m.get("batch_unit") == "tokens" else ""
         cost = m.get("cost_per_1k_requests")
         wait = m.get("batch_wait_timeout_s")
+        engine = m.get("engine")
+        batch, wait_ms, latency, slo, attain = (
+            _engine_cells(engine)
+            if engine is not None
+            else (
+                _cap(m, unit) if m.get("max_batch_size") is not None else "-",
+                _ms(None if wait is None else 1000.0 * wait),
+                _latency(m),
+                _ms(m.get("slo_p95_ms")),
+                _frac(m.get("attainment")),
+            )
+        )
         table.add_row(
             name,
             _grant(m),
             _size(m.get("used_bytes")),
-            _cap(m, unit) if m.get("max_batch_size") is not None else "-",
-            _ms(None if wait is None else 1000.0 * wait),
+            batch,
+            wait_ms,
             f"{m.get('queue_depth', 0):g}",
-            _latency(m),
-            _ms(m.get("slo_p95_ms")),
-            _frac(m.get("attainment")),
+            latency,
+            slo,
+            attain,
             f"{m.get('arrival_rate_rps', 0.0):.1f}",
             "-" if cost is None else f"{cost:.4f}",
             f"{m.get('replicas', '-')} -> {_target(m)}"
@@ -362,7 +387,17 @@ def describe_decision(d: Mapping[str, Any]) -> str:
             f"#{d['seq']} {t} quota {d['move']}: {d.get('donor') or 'pool'} -> {d.get('recipient') or 'pool'} "
             f"{format_size(d['amount_bytes'])}  {d.get('reason', '')}"
         )
-    return f"#{d['seq']} {t} [{kind}] {d.get('reason', '')}"
+    if kind == "engine":
+        old, new = d.get("old") or {}, d.get("new") or {}
+        changed = [f"{k} {old.get(k)}->{v}" for k, v in new.items() if k in old and old[k] != v]
+        tv = d.get("trigger_value")
+        trig = f"{d.get('trigger')}={tv:.3g}" if isinstance(tv, (int, float)) else f"{d.get('trigger')}"
+        return (
+            f"#{d['seq']} {t} {d.get('model')}: engine {d.get('rule')} {', '.join(changed) or 'no change'}  "
+            f"[{trig}]  {d.get('reason', '')}" + (" (dry run)" if d.get("dry_run") else "")
+        )
+    model = f"{d['model']}: " if d.get("model") else ""
+    return f"#{d['seq']} {t} {model}[{kind}] {d.get('reason', '')}"
 
 
 # =============================================================================== simulator

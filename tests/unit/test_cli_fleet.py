@@ -161,3 +161,49 @@ def test_status_and_its_watch_draw_the_same_tables(monkeypatch):
         assert column in printed and column in watched.getvalue(), column
     for line in printed.strip().splitlines():
         assert line in watched.getvalue(), line  # every line of status, as the watch drew it
+
+
+def test_every_decision_line_names_its_model():
+    from gpubroker.cli.views import describe_decision
+
+    engine = {
+        "seq": 7,
+        "time_s": 0.0,
+        "kind": "engine",
+        "model": "chat",
+        "rule": "busy_grow",
+        "trigger": "waiting",
+        "trigger_value": 12,
+        "reason": "queue over the running sequences",
+        "old": {"max_num_seqs": 8, "kv_cache_blocks": 8},
+        "new": {"max_num_seqs": 16, "kv_cache_blocks": 8},
+    }
+    line = describe_decision(engine)
+    assert line.startswith("#7 ") and "chat: engine busy_grow max_num_seqs 8->16" in line and "[waiting=12]" in line
+    other = describe_decision({"seq": 8, "time_s": 0.0, "kind": "violation", "model": "mlp", "reason": "over grant"})
+    assert "mlp: [violation] over grant" in other
+
+
+def test_an_llm_row_shows_ttft_and_tpot_against_their_slos_not_a_batch_slo():
+    from gpubroker.cli.views import status_table
+
+    engine = {"max_num_seqs": 16, "ttft_p95_ms": 250.0, "tpot_p95_ms": 80.0, "ttft_slo_ms": 1000, "tpot_slo_ms": 50}
+    st = {
+        "models": {
+            "chat": {
+                "grant_bytes": 1,
+                "base_bytes": 1,
+                "used_bytes": 1,
+                "max_batch_size": 4,
+                "slo_p95_ms": 100,
+                "attainment": 0.5,
+                "queue_depth": 0,
+                "engine": engine,
+            },
+        }
+    }
+    out = io.StringIO()
+    Console(file=out, width=220, force_terminal=False).print(status_table(st))
+    row = next(line for line in out.getvalue().splitlines() if "chat" in line)
+    assert "16 seqs" in row and "ttft 250 tpot 80" in row and "1000/50" in row
+    assert "50%" not in row and " 100 " not in row  # no batch SLO or attainment for an engine
