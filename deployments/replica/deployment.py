@@ -444,32 +444,12 @@ class ModelReplica:
     async def infer(self, inputs: list, body_bytes: int = 0) -> dict[str, Any]:
         """Run ``inputs`` (a list of items); ``{"status": 200, "outputs": [...]}`` or an error dict."""
         t0 = time.time()
-        spec = self.spec
         if not isinstance(inputs, list) or not inputs:
             return _error(422, "inputs must be a non-empty list of items", field="inputs")
         n = len(inputs)
-        retry_after = max(1, int(round(self.cfg.broker.control_interval_s)))
-        if body_bytes > spec.max_body_bytes:
-            return self._reject(n, 413, f"body of {body_bytes} bytes is over max_body_bytes ({spec.max_body_bytes})")
-        if (
-            violation := self.violation()
-        ):  # over grant + slack past the grace (gpubroker.deployments.enforce.watch): drain
-            self.delta.held_refusals += n
-            return self._reject(n, 503, violation, retry_after_s=retry_after)
-        if self.paused or not self.settings.admit or self.reclaim.actions.pause_admission:
-            return self._reject(
-                n,
-                503,
-                f"model '{self.name}' paused admission (memory emergency); retry later",
-                retry_after_s=retry_after,
-            )
-        if self.waiting + n > spec.max_queued:
-            return self._reject(
-                n,
-                503,
-                f"model '{self.name}' queue is full ({self.waiting} waiting, max_queued {spec.max_queued}); retry later",
-                retry_after_s=retry_after,
-            )
+        refused = self._admission_refusal(n, body_bytes)
+        if refused is not None:
+            return refused
         # Reserve the queue slots before the first await: requests arriving together must not
         # all pass the max_queued check while each is still being validated.
         self.waiting += n
@@ -482,47 +462,77 @@ class ModelReplica:
             for item in items_or_error:
                 item.req = req
             tasks = [asyncio.ensure_future(self._admit_to_batcher(item)) for item in items_or_error]
-            # asyncio.wait returns at the deadline even when an item sits in a running batch
-            # (wait_for would wait for the cancelled batch to finish: a late 504).
-            remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))
-            done, pending, late = await wait_items(tasks, remaining, self.shed is not None)
-            if late is not None:  # shed_late: it can no longer meet the SLO (gpubroker.deployments.replica.shed)
-                for t in pending:
-                    t.cancel()  # its other items leave the gate, or their batch, before the model
-                self.delta.timeouts += n
-                self.delta.shed += n
-                return _error(504, late.detail, shed=True)
-            if pending:
-                for t in pending:
-                    t.cancel()
-                self.delta.timeouts += n
-                return _error(
-                    504,
-                    f"request waited over request_timeout_s ({spec.request_timeout_s:g}s) in model "
-                    f"'{self.name}'; retry later or raise the timeout",
-                )
-            failed = next((t.exception() for t in tasks if t.exception() is not None), None)
-            if failed is not None:  # the whole batch failed (no input at fault): its text may quote any of them
-                self.delta.errors += n
-                logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
-                return _error(500, batch_failure_detail(self.name, failed))
-            outputs = [t.result() for t in tasks]
-            held = next((o for o in outputs if isinstance(o, HeldOverGrant)), None)
-            if held is not None:  # its batch was refused before the model, or stopped after an OOM
-                self.delta.held_refusals += n
-                return self._reject(n, 503, held.detail(), retry_after_s=retry_after)
-            lone = next(((i, o) for i, o in enumerate(outputs) if isinstance(o, (ItemOOM, ItemError))), None)
-            if lone is not None:  # this input failed even alone (OOM, or predict raised); its batch ran
-                self.delta.errors += n
-                i, item = lone
-                return oom_error(i, item) if isinstance(item, ItemOOM) else item_error(i, item, self.name)
+            outputs = await self._outcome(tasks, n, t0)
+            if isinstance(outputs, dict):
+                return outputs
         finally:
             self.waiting -= n
         ms = (time.time() - t0) * 1000.0
         self.delta.completions += n
         for _ in range(n):
             self.delta.add_latency(ms)
-        return {"status": 200, "outputs": list(outputs), "model": self.name, "latency_ms": round(ms, 3)}
+        return {"status": 200, "outputs": outputs, "model": self.name, "latency_ms": round(ms, 3)}
+
+    def _retry_after_s(self) -> int:
+        return max(1, int(round(self.cfg.broker.control_interval_s)))
+
+    def _admission_refusal(self, n: int, body_bytes: int) -> dict[str, Any] | None:
+        """Why a request of ``n`` inputs is refused before validation (413, 503), or None."""
+        spec, retry_after = self.spec, self._retry_after_s()
+        if body_bytes > spec.max_body_bytes:
+            return self._reject(n, 413, f"body of {body_bytes} bytes is over max_body_bytes ({spec.max_body_bytes})")
+        if violation := self.violation():  # over grant + slack past the grace (enforce.watch): drain
+            self.delta.held_refusals += n
+            return self._reject(n, 503, violation, retry_after_s=retry_after)
+        if self.paused or not self.settings.admit or self.reclaim.actions.pause_admission:
+            why = f"model '{self.name}' paused admission (memory emergency); retry later"
+            return self._reject(n, 503, why, retry_after_s=retry_after)
+        if self.waiting + n > spec.max_queued:
+            why = (
+                f"model '{self.name}' queue is full ({self.waiting} waiting, max_queued {spec.max_queued}); retry later"
+            )
+            return self._reject(n, 503, why, retry_after_s=retry_after)
+        return None
+
+    async def _outcome(self, tasks: list[asyncio.Future], n: int, t0: float) -> list[Any] | dict[str, Any]:
+        """The request's outputs once its items ran, or its error: late (504), a failed batch (500),
+        held over its grant (503), or one of its inputs failing alone (507, 422, 500)."""
+        spec = self.spec
+        # asyncio.wait returns at the deadline even when an item sits in a running batch
+        # (wait_for would wait for the cancelled batch to finish: a late 504).
+        remaining = max(0.0, spec.request_timeout_s - (time.time() - t0))
+        done, pending, late = await wait_items(tasks, remaining, self.shed is not None)
+        if late is not None:  # shed_late: it can no longer meet the SLO (gpubroker.deployments.replica.shed)
+            for t in pending:
+                t.cancel()  # its other items leave the gate, or their batch, before the model
+            self.delta.timeouts += n
+            self.delta.shed += n
+            return _error(504, late.detail, shed=True)
+        if pending:
+            for t in pending:
+                t.cancel()
+            self.delta.timeouts += n
+            return _error(
+                504,
+                f"request waited over request_timeout_s ({spec.request_timeout_s:g}s) in model "
+                f"'{self.name}'; retry later or raise the timeout",
+            )
+        failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+        if failed is not None:  # the whole batch failed (no input at fault): its text may quote any of them
+            self.delta.errors += n
+            logger.error("gpubroker replica %s: batch failed: %r", self.name, failed)
+            return _error(500, batch_failure_detail(self.name, failed))
+        outputs = [t.result() for t in tasks]
+        held = next((o for o in outputs if isinstance(o, HeldOverGrant)), None)
+        if held is not None:  # its batch was refused before the model, or stopped after an OOM
+            self.delta.held_refusals += n
+            return self._reject(n, 503, held.detail(), retry_after_s=self._retry_after_s())
+        lone = next(((i, o) for i, o in enumerate(outputs) if isinstance(o, (ItemOOM, ItemError))), None)
+        if lone is not None:  # this input failed even alone (OOM, or predict raised); its batch ran
+            self.delta.errors += n
+            i, item = lone
+            return oom_error(i, item) if isinstance(item, ItemOOM) else item_error(i, item, self.name)
+        return outputs
 
     # ------------------------------------------------------------------ introspection
     async def local_status(self) -> dict[str, Any]:
