@@ -6,15 +6,17 @@ explicitly, grants and ledger as expected, the process back). The row it writes 
 injected and survived counts from those checks, never from a constant::
 
     {"test", "nodeid", "fault", "kind", "faults_injected", "faults_survived", "checks",
-     "sent", "answered", "rejected", "lost", "figure", "ok"}
+     "counting", "sent", "answered", "refused", "lost", "answered_by", "refused_by", "lost_by",
+     "figure", "ok"}
 
-``answered`` = HTTP 200; ``rejected`` = an explicit, retriable error with a body (413/422 for
-bad input count here too: the client was told why); ``lost`` = anything else (no response,
-a connection error, a client-side timeout, a 5xx without a body). Each such test carries
-``@pytest.mark.chaos``: ``tests/conftest.py`` writes what it expects at collection and a failing
-row when one fails, and ``tests/chaos/report.py`` fails on a failed or missing row. Rows are
-written only when ``$GPUBROKER_CHAOS_RESULTS`` names the file (``make chaos`` sets it), so
-``make test`` leaves no files behind.
+Its requests come from a ``Tally`` (``tests/chaos/tally.py``), the one count of every row:
+sent = answered + refused (by status) + lost (by cause), every request the test sent included;
+``record`` takes it as a required argument (a row that sends nothing passes an empty one and
+says 0 sent) and refuses a tally that does not add up. A row with a lost request fails. Each such
+test carries ``@pytest.mark.chaos``: ``tests/conftest.py`` writes what it expects at collection
+and a failing row when one fails, and ``tests/chaos/report.py`` fails on a failed or missing row
+or one whose count does not add up. Rows are written only when ``$GPUBROKER_CHAOS_RESULTS``
+names the file (``make chaos`` sets it), so ``make test`` leaves no files behind.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from gpubroker.broker.wire import ModelSettings, StatsReport
+from tests.chaos.tally import Tally
 
 ROOT = Path(__file__).resolve().parents[2]
-# answered with a body that says what to do; 408: Serve's proxy gave up on it at broker.proxy_timeout_s
-EXPLICIT_ERRORS = (408, 413, 422, 429, 503, 504)
 
 
 def results_path() -> Path:
@@ -94,10 +95,11 @@ class Faults:
     def failures(self) -> list[str]:
         return [what for what, ok in self.observed if not ok]
 
-    def record(self, *, ok: bool = True, figure: str = "", **traffic: Any) -> dict[str, Any]:
-        """Write the row: injected and survived are counted from the checks; no check is a failure."""
+    def record(self, requests: Tally, *, ok: bool = True, figure: str = "", **extra: Any) -> dict[str, Any]:
+        """Write the row: injected and survived are counted from the checks, the requests from
+        ``requests`` (checked: it must add up); no check, a failed one or a lost request fails it."""
+        requests.check(f"{self.test}: {self.fault}")
         survived = sum(1 for _, good in self.observed if good)
-        lost = int(traffic.get("lost", 0) or 0)
         row = {
             "time_s": round(time.time(), 3),
             "test": self.test,
@@ -108,13 +110,10 @@ class Faults:
             "faults_survived": survived,
             "checks": [what for what, _ in self.observed][:8],
             "failed_checks": self.failures()[:8],
-            "sent": 0,
-            "answered": 0,
-            "rejected": 0,
-            **traffic,
-            "lost": lost,
+            **extra,
+            **requests.to_row(),
             "figure": figure,
-            "ok": bool(ok) and bool(self.observed) and survived == len(self.observed) and lost == 0,
+            "ok": bool(ok) and bool(self.observed) and survived == len(self.observed) and requests.n_lost == 0,
         }
         return write_row(row)
 
@@ -129,20 +128,12 @@ def observation(test: str, what: str, *, ok: bool, figure: str = "", **extra: An
         "kind": str(FaultKind.NONE),
         "faults_injected": 0,
         "faults_survived": 0,
+        **extra,
+        **Tally().to_row(),  # it sends no request: 0 sent, said as such
         "figure": figure,
         "ok": bool(ok),
-        **extra,
     }
     return write_row(row)
-
-
-def classify(statuses: Iterable[int], bodies_ok: Iterable[bool] | None = None) -> dict[str, int]:
-    """HTTP statuses -> sent/answered/rejected/lost (0 = no response at all)."""
-    codes = Counter(statuses)
-    answered = codes.get(200, 0)
-    rejected = sum(n for c, n in codes.items() if c in EXPLICIT_ERRORS)
-    sent = sum(codes.values())
-    return {"sent": sent, "answered": answered, "rejected": rejected, "lost": sent - answered - rejected}
 
 
 # ------------------------------------------------------------------------- fake broker link

@@ -1,5 +1,7 @@
 """Soak: mixed open-loop load for ``GPUBROKER_SOAK_S`` seconds (default 600) with periodic
-config applies and broker restarts. Zero requests lost; the broker's memory does not grow.
+config applies and broker restarts. Zero requests lost (``tests/chaos/tally.py``: a client
+timeout, a proxy's 408 or a 5xx that is not the model's is lost; a 504 at ``request_timeout_s``
+with the replica's body is refused); the broker's memory does not grow.
 
 Broker restarts (``ray.kill(handle, no_restart=False)``) happen in the first half; the second
 half runs without them, so the broker process lives long enough for a clean memory slope
@@ -19,7 +21,8 @@ import pytest
 from bench import loadgen
 from gpubroker.sim import arrivals
 from tests.chaos.fleet import connect, down, up
-from tests.chaos.harness import EXPLICIT_ERRORS, FaultKind, Faults, classify, rss_bytes, slope_per_min
+from tests.chaos.harness import FaultKind, Faults, rss_bytes, slope_per_min
+from tests.chaos.tally import Tally, Verdict, classify
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # per-test timeout set below, after SOAK_S
 
@@ -88,13 +91,7 @@ def test_soak_mixed_load_applies_and_restarts(fleet):
         time.sleep(2.0)
     th.join(timeout=180)
     res = out["r"]
-    statuses = []
-    for r in res.records:
-        s = r.status
-        if s in EXPLICIT_ERRORS and not (r.error or "").strip():
-            s = -2
-        statuses.append(s)
-    c = classify(statuses)
+    c = Tally.of(res.records, sent=len(plan))
     codes = Counter(r.status for r in res.records)
     # memory: the broker process alive longest (the one after the last restart)
     by_pid: dict[int, list[tuple[float, float]]] = {}
@@ -104,9 +101,7 @@ def test_soak_mixed_load_applies_and_restarts(fleet):
     warm = [(t, mb) for t, mb in series if t - series[0][0] >= 20.0]
     slope = slope_per_min(warm)
     span_min = (warm[-1][0] - warm[0][0]) / 60 if len(warm) > 1 else 0.0
-    lost_detail = Counter(
-        (r.status, (r.error or "")[:80]) for r in res.records if r.status not in (200, *EXPLICIT_ERRORS)
-    )
+    lost_detail = Counter((r.status, (r.error or "")[:80]) for r in res.records if classify(r).verdict is Verdict.LOST)
     faults = Faults(
         "test_soak",
         f"soak {dur:.0f}s: mixed load, applies every {APPLY_EVERY_S:.0f}s, broker restarts",
@@ -115,13 +110,13 @@ def test_soak_mixed_load_applies_and_restarts(fleet):
     for i in range(restarts):  # a restart survived: the broker came back under a new pid
         faults.check(f"broker kill {i + 1}/{restarts}: a new broker pid answered status", i < restarts_ok)
     faults.record(
-        **c,
+        c,
         ok=apply_ok >= applies - restarts and (slope < MAX_SLOPE_MB_PER_MIN or span_min < MIN_SLOPE_SPAN_MIN),
         figure=f"{dict(codes)}; {apply_ok}/{applies} applies, {restarts_ok}/{restarts} restarts; broker RSS "
         f"{warm[0][1] if warm else 0:.0f}->{warm[-1][1] if warm else 0:.0f} MB, slope {slope:+.2f} MB/min "
         f"over {span_min:.1f} min" + (" (too short to judge)" if span_min < MIN_SLOPE_SPAN_MIN else ""),
     )
-    assert c["lost"] == 0, lost_detail.most_common(5)
+    assert c.n_lost == 0, lost_detail.most_common(5)
     assert restarts_ok == restarts
     assert apply_ok >= applies - restarts  # an apply may land on a broker mid-restart
     if span_min >= MIN_SLOPE_SPAN_MIN:

@@ -1,4 +1,6 @@
-"""Open-loop HTTP load for the integration tests: arrival times drawn before the run."""
+"""Open-loop HTTP load for the integration tests: arrival times drawn before the run. Given a
+``Tally`` (``tests/chaos/tally.py``), every request is counted in it where it is sent and where
+it ends, with its body (a chaos row's count); the status counter stays for the figures."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import threading
 from collections import Counter
 
 import httpx
+
+from tests.chaos.tally import Tally
 
 
 def poisson_times(rate: float, duration_s: float, seed: int = 0) -> list[float]:
@@ -20,7 +24,10 @@ def poisson_times(rate: float, duration_s: float, seed: int = 0) -> list[float]:
         out.append(t)
 
 
-async def _run(url: str, model: str, times: list[float], body: dict, codes: Counter, timeout_s: float) -> None:
+async def _run(
+    url: str, model: str, times: list[float], body: dict, codes: Counter, timeout_s: float, tally: Tally | None
+) -> None:
+    tally = tally if tally is not None else Tally()
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         loop = asyncio.get_running_loop()
@@ -29,7 +36,7 @@ async def _run(url: str, model: str, times: list[float], body: dict, codes: Coun
         async def one(at: float) -> None:
             await asyncio.sleep(max(0.0, t0 + at - loop.time()))
             try:
-                r = await client.post(f"{url}/v1/models/{model}/infer", json=body)
+                r = await tally.acall(client.post(f"{url}/v1/models/{model}/infer", json=body))
                 codes[r.status_code] += 1
             except httpx.HTTPError:
                 codes[0] += 1
@@ -38,10 +45,17 @@ async def _run(url: str, model: str, times: list[float], body: dict, codes: Coun
 
 
 def open_loop(
-    url: str, model: str, rate: float, duration_s: float, body: dict, seed: int = 0, timeout_s: float = 30.0
+    url: str,
+    model: str,
+    rate: float,
+    duration_s: float,
+    body: dict,
+    seed: int = 0,
+    timeout_s: float = 30.0,
+    tally: Tally | None = None,
 ) -> Counter:
     codes: Counter = Counter()
-    asyncio.run(_run(url, model, poisson_times(rate, duration_s, seed), body, codes, timeout_s))
+    asyncio.run(_run(url, model, poisson_times(rate, duration_s, seed), body, codes, timeout_s, tally))
     return codes
 
 

@@ -5,6 +5,8 @@ process reads the violator replica's resident memory from /proc every 50 ms unti
 ends; a neighbour gets open-loop load meanwhile. ``Violation`` holds what was measured: the peak
 over the pre-model baseline, how long the process stayed over grant + slack before it ended
 (the bound of ``gpubroker.deployments.enforce.watch.END_BOUND_S``), and every status each model got.
+Every request sent, the violator's own included, is counted in ``Violation.requests``
+(``tests/chaos/tally.py``): a chaos row's count.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import httpx
 
 from gpubroker.broker.control.violation import WATCH_SLACK_BYTES
+from tests.chaos.tally import Tally
 from tests.integration._fleet import replica_status
 from tests.integration._load import open_loop_bg
 
@@ -40,7 +43,14 @@ class Violation:
     codes: Counter = field(default_factory=Counter)  # the violator's statuses
     details: list[str] = field(default_factory=list)  # its 503 details
     neighbour: Counter = field(default_factory=Counter)
+    own: Tally = field(default_factory=Tally)  # the violator's requests, counted with their bodies
+    neighbour_requests: Tally = field(default_factory=Tally)
     during: Any = None  # what ``during()`` returned as the violator's load ended (e.g. the broker's status)
+
+    @property
+    def requests(self) -> Tally:
+        """Every request this run sent: the violator's own and its neighbour's."""
+        return self.own + self.neighbour_requests
 
     @property
     def bound_bytes(self) -> int:
@@ -93,13 +103,15 @@ def drive_violator(
     stop = threading.Event()
     sampler = threading.Thread(target=_sample, args=(v, stop), daemon=True)
     sampler.start()
-    mlp_thread, v.neighbour = open_loop_bg(url, neighbour, 8.0, duration_s + 30.0, neighbour_body, seed=5, timeout_s=60)
+    mlp_thread, v.neighbour = open_loop_bg(
+        url, neighbour, 8.0, duration_s + 30.0, neighbour_body, seed=5, timeout_s=60, tally=v.neighbour_requests
+    )
     with httpx.Client(timeout=30) as client:
         t0 = time.monotonic()
         for i in range(int(duration_s * rate)):
             time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             try:
-                r = client.post(f"{url}/v1/models/{model}/infer", json={"input": {"mb": mb}})
+                r = v.own.call(lambda: client.post(f"{url}/v1/models/{model}/infer", json={"input": {"mb": mb}}))
             except httpx.HTTPError:
                 v.codes[0] += 1
                 continue
@@ -114,17 +126,20 @@ def drive_violator(
 
 
 def serves_again(
-    url: str, app: str, model: str, old_pid: int, timeout_s: float = 180.0, new_process: bool = True
+    url: str, app: str, model: str, old_pid: int, *, tally: Tally, timeout_s: float = 180.0, new_process: bool = True
 ) -> tuple[int, int]:
     """Once the violator's load stopped: a request that keeps nothing is answered (by a new
-    replica process unless ``new_process`` is False). Returns (the pid that answered, status)."""
+    replica process unless ``new_process`` is False), each one counted in ``tally``. Returns
+    (the pid that answered, status)."""
     deadline = time.monotonic() + timeout_s
     status = 0
     while time.monotonic() < deadline:
         try:
             pid = replica_status(app, model)["pid"]
             if pid != old_pid or not new_process:
-                r = httpx.post(f"{url}/v1/models/{model}/infer", json={"input": {"mb": 0}}, timeout=30)
+                r = tally.call(
+                    lambda: httpx.post(f"{url}/v1/models/{model}/infer", json={"input": {"mb": 0}}, timeout=30)
+                )
                 status = r.status_code
                 if status == 200:
                     return pid, status

@@ -3,9 +3,11 @@
 One fleet for the module, started by ``gpubroker up`` in a subprocess (tests/chaos/fleet.py):
 ``mlp`` (2 replicas of a counting MLP), ``hot`` (profiled, fast) and ``slow`` (profiled, 400 ms
 a batch of one, max_queued 6, request_timeout_s 1). Tests run in file order and each leaves
-the fleet serving. Every request a test sends ends as answered (200), rejected with an
-explicit error and a body (413/422/503/504), or lost; lost must be 0. Figures go to the chaos
-results file (tests/chaos/harness.py) for ``make chaos``.
+the fleet serving. Every request a test sends (warm-ups, probes and recovery checks included) is
+counted by ``tests/chaos/tally.py``: answered (2xx), refused (by status: 413/422 bad input, 503/504
+shed with gpubroker's body, ...) or lost (no answer, a client or proxy timeout, a 5xx that is not
+the model's); lost must be 0. Figures go to the chaos results file (tests/chaos/harness.py) for
+``make chaos``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from bench import loadgen
 from tests.chaos import counting
 from tests.chaos.fleet import connect, down, up
 from tests.chaos.harness import (
-    EXPLICIT_ERRORS,
     FaultKind,
     Faults,
-    classify,
     is_loopback,
     listeners,
     metric_label_values,
@@ -35,6 +35,7 @@ from tests.chaos.harness import (
     rss_bytes,
     wait_for,
 )
+from tests.chaos.tally import Tally, Verdict, classify
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -53,11 +54,9 @@ def fleet(tmp_path_factory):
         down(f)
 
 
-def post(fleet, model: str, body=None, content: bytes | None = None, timeout: float = 60) -> httpx.Response:
-    url = f"{fleet.url}/v1/models/{model}/infer"
-    if content is not None:
-        return httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=timeout)
-    return httpx.post(url, json=body, timeout=timeout)
+def post(fleet, tally: Tally, model: str, body=None, timeout: float = 60) -> httpx.Response:
+    """One request to ``model``, counted in ``tally`` where it is sent and where it ends."""
+    return tally.call(lambda: httpx.post(f"{fleet.url}/v1/models/{model}/infer", json=body, timeout=timeout))
 
 
 def scrape(fleet) -> str:
@@ -87,17 +86,6 @@ def load_bg(fleet, plan: list, timeout_s: float = 30.0):
     th = threading.Thread(target=lambda: out.setdefault("r", load(fleet, plan, timeout_s)), daemon=True)
     th.start()
     return th, out
-
-
-def outcome(records) -> dict[str, int]:
-    """Records -> counts; a 503/504 without a body counts as lost."""
-    statuses = []
-    for r in records:
-        s = r.status
-        if s in EXPLICIT_ERRORS and not (r.error or "").strip():
-            s = -2
-        statuses.append(s)
-    return classify(statuses)
 
 
 def poisson_plan(model: str, rate: float, duration_s: float, body: bytes, seed: int) -> list:
@@ -161,15 +149,16 @@ def test_status_after_driver_exit_finds_same_broker(fleet):
         "after a second apply exited: the original config is back",
         back["ok"] and back["config_hash"] == st["config_hash"],
     )
-    faults.record(figure=f"broker pid {mine['pid']} and hash {st['config_hash']} seen by 3 later drivers")
+    faults.record(Tally(), figure=f"broker pid {mine['pid']} and hash {st['config_hash']} seen by 3 later drivers")
     assert not faults.failures(), (faults.failures(), mine, st, st2, back)
 
 
 # ------------------------------------------------------------------------------- 7 bad requests
 @pytest.mark.chaos
 def test_bad_requests_refused_before_the_model(fleet):
+    tally = Tally()
     for _ in range(3):
-        assert post(fleet, "mlp", {"input": X}).status_code == 200
+        assert post(fleet, tally, "mlp", {"input": X}).status_code == 200
     time.sleep(0.5)
     calls0 = {pid: len(c) for pid, c in counting.calls(fleet.count_dir).items()}
     pids = counting.pids(fleet.count_dir)
@@ -192,8 +181,12 @@ def test_bad_requests_refused_before_the_model(fleet):
     with httpx.Client(timeout=30) as client:
         for _ in range(rounds):
             for content, want, fld in bad:
-                r = client.post(
-                    f"{fleet.url}/v1/models/mlp/infer", content=content, headers={"Content-Type": "application/json"}
+                r = tally.call(
+                    lambda content=content: client.post(
+                        f"{fleet.url}/v1/models/mlp/infer",
+                        content=content,
+                        headers={"Content-Type": "application/json"},
+                    )
                 )
                 codes.append(r.status_code)
                 body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -209,10 +202,9 @@ def test_bad_requests_refused_before_the_model(fleet):
     assert calls1 == calls0, f"bad requests reached the model: {calls0} -> {calls1}"
     grew = {pid: (rss_bytes(pid) - rss0[pid]) / MIB for pid in pids}
     assert max(grew.values()) < 16, f"replica RSS grew {grew} MiB"
-    c = classify(codes)
-    assert c["lost"] == 0
+    assert tally.n_lost == 0, tally.lost
     faults.record(
-        **c,
+        tally,  # the 3 good ones and every bad one
         figure=f"{len(codes)} refused naming the field; predict calls +0; replica RSS "
         f"{', '.join(f'{v:+.1f}' for v in grew.values())} MiB",
     )
@@ -223,9 +215,12 @@ def test_bad_requests_refused_before_the_model(fleet):
 def test_metric_labels_only_from_config(fleet):
     weird = ["mlp%00", "../../etc/passwd", "x" * 300, "MLP", "hot;drop", "{{7*7}}", "%F0%9F%92%A9", "a b"]
     answers: list[tuple[str, int, tuple[int, ...]]] = []
+    tally = Tally()
     with httpx.Client(timeout=30) as client:
         for name in weird:
-            r = client.post(f"{fleet.url}/v1/models/{name}/infer", json={"input": {"label": name}})
+            r = tally.call(
+                lambda name=name: client.post(f"{fleet.url}/v1/models/{name}/infer", json={"input": {"label": name}})
+            )
             answers.append((f"model name {name[:20]!r}", r.status_code, (404, 422)))
         for body in (
             {"input": {"model": "evil", "x": [0.1] * 64}},
@@ -233,7 +228,9 @@ def test_metric_labels_only_from_config(fleet):
             {"inputs": [{"tokens": 2}, {"tokens": "}"}]},
         ):
             for model in ("mlp", "hot"):
-                code = client.post(f"{fleet.url}/v1/models/{model}/infer", json=body).status_code
+                code = tally.call(
+                    lambda m=model, b=body: client.post(f"{fleet.url}/v1/models/{m}/infer", json=b)
+                ).status_code
                 answers.append((f"{model} payload {str(body)[:30]}", code, (200, 422)))
     time.sleep(1.5)
     labels = metric_label_values(scrape(fleet))
@@ -263,6 +260,7 @@ def test_metric_labels_only_from_config(fleet):
     for what, code, allowed_codes in answers:
         faults.check(f"{what}: answered {code}; no new label value", code in allowed_codes and not bad)
     faults.record(
+        tally,  # the 14 probes
         figure=f"labels {sorted(labels)}; model values {sorted(labels.get('model', []))}",
     )
     assert not bad, f"label values not from the config or a fixed enumeration: {bad}"
@@ -284,44 +282,41 @@ def test_overload_backpressure_counted_others_unaffected(fleet):
     rej = [r for r in res.records if r.status in (429, 503)]
     assert rej, f"no back-pressure: {codes}"
     assert all(r.error and "retry" in r.error.lower() for r in rej), rej[0].error
-    c = outcome(res.records)
-    assert c["lost"] == 0, codes
+    c = Tally.of(res.records, sent=len(burst))
+    assert c.n_lost == 0, c.lost
     assert codes[200] >= 1  # what was queued completed (or got its explicit 504)
 
     def counted():
         st = fleet.status()["models"]["slow"]
-        return st if st["misses"] - miss0 >= c["rejected"] else None
+        return st if st["misses"] - miss0 >= c.n_refused else None
 
     try:
-        st = wait_for(counted, 10, what=f"broker to count {c['rejected']} misses")
+        st = wait_for(counted, 10, what=f"broker to count {c.n_refused} misses")
     except AssertionError:
         st = fleet.status()["models"]["slow"]
     counted_n = st["misses"] - miss0
-    o = outcome(out["r"].records)
+    o = Tally.of(out["r"].records, sent=len(others))
     summ = loadgen.summarize(out["r"].records, 8.0, {"mlp": 2000.0})["mlp"]
     faults = Faults(T, "overload: 40 at once into slow (max_queued 6)", FaultKind.OVERLOAD)
     faults.check(
         "burst into slow: refused with Retry-After, each refusal counted by the broker, nothing lost",
-        bool(rej) and c["lost"] == 0 and counted_n == c["rejected"],
+        bool(rej) and c.n_lost == 0 and counted_n == c.n_refused,
     )
     faults.check(
         "neighbour mlp at 8 req/s: every request 200 within its 2 s SLO",
-        o["lost"] == 0 and o["rejected"] == 0 and summ.p95_ms is not None and summ.p95_ms <= 2000.0,
+        o.n_lost == 0 and o.n_refused == 0 and summ.p95_ms is not None and summ.p95_ms <= 2000.0,
     )
     faults.record(
-        sent=c["sent"] + o["sent"],
-        answered=c["answered"] + o["answered"],
-        rejected=c["rejected"],
-        lost=c["lost"] + o["lost"],
-        figure=f"slow {dict(codes)}; broker counted {counted_n}/{c['rejected']}; mlp P95 "
-        f"{summ.p95_ms if summ.p95_ms is not None else float('nan'):.0f} ms, {o['answered']}/{o['sent']} ok",
+        c + o,
+        figure=f"slow {dict(codes)}; broker counted {counted_n}/{c.n_refused}; mlp P95 "
+        f"{summ.p95_ms if summ.p95_ms is not None else float('nan'):.0f} ms, {o.n_answered}/{o.sent} ok",
         sample_errors=sorted({(r.status, (r.error or "")[:120]) for r in res.records if r.status != 200})[:6],
     )
-    assert counted_n == c["rejected"], (
-        f"client saw {c['rejected']} explicit rejections {dict(codes)}, broker counted "
+    assert counted_n == c.n_refused, (
+        f"client saw {c.n_refused} explicit refusals {dict(codes)}, broker counted "
         f"{counted_n}; bodies: {sorted({(r.status, (r.error or '')[:100]) for r in rej})[:4]}"
     )
-    assert o["lost"] == 0 and o["rejected"] == 0, Counter(r.status for r in out["r"].records)
+    assert o.n_lost == 0 and o.n_refused == 0, Counter(r.status for r in out["r"].records)
     assert summ.p95_ms is not None and summ.p95_ms <= 2000.0
 
 
@@ -329,7 +324,8 @@ def test_overload_backpressure_counted_others_unaffected(fleet):
 @pytest.mark.chaos
 def test_deadline_gets_prompt_504(fleet):
     time.sleep(2.0)  # the previous burst drains
-    res = load(fleet, loadgen.plan("slow", [0.0] * 6, b'{"input": {}}'), timeout_s=30)
+    plan = loadgen.plan("slow", [0.0] * 6, b'{"input": {}}')
+    res = load(fleet, plan, timeout_s=30)
     late = [r for r in res.records if r.status == 504]
     codes = Counter(r.status for r in res.records)
     assert late, codes
@@ -340,7 +336,7 @@ def test_deadline_gets_prompt_504(fleet):
     ok = [r.latency_ms for r in res.records if r.status == 200]
     path_ms = max(0.0, min(ok) - 400.0) if ok else 0.0
     over = max(r.latency_ms for r in late) - deadline_ms
-    c = outcome(res.records)
+    c = Tally.of(res.records, sent=len(plan))
     faults = Faults(T, "queued past request_timeout_s (1 s)", FaultKind.OVERLOAD)
     for r in late:
         faults.check(
@@ -348,13 +344,13 @@ def test_deadline_gets_prompt_504(fleet):
             deadline_ms - 20 <= r.latency_ms < deadline_ms + path_ms + 250 and "request_timeout_s" in (r.error or ""),
         )
     faults.record(
-        **c,
+        c,
         figure=f"{dict(codes)}; 504 at most {over:.0f} ms after the 1 s deadline, of which HTTP path "
         f"{path_ms:.0f} ms (fastest 200 - 400 ms)",
     )
     assert min(r.latency_ms for r in late) >= deadline_ms - 20
     assert over - path_ms < 250, f"504 came {over:.0f} ms after the deadline (HTTP path {path_ms:.0f} ms)"
-    assert c["lost"] == 0
+    assert c.n_lost == 0, c.lost
 
 
 # ------------------------------------------------------------------------------- 6 bad configs
@@ -440,9 +436,11 @@ def test_bad_configs_refused_by_cli_and_actor(fleet):
     assert json.loads(Path(fleet.status()["checkpoint_path"]).read_text())["config_hash"] == final
     back = json.loads(fleet.cli("apply", str(fleet.config_path), "--json", check=True).stdout)
     assert back["config_hash"] == h0
-    assert post(fleet, "slow", {"input": {}}).status_code == 200
+    tally = Tally()  # configs; one request checks slow still serves
+    assert post(fleet, tally, "slow", {"input": {}}).status_code == 200
     n = len(bad)
     faults.record(
+        tally,
         figure=f"{n} refused by CLI and actor naming the field; hash {h0} kept; reload failures "
         f"+{fails1 - fails0:.0f}; two concurrent applies -> {final} (one of the two)",
     )
@@ -483,10 +481,10 @@ def test_kill_replica_mid_batch_under_load(fleet):
     res = out["r"]
     mlp_recs = [r for r in res.records if r.model == "mlp"]
     hot_recs = [r for r in res.records if r.model == "hot"]
-    c = outcome(mlp_recs)
-    ch = outcome(hot_recs)
+    c = Tally.of(mlp_recs, sent=sum(p.model == "mlp" for p in plan))
+    ch = Tally.of(hot_recs, sent=sum(p.model == "hot" for p in plan))
     codes = Counter(r.status for r in mlp_recs)
-    bad = [(r.status, (r.error or "")[:160]) for r in mlp_recs if r.status not in (200, *EXPLICIT_ERRORS)]
+    bad = [(r.status, (r.error or "")[:160]) for r in mlp_recs if classify(r).verdict is Verdict.LOST]
 
     def replaced():
         new = set(counting.pids(fleet.count_dir)) - pids0
@@ -496,9 +494,10 @@ def test_kill_replica_mid_batch_under_load(fleet):
     # a replacement replica starts and serves
     deadline = time.time() + 90
     new_pids = None
+    probes = Tally()
     while time.time() < deadline and not new_pids:
         for _ in range(10):
-            post(fleet, "mlp", {"input": X})
+            post(fleet, probes, "mlp", {"input": X})
         new_pids = replaced()
         time.sleep(1.0)
     replace_s = time.time() - t_kill
@@ -507,25 +506,23 @@ def test_kill_replica_mid_batch_under_load(fleet):
     faults.check(
         "replica killed: every request answered or refused explicitly; a replacement serves; hot within SLO",
         not bad
-        and c["lost"] == 0
+        and c.n_lost == 0
         and bool(new_pids)
-        and ch["lost"] == 0
+        and ch.n_lost == 0
+        and probes.n_lost == 0
         and hot_sum.p95_ms is not None
         and hot_sum.p95_ms <= 2000.0,
     )
     faults.record(
-        sent=c["sent"] + ch["sent"],
-        answered=c["answered"] + ch["answered"],
-        rejected=c["rejected"] + ch["rejected"],
-        lost=c["lost"] + ch["lost"],
-        figure=f"mlp {dict(codes)}; replacement serving after {replace_s:.0f}s; hot P95 {hot_sum.p95_ms:.0f} ms "
-        f"(SLO 2000) {ch['answered']}/{ch['sent']} ok",
+        c + ch + probes,  # the load on mlp and hot, and the requests that found the replacement
+        figure=f"mlp {dict(codes)}; replacement serving after {replace_s:.0f}s ({probes.sent} requests); "
+        f"hot P95 {hot_sum.p95_ms:.0f} ms (SLO 2000) {ch.n_answered}/{ch.sent} ok",
         non_explicit=bad[:5],
     )
-    assert not bad, f"{len(bad)} request(s) ended without an explicit retriable error: {bad[:5]}"
-    assert c["lost"] == 0
+    assert not bad, f"{len(bad)} request(s) lost: {bad[:5]}"
+    assert c.n_lost == 0 and probes.n_lost == 0, (c.lost, probes.lost)
     assert new_pids, "no replacement replica served"
-    assert ch["lost"] == 0 and hot_sum.p95_ms is not None and hot_sum.p95_ms <= 2000.0
+    assert ch.n_lost == 0 and hot_sum.p95_ms is not None and hot_sum.p95_ms <= 2000.0
 
 
 # ------------------------------------------------------------------------------- 2 broker kill
@@ -557,7 +554,7 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
 
     after = wait_for(restarted, 60, interval_s=0.5, what="broker restart")
     th.join(timeout=60)
-    c = outcome(out["r"].records)
+    c = Tally.of(out["r"].records, sent=len(plan))
     ledger = saved["policy_state"]["ledger"]
     grants = {n: m["grant_bytes"] for n, m in after["models"].items()}
     # a grant may differ from the checkpoint only through a quota move the restarted broker logged
@@ -574,21 +571,21 @@ def test_kill_broker_models_keep_serving_ledger_restored(fleet):
         "broker restarted: replicas served on their last settings, nothing refused or lost, "
         "grants restored from the checkpoint, within usable",
         during["settings"] == settings0
-        and c["lost"] == 0
-        and c["rejected"] == 0
+        and c.n_lost == 0
+        and c.n_refused == 0
         and after["restored"] is True
         and after["config_hash"] == before["config_hash"]
         and not unexplained
         and sum(grants.values()) <= after["usable_bytes"],
     )
     faults.record(
-        **c,
+        c,
         figure=f"restored={after['restored']} grants {dict((k, v // MIB) for k, v in grants.items())} MiB; "
         f"differing from the checkpoint without a logged move: {unexplained or 'none'}; "
         f"replicas served on settings v{settings0['version']}",
     )
     assert during["settings"] == settings0  # serving on its last settings
-    assert c["lost"] == 0 and c["rejected"] == 0, (
+    assert c.n_lost == 0 and c.n_refused == 0, (
         Counter((r.model, r.status) for r in out["r"].records),
         sorted({(r.model, (r.error or "")[:120]) for r in out["r"].records if r.status != 200})[:4],
     )
@@ -628,11 +625,12 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     if not out["ok"]:
         pytest.skip(f"cannot squeeze hot (used {used} bytes): {out['issues']}")
     codes = Counter()
+    tally = Tally()
     t0 = time.time()
     shrunk_after = None
     with httpx.Client(timeout=30) as client:
         while time.time() - t0 < 20:
-            r = client.post(f"{fleet.url}/v1/models/hot/infer", json={"input": {}})
+            r = tally.call(lambda: client.post(f"{fleet.url}/v1/models/hot/infer", json={"input": {}}))
             codes[r.status_code] += 1
             if r.status_code != 200:
                 assert r.status_code == 503 and r.json().get("detail"), r.text
@@ -649,7 +647,7 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
     hot = serve.get_deployment_handle("hot", app_name="gpubroker-hot")
 
     def recovered():
-        r = httpx.post(f"{fleet.url}/v1/models/hot/infer", json={"input": {}}, timeout=30)
+        r = post(fleet, tally, "hot", {"input": {}}, timeout=30)
         codes[r.status_code] += 1
         m = fleet.status()["models"]["hot"]
         local = hot.local_status.remote().result(timeout_s=30)
@@ -670,6 +668,7 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
         faults = Faults(T, "memory squeeze: hot grant under its use", FaultKind.MEMORY)
         faults.check("hot recovers within 30 s after the squeeze is reverted", False)
         faults.record(
+            tally,
             figure=f"shrink after {shrunk_after} request(s); NOT recovered 30 s after reverting: grant "
             f"{m['grant_bytes'] / MIB:.0f}MiB (base 256MiB), used {m['used_bytes'] / MIB:.1f}MiB, admit "
             f"{m['admit']}, replica paused {local['paused']} cap {local['cap']}/{local['settings']['max_batch_size']} "
@@ -679,12 +678,11 @@ def test_memory_squeeze_shrinks_within_a_batch_and_recovers(fleet):
             f"hot did not recover after the squeeze was reverted: status {m}, replica {local}"
         ) from None
     rec_s = time.time() - t1
-    c = classify(list(codes.elements()))
     faults = Faults(T, "memory squeeze: hot grant under its use", FaultKind.MEMORY)
-    faults.check("shrunk under the squeeze, recovered after it, no 5xx", 500 not in codes and c["lost"] == 0)
+    faults.check("shrunk under the squeeze, recovered after it, no 5xx", 500 not in codes and tally.n_lost == 0)
     faults.record(
-        **c,
+        tally,
         figure=f"grant {squeeze / MIB:.1f}MiB vs used {used / MIB:.1f}MiB: shrink after {shrunk_after} request(s); recovered in "
         f"{rec_s:.1f}s (cap {m['max_batch_size']}, was {normal_cap}); no 5xx",
     )
-    assert c["lost"] == 0 and 500 not in codes
+    assert tally.n_lost == 0 and 500 not in codes, tally.lost

@@ -27,6 +27,7 @@ from gpubroker.broker.wire import StatsReport
 from gpubroker.quotas.holding import holding_problems
 from gpubroker.quotas.ledger import QuotaLedger
 from tests.chaos.harness import FaultKind, Faults
+from tests.chaos.tally import Tally
 
 MIB = 1024**2
 
@@ -200,7 +201,9 @@ def _finish_and_check_once(core, fleet, clock, path, phase: str, restarts: int) 
     faults = Faults("test_reliability_broker", f"broker killed {phase}", FaultKind.BROKER_RESTARTED)
     for i in range(restarts):
         faults.check(f"kill {i + 1}/{restarts}: ledger restored; lent once; grants <= usable", once and within)
-    faults.record(figure=f"hot {hot // MIB}MiB + cold {cold // MIB}MiB <= usable {USABLE // MIB}MiB; lent once")
+    faults.record(  # the core on a fake clock: no request is sent
+        Tally(), figure=f"hot {hot // MIB}MiB + cold {cold // MIB}MiB <= usable {USABLE // MIB}MiB; lent once"
+    )
     assert not faults.failures(), (hot, cold, lends, confirms)
 
 
@@ -348,6 +351,7 @@ def test_bad_configs_refused_with_field_hash_unchanged(setup):
         faults.check(f"{what}: refused naming {field!r}, hash kept", out["ok"] is False and named and kept)
     counted = None if fails0 is None else _reload_failures(core) - fails0
     faults.record(
+        Tally(),  # configs, no request sent
         ok=counted in (None, len(bad)),
         figure=f"{len(bad) - len(faults.failures())}/{len(bad)} refused, field named, hash {h0} kept; "
         f"reload failures +{counted if counted is not None else '?'}",

@@ -16,7 +16,9 @@ import pytest
 
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.replica.deployment import ModelReplica
-from tests.chaos.harness import CoreLink, FakeProbe, FaultKind, Faults, classify, rss_bytes
+from gpubroker.quotas.config import parse_config_text
+from tests.chaos.harness import CoreLink, FakeProbe, FaultKind, Faults, rss_bytes
+from tests.chaos.tally import Tally
 
 MIB = 1024**2
 
@@ -57,7 +59,7 @@ async def make(name: str, monkeypatch, tmp_path) -> Rig:
 
     monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
     r = ModelReplica.__new__(ModelReplica)
-    await r.__init__(name, CONFIG)
+    await r.__init__(name, parse_config_text(CONFIG))
     assert r.registered
     return Rig(core, link, r)
 
@@ -99,7 +101,7 @@ def test_overload_backpressure_counted_queued_complete(monkeypatch, tmp_path):
             # (the report loop may already have sent part of the delta: count at the broker)
             assert await rig.r.report_once()
             misses = rig.core.status()["models"]["slow"]["misses"]
-            c = classify(codes)
+            c = Tally.of(results, sent=30)
             faults = Faults("test_reliability_replica", "overload: 30 at once into max_queued 8", FaultKind.OVERLOAD)
             faults.check(
                 "8 admitted and run, 22 refused with 503 + Retry-After, every refusal counted by the broker",
@@ -110,10 +112,10 @@ def test_overload_backpressure_counted_queued_complete(monkeypatch, tmp_path):
                 and misses == 22,
             )
             faults.record(
-                **c, figure=f"{codes.count(200)} x 200, {len(rejected)} x 503 + Retry-After; broker counted {misses}"
+                c, figure=f"{codes.count(200)} x 200, {len(rejected)} x 503 + Retry-After; broker counted {misses}"
             )
             assert not faults.failures(), (codes, len(calls), misses)
-            assert c["lost"] == 0
+            assert c.n_lost == 0, c.lost
         finally:
             await close(rig)
 
@@ -153,10 +155,8 @@ def test_request_past_deadline_gets_prompt_504(monkeypatch, tmp_path):
                 )
             drained = rig.r.delta.timeouts == len(late) and rig.r.waiting == 0
             faults.record(
+                Tally.of([out for out, _ in results], sent=6),
                 ok=drained,
-                sent=6,
-                answered=len(ok),
-                rejected=len(late),
                 figure=f"504 at most {over * 1000:.0f} ms after the deadline; model ran {sum(calls)} of 6 items",
             )
             assert not faults.failures(), faults.failures()
@@ -187,24 +187,25 @@ def test_bad_requests_never_reach_model_and_memory_stays(monkeypatch, tmp_path):
             await close(rig)  # no background reports: this test reads the replica's delta itself
             calls = count_predicts(rig.r)
             good = {"x": [0.1] * 64}
+            tally = Tally()
             for _ in range(3):  # warm the allocator the same way bad input would
-                await rig.r.infer([good])
+                await tally.acall(rig.r.infer([good]))
             n0 = len(calls)
             gc.collect()
             rss0 = rss_bytes(__import__("os").getpid())
             faults = Faults("test_reliability_replica", "bad requests (413/422) in-process", FaultKind.MALFORMED_INPUT)
             for _ in range(30):
                 for item, field in BAD_INPUTS:
-                    out = await rig.r.infer([item])
+                    out = await tally.acall(rig.r.infer([item]))
                     faults.check(
                         f"{str(item)[:30]}: 422 naming {field}",
                         out["status"] == 422 and str(out.get("field", "")).startswith(field),
                     )
-                out = await rig.r.infer([good] * 10, body_bytes=5000)  # over max_body_bytes 4KiB
+                out = await tally.acall(rig.r.infer([good] * 10, body_bytes=5000))  # over max_body_bytes 4KiB
                 faults.check(
                     "body over max_body_bytes: 413", out["status"] == 413 and "max_body_bytes" in out["detail"]
                 )
-                out = await rig.r.infer([good, {"x": [1.0] * 3}])  # one bad item refuses the whole request
+                out = await tally.acall(rig.r.infer([good, {"x": [1.0] * 3}]))  # one bad item refuses the whole request
                 faults.check(
                     "one bad item of two: 422 naming inputs[1].x",
                     out["status"] == 422 and out["field"].startswith("inputs[1].x"),
@@ -215,9 +216,8 @@ def test_bad_requests_never_reach_model_and_memory_stays(monkeypatch, tmp_path):
             sent = len(faults.observed)
             untouched = len(calls) == n0 and rig.r.delta.arrivals == 3  # only the good ones were admitted
             faults.record(
+                tally,  # the 3 good ones and every bad one
                 ok=untouched and grew < 16,
-                sent=sent,
-                rejected=sent - len(faults.failures()),
                 figure=f"{sent - len(faults.failures())}/{sent} refused, {len(calls) - n0} predict calls, RSS {grew:+.1f} MiB",
             )
             assert not faults.failures(), faults.failures()[:5]
@@ -241,19 +241,18 @@ def test_memory_squeeze_emergency_shrink_then_recovery(monkeypatch, tmp_path):
             probe = FakeProbe(1024 * MIB, base + 10 * MIB)
             r.probe = probe
             good = {"x": [0.1] * 64}
+            tally = Tally()
             normal = r.settings.max_batch_size
             assert r.cap == normal == 16
             # headroom falls under emergency_free_frac (10%): 95% of the grant in use
             probe.process_bytes = base + int(0.95 * grant)
-            out = await r.infer([good])
+            out = await tally.acall(r.infer([good]))
             assert out["status"] == 200
             assert r.cap == 8 and r.delta.emergency_shrinks == 1, "no shrink within one batch"
             shrinks = [r.cap]
-            shrinks_answered = 1  # the request above
             for _ in range(6):
-                out = await r.infer([good])
+                out = await tally.acall(r.infer([good]))
                 shrinks.append(r.cap)
-                shrinks_answered += out["status"] == 200
                 if out["status"] != 200:
                     break
             assert r.cap == r.spec.batch.floor
@@ -261,7 +260,7 @@ def test_memory_squeeze_emergency_shrink_then_recovery(monkeypatch, tmp_path):
             probe.process_bytes = base + int(0.99 * grant)
             codes = []
             for _ in range(3):
-                codes.append((await r.infer([good]))["status"])
+                codes.append((await tally.acall(r.infer([good])))["status"])
             assert r.paused and codes[-1] == 503, codes
             # the broker hears about it in the next report
             assert await r.report_once()
@@ -274,7 +273,7 @@ def test_memory_squeeze_emergency_shrink_then_recovery(monkeypatch, tmp_path):
             while time.time() - t0 < 15:
                 await r.report_once()
                 rig.core.tick()
-                out = await r.infer([good])
+                out = await tally.acall(r.infer([good]))
                 statuses.append(out["status"])
                 if out["status"] == 200 and r.cap >= r.settings.max_batch_size and not r.paused:
                     recovered = time.time() - t0
@@ -286,9 +285,7 @@ def test_memory_squeeze_emergency_shrink_then_recovery(monkeypatch, tmp_path):
                 recovered is not None,
             )
             faults.record(
-                sent=len(statuses) + len(codes) + len(shrinks),  # shrinks: the first request and one per loop
-                answered=statuses.count(200) + codes.count(200) + shrinks_answered,
-                rejected=statuses.count(503) + codes.count(503) + (len(shrinks) - shrinks_answered),
+                tally,
                 figure=f"cap 16 -> {' -> '.join(map(str, shrinks))} within one batch each, paused; "
                 + (f"back to {r.cap} in {recovered:.1f}s" if recovered is not None else "NOT recovered in 15 s"),
             )
