@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 from gpubroker.broker.control.batch_plan import BatchPlan, PlanTarget, plan_batch
 from gpubroker.broker.control.latency_model import LatencyFit
+from gpubroker.broker.control.low_load import WaitGather, wait_gather
+from gpubroker.broker.control.profiles import RHO_MAX
 from gpubroker.broker.control.state import BatchWant
 from gpubroker.broker.control.types import GpuLoad, ModelLoad
 from gpubroker.broker.control.vocab import Rule, Trigger
@@ -97,9 +99,17 @@ class Inputs(NamedTuple):
         return BatchWant(new, wait, admit, trigger, float(value), rule, reason, safety)
 
     def wait_for(self, cap: int, backlog: bool = False) -> float:
-        """The wait timeout for ``cap``: the plan's fill time; without a latency model, unchanged
-        unless a backlog builds (then the time to fill the cap at the arrival rate, within half the
-        SLO, since only a longer wait makes Ray's batches bigger). Inside [min_ms, max_ms]."""
+        """The wait timeout for ``cap``: the floor (``wait.min_ms``) where the wait would gather no
+        batch the load needs (``floors_wait``), else ``planned_wait``."""
+        if self.floors_wait(cap):
+            return self.spec.wait.min_ms / 1000.0
+        return self.planned_wait(cap, backlog)
+
+    def planned_wait(self, cap: int, backlog: bool = False) -> float:
+        """The wait for ``cap`` before the low-load floor: the plan's fill time; without a latency
+        model, unchanged unless a backlog builds (then the time to fill the cap at the arrival rate,
+        within half the SLO, since only a longer wait makes Ray's batches bigger), and a wait the
+        floor holds counts as ``wait.initial_ms`` (what it goes back to). Inside [min_ms, max_ms]."""
         lo, hi = self.spec.wait.min_ms / 1000.0, self.spec.wait.max_ms / 1000.0
         if self.plan is not None:
             w = self.plan.wait_s
@@ -107,8 +117,23 @@ class Inputs(NamedTuple):
             fill_s = max(0.0, cap - self.u) / self.units_per_s
             w = max(self.wait_s, min(fill_s, self.ctx.slo_ms / 2000.0))
         else:
-            w = self.wait_s
+            w = self.spec.wait.initial_s if self.at_floor() else self.wait_s
         return min(hi, max(lo, w))
+
+    def at_floor(self) -> bool:
+        """The replicas run the floor wait now (the low-load hysteresis' state)."""
+        return self.wait_s <= self.spec.wait.min_ms / 1000.0 + 1e-9
+
+    def gather(self, cap: int, wait_s: float) -> WaitGather:
+        """What a wait of ``wait_s`` with ``cap`` gathers per replica at this tick's rate."""
+        solo_ms = None if self.fit is None else self.fit.predict_ms(self.u)
+        rho_max = RHO_MAX.get(self.ctx.objective, 0.8)
+        return wait_gather(self.rate_rps / max(1, self.load.replicas), wait_s, cap / self.u, solo_ms, rho_max)
+
+    def floors_wait(self, cap: int) -> bool:
+        """The low-load floor holds for ``cap``: no backlog, and the planned wait gathers no batch
+        the load needs (``gpubroker.broker.control.low_load``, with its hysteresis)."""
+        return not self.backlog and self.gather(cap, self.planned_wait(cap)).floors(self.at_floor())
 
     def wanted_cap(self, new_cap: float) -> int:
         """The cap ``want`` asks for ``new_cap``: rounded, at least 1, grown no further than the plan's useful batch."""
@@ -367,6 +392,31 @@ def p95_low(s: Inputs) -> BatchWant | None:
     )
 
 
+def low_load(s: Inputs) -> BatchWant | None:
+    """The wait would gather no batch the load needs (fewer than one arrival expected in it, or a
+    cap of one request, with no backlog; ``gpubroker.broker.control.low_load``): it goes to the
+    floor, ``wait.min_ms``, with the cap the model rule asks (or the cap as it is). It answers the
+    tick the wait moves there; from then on every rule's wait stays at the floor
+    (``Inputs.wait_for``) until the load leaves it."""
+    if s.at_floor() or s.backlog:
+        return None
+    planned = model(s)
+    cap = s.cap if planned is None else planned.cap
+    wait_s = s.planned_wait(cap)
+    g = s.gather(cap, wait_s)
+    if wait_s <= s.spec.wait.min_ms / 1000.0 or not g.floors(at_floor=False):
+        return None
+    moved = f", cap {s.cap}->{cap}" if cap != s.cap else ""
+    return s.want(
+        cap,
+        Trigger.ARRIVAL_RATE_RPS,
+        s.rate_rps,
+        Rule.LOW_LOAD,
+        f"arrival_rate_rps {s.rate_rps:.2f}: {g.why(wait_s)}: wait {s.wait_s * 1000:.1f}->{s.spec.wait.min_ms:.1f} ms"
+        f"{moved}",
+    )
+
+
 def model(s: Inputs) -> BatchWant | None:
     """The latency model's plan, when cap or wait move by more than the (widened) dead band."""
     plan, fit = s.plan, s.fit
@@ -395,12 +445,15 @@ def model(s: Inputs) -> BatchWant | None:
         # (``s.want`` with the wait as it is: its own wait would be dropped.)
         reason = f"{head}wait held at {wait_s * 1000:.1f} ms (inside its dead band)"
         return BatchWant(wanted, wait_s, True, Trigger.ARRIVAL_RATE_RPS, float(s.rate_rps), Rule.MODEL, reason)
+    left = ""
+    if s.at_floor() and wait_new > wait_s:  # the low-load floor let go: say at what load
+        left = f" (off the low-load floor: {s.gather(wanted, wait_new).why(wait_new)})"
     return s.want(
         new,
         Trigger.ARRIVAL_RATE_RPS,
         s.rate_rps,
         Rule.MODEL,
-        f"{head}wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms",
+        f"{head}wait {wait_s * 1000:.1f}->{wait_new * 1000:.1f} ms{left}",
     )
 
 
@@ -435,10 +488,23 @@ RuleFn = Callable[[Inputs], "BatchWant | None"]
 # control.strategy -> its rules in precedence order (first answer wins). docs/RULES.md.
 RULE_SETS: dict[str, tuple[RuleFn, ...]] = {
     "static": (static,),
-    "queue": (emergency, idle, queue_high, queue_low, hold),
-    "aimd": (emergency, p95_queueing, p95_high, idle, p95_low, hold),
-    "model": (emergency, idle, model, hold),
-    "hybrid": (emergency, p95_queueing, p95_high, idle, sm_busy, queue_high, queue_low, sm_low, p95_low, model, hold),
+    "queue": (emergency, idle, queue_high, queue_low, low_load, hold),
+    "aimd": (emergency, p95_queueing, p95_high, idle, p95_low, low_load, hold),
+    "model": (emergency, idle, low_load, model, hold),
+    "hybrid": (
+        emergency,
+        p95_queueing,
+        p95_high,
+        idle,
+        sm_busy,
+        queue_high,
+        queue_low,
+        sm_low,
+        p95_low,
+        low_load,
+        model,
+        hold,
+    ),
 }
 # every rule in one precedence order (each set keeps this order): the rows of docs/RULES.md
 RULES: tuple[RuleFn, ...] = (
@@ -452,6 +518,7 @@ RULES: tuple[RuleFn, ...] = (
     queue_low,
     sm_low,
     p95_low,
+    low_load,
     model,
     hold,
 )

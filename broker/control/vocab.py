@@ -23,6 +23,7 @@ class Rule(StrEnum):
     QUEUE_HIGH = "queue_high"  # queue above the dead band's top: scale up in proportion
     QUEUE_LOW = "queue_low"  # queue below the dead band's bottom: scale down in proportion
     P95_LOW = "p95_low"  # P95 well under the cap with a backlog: grow by a step
+    LOW_LOAD = "low_load"  # too few arrivals for the wait to gather a batch: the wait goes to wait.min_ms
     MODEL = "model"  # the latency model's plan (L(b) = a + c*b and the arrival rate)
     HOLD = "hold"  # nothing to do: keep the cap (last row of every rule set)
     HELD = "held"  # anti-oscillation (gpubroker.broker.control.policy) held a change back: not a table row

@@ -37,7 +37,7 @@ models:
     model: profiled
     quota: {{min: 1GiB, base: 3GiB, max: 6GiB}}
     batch: {{floor: 2, ceiling: 128, initial: {initial}}}
-    wait: {{initial_ms: 0}}  # the lazy plan's wait at these loads: only the cap moves
+    wait: {{initial_ms: {wait_ms}}}  # 0: the lazy plan's wait at these loads: only the cap moves
     slo_p95_ms: {slo}
     control: {{strategy: {strategy}, min_samples: 20, idle_hold_s: 5}}
 """
@@ -75,11 +75,17 @@ def spread(lo: float, hi: float, n: int = 20) -> tuple[float, ...]:
 class Fleet:
     """One fake replica of model ``m`` reporting to a BrokerCore; the core ticks every second."""
 
-    def __init__(self, strategy: str = "hybrid", initial: int = 8, slo: float = 100.0, formation: str = "lazy") -> None:
+    def __init__(
+        self,
+        strategy: str = "hybrid",
+        initial: int = 8,
+        slo: float = 100.0,
+        formation: str = "lazy",
+        wait_ms: float = 0,
+    ) -> None:
         self.clock = HalfSteps()
-        self.core = BrokerCore(
-            CONFIG.format(strategy=strategy, initial=initial, slo=slo, formation=formation), clock=self.clock
-        )
+        config = CONFIG.format(strategy=strategy, initial=initial, slo=slo, formation=formation, wait_ms=wait_ms)
+        self.core = BrokerCore(config, clock=self.clock)
         self.seq = 0
         self.sample = 0
 
@@ -259,6 +265,42 @@ def test_p95_low_grows_by_a_step_with_work_waiting():
     e = only(f.run(1, Load(queue=12, latency_ms=spread(15, 25))))  # P95 25 < 0.6 x 50
     assert (e["rule"], e["trigger"]) == (Rule.P95_LOW, Trigger.P95_MS)
     assert f.cap() == 12
+
+
+def test_low_load_takes_the_wait_to_the_floor_when_it_gathers_nothing():
+    """SLO 400 ms: the lazy plan's wait is wait.max_ms (50 ms), so 2 req/s expect 0.1 arrivals
+    in it: the wait goes to wait.min_ms (0) at once, and the log says why."""
+    f = Fleet(slo=400, wait_ms=10)
+    e = only(f.run(1, Load(rate_rps=2.0, queue=0)))
+    assert (e["rule"], e["trigger"]) == (Rule.LOW_LOAD, Trigger.ARRIVAL_RATE_RPS)
+    assert "arrivals expected in a 50.0 ms wait" in e["reason"] and "wait 10.0->0.0 ms" in e["reason"]
+    assert f.settings().batch_wait_timeout_s == 0.0
+    assert f.run(3, Load(rate_rps=2.0, queue=0)) == []  # at the floor it stays: nothing to log
+
+
+def test_low_load_floor_has_a_hysteresis_band():
+    """Entered under 1 expected arrival, left at 2: with the 50 ms wait, 30 req/s (1.5 arrivals)
+    keeps the wait where it is, at the floor or at the plan, tick after tick."""
+    f = Fleet(slo=400, wait_ms=10)
+    f.run(1, Load(rate_rps=2.0, queue=0))
+    assert f.settings().batch_wait_timeout_s == 0.0
+    f.run(40, Load(rate_rps=30.0, queue=0))  # the window fills with 30/s: 1.5 arrivals, in the band
+    assert f.settings().batch_wait_timeout_s == 0.0  # the floor holds
+    left = [e for e in f.run(10, Load(rate_rps=60.0, queue=0)) if e["new"]["batch_wait_timeout_s"] > 0]  # 3: off it
+    assert left and left[0]["rule"] == Rule.MODEL and "off the low-load floor" in left[0]["reason"]
+    assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
+    f.run(40, Load(rate_rps=30.0, queue=0))  # back in the band: the plan's wait holds
+    assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
+    back = [e for e in f.run(40, Load(rate_rps=10.0, queue=0)) if e["rule"] == Rule.LOW_LOAD]  # 0.5: the floor
+    assert len(back) == 1 and f.settings().batch_wait_timeout_s == 0.0
+
+
+def test_low_load_leaves_a_busy_model_its_wait():
+    """At 400 req/s (20 arrivals in the wait) the plan keeps its wait: the rule never fires."""
+    f = Fleet(slo=400, wait_ms=10)
+    entries = f.run(3, Load(rate_rps=400.0, queue=0))
+    assert entries and all(e["rule"] != Rule.LOW_LOAD for e in entries)
+    assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
 
 
 # ------------------------------------------------------------------------------ strategies
