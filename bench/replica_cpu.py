@@ -24,6 +24,7 @@ from typing import Any
 from gpubroker.broker.core import BrokerCore
 from gpubroker.broker.wire import ModelSettings, StatsReport
 from gpubroker.deployments.replica.deployment import ModelReplica
+from gpubroker.quotas.config import parse_config_text
 
 MIB = 1024**2
 CONFIG = """
@@ -69,7 +70,7 @@ async def _replica(ckpt: Path) -> ModelReplica:
     handle = _Handle(BrokerCore(CONFIG, capacity_bytes=1024 * MIB, checkpoint=ckpt))
     r = ModelReplica.__new__(ModelReplica)
     r._broker_handle = lambda: handle  # type: ignore[method-assign]
-    await r.__init__("prof", CONFIG)
+    await r.__init__("prof", parse_config_text(CONFIG))
     r._report_task.cancel()
     return r
 

@@ -23,6 +23,14 @@ From a Ray Serve config file (``serve deploy configs/serve-demo.yaml``), one ent
 The broker actor must be running (``gpubroker.broker.actor.start_broker``) for settings to move;
 without it the replicas serve on their config's initial settings and keep retrying.
 ``build_app`` starts the broker itself when ``args["start_broker"]`` is true (the default).
+
+The config is parsed once on the serving side, where its text comes in: ``build_app`` and
+``build_model_app`` (``serve deploy``'s args), ``python -m`` (a user's file), and for
+``gpubroker up`` its caller (``gpubroker.deployments.cluster.fleet.deploy`` gets the loaded
+``FleetConfig``). Every deployment bound here gets the typed ``FleetConfig`` (a pydantic model: it
+pickles, Serve carries it to the replica), never the text. The text goes only where it is hashed
+or kept: each deployment's version (``gpubroker.deployments.serve.versions``) and the broker
+actor, which checkpoints it and compares it on ``apply``.
 """
 
 from __future__ import annotations
@@ -142,7 +150,7 @@ def model_deployment(
                 graceful_shutdown_timeout_s=5,
             )
             .options(version=version, _internal=True)  # Serve's own option; not settable otherwise
-            .bind(name, config_text, *args)
+            .bind(name, cfg, *args)  # the typed config; the version hashes its text (unchanged)
         )
 
     if plans is None:
@@ -162,7 +170,7 @@ def model_deployment(
             graceful_shutdown_timeout_s=5,  # the old one's calls to a group that is gone end then (explicit 503)
             **surge_options(),  # a new router (re-placed groups) is up before the old one stops
         )
-        .bind(name, config_text, groups, {p.card_id: p.num_replicas for p in plans})
+        .bind(name, cfg, groups, {p.card_id: p.num_replicas for p in plans})
     )
 
 
@@ -190,16 +198,15 @@ def with_job_modules(actor_options: dict[str, Any]) -> dict[str, Any]:
     return {**actor_options, "runtime_env": {**env, "py_modules": list(modules)}} if modules else actor_options
 
 
-def fleet_api(config_text: str, app_names: dict[str, str] | None = None, reconciler: Any = None) -> Application:
+def fleet_api(cfg: FleetConfig, app_names: dict[str, str] | None = None, reconciler: Any = None) -> Application:
     """The fleet API; ``app_names`` (model -> its Serve app; default: the default app names) are
     the apps its plan follower sets replica counts on (``gpubroker.deployments.serve.follow``); ``reconciler``
     (``gpubroker.deployments.serve.reconcile.ServeReconciler``): it also applies re-placements."""
     if app_names is None:
-        cfg = parse_config_text(config_text, "fleet api config")
         app_names = {n: model_app_name(n) for n, m in cfg.models.items() if m.kind != "llm"}
     return FleetApi.options(  # type: ignore[attr-defined]  # @serve.deployment made the class a Deployment
         name=INGRESS_NAME, ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}, max_ongoing_requests=1024
-    ).bind(config_text, app_names, reconciler)
+    ).bind(cfg, app_names, reconciler)
 
 
 def fleet_apps(
@@ -221,7 +228,7 @@ def fleet_apps(
         placement = place_fleet(cfg, cards)
     fleet_app, prefix = layout.fleet_app, layout.prefix
     scaled = {n: model_app_name(n, fleet_app) for n, m in cfg.models.items() if m.kind != "llm"}
-    apps = [ServeApp(fleet_app, prefix, fleet_api(config_text, scaled, reconciler))]
+    apps = [ServeApp(fleet_app, prefix, fleet_api(cfg, scaled, reconciler))]
     plans = None
     if placement is not None:
         from gpubroker.deployments.serve.placement_resources import deployment_plans
@@ -267,15 +274,15 @@ def run_fleet(apps: list[ServeApp], *, wait: bool = False, logging_config: dict[
 def build_app(args: dict[str, Any]) -> Application:
     """Serve builder of the fleet API app: ``{"config": path}`` or ``{"config_text": yaml}``."""
     text = config_text_from_args(args)
-    parse_config_text(text, str(args.get("config", "config_text")))
+    cfg = parse_config_text(text, str(args.get("config", "config_text")))
     if args.get("start_broker", True):
         import ray
 
         if ray.is_initialized():
             from gpubroker.broker.actor import start_broker
 
-            start_broker(text)
-    return fleet_api(text)
+            start_broker(text)  # the broker takes the text: it checkpoints it and hashes it for apply
+    return fleet_api(cfg)
 
 
 def build_model_app(args: dict[str, Any]) -> Application:
@@ -349,6 +356,7 @@ def serve_config(config_path: str, cfg: FleetConfig, fleet_app: str = FLEET_APP)
 if __name__ == "__main__":  # python -m gpubroker.deployments.app configs/demo.yaml > serve.yaml
     import yaml
 
+    # the user's file: an input, parsed here
     path = sys.argv[1] if len(sys.argv) > 1 else "configs/demo.yaml"
     doc = serve_config(path, parse_config_text(Path(path).read_text(encoding="utf-8"), path))
     sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))

@@ -98,7 +98,7 @@ def deploy(
     num_cpus = model_num_cpus or MODEL_NUM_CPUS
     # many cards: the fleet API applies the broker's re-placements to Serve (gpubroker.deployments.serve.follow)
     follow = (
-        ServeReconciler(config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=num_cpus)
+        ServeReconciler(cfg, config_text, cards=cards, fleet_app=APP_NAME, model_num_cpus=num_cpus)
         if cfg.gpus is not None
         else None
     )
@@ -507,7 +507,7 @@ def down_fleet(address: str | None, report: Callable[[str, Note], None]) -> None
         raise FleetError("no fleet is running (no state file, no --address, no RAY_ADDRESS); nothing to stop")
     cfg = None
     if state and state.get("config_text"):
-        try:
+        try:  # text read back from the state file ``up`` wrote: an input here, parsed once for teardown
             cfg = parse_config_text(state["config_text"])
         except ConfigError:
             cfg = None

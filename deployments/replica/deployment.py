@@ -59,7 +59,7 @@ from gpubroker.deployments.replica.oom import (
 )
 from gpubroker.deployments.replica.reclaim import ReplicaReclaim
 from gpubroker.deployments.replica.shed import HeldRequest, Late, LateShed, wait_items
-from gpubroker.quotas.config import FleetConfig, ModelSpec, parse_config_text
+from gpubroker.quotas.config import FleetConfig, ModelSpec
 
 logger = logging.getLogger("ray.serve")
 
@@ -91,14 +91,15 @@ def batch_failure_detail(model: str, exc: BaseException) -> str:
 class ModelReplica:
     """Serve deployment class; ``gpubroker.deployments.app`` binds one per model (named as the model)."""
 
-    async def __init__(self, model_name: str, config_text: str, card_id: str = "", card_replicas: int = 0):
-        """``card_id``/``card_replicas``: the card this replica's group was placed on and how many
-        replicas of the model share the model's grant there (``gpubroker.deployments.serve.placement_resources``);
-        empty/0 in a one-card fleet (all of the model's replicas share one grant)."""
+    async def __init__(self, model_name: str, cfg: FleetConfig, card_id: str = "", card_replicas: int = 0):
+        """``cfg``: the fleet config, parsed once by the app builder (``gpubroker.deployments.app``)
+        and passed typed. ``card_id``/``card_replicas``: the card this replica's group was placed on
+        and how many replicas of the model share the model's grant there
+        (``gpubroker.deployments.serve.placement_resources``); empty/0 in a one-card fleet (all of
+        the model's replicas share one grant)."""
         from ray import serve
 
         self._t0 = time.time()
-        cfg: FleetConfig = parse_config_text(config_text, "deployment config")
         if model_name not in cfg.models:
             raise ValueError(f"model '{model_name}' is not in the config; known: {', '.join(cfg.models)}")
         self.name = model_name

@@ -32,7 +32,7 @@ from gpubroker.broker.client import BrokerClient
 from gpubroker.broker.wire import CardHealth
 from gpubroker.deployments.serve.http_api import JSON_TYPE, HttpAnswer, answer_for
 from gpubroker.deployments.serve.http_model import read_infer_request
-from gpubroker.quotas.config import parse_config_text
+from gpubroker.quotas.config import FleetConfig
 
 BROKER_RPC_TIMEOUT_S = 10.0
 
@@ -50,8 +50,9 @@ def pick_group(in_flight: dict[str, int], replicas: dict[str, int], lost: frozen
 class CardRouter:
     """HTTP front of one model placed on several cards (Serve deployment, the app's ingress)."""
 
-    def __init__(self, model: str, config_text: str, groups: dict[str, Any], replicas: dict[str, int]):
-        cfg = parse_config_text(config_text, "card router config")
+    def __init__(self, model: str, cfg: FleetConfig, groups: dict[str, Any], replicas: dict[str, int]):
+        """``cfg``: the fleet config as the app builder parsed it (``gpubroker.deployments.app``);
+        ``groups``: card id -> that card's deployment; ``replicas``: card id -> its replicas."""
         self.name = model
         self.spec = cfg.models[model]
         self.retry_after_s = max(1, int(round(cfg.broker.control_interval_s)))

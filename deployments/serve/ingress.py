@@ -39,7 +39,7 @@ from gpubroker.broker.client import BrokerClient
 from gpubroker.deployments.serve.follow import PlanFollower, Reconciler, follow_loop
 from gpubroker.deployments.serve.http_api import llm_on_batch_route
 from gpubroker.deployments.serve.scaler import ReplicaScaler, ServeReplicaSetter
-from gpubroker.quotas.config import parse_config_text
+from gpubroker.quotas.config import FleetConfig
 
 api = FastAPI(title="gpubroker", description="Several Ray Serve models sharing one GPU.")
 
@@ -53,9 +53,10 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 @serve.deployment
 @serve.ingress(api)
 class FleetApi:
-    def __init__(self, config_text: str, app_names: dict[str, str] | None = None, reconciler: Reconciler | None = None):
-        """``reconciler``: re-placements to Serve (a fleet of many cards deployed by ``gpubroker up``)."""
-        self.cfg = parse_config_text(config_text, "fleet api config")
+    def __init__(self, cfg: FleetConfig, app_names: dict[str, str] | None = None, reconciler: Reconciler | None = None):
+        """``cfg``: the fleet config as the app builder parsed it (``gpubroker.deployments.app``);
+        ``reconciler``: re-placements to Serve (a fleet of many cards deployed by ``gpubroker up``)."""
+        self.cfg = cfg
         b = self.cfg.broker
         self.follower = PlanFollower(
             lambda: ray.get_actor(b.name, namespace=b.namespace),

@@ -76,9 +76,9 @@ def batch_methods(cls: type) -> dict[str, Callable[..., Any]]:
     }
 
 
-def model_spec(config_text: str, model: str, source: str) -> tuple[FleetConfig, ModelSpec]:
-    """The fleet config and its ``model``; a model it lacks is an error naming the ones it has."""
-    cfg = parse_config_text(config_text, source)
+def model_spec(cfg: FleetConfig, model: str, source: str) -> ModelSpec:
+    """The fleet config's ``model`` (``source``: where the config came from, for the error); a
+    model it lacks is an error naming the ones it has."""
     if model not in cfg.models:
         raise ValueError(
             f"gpubroker.managed('{model}'): {source} has no model '{model}' (models: {', '.join(cfg.models)}); "
@@ -90,7 +90,7 @@ def model_spec(config_text: str, model: str, source: str) -> tuple[FleetConfig, 
             f"gpubroker.managed('{model}'): models.{model} is kind: {spec.kind}; a Serve deployment under "
             "the broker is a batch model: write kind: batch"
         )
-    return cfg, spec
+    return spec
 
 
 def calibration_of(spec: ModelSpec, measured_weights_bytes: int) -> Calibration:
@@ -308,10 +308,12 @@ class ManagedReplica:
 
 @dataclass(frozen=True)
 class ManagedOptions:
-    """What the decorator fixed: the model's name, and the fleet config text (or where the broker is)."""
+    """What the decorator fixed: the model's name and the fleet config, typed (``cfg``) and as its
+    text (``config_text``, what a replica starts the broker with), or where the broker is."""
 
     model: str
     config_text: str | None
+    cfg: FleetConfig | None
     broker_name: str
     namespace: str
 
@@ -320,10 +322,9 @@ def _broker_and_config(opts: ManagedOptions) -> tuple[Any, str]:
     """The broker actor and its config text: started from ``config_text`` when none runs."""
     from gpubroker.broker.actor import get_broker, start_broker
 
-    if opts.config_text is not None:
-        cfg = parse_config_text(opts.config_text, "gpubroker.managed config")
+    if opts.config_text is not None and opts.cfg is not None:
         try:
-            handle = get_broker(cfg.broker.name, cfg.broker.namespace)
+            handle = get_broker(opts.cfg.broker.name, opts.cfg.broker.namespace)
         except ValueError:
             handle = start_broker(opts.config_text)  # get_if_exists: a replica starting beside us may win
     else:
@@ -374,7 +375,11 @@ async def start_replica(instance: Any, opts: ManagedOptions, methods: dict[str, 
     from gpubroker.deployments.replica.deployment import initial_settings
 
     handle, config_text = await asyncio.to_thread(_broker_and_config, opts)
-    cfg, spec = model_spec(config_text, opts.model, f"the broker's config for '{opts.model}'")
+    # The broker's config arrives as text from its actor (it may have been applied since the
+    # decorator read the file): an input, parsed here once for this replica.
+    source = f"the broker's config for '{opts.model}'"
+    cfg = parse_config_text(config_text, source)
+    spec = model_spec(cfg, opts.model, source)
     memory = await asyncio.to_thread(_Memory, cfg)
     limiter = make_limiter(memory.device, own_process=True)
     limiter.start()
@@ -424,9 +429,11 @@ def managed(
     if config is not None and config_text is not None:
         raise ValueError("gpubroker.managed: pass config (a path) or config_text, not both")
     text = config_text if config_text is not None else _read_config(config)
-    if text is not None:
-        model_spec(text, model, str(config or "config_text"))  # refuse a config without the model now
-    opts = ManagedOptions(model, text, broker, namespace)
+    cfg = None
+    if text is not None:  # the user's file (or text): parsed once here, the typed config travels with the class
+        cfg = parse_config_text(text, str(config or "config_text"))
+        model_spec(cfg, model, str(config or "config_text"))  # refuse a config without the model now
+    opts = ManagedOptions(model, text, cfg, broker, namespace)
 
     def wrap(cls: type) -> type:
         if not isinstance(cls, type):

@@ -18,8 +18,8 @@ One Serve deployment per (model, card) group: named ``<model>`` when the model i
 
 Call from ``gpubroker.deployments.app`` (this module builds the deployments, app.py wires the ingress)::
 
-    groups = bind_model_groups(cfg, config_text, model_num_cpus=MODEL_NUM_CPUS)
-    # gpus: auto: bind_model_groups(cfg, config_text, place_fleet(cfg, discover_cards()), ...)
+    groups = bind_model_groups(cfg, model_num_cpus=MODEL_NUM_CPUS)
+    # gpus: auto: bind_model_groups(cfg, place_fleet(cfg, discover_cards()), ...)
     # groups: {model: {card_id: bound deployment}}; route a model's requests over its groups
 """
 
@@ -158,7 +158,6 @@ def fleet_plans(
 
 def bind_model_groups(
     cfg: Any,
-    config_text: str,
     placement: Placement | None = None,
     *,
     model_num_cpus: float,
@@ -166,8 +165,8 @@ def bind_model_groups(
     use_card_resources: bool | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Bound Serve deployments, ``{model: {card_id: Application}}``, one per (model, card) group
-    (``fleet_plans``), with the options ``gpubroker.deployments.app.build_fleet`` gives a model today
-    (the queue bound per group)."""
+    (``fleet_plans``), with the options ``gpubroker.deployments.app.model_deployment`` gives a model
+    (the queue bound per group); each replica gets the typed ``cfg``."""
     from ray import serve
 
     if deployment_cls is None:
@@ -193,6 +192,6 @@ def bind_model_groups(
                 health_check_period_s=5,
                 graceful_shutdown_timeout_s=5,
             )
-            .bind(plan.model, config_text, plan.card_id if many else "", plan.num_replicas)
+            .bind(plan.model, cfg, plan.card_id if many else "", plan.num_replicas)
         )
     return out

@@ -65,7 +65,7 @@ from gpubroker.deployments.serve.placement_resources import (
     deployment_plans,
 )
 from gpubroker.quotas.cards import Card, CardDevice, fleet_cards
-from gpubroker.quotas.config import parse_config_text
+from gpubroker.quotas.config import FleetConfig
 from gpubroker.quotas.placement import Placement, place_fleet
 
 Groups = Mapping[str, Mapping[str, int]]  # model -> card id -> replicas (gpubroker.broker.wire.ServePlan.groups)
@@ -123,11 +123,14 @@ class ReconcileResult:
 class ServeReconciler:
     """Applies a plan's card groups to Serve (``__call__``) and reads which cards are alive (``alive_cards``).
 
-    Built where the fleet is deployed, with the same arguments as ``gpubroker.deployments.app.fleet_apps``;
-    picklable (the fleet API's replica receives it: ``gpubroker.deployments.serve.follow``)."""
+    Built where the fleet is deployed, with the same arguments as ``gpubroker.deployments.app.fleet_apps``
+    (``cfg`` typed, as the deployer parsed it; ``config_text`` its text, for the deployments' versions
+    only, so a group as deployed keeps its version); picklable (the fleet API's replica receives it:
+    ``gpubroker.deployments.serve.follow``)."""
 
     def __init__(
         self,
+        cfg: FleetConfig,
         config_text: str,
         *,
         cards: tuple[Card, ...] | None = None,
@@ -136,13 +139,14 @@ class ServeReconciler:
         model_num_cpus: float = MODEL_NUM_CPUS,
         model_cls: type = HttpModel,
     ) -> None:
+        self.cfg = cfg
         self.config_text = config_text
         self.cards = cards
         self.fleet_app = fleet_app
         self.prefix = prefix
         self.model_num_cpus = model_num_cpus
         self.model_cls = model_cls
-        self._cache: dict[str, Any] = {}  # config, deploy-time placement and plans, what Serve runs now
+        self._cache: dict[str, Any] = {}  # deploy-time placement and plans, what Serve runs now
 
     def __getstate__(self) -> dict[str, Any]:  # placements hold read-only mappings: rebuilt after unpickling
         return {k: v for k, v in self.__dict__.items() if k != "_cache"}
@@ -151,12 +155,6 @@ class ServeReconciler:
         self.__dict__.update(state, _cache={})
 
     # ---------------------------------------------------------------- pure parts
-    @property
-    def cfg(self) -> Any:
-        if "cfg" not in self._cache:
-            self._cache["cfg"] = parse_config_text(self.config_text, "reconcile config")
-        return self._cache["cfg"]
-
     def deployed(self) -> Placement:
         """The deploy-time placement (what ``fleet_apps`` deployed)."""
         if "deployed" not in self._cache:

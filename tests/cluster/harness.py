@@ -126,7 +126,7 @@ def deployed_fleet(
         broker = start_broker(config_text)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
-        rec = ServeReconciler(config_text, fleet_app=fleet_app, model_num_cpus=model_num_cpus) if follow else None
+        rec = ServeReconciler(cfg, config_text, fleet_app=fleet_app, model_num_cpus=model_num_cpus) if follow else None
         layout = AppLayout(fleet_app=fleet_app, model_num_cpus=model_num_cpus)
         apps = fleet_apps(cfg, config_text, layout, reconciler=rec)
         run_fleet(apps, wait=True)

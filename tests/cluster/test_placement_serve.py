@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 class WhereAmI:
     """Stands in for a model replica (same constructor args): says which node and card it runs on."""
 
-    def __init__(self, model: str, config_text: str, card_id: str = "", replicas_on_card: int = 1) -> None:
+    def __init__(self, model: str, cfg: object, card_id: str = "", replicas_on_card: int = 1) -> None:
         self.model = model
         self.card_id = card_id  # what bind_model_groups tells the replica (ModelReplica's signature)
 
@@ -49,7 +49,7 @@ def placed():
     cc = CardCluster(cfg)
     try:
         placement = place_fleet(cfg)
-        groups = bind_model_groups(cfg, "", placement, model_num_cpus=0.05, deployment_cls=WhereAmI)
+        groups = bind_model_groups(cfg, placement, model_num_cpus=0.05, deployment_cls=WhereAmI)
         serve.start(proxy_location="Disabled")
         serve.run(
             serve.deployment(Root).options(ray_actor_options={"num_cpus": 0}).bind(groups),

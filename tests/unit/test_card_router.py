@@ -7,7 +7,7 @@ import asyncio
 from starlette.requests import Request
 
 from gpubroker.deployments.serve.http_cards import CardRouter, pick_group
-from gpubroker.quotas.config import load_config
+from gpubroker.quotas.config import load_config, parse_config_text
 from gpubroker.quotas.placement import place_fleet
 
 
@@ -107,7 +107,7 @@ def test_a_request_waiting_on_a_card_that_is_lost_gets_an_explicit_503_and_the_n
         released = asyncio.Event()
         released.set()
         a0, b0 = _Group(released), _Group(None)  # b0 never answers: its node is gone
-        router = Router("mlp", text, {"a0": a0, "b0": b0}, {"a0": 1, "b0": 1})
+        router = Router("mlp", parse_config_text(text), {"a0": a0, "b0": b0}, {"a0": 1, "b0": 1})
         router.poll_s = 0.01
         first = await router.answer(_request())  # a0 (ties: the first card)
         assert first.status == 200 and a0.calls == 1
@@ -146,7 +146,7 @@ def test_a_silent_card_gets_no_new_request_while_another_card_reports():
         released = asyncio.Event()
         released.set()
         a0, b0 = _Group(released), _Group(released)
-        router = CardRouter("mlp", text, {"a0": a0, "b0": b0}, {"a0": 1, "b0": 1})
+        router = CardRouter("mlp", parse_config_text(text), {"a0": a0, "b0": b0}, {"a0": 1, "b0": 1})
         router._ensure_watch = lambda: None  # noqa: SLF001 - no broker here: health set by hand
         router.set_health(lost=[], silent=["a0", "x9"])  # x9: not one of this model's cards
         assert router.silent == frozenset({"a0"})

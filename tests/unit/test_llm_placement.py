@@ -95,7 +95,7 @@ def test_after_a_node_loss_only_the_moved_engine_changes():
     fb.observe_cards({"a0", "a1", "b0"})
     fb.observe_cards({"a0", "a1"})
     assert fb.placement.replicas["chat_b"] == ("a1",) and fb.placement.replicas["chat_c"] == ()
-    rec = ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)
+    rec = ServeReconciler(parse_config_text(CONFIG), CONFIG, fleet_app="t", model_num_cpus=0.05)
     apps, result = rec.apps_for(fb.plan().groups, fb.plan().unplaced)
     assert [a.name for a in apps] == ["t-openai"]  # mlp did not move: its app is not touched
     assert apps[0].route_prefix == "/openai"
@@ -118,7 +118,7 @@ def test_when_the_node_joins_again_the_moved_engine_stays_and_nothing_restarts()
     fb.enable_replacement()
     fb.observe_cards({"a0", "a1", "b0"})
     fb.observe_cards({"a0", "a1"})
-    rec = ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)
+    rec = ServeReconciler(parse_config_text(CONFIG), CONFIG, fleet_app="t", model_num_cpus=0.05)
     at_loss = _engines(rec.apps_for(fb.plan().groups, fb.plan().unplaced)[0][0].app)
     rec._cache["current"] = fb.plan().groups  # what __call__ records after deploying
     fb.observe_cards({"a0", "a1", "b0"})

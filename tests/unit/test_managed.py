@@ -21,6 +21,7 @@ from gpubroker.deployments.serve.managed import (
     calibration_of,
     model_spec,
 )
+from gpubroker.quotas.config import parse_config_text
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2
@@ -117,18 +118,18 @@ def test_a_config_without_the_model_is_refused_when_decorating():
 
 
 def test_calibration_comes_from_the_profile_or_the_measured_weights():
-    _, spec = model_spec(CONFIG, "scorer", "test")
+    spec = model_spec(parse_config_text(CONFIG), "scorer", "test")
     assert calibration_of(spec, 5 * MIB) == {
         "weights_bytes": 32 * MIB,
         "bytes_per_item": 8.0 * MIB,
         "cost_unit": "requests",
     }
-    _, other = model_spec(CONFIG, "other", "test")
+    other = model_spec(parse_config_text(CONFIG), "other", "test")
     assert calibration_of(other, 5 * MIB) == {"weights_bytes": 5 * MIB, "cost_unit": "requests"}
 
 
 def _replica(cls: type, link_handle, limiter: FakeLimiter) -> tuple[object, ManagedReplica]:
-    _, spec = model_spec(CONFIG, "scorer", "test")
+    spec = model_spec(parse_config_text(CONFIG), "scorer", "test")
     settings = ModelSettings("scorer", 0, 4, 0.05, spec.quota.base)
     link = BrokerLink("scorer", "r1", lambda: link_handle, rpc_timeout_s=5.0)
     state = ManagedReplica(
@@ -182,7 +183,7 @@ def test_a_report_round_trip_with_the_broker(tmp_path):
 
     async def run():
         instance, state = _replica(cls, CoreLink(core), limiter)
-        _, spec = model_spec(CONFIG, "scorer", "test")
+        spec = model_spec(parse_config_text(CONFIG), "scorer", "test")
         cal = calibration_of(spec, 0)
         await asyncio.gather(*(instance.score(1.0) for i in range(6)))
         return await state.report_once(cal), state

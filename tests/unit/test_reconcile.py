@@ -16,6 +16,7 @@ from gpubroker.deployments.app import deployment_version
 from gpubroker.deployments.cluster.fleet import proxy_location
 from gpubroker.deployments.serve.placement_resources import NODE_LABEL, card_resource
 from gpubroker.deployments.serve.reconcile import ServeReconciler, moved_actor_options
+from gpubroker.quotas.config import parse_config_text
 from tests.unit.test_fleet_replace import CONFIG
 
 
@@ -29,7 +30,7 @@ def _after_loss():
 
 def test_a_kept_group_is_as_deployed_and_a_moved_one_is_pinned_by_node_label():
     fb = _after_loss()
-    rec = ServeReconciler(CONFIG, model_num_cpus=0.05)
+    rec = ServeReconciler(parse_config_text(CONFIG), CONFIG, model_num_cpus=0.05)
     plans, router = rec.plans_for("spread", fb.plan().groups)
     assert router and [p.name for p in plans] == ["spread@a0", "spread@a1"]
     kept, moved = plans
@@ -42,7 +43,9 @@ def test_a_kept_group_is_as_deployed_and_a_moved_one_is_pinned_by_node_label():
 
 def test_only_changed_models_are_redeployed_and_an_unplaced_one_gets_the_stand_in():
     fb = _after_loss()
-    rec = pickle.loads(pickle.dumps(ServeReconciler(CONFIG, fleet_app="t", model_num_cpus=0.05)))
+    rec = pickle.loads(
+        pickle.dumps(ServeReconciler(parse_config_text(CONFIG), CONFIG, fleet_app="t", model_num_cpus=0.05))
+    )
     plan = fb.plan()
     apps, result = rec.apps_for(plan.groups, plan.unplaced)
     assert [a.name for a in apps] == ["t-spread", "t-west"]  # solo did not move

@@ -15,6 +15,7 @@ import json
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.models import InputError, OutputCountError
 from gpubroker.deployments.replica.deployment import ModelReplica, batch_failure_detail
+from gpubroker.quotas.config import parse_config_text
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2
@@ -61,7 +62,7 @@ async def _replica(monkeypatch, tmp_path) -> ModelReplica:
 
     monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
     r = ModelReplica.__new__(ModelReplica)
-    await r.__init__("picky", CONFIG)
+    await r.__init__("picky", parse_config_text(CONFIG))
     r._report_task.cancel()
     return r
 

@@ -18,6 +18,7 @@ import pytest
 
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.replica.deployment import HELD_RESTART_T, ModelReplica
+from gpubroker.quotas.config import parse_config_text
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2
@@ -93,7 +94,7 @@ async def _replica(monkeypatch, tmp_path, used_bytes: list[int]) -> tuple[Broker
     GateModel.started.clear()
     GateModel.release.clear()
     r = ModelReplica.__new__(ModelReplica)
-    await r.__init__("held", CONFIG)
+    await r.__init__("held", parse_config_text(CONFIG))
     r._report_task.cancel()
     limiter = FakeLimiter()
     r.limiter = limiter

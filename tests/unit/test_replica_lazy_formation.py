@@ -14,6 +14,7 @@ import asyncio
 
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.replica.deployment import ModelReplica
+from gpubroker.quotas.config import parse_config_text
 from tests.chaos.harness import CoreLink
 from tests.unit.test_reliability_replica import count_predicts
 
@@ -43,7 +44,7 @@ async def _replica(text: str, monkeypatch, ckpt) -> tuple[ModelReplica, list[int
 
     monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
     r = ModelReplica.__new__(ModelReplica)
-    await r.__init__("prof", text)
+    await r.__init__("prof", parse_config_text(text))
     r._report_task.cancel()
     return r, count_predicts(r)
 

@@ -15,6 +15,7 @@ import asyncio
 from gpubroker.broker.core import BrokerCore
 from gpubroker.deployments.models import EmulatedOOM
 from gpubroker.deployments.replica.deployment import ModelReplica
+from gpubroker.quotas.config import parse_config_text
 from tests.chaos.harness import CoreLink
 
 MIB = 1024**2
@@ -57,7 +58,7 @@ async def _replica(monkeypatch, tmp_path) -> tuple[BrokerCore, ModelReplica]:
 
     monkeypatch.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
     r = ModelReplica.__new__(ModelReplica)
-    await r.__init__("budget", CONFIG)
+    await r.__init__("budget", parse_config_text(CONFIG))
     r._report_task.cancel()
     return core, r
 

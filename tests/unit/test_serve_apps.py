@@ -62,3 +62,21 @@ def test_changing_the_proxy_limit_by_apply_says_it_takes_the_next_up():
     old = load_config(ROOT / "configs/demo.yaml")
     new = parse_config_text(text.replace("  http_port: 8000", "  http_port: 8000\n  proxy_timeout_s: 45"), "t")
     assert next_up_notes(old, new) == ["broker.proxy_timeout_s takes effect on the next `gpubroker up`"]
+
+
+def test_the_builders_parse_the_text_once_and_bind_the_typed_config():
+    """``serve deploy``'s builders parse the YAML they are given; the deployments they bind get the
+    typed ``FleetConfig`` (Serve pickles it to the replica), never the text."""
+    import cloudpickle
+
+    from gpubroker.deployments.app import build_app, build_model_app
+    from gpubroker.quotas.config import FleetConfig
+
+    text = (ROOT / "configs/demo.yaml").read_text()
+    fleet = build_app({"config_text": text, "start_broker": False})._bound_deployment  # noqa: SLF001
+    model = build_model_app({"config_text": text, "model": "mlp"})._bound_deployment  # noqa: SLF001
+    assert isinstance(fleet.init_args[0], FleetConfig) and model.init_args[:1] == ("mlp",)
+    cfg = model.init_args[1]
+    assert isinstance(cfg, FleetConfig) and cfg == parse_config_text(text, "t")
+    carried = cloudpickle.loads(cloudpickle.dumps(model.init_args))
+    assert carried[1] == cfg and carried[1].config_hash() == cfg.config_hash()
