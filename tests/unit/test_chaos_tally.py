@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -47,6 +48,19 @@ def test_each_rule_names_its_answer(answer, body, rule, verdict, key):
 
 def test_every_rule_has_an_example():
     assert {r for r, _, _ in RULES} == {e[2] for e in EXAMPLES}
+
+
+def test_the_docs_table_names_every_rule():
+    """docs/RELIABILITY.md is the readers' copy of RULES: each name in it, in the same order."""
+    from tests.chaos.harness import ROOT
+
+    doc = (ROOT / "docs" / "RELIABILITY.md").read_text(encoding="utf-8")
+    table = doc[doc.index("| what came back |") : doc.index("The choices, and why")]
+    named = [r for r, _, _ in RULES if r is not Rule.OUTPUT]  # answered: named by its status (`200`)
+    found = [re.search(rf"`(\d{{3}} |<status> )?{re.escape(str(r))}`", table) for r in named]
+    assert all(found), [str(r) for r, m in zip(named, found, strict=True) if m is None]
+    places = [m.start() for m in found if m is not None]
+    assert places == sorted(places), "docs/RELIABILITY.md lists the rules in another order than RULES"
 
 
 def test_a_5xx_without_gpubrokers_body_is_lost_with_one_a_refusal():
