@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv venv-vllm test-llm lint prometheus test test-fast test-integration test-matrix chaos chaos-llm demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
+.PHONY: venv venv-vllm test-llm lint prometheus test test-fast test-integration test-install test-matrix chaos chaos-llm demo bench bench-quick bench-setup bench-peer-venv gpu-check clean
 
 # One pinned, tested set (constraints/test.txt) inside pyproject.toml's ranges; `make test-matrix`
 # tries the ranges' ends. torch first: 2.13.0 is the CPU build this machine keeps on disk.
@@ -89,6 +89,13 @@ test-matrix:
 
 test-integration: $(STAMP)
 	$(PY) -m pytest -q -m "integration and not slow" tests/integration
+
+# The README's install lines as written, in a fresh venv outside the clone: pip resolves every
+# dependency of the wheel (Ray, transformers...; torch is this machine's CPU build), then the
+# quickstart's first steps. `make test` runs the same lines with the test venv's packages
+# (tests/integration/test_install.py says how); `make chaos` runs this one too.
+test-install: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/integration/test_install.py
 
 # Faults, overload, bad input: the fast reliability unit tests; every slow/integration test, each
 # test file in a pytest process of its own (one module's crash or stuck Ray session cannot end

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from gpubroker.broker.wire import DecisionRecord
+from gpubroker.cli.demo import DEMO_HELP, config_or_demo
 from gpubroker.cli.live import follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import describe_decision, err_console, fleet_view, print_config_error, status_table
 from gpubroker.deployments.cluster import fleet, fleet_client
@@ -32,7 +33,6 @@ from gpubroker.quotas.config_errors import did_you_mean
 console = Console()
 if not console.is_terminal:  # logs and pipes: wide enough for the status table
     console = Console(width=170)
-DEFAULT_CONFIG = Path("configs/demo.yaml")
 
 
 def _fail(exc: Exception) -> NoReturn:
@@ -111,7 +111,10 @@ def up_with_progress(cfg: FleetConfig, text: str, source: str, opts: UpOptions |
 
 
 def up(
-    config: Path = typer.Argument(DEFAULT_CONFIG, help="Fleet config YAML (default configs/demo.yaml)."),
+    config: Path | None = typer.Argument(
+        None, help="Fleet config YAML (default: the demo fleet shipped in the package, as --demo)."
+    ),
+    demo: bool = typer.Option(False, "--demo", help=DEMO_HELP),
     address: str = typer.Option(
         None, "--address", help="Ray cluster to use; default RAY_ADDRESS, else start a local one."
     ),
@@ -130,6 +133,7 @@ def up(
 
     Run it from your project's directory: a model `mypkg.models:MyModel` is imported from there,
     and `mypkg/` is shipped to the replicas."""
+    config = config_or_demo(config, demo, default_demo=True)
     try:
         text = config.read_text(encoding="utf-8")
         cfg = load_config(config)

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from gpubroker import __version__
-from gpubroker.cli import calibrate, fleet, simulate
+from gpubroker.cli import calibrate, demo, fleet, simulate
 from gpubroker.cli.views import budget_table, config_table, placement_table, print_config_error
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue
@@ -65,7 +65,8 @@ def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[l
 
 @app.command()
 def validate(
-    config: Path = typer.Argument(..., metavar="CONFIG", help="Fleet config YAML to check."),
+    config: Path | None = typer.Argument(None, metavar="CONFIG", help="Fleet config YAML to check."),
+    demo_fleet: bool = typer.Option(False, "--demo", help=demo.DEMO_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result instead of a table."),
     explain: bool = typer.Option(
         False,
@@ -84,6 +85,7 @@ def validate(
 
     Beyond the file, each model class is imported and built with its options in a child process
     (no Ray), from the current directory as `gpubroker up` runs it."""
+    config = demo.config_or_demo(config, demo_fleet, default_demo=False)
     try:
         cfg = load_config(config)
         issues, warnings, llm_checked = _deep_issues(cfg, no_import, import_timeout_s)
@@ -150,3 +152,4 @@ app.command(name="apply")(fleet.apply)
 app.command(name="decisions")(fleet.decisions)
 app.command(name="logs")(fleet.logs)
 app.command(name="down")(fleet.down)
+app.command(name="demo-config")(demo.demo_config)

@@ -36,7 +36,7 @@ def _source_copy(dest: Path) -> Path:
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, dest / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("gpubroker", "broker", "deployments", "quotas"):
+    for name in ("gpubroker", "broker", "deployments", "quotas", "configs"):  # gpubroker/demo links into configs/
         shutil.copytree(ROOT / name, dest / name, symlinks=True, ignore=skip)
     return dest
 
