@@ -101,7 +101,8 @@ test-install: $(STAMP)
 # test file in a pytest process of its own (one module's crash or stuck Ray session cannot end
 # the others silently; a file with no such tests exits 5); the slow cluster tests; an LLM
 # engine's node lost (chaos-llm, in .venv-vllm); then the table (faults injected/survived;
-# requests sent/answered/rejected/lost) and what failed (listed in CHAOS_FAILED as it goes).
+# requests sent = answered + refused + lost, docs/RELIABILITY.md; a row that does not add up
+# fails it) and what failed (listed in CHAOS_FAILED as it goes).
 # chaos-llm is a make of its own on a line of its own, so `make -n chaos` only prints the rest.
 # GPUBROKER_SOAK_S shortens the 10-minute soak.
 CHAOS_RESULTS ?= bench/out/chaos-results.jsonl
