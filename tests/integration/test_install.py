@@ -47,11 +47,19 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "gpubroker", "broker", "deployments", "quotas", "configs")
 
 
-def install_lines() -> list[str]:
-    """The README's install block (the ```bash block whose first line is ``pip wheel``), one command a line."""
-    blocks = re.findall(r"```bash\n(pip wheel .*?)```", README, re.S)
-    assert len(blocks) == 1, "README: expected one ```bash block starting `pip wheel` (the install lines)"
+def install_lines(text: str = README) -> list[str]:
+    """The install block (the ```bash block whose first line is ``pip wheel``), one command a line."""
+    blocks = re.findall(r"```bash\n(pip wheel .*?)```", text, re.S)
+    assert len(blocks) == 1, "expected one ```bash block starting `pip wheel` (the install lines)"
     return [line for line in blocks[0].splitlines() if line.strip()]
+
+
+def test_the_docs_show_the_readmes_install_lines_and_name_this_version():
+    ops = install_lines((ROOT / "docs" / "operations.md").read_text(encoding="utf-8"))
+    assert ops == [line.partition("  #")[0].rstrip() for line in install_lines()]
+    for doc in ("README.md", "docs/operations.md", "docs/llm.md"):
+        named = set(re.findall(r"gpubroker-([^-\s]+)-py3-none-any\.whl", (ROOT / doc).read_text(encoding="utf-8")))
+        assert named == {gpubroker.__version__}, f"{doc} names the wheel of version(s) {named}"
 
 
 def _source_copy(dest: Path) -> None:
