@@ -128,7 +128,8 @@ class Inputs(NamedTuple):
         """What a wait of ``wait_s`` with ``cap`` gathers per replica at this tick's rate."""
         solo_ms = None if self.fit is None else self.fit.predict_ms(self.u)
         rho_max = RHO_MAX.get(self.ctx.objective, 0.8)
-        return wait_gather(self.rate_rps / max(1, self.load.replicas), wait_s, cap / self.u, solo_ms, rho_max)
+        rate = self.rate_rps / max(1, self.load.replicas)
+        return wait_gather(rate, wait_s, cap / self.u, solo_ms, rho_max, self.gpu.sm_util_frac)
 
     def floors_wait(self, cap: int) -> bool:
         """The low-load floor holds for ``cap``: no backlog, and the planned wait gathers no batch

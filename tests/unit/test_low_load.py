@@ -65,6 +65,17 @@ def test_a_load_that_needs_batching_keeps_its_wait():
     assert floors(20.0, 10.0, at_floor=False, solo_ms=20.0)  # 0.4 busy: entered
 
 
+def test_a_busy_card_keeps_the_wait():
+    """The fixed cost a wait saves is card time its neighbours share: on a card busy over half the
+    ceiling the floor is not entered, and at the ceiling it is left, whatever this model's own rate."""
+    g = wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, card_util=0.6)
+    assert g.arrivals < ENTER_ARRIVALS and not g.floors(at_floor=False)
+    assert g.floors(at_floor=True)  # 0.6 is inside the band: a wait at the floor stays there
+    assert not wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, card_util=0.95).floors(at_floor=True)
+    assert wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, card_util=0.3).floors(at_floor=False)
+    assert "card 30% busy" in wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, card_util=0.3).why(0.010)
+
+
 def test_without_a_latency_model_the_arrivals_decide():
     assert floors(10.0, 10.0, at_floor=False, solo_ms=None)
     assert not floors(300.0, 10.0, at_floor=False, solo_ms=None)
