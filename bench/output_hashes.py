@@ -135,7 +135,7 @@ class _FakeEngine:
         return sum(n for start, end, n in LLM_BURSTS[self.name] if start <= t_s < end)
 
     def report(self, t_s: float, now_s: float) -> Any:
-        from gpubroker.broker.wire import StatsReport
+        from gpubroker.broker.wire import EngineReport, StatsReport
 
         new = self.arrivals(t_s)
         self.queue += new
@@ -198,7 +198,7 @@ class _FakeEngine:
             mem_used_bytes=used,
             mem_peak_bytes=used,
             settings_version=self.settings.version,
-            engine=engine,  # type: ignore[arg-type]
+            engine=EngineReport(**engine),
         )
 
     def follow(self, settings: Any) -> None:

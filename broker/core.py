@@ -28,10 +28,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -50,7 +50,18 @@ from gpubroker.broker.control.types import FleetDecision, FleetSnapshot, GpuLoad
 from gpubroker.broker.control.vocab import EntryKind
 from gpubroker.broker.control.window import ReportWindow
 from gpubroker.broker.metrics import BrokerMetrics, NullMetrics
-from gpubroker.broker.wire import BrokerStatus, DecisionRecord, ModelSettings, ModelStatus, StatsReport, TickResult
+from gpubroker.broker.wire import (
+    ApplyResult,
+    BrokerStatus,
+    Calibration,
+    CardCheckpoint,
+    DecisionRecord,
+    ModelSettings,
+    ModelStatus,
+    RejectionsCounted,
+    StatsReport,
+    TickResult,
+)
 from gpubroker.quotas.config import ConfigError, FleetConfig, parse_config_text
 from gpubroker.quotas.holding import holding_problems
 from gpubroker.quotas.sizes import format_size
@@ -222,9 +233,9 @@ class BrokerCore:
         return True
 
     # ---------------------------------------------------------------- replica RPCs
-    def register(self, model: str, replica_id: str, calibration: dict[str, Any] | None) -> ModelSettings:
+    def register(self, model: str, replica_id: str, calibration: Calibration | None) -> ModelSettings:
         self._require_model(model)
-        cal = calibration or {}
+        cal: Calibration = calibration or {}
         weights = cal.get("weights_bytes")
         per_unit = cal.get("bytes_per_unit", cal.get("bytes_per_item"))
         if weights is not None and per_unit is not None:
@@ -266,11 +277,11 @@ class BrokerCore:
         ev["oom_splits"] += rep.oom_splits
         return self._settings[rep.model]
 
-    def report_rejections(self, counts: dict[str, int]) -> dict[str, Any]:
+    def report_rejections(self, counts: Mapping[str, int]) -> RejectionsCounted:
         """Rejections the ingress made itself (Serve's queue full, a replica gone): counted like a
         replica's own in status, the window and the metrics. Unknown models are ignored."""
         now = self._clock()
-        taken = {}
+        taken: dict[str, int] = {}
         for model, n in counts.items():
             if model not in self._cfg.models or int(n) <= 0:
                 continue
@@ -373,9 +384,9 @@ class BrokerCore:
             self._log_event(EntryKind.INVARIANT, problem)
 
     # ---------------------------------------------------------------- decision log
-    def _append(self, entry: dict[str, Any], line: str) -> None:
+    def _append(self, entry: DecisionRecord, line: str) -> None:
         if self.card_id:
-            entry = {**entry, "card": self.card_id}
+            entry = cast(DecisionRecord, {**entry, "card": self.card_id})
         self._log.append(entry, line)
 
     def _log_event(self, kind: EntryKind, message: str, model: str | None = None) -> None:
@@ -385,13 +396,13 @@ class BrokerCore:
         return self._log.since(model, since_seq)
 
     # ---------------------------------------------------------------- apply
-    def apply(self, config_text: str) -> dict[str, Any]:
+    def apply(self, config_text: str) -> ApplyResult:
         """``_apply`` and the reload metrics (success, time, failures, config hash in force)."""
         out = self._apply(config_text)
         self.metrics.observe_reload(bool(out["ok"]), str(out["config_hash"]))
         return out
 
-    def _apply(self, config_text: str) -> dict[str, Any]:
+    def _apply(self, config_text: str) -> ApplyResult:
         """Validate and swap in a new config; on any problem the running one stays."""
         old_hash = self._config_hash
         try:
@@ -431,7 +442,7 @@ class BrokerCore:
         return {"ok": True, "config_hash": self._config_hash, "issues": [], "notes": notes}
 
     # ---------------------------------------------------------------- checkpoint
-    def checkpoint_now(self) -> dict[str, Any]:
+    def checkpoint_now(self) -> CardCheckpoint:
         if self._checkpoint is None:
             return {"ok": False, "path": None}
         ckpt = Checkpoint(
@@ -513,8 +524,8 @@ class BrokerCore:
                 memory["fixed_bytes"],
             )
             if spec.kind == "llm":  # "engine": bounds, TTFT/TPOT, KV blocks (gpubroker.broker.control.llm_window)
-                llm = engine_status(self._engines, name, spec, self._state.engines.get(name), now)
-                models[name]["kind"], models[name]["engine"] = llm["kind"], llm["engine"]
+                models[name]["kind"] = "llm"
+                models[name]["engine"] = engine_status(self._engines, name, spec, self._state.engines.get(name), now)
             if enforcement := self._enforcement_of(name, seen, now):  # absent until a replica said
                 models[name]["enforcement"] = enforcement
         gpu = snap.gpu if snap is not None else None

@@ -153,7 +153,7 @@ class FleetBroker:
         known[replica_id] = calibration  # replayed on a rebuilt core (re-placement)
         while len(known) > 16:
             known.pop(next(iter(known)))
-        return core.register(model, replica_id, None if calibration is None else dict(calibration))
+        return core.register(model, replica_id, calibration)
 
     def report(self, report: StatsReport) -> ModelSettings:
         """One replica's delta to its card's core (by the card it says it runs on); its settings back."""
@@ -262,7 +262,7 @@ class FleetBroker:
 
     def _event(self, reason: str, model: str | None = None, kind: str = FleetEntry.CARD, **extra: Any) -> None:
         entry = {"kind": kind, "time_s": self._clock(), "model": model, "reason": reason, **extra}
-        self.log.append(entry, f"[{kind}] {reason}")
+        self.log.append(cast(DecisionRecord, entry), f"[{kind}] {reason}")
 
     def observe_cards(self, alive: Iterable[str]) -> bool:
         """The cards whose node is in the Ray cluster now (the reconciler reads Ray's resources).
@@ -302,7 +302,7 @@ class FleetBroker:
             for (card, model), known in self._registered.items():
                 if card == cid and model in core.config.models:
                     for rid, cal in known.items():  # the replicas already there keep their calibration
-                        core.register(model, rid, None if cal is None else dict(cal))
+                        core.register(model, rid, cal)
         self.placement_version += 1
         if self._placement_path is not None:
             write_placement(self._placement_path, rep.placement, self.lost, self.placement_version, self._launch_hash)
@@ -340,7 +340,7 @@ class FleetBroker:
 
         if self.single:  # one card: the core's own checks and messages (a model added, a field that needs up)
             core = next(iter(self.cores.values()))
-            out = core.apply(config_text)
+            out: dict[str, Any] = dict(core.apply(config_text))
             if out["ok"]:
                 self._cfg, self._text, self._source = core.config, config_text, config_text
             out["_counted"] = True
@@ -364,7 +364,7 @@ class FleetBroker:
                 ],
             }
         if self.single:
-            out = next(iter(self.cores.values())).apply(config_text)
+            out = dict(next(iter(self.cores.values())).apply(config_text))
             out["_counted"] = True
         else:
             old_cfg, old_text = self._cfg, self._text
@@ -393,7 +393,7 @@ class FleetBroker:
 
     def checkpoint_now(self) -> dict[str, CardCheckpoint]:
         """Every card's state saved now: card id -> where it went."""
-        out = {cid: cast(CardCheckpoint, core.checkpoint_now()) for cid, core in self.cores.items()}
+        out = {cid: core.checkpoint_now() for cid, core in self.cores.items()}
         self._store.save(self.cores)
         return out
 

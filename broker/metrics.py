@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from gpubroker.broker.control.types import FleetDecision
-from gpubroker.broker.wire import StatsReport
+from gpubroker.broker.wire import EngineReport, StatsReport
 
 logger = logging.getLogger("gpubroker.metrics")
 
@@ -383,10 +383,10 @@ class BrokerMetrics:
         if report.engine is not None:
             self._observe_engine_counts(report.model, report.replica_id, report.engine)
 
-    def _observe_engine_counts(self, model: str, replica_id: str, engine: Mapping[str, Any]) -> None:
+    def _observe_engine_counts(self, model: str, replica_id: str, engine: EngineReport) -> None:
         """An engine reports counts since it started: the counters take what grew since the
         replica's last report (all of it from a replica not seen before or an engine restarted)."""
-        now = tuple(int(engine.get(key) or 0) for _, key in ENGINE_COUNTERS)
+        now = tuple(int(getattr(engine, key) or 0) for _, key in ENGINE_COUNTERS)
         before = self._engine_seen.get((model, replica_id), (0,) * len(now))
         for (name, _), n, b in zip(ENGINE_COUNTERS, now, before):
             self._child(name, model, self.gpu).inc(n - b if n >= b else n)

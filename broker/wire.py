@@ -1,8 +1,8 @@
 r"""The wire: what crosses the Ray boundary between replicas, the Serve side and the broker.
 
-A replica sends a ``StatsReport`` (one delta per report interval) and gets its ``ModelSettings``
-back in the same round trip; the Serve side pulls the ``ServePlan`` (replica targets and
-re-placement); ``BrokerApi`` names every broker method with these types as its parameters and
+A replica sends a ``StatsReport`` (one delta per report interval; an LLM replica's carries its
+engine's ``EngineReport``) and gets its ``ModelSettings`` back in the same round trip; the Serve
+side pulls the ``ServePlan`` (replica targets and re-placement); ``BrokerApi`` names every broker method with these types as its parameters and
 results. Plain data crosses Ray only at one conversion on each side: the actor
 (``gpubroker.broker.actor.BrokerActor``) and the callers' client (``gpubroker.broker.client.BrokerClient``),
 both with the ``to_dict``/``from_dict`` below. The replies that are plain data already (status,
@@ -32,7 +32,7 @@ class WireError(ValueError):
     """Plain data that does not make the wire type it should (a required field missing)."""
 
 
-def known_fields(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+def _known_fields(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     """The fields of ``data`` that the dataclass ``cls`` has; every other one is dropped and logged
     (once per type and name). Raises ``WireError`` naming a required field that ``data`` lacks."""
     own = fields(cls)
@@ -55,61 +55,115 @@ def known_fields(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k in names}
 
 
-class EngineReport(TypedDict, total=False):
+@dataclass(frozen=True)
+class EngineReport:
     """A continuous-batching engine's stats in a report (``gpubroker.deployments.llm.server.engine_report``):
     the engine's counters and bounds, TTFT/TPOT percentiles of recent completions, its cache and
-    ceilings. What ``gpubroker.broker.control.llm_window`` reads; plain data over Ray, as a TypedDict is."""
+    ceilings; what the LLM kind's rules (``gpubroker.broker.control.llm_rules.load_from_report``,
+    ``rule_config_for``), the engine window and the metrics read. It crosses Ray inside
+    ``StatsReport`` as plain data (``to_dict``/``from_dict``, unknown fields dropped and logged). The
+    fields without a default are those the rules cannot do without (the load and the cache's geometry
+    and ceilings); the others default to "nothing counted yet"."""
 
-    model: str  # model name
     running: int  # sequences admitted to the engine and not finished
     waiting: int  # sequences held by the admission layer
-    engine_running: int  # sequences the engine's own scheduler runs
-    engine_waiting: int  # sequences the engine's own scheduler holds waiting
-    max_num_seqs: int  # bound in force
-    max_batched_tokens: int  # bound in force
-    prefill_paused: bool  # squeeze in force
     kv_blocks_total: int  # blocks in the KV cache now
-    kv_blocks_used: int  # blocks holding KV entries now
     kv_blocks_reserved: int  # blocks the admission layer reserved
-    kv_blocks_target: int  # cache size asked for (differs from total until the next rebuild)
-    kv_blocks_free: int  # total - used
     kv_block_tokens: int  # tokens per block
     kv_block_bytes: int  # bytes per block (all layers, K and V)
-    kv_usage_frac: float  # the engine's KV cache usage, 0..1
-    kv_cache_bytes: int  # the cache in bytes
-    preemptions: int  # sequences evicted and recomputed (cumulative)
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
-    prefix_cache_hits: int  # of them, found (cumulative)
-    tokens_in: int  # prompt tokens of admitted sequences (cumulative)
-    tokens_out: int  # generated tokens (cumulative)
-    finished: int  # sequences ended by stop or length (cumulative)
-    cancelled: int  # sequences cancelled (cumulative)
-    failed: int  # sequences the engine failed (cumulative)
-    shed: int  # sequences refused unstarted after waiting past max_queue_wait_ms (cumulative)
-    rebuilds: int  # KV cache resizes (engine restarts between drains)
-    last_restart_s: float  # the last resize's shutdown + start
-    restart_s_total: float  # every resize's shutdown + start, summed
-    prefill_s: float  # sequence-seconds from admission to first token
-    decode_s: float  # sequence-seconds from first to last token
-    prefill_time_frac: float  # prefill's share of the engine's time
-    seq_tokens_mean: float  # mean prompt + output tokens of recent completions
-    seq_tokens: int | None  # what a sequence holds in the cache, rounded up (None: not known yet)
-    samples: int  # completions behind the percentiles
-    ttft_p50_ms: float | None  # time to first token, percentiles of recent completions
-    ttft_p95_ms: float | None
-    ttft_p99_ms: float | None
-    tpot_p50_ms: float | None  # time per output token after the first
-    tpot_p95_ms: float | None
-    tpot_p99_ms: float | None
     max_model_len: int  # the context length
     max_num_seqs_max: int  # the engine's ceilings from its options
     max_batched_tokens_max: int
-    step_tokens_per_block: float  # max_batched_tokens per KV block as configured: a grown cache grows the step by it
     kv_cache_blocks_min: int
     kv_cache_blocks_max: int
-    idle_for_s: float  # seconds since the engine last had work
-    asleep: bool  # CUDA sleep mode level 1: the cache is freed
-    weights_bytes: int  # the engine's weights (added by the report loop, gpubroker.deployments.llm.report_loop)
+    model: str = ""  # model name
+    engine_running: int = 0  # sequences the engine's own scheduler runs
+    engine_waiting: int = 0  # sequences the engine's own scheduler holds waiting
+    max_num_seqs: int = 0  # bound in force
+    max_batched_tokens: int = 0  # bound in force
+    prefill_paused: bool = False  # squeeze in force
+    kv_blocks_used: int = 0  # blocks holding KV entries now
+    kv_blocks_target: int = 0  # cache size asked for (differs from total until the next rebuild)
+    kv_blocks_free: int = 0  # total - used
+    kv_usage_frac: float = 0.0  # the engine's KV cache usage, 0..1
+    kv_cache_bytes: int = 0  # the cache in bytes
+    preemptions: int | None = None  # sequences evicted and recomputed (cumulative; None: the engine does not say)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of them, found (cumulative)
+    tokens_in: int = 0  # prompt tokens of admitted sequences (cumulative)
+    tokens_out: int = 0  # generated tokens (cumulative)
+    finished: int = 0  # sequences ended by stop or length (cumulative)
+    cancelled: int = 0  # sequences cancelled (cumulative)
+    failed: int = 0  # sequences the engine failed (cumulative)
+    shed: int = 0  # sequences refused unstarted after waiting past max_queue_wait_ms (cumulative)
+    rebuilds: int = 0  # KV cache resizes (engine restarts between drains)
+    last_restart_s: float = 0.0  # the last resize's shutdown + start
+    restart_s_total: float = 0.0  # every resize's shutdown + start, summed
+    prefill_s: float = 0.0  # sequence-seconds from admission to first token
+    decode_s: float = 0.0  # sequence-seconds from first to last token
+    prefill_time_frac: float = 0.0  # prefill's share of the engine's time
+    seq_tokens_mean: float = 0.0  # mean prompt + output tokens of recent completions
+    seq_tokens: int | None = None  # what a sequence holds in the cache, rounded up (None: not known yet)
+    samples: int = 0  # completions behind the percentiles
+    ttft_p50_ms: float | None = None  # time to first token, percentiles of recent completions (None: no samples)
+    ttft_p95_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p50_ms: float | None = None  # time per output token after the first
+    tpot_p95_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    step_tokens_per_block: float = (
+        0.0  # max_batched_tokens per KV block as configured: a grown cache grows the step by it (0: not said)
+    )
+    idle_for_s: float = 0.0  # seconds since the engine last had work
+    asleep: bool = False  # CUDA sleep mode level 1: the cache is freed
+    weights_bytes: int = 0  # the engine's weights (added by the report loop, gpubroker.deployments.llm.report_loop)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the Ray boundary (every value is a number, a bool, a string or None)."""
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineReport:
+        """From plain data; unknown fields dropped and logged (module note)."""
+        return cls(**_known_fields(cls, data))
+
+
+class EngineStatus(TypedDict, total=False):
+    """A ``kind: llm`` model's ``engine`` in ``status()`` (``gpubroker.broker.control.llm_window.engine_status``):
+    what its engine reports (None before its first report), the token rates, the SLOs, the bounds
+    the engine runs and, once the rules decided, the bounds they set and why."""
+
+    running: int | None
+    waiting: int | None
+    kv_blocks_total: int | None
+    kv_blocks_used: int | None
+    kv_blocks_free: int | None
+    kv_blocks_reserved: int | None
+    kv_cache_bytes: int | None
+    preemptions: int | None
+    ttft_p50_ms: float | None
+    ttft_p95_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p95_ms: float | None
+    tpot_p99_ms: float | None
+    samples: int | None
+    tokens_in_per_s: float  # prompt tokens per second over the window, live replicas summed
+    tokens_out_per_s: float  # generated tokens per second, likewise
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    reporting: bool  # a live replica reports engine stats
+    running_bounds: dict[
+        str, int | bool | None
+    ]  # max_num_seqs, max_batched_tokens, prefill_paused as the engine runs them
+    max_num_seqs: int  # the bounds the rules set (absent before their first decision)
+    max_batched_tokens: int
+    kv_blocks: int
+    prefill_paused: bool
+    rule: str  # the rule that answered last
+    reason: str
+    want_grant_bytes: int
+    kv_cache_target_bytes: int
 
 
 @dataclass(frozen=True)
@@ -154,20 +208,22 @@ class StatsReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the Ray boundary: ``asdict`` without its deep copy (tuples of numbers are
-        immutable already; the engine report is copied one level, its values are numbers)."""
+        immutable already; the engine report as its own plain data)."""
         out = dict(self.__dict__)
         if self.engine is not None:
-            out["engine"] = dict(self.engine)
+            out["engine"] = self.engine.to_dict()
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StatsReport:
         """From plain data; unknown fields dropped and logged (module note)."""
-        known = known_fields(cls, data)
+        known = _known_fields(cls, data)
         known["oom_costs"] = tuple(float(c) for c in known.get("oom_costs", ()))
         known["latency_ms"] = tuple(known.get("latency_ms", ()))
         known["batches"] = tuple((b[0], b[1]) for b in known.get("batches", ()))
         known["batch_requests"] = tuple(known.get("batch_requests", ()))
+        if isinstance(known.get("engine"), Mapping):
+            known["engine"] = EngineReport.from_dict(known["engine"])
         return cls(**known)
 
 
@@ -212,9 +268,9 @@ class ModelSettings:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSettings:
         """From plain data (a reply, a checkpoint); unknown fields, a retired one or a newer
         broker's, dropped and logged (module note)."""
-        known = known_fields(cls, data)
+        known = _known_fields(cls, data)
         if isinstance(known.get("engine"), Mapping):
-            known["engine"] = EngineBounds(**known_fields(EngineBounds, known["engine"]))
+            known["engine"] = EngineBounds(**_known_fields(EngineBounds, known["engine"]))
         return cls(**known)
 
 
@@ -256,12 +312,12 @@ class ServePlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServePlan:
         """From plain data; unknown fields (the plan's and its targets') dropped and logged (module note)."""
-        known = known_fields(cls, data)
+        known = _known_fields(cls, data)
         return cls(
             version=int(known["version"]),
             groups={m: {c: int(n) for c, n in g.items()} for m, g in known["groups"].items()},
             unplaced={m: str(why) for m, why in known["unplaced"].items()},
-            replica_targets=tuple(ReplicaTarget(**known_fields(ReplicaTarget, t)) for t in known["replica_targets"]),
+            replica_targets=tuple(ReplicaTarget(**_known_fields(ReplicaTarget, t)) for t in known["replica_targets"]),
             replacing=bool(known["replacing"]),
             dry_run=bool(known["dry_run"]),
         )
@@ -298,7 +354,7 @@ class ModelStatus(TypedDict, total=False):
     memory_ceiling: int | None  # the batch the grant holds (gpubroker.broker.control.policy.memory_view)
     fixed_bytes: int | None
     kind: str  # "llm" for an engine, with its "engine" part
-    engine: dict[str, Any]  # bounds as set, what the engine reports, its SLOs (gpubroker.broker.control.llm_window)
+    engine: EngineStatus  # bounds as set, what the engine reports, its SLOs (gpubroker.broker.control.llm_window)
     cards: list[str]  # the cards the model runs on
     replica_target: int  # replicas the broker wants, all cards (gpubroker.broker.control.replica_rules)
 
@@ -362,8 +418,8 @@ class DecisionRecord(TypedDict, total=False):
     trigger_value: float | None
     rule: str  # the rule that answered (docs/RULES.md)
     inputs: dict[str, Any]  # what the rule read
-    old: dict[str, Any]  # the settings (or target, or bounds) before
-    new: dict[str, Any]  # and after
+    old: dict[str, Any] | None  # the settings (or target, or bounds) before (None: an engine's first bounds)
+    new: dict[str, Any] | None  # and after
     move: str  # kind: move: lend, reclaim, confirm, grow, ... (gpubroker.broker.control.vocab.MoveKind)
     donor: str | None
     recipient: str | None

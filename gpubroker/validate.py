@@ -23,9 +23,10 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue, did_you_mean
@@ -44,12 +45,26 @@ print("\\n" + MARK + json.dumps(build_each(json.load(sys.stdin))))
 MARK = "@@gpubroker-validate@@"  # the child's result line, whatever the user's code prints
 
 
-def build_each(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, str] | None]:
+class ModelToBuild(TypedDict):
+    """One batch model as the child gets it (JSON on its stdin): what ``models.<name>`` says."""
+
+    model: str  # the class: a built-in's name or 'pkg.module:Class'
+    options: dict[str, Any]  # the keyword arguments the config passes it (the user's, any JSON value)
+
+
+class BuildProblem(TypedDict):
+    """Why a model did not build: the field under ``models.<name>`` and the message naming the fix."""
+
+    field: str  # ``model`` or ``options.<key>``
+    message: str
+
+
+def build_each(models: Mapping[str, ModelToBuild]) -> dict[str, BuildProblem | None]:
     """In the child: model name -> None when its class imports and builds with its options, else
-    {"field", "message"} (the field under ``models.<name>``: ``model`` or ``options.<key>``)."""
+    the problem (the field under ``models.<name>``: ``model`` or ``options.<key>``)."""
     from gpubroker.deployments.models import ModelRefError, resolve_model  # noqa: PLC0415 - the child's import
 
-    out: dict[str, dict[str, str] | None] = {}
+    out: dict[str, BuildProblem | None] = {}
     for name, spec in models.items():
         ref, options = spec["model"], spec["options"]
         try:
@@ -74,7 +89,7 @@ def build_each(models: dict[str, dict[str, Any]]) -> dict[str, dict[str, str] | 
     return out
 
 
-def _option_error(ref: str, cls: type, options: dict[str, Any], exc: TypeError) -> dict[str, str]:
+def _option_error(ref: str, cls: type, options: dict[str, Any], exc: TypeError) -> BuildProblem:
     """An option the class does not take, named with what it takes instead."""
     found = re.search(r"unexpected keyword argument '(\w+)'|unknown option\(s\) '(\w+)'", str(exc))
     key = next((g for g in (found.groups() if found else ()) if g), None)
@@ -112,7 +127,7 @@ def _takes(cls: type) -> list[str]:
 def build_models(cfg: FleetConfig, timeout_s: float = 60.0, cwd: Path | None = None) -> list[ConfigIssue]:
     """Import and build every batch model (``kind: llm`` engines are built-in) in a child
     process; one issue per model that fails, naming the field, the value and the fix."""
-    models = {n: {"model": s.model, "options": s.options} for n, s in cfg.models.items() if s.kind == "batch"}
+    models = {n: ModelToBuild(model=s.model, options=s.options) for n, s in cfg.models.items() if s.kind == "batch"}
     if not models:
         return []
     try:

@@ -555,6 +555,12 @@ class FleetConfig(_Strict):
 # Loading, with errors that name the field, the bad value and the fix.
 
 
+ConfigDoc = dict[str, object]
+"""A fleet config as parsed YAML, or built in code to the same shape (``gpubroker.sim.loads.fleet_config``):
+what the user wrote, any YAML value under its keys, before ``parse_config`` validates it into the typed
+``FleetConfig``. Code past the parse reads ``FleetConfig``, never this."""
+
+
 def parse_config(data: Any, source: str = "config", *, units_required: bool = False) -> FleetConfig:
     """Validate an already-parsed YAML document. ``units_required``: a size written as a bare
     number is an error (what a file an operator wrote gets; code may pass integer bytes)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
-from gpubroker.broker.control.types import ModelDecision, ModelLoad
+from gpubroker.broker.control.types import LogLine, ModelDecision, ModelLoad
 from gpubroker.broker.control.vocab import EntryKind
 from gpubroker.broker.wire import DecisionRecord, ModelSettings
 
@@ -22,8 +22,8 @@ class DecisionLog:
         self.entries: deque[DecisionRecord] = deque(maxlen=maxlen)
         self.seq = 0
 
-    def append(self, entry: dict[str, Any], line: str) -> DecisionRecord:
-        """``entry``: built by a kind's own builder (keys of ``gpubroker.broker.wire.DecisionRecord``)."""
+    def append(self, entry: DecisionRecord, line: str) -> DecisionRecord:
+        """``entry``: built by a kind's own builder, every key but ``seq``, which the log numbers."""
         self.seq += 1
         record = cast(DecisionRecord, {"seq": self.seq, **entry})
         self.entries.append(record)
@@ -62,7 +62,16 @@ def finite(value: float | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def settings_view(s: ModelSettings | ModelDecision) -> dict[str, Any]:
+class SettingsView(TypedDict):
+    """A settings entry's ``old`` and ``new``: what the decision log shows of a model's settings."""
+
+    max_batch_size: int
+    batch_wait_timeout_s: float  # rounded to the microsecond
+    grant_bytes: int
+    admit: bool
+
+
+def settings_view(s: ModelSettings | ModelDecision) -> SettingsView:
     """What a settings entry shows of a model's settings (a decision's or the replicas'), the wait rounded."""
     return {
         "max_batch_size": s.max_batch_size,
@@ -74,9 +83,9 @@ def settings_view(s: ModelSettings | ModelDecision) -> dict[str, Any]:
 
 def settings_entry(
     now: float, name: str, old: ModelSettings, new: ModelSettings, md: ModelDecision, load: ModelLoad | None, dry: bool
-) -> tuple[dict[str, Any], str]:
+) -> LogLine:
     """One settings change for the decision log: the entry (inputs, old, new, trigger) and its log line."""
-    inputs = {}
+    inputs: dict[str, Any] = {}
     if load is not None:
         inputs = {
             "queue_depth": load.queue_depth,
@@ -86,7 +95,8 @@ def settings_entry(
             "mem_used_bytes": load.mem_used_bytes,
             "replicas": load.replicas,
         }
-    entry: dict[str, Any] = {
+    was, will = dict(settings_view(old)), dict(settings_view(new))
+    entry: DecisionRecord = {
         "kind": EntryKind.SETTINGS,
         "time_s": now,
         "model": name,
@@ -95,13 +105,11 @@ def settings_entry(
         "trigger_value": finite(md.trigger_value),
         "reason": md.reason,
         "inputs": inputs,
-        "old": settings_view(old),
-        "new": settings_view(new),
+        "old": was,
+        "new": will,
         "dry_run": dry,
     }
-    diff = ", ".join(
-        f"{k} {entry['old'][k]}->{entry['new'][k]}" for k in entry["new"] if entry["old"][k] != entry["new"][k]
-    )
+    diff = ", ".join(f"{k} {was[k]}->{will[k]}" for k in will if was[k] != will[k])
     return entry, (
         f"{name}: {diff or 'no change'} [{md.trigger}={entry['trigger_value']}] {md.reason}"
         + (" (dry run)" if dry else "")

@@ -8,7 +8,7 @@ raises its batch ceiling. Pure.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from gpubroker.broker.control.batch_rules import decide_batch
 from gpubroker.broker.control.lending import QuotaRound, lifts_ceiling, peak_batch, pressed
@@ -46,7 +46,15 @@ def settings_for(state: PolicyState, model: str, config: FleetConfig) -> ModelSe
     )
 
 
-def quota_flags(state: PolicyState, model: str) -> dict[str, Any]:
+class ReclaimFlags(TypedDict):
+    """The reclaim escalation's fields of ``ModelSettings`` (its keyword arguments)."""
+
+    release_cache: bool  # step 1 reached
+    drain: bool  # step 2 reached
+    restart_token: int  # bumped by step 3
+
+
+def quota_flags(state: PolicyState, model: str) -> ReclaimFlags:
     """The reclaim escalation's settings for ``model`` (gpubroker.broker.control.lending, gpubroker.deployments.replica.reclaim)."""
     step = state.reclaim_steps.get(model, 0)
     return {"release_cache": step >= 1, "drain": step >= 2, "restart_token": state.restart_tokens.get(model, 0)}

@@ -41,7 +41,7 @@ from gpubroker.broker.control.model_step import KindBounds, ModelStep, TickView,
 from gpubroker.broker.control.state import BatchWant, ModelState
 from gpubroker.broker.control.types import LogLine, ModelLoad
 from gpubroker.broker.control.vocab import EntryKind, Rule, Trigger
-from gpubroker.broker.wire import EngineBounds, ModelSettings
+from gpubroker.broker.wire import DecisionRecord, EngineBounds, ModelSettings
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.ledger import QuotaLedger
 from gpubroker.quotas.sizes import format_size
@@ -182,7 +182,7 @@ class LlmKind:
             spec.llm.ttft_slo_ms,
             spec.llm.tpot_slo_ms,
             report,
-            base_bytes=int(report.get("weights_bytes", 0)),
+            base_bytes=int(report.weights_bytes),
             idle_hold_s=spec.control.idle_hold_s,
             lend_floor_bytes=int(spec.quota.min) // replicas,
         )
@@ -237,7 +237,7 @@ def _entry(
 ) -> LogLine:
     """One engine decision for the decision log: the entry and its log line."""
     grant = inputs["grant_bytes"]
-    entry = {
+    entry: DecisionRecord = {
         "kind": EntryKind.ENGINE,
         "time_s": now_s,
         "model": name,

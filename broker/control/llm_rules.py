@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from gpubroker.broker.wire import EngineReport
+
 
 class LlmRule(StrEnum):
     START = "start"  # first decision: half the expected peak, within memory
@@ -426,7 +428,7 @@ def rule_config_for(
     expected_peak_concurrency: int,
     ttft_slo_ms: float,
     tpot_slo_ms: float,
-    report: Mapping[str, Any],
+    report: EngineReport,
     base_bytes: int = 0,
     seq_tokens: int | None = None,
     **overrides: Any,
@@ -440,40 +442,40 @@ def rule_config_for(
         expected_peak_concurrency=int(expected_peak_concurrency),
         ttft_slo_ms=float(ttft_slo_ms),
         tpot_slo_ms=float(tpot_slo_ms),
-        kv_block_bytes=int(report["kv_block_bytes"]),
-        kv_block_tokens=int(report["kv_block_tokens"]),
-        seq_tokens=int(seq_tokens if seq_tokens is not None else report.get("seq_tokens") or report["max_model_len"]),
+        kv_block_bytes=int(report.kv_block_bytes),
+        kv_block_tokens=int(report.kv_block_tokens),
+        seq_tokens=int(seq_tokens if seq_tokens is not None else report.seq_tokens or report.max_model_len),
         base_bytes=int(base_bytes),
-        max_num_seqs_max=int(report["max_num_seqs_max"]),
-        max_batched_tokens_max=int(report["max_batched_tokens_max"]),
-        step_tokens_per_block=float(report.get("step_tokens_per_block") or 0.0),
-        kv_blocks_min=int(report["kv_cache_blocks_min"]),
-        kv_blocks_max=int(report["kv_cache_blocks_max"]),
+        max_num_seqs_max=int(report.max_num_seqs_max),
+        max_batched_tokens_max=int(report.max_batched_tokens_max),
+        step_tokens_per_block=float(report.step_tokens_per_block or 0.0),
+        kv_blocks_min=int(report.kv_cache_blocks_min),
+        kv_blocks_max=int(report.kv_cache_blocks_max),
         **overrides,
     )
 
 
 def load_from_report(
-    report: Mapping[str, Any], now_s: float, free_mem_frac: float, grant_bytes: int, incoming_bytes: int = 0
+    report: EngineReport, now_s: float, free_mem_frac: float, grant_bytes: int, incoming_bytes: int = 0
 ) -> EngineLoad:
     """The rules' snapshot from an engine report plus what the broker knows (time, card, grant and
     the grant in flight to it)."""
     return EngineLoad(
         now_s=float(now_s),
-        running=int(report["running"]),
-        waiting=int(report["waiting"]),
-        ttft_p95_ms=report.get("ttft_p95_ms"),
-        tpot_p95_ms=report.get("tpot_p95_ms"),
-        samples=int(report.get("samples", 0)),
-        prefill_time_frac=float(report.get("prefill_time_frac", 0.0)),
-        kv_blocks_total=int(report["kv_blocks_total"]),
-        kv_blocks_reserved=int(report["kv_blocks_reserved"]),
+        running=int(report.running),
+        waiting=int(report.waiting),
+        ttft_p95_ms=report.ttft_p95_ms,
+        tpot_p95_ms=report.tpot_p95_ms,
+        samples=int(report.samples),
+        prefill_time_frac=float(report.prefill_time_frac),
+        kv_blocks_total=int(report.kv_blocks_total),
+        kv_blocks_reserved=int(report.kv_blocks_reserved),
         free_mem_frac=float(free_mem_frac),
         grant_bytes=int(grant_bytes),
-        idle_for_s=float(report.get("idle_for_s", 0.0)),
-        last_resize_s=float(report.get("last_restart_s") or 0.0),
+        idle_for_s=float(report.idle_for_s),
+        last_resize_s=float(report.last_restart_s or 0.0),
         incoming_bytes=int(incoming_bytes),
-        max_batched_tokens=int(report.get("max_batched_tokens") or 0),
+        max_batched_tokens=int(report.max_batched_tokens or 0),
     )
 
 

@@ -11,13 +11,11 @@ model's status.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from gpubroker.broker.control.kind_llm import ENGINE_KEYS
 from gpubroker.broker.control.llm_rules import EngineRecord
 from gpubroker.broker.control.types import EngineView
+from gpubroker.broker.wire import EngineReport, EngineStatus
 from gpubroker.quotas.config import ModelSpec
 
 
@@ -25,7 +23,7 @@ from gpubroker.quotas.config import ModelSpec
 class EngineSeen:
     received_s: float  # broker time the report arrived
     replica_id: str
-    report: Mapping[str, Any]  # gpubroker.deployments.llm.server.engine_report
+    report: EngineReport  # gpubroker.deployments.llm.server.engine_report
 
 
 class EngineWindow:
@@ -36,9 +34,9 @@ class EngineWindow:
         self.stale_after_s = float(stale_after_s)
         self._seen: dict[str, dict[str, deque[EngineSeen]]] = {}
 
-    def add(self, model: str, replica_id: str, report: Mapping[str, Any], received_s: float) -> None:
+    def add(self, model: str, replica_id: str, report: EngineReport, received_s: float) -> None:
         events = self._seen.setdefault(model, {}).setdefault(replica_id, deque())
-        events.append(EngineSeen(received_s, replica_id, dict(report)))
+        events.append(EngineSeen(received_s, replica_id, report))
         while events and events[0].received_s < received_s - self.window_s:
             events.popleft()
 
@@ -73,50 +71,57 @@ class EngineWindow:
             if span <= 0:
                 continue
             for key, counter in (("tokens_in_per_s", "tokens_in"), ("tokens_out_per_s", "tokens_out")):
-                out[key] += max(0, int(last.report.get(counter, 0)) - int(first.report.get(counter, 0))) / span
+                out[key] += max(0, int(getattr(last.report, counter)) - int(getattr(first.report, counter))) / span
         return out
 
 
 def engine_status(
     window: EngineWindow, name: str, spec: ModelSpec, record: EngineRecord | None, now_s: float
-) -> dict[str, Any]:
-    """The engine part of a model's status: bounds as set, what the engine reports, the SLOs."""
+) -> EngineStatus:
+    """The engine part of a model's status: bounds as set, what the engine reports (None before its
+    first report), the SLOs."""
     assert spec.llm is not None  # a kind: llm model's config has its llm section
     seen, d = window.latest(name, now_s), None if record is None else record.decision
-    rep = dict(seen.report) if seen else {}
-    out: dict[str, Any] = {
-        k: rep.get(k)
-        for k in (
-            "running",
-            "waiting",
-            "kv_blocks_total",
-            "kv_blocks_used",
-            "kv_blocks_free",
-            "kv_blocks_reserved",
-            "kv_cache_bytes",
-            "preemptions",
-            "ttft_p50_ms",
-            "ttft_p95_ms",
-            "ttft_p99_ms",
-            "tpot_p50_ms",
-            "tpot_p95_ms",
-            "tpot_p99_ms",
-            "samples",
-        )
+    rep = seen.report if seen else None
+    rates = window.rates(name, now_s)
+    out: EngineStatus = {
+        "running": None if rep is None else rep.running,
+        "waiting": None if rep is None else rep.waiting,
+        "kv_blocks_total": None if rep is None else rep.kv_blocks_total,
+        "kv_blocks_used": None if rep is None else rep.kv_blocks_used,
+        "kv_blocks_free": None if rep is None else rep.kv_blocks_free,
+        "kv_blocks_reserved": None if rep is None else rep.kv_blocks_reserved,
+        "kv_cache_bytes": None if rep is None else rep.kv_cache_bytes,
+        "preemptions": None if rep is None else rep.preemptions,
+        "ttft_p50_ms": None if rep is None else rep.ttft_p50_ms,
+        "ttft_p95_ms": None if rep is None else rep.ttft_p95_ms,
+        "ttft_p99_ms": None if rep is None else rep.ttft_p99_ms,
+        "tpot_p50_ms": None if rep is None else rep.tpot_p50_ms,
+        "tpot_p95_ms": None if rep is None else rep.tpot_p95_ms,
+        "tpot_p99_ms": None if rep is None else rep.tpot_p99_ms,
+        "samples": None if rep is None else rep.samples,
+        "tokens_in_per_s": rates["tokens_in_per_s"],
+        "tokens_out_per_s": rates["tokens_out_per_s"],
+        "ttft_slo_ms": spec.llm.ttft_slo_ms,
+        "tpot_slo_ms": spec.llm.tpot_slo_ms,
+        "reporting": seen is not None,
+        "running_bounds": {
+            "max_num_seqs": None if rep is None else rep.max_num_seqs,
+            "max_batched_tokens": None if rep is None else rep.max_batched_tokens,
+            "prefill_paused": None if rep is None else rep.prefill_paused,
+        },
     }
-    out.update(window.rates(name, now_s))
-    out.update(
-        ttft_slo_ms=spec.llm.ttft_slo_ms,
-        tpot_slo_ms=spec.llm.tpot_slo_ms,
-        reporting=seen is not None,
-        running_bounds={k: rep.get(k) for k in ("max_num_seqs", "max_batched_tokens", "prefill_paused")},
-    )
     if d is not None:
         out.update(
-            {k: getattr(d, k) for k in ENGINE_KEYS},
-            rule=str(d.rule),
-            reason=d.reason,
-            want_grant_bytes=d.want_grant_bytes,
-            kv_cache_target_bytes=d.kv_cache_bytes,
+            EngineStatus(
+                max_num_seqs=d.max_num_seqs,
+                max_batched_tokens=d.max_batched_tokens,
+                kv_blocks=d.kv_blocks,
+                prefill_paused=d.prefill_paused,
+                rule=str(d.rule),
+                reason=d.reason,
+                want_grant_bytes=d.want_grant_bytes,
+                kv_cache_target_bytes=d.kv_cache_bytes,
+            )
         )
-    return {"kind": "llm", "engine": out}
+    return out

@@ -23,7 +23,7 @@ its replica target, the quota moves, the replica targets that changed, and log e
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TypedDict
 
 from gpubroker.broker.control.batch_rules import cap_top
 from gpubroker.broker.control.kind_batch import settings_for
@@ -103,7 +103,14 @@ def memory_model(load: ModelLoad) -> MemoryModel:
     return MemoryModel.from_load(load)
 
 
-def memory_view(load: ModelLoad | None, spec: ModelSpec, grant_bytes: int) -> dict[str, Any]:
+class MemoryView(TypedDict):
+    """What status says of a model's memory (``memory_view``): the two keys of ``ModelStatus``."""
+
+    memory_ceiling: int | None  # the batch one replica's share of the grant holds
+    fixed_bytes: int | None  # the memory model's fixed part
+
+
+def memory_view(load: ModelLoad | None, spec: ModelSpec, grant_bytes: int) -> MemoryView:
     """What status says of a model's memory, as ``_guard`` sees it: ``memory_ceiling``, the batch
     one replica's share of ``grant_bytes`` holds by the memory model measured from its reports
     (None: no report yet, a static strategy, or not calibrated and no OOM), and ``fixed_bytes``,

@@ -12,7 +12,7 @@ time is the snapshot's ``now_s``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from gpubroker.broker.control.decision_log import finite
 from gpubroker.broker.control.memory_model import MemoryModel
@@ -29,6 +29,7 @@ from gpubroker.broker.control.replica_rules import (
 from gpubroker.broker.control.state import ModelState
 from gpubroker.broker.control.types import FleetSnapshot, LogLine
 from gpubroker.broker.control.vocab import EntryKind
+from gpubroker.broker.wire import DecisionRecord
 from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.ledger import QuotaLedger
 from gpubroker.quotas.schedule import ProfileSpec
@@ -103,7 +104,7 @@ def replicas_entry(change: ReplicaChange, card: str, dry: bool) -> LogLine:
     """One replica-target change for the decision log: the entry and its log line (``card``: the
     card it names, "" in a one-card fleet)."""
     inp, d, name = change.inputs, change.decision, change.model
-    entry: dict[str, Any] = {
+    entry: DecisionRecord = {
         "kind": EntryKind.REPLICAS,
         "time_s": inp.now_s,
         "model": name,

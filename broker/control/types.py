@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from gpubroker.broker.control.replica_rules import ReplicaChange
 from gpubroker.broker.control.vocab import MoveKind, Rule, Trigger
-from gpubroker.broker.wire import EngineBounds
+from gpubroker.broker.wire import DecisionRecord, EngineBounds, EngineReport
 
 
 @dataclass(frozen=True)
@@ -74,14 +74,14 @@ class ModelLoad:
     replica_reports: tuple[ReplicaSeen, ...] = ()  # every live replica's latest report (sorted by id)
 
 
-LogLine = tuple[dict[str, Any], str]  # a decision-log entry and its log line
+LogLine = tuple[DecisionRecord, str]  # a decision-log entry (every key but the log's ``seq``) and its log line
 
 
 @dataclass(frozen=True)
 class EngineView:
     """One engine's latest report over the window, as the LLM kind's rules read it."""
 
-    report: Mapping[str, Any]  # the first live replica's latest engine report (gpubroker.broker.wire.EngineReport)
+    report: EngineReport  # the first live replica's latest engine report
     replicas: int  # live replicas reporting engine stats
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpubroker.broker.wire import EngineReport, ModelSettings
@@ -76,18 +76,17 @@ class EngineReporter:
 
     async def report_once(self) -> bool:
         """Send the delta and the engine report; apply the engine bounds in the reply. False: no reply."""
-        report = self._engine_report()
-        report["weights_bytes"] = weights_bytes(self.engine)
+        report = replace(self._engine_report(), weights_bytes=weights_bytes(self.engine))
         now = self._clock()
         # busy: generating now, or tokens came out since the last report (a short burst between reports)
-        if report["running"] or int(report["tokens_out"]) > self._last_tokens_out:
+        if report.running or report.tokens_out > self._last_tokens_out:
             self.link.delta.busy_s += max(0.0, now - self._last_report_s)
-        self._last_tokens_out, self._last_report_s = int(report["tokens_out"]), now
+        self._last_tokens_out, self._last_report_s = report.tokens_out, now
         used = self.mem_used_bytes()
         self.link.delta.mem_peak_bytes = max(self.link.delta.mem_peak_bytes, used)
         version = self.settings.version if self.settings is not None else 0
         gauges = ReplicaGauges(
-            queue_depth=int(report["running"]) + int(report["waiting"]),
+            queue_depth=report.running + report.waiting,
             mem_used_bytes=used,
             device_free_frac=None,
             sm_util_frac=None,

@@ -332,7 +332,7 @@ def engine_table(st: Mapping[str, Any]) -> Table | None:
         ttft = _ms(e.get("ttft_p95_ms")) if ok[0] else f"[red]{_ms(e.get('ttft_p95_ms'))}[/]"
         tpot = _ms(e.get("tpot_p95_ms")) if ok[1] else f"[red]{_ms(e.get('tpot_p95_ms'))}[/]"
 
-        def g(key: str, e: dict[str, Any] = e) -> str:
+        def g(key: str, e: Mapping[str, object] = e) -> str:
             return "-" if e.get(key) is None else str(e[key])
 
         table.add_row(

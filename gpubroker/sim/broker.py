@@ -126,8 +126,8 @@ class SimBroker:
         for e in new:
             if len(sim.decisions) >= sim.keep_decisions:
                 return
-            if e["kind"] == "settings":
-                n = e["new"]
+            n = e.get("new")
+            if e["kind"] == "settings" and n is not None:  # a settings entry always says what it set
                 sim.decisions.append(
                     {
                         "t": t,

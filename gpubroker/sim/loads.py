@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from gpubroker.quotas.config import ConfigDoc
 from gpubroker.sim import arrivals as arr
 
 GIB = 1024**3
@@ -122,7 +123,7 @@ def card_bytes(fleet: FleetDef) -> int:
     return int(math.ceil(sum(m.base_bytes for m in fleet.models) / (1.0 - RESERVE_FRAC) / MIB) + 1) * MIB
 
 
-def fleet_config(fleet: FleetDef, *, fixed: bool = False) -> dict[str, Any]:
+def fleet_config(fleet: FleetDef, *, fixed: bool = False) -> ConfigDoc:
     """The fleet as a config dict (``parse_config``). Every arm runs the same rule: lazy batch
     formation, late requests shed at the gate, one request timeout. ``fixed``: quotas pinned at base."""
     models: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from gpubroker.broker.control.llm_rules import (
     rule_config_for,
     seqs_in_grant,
 )
+from gpubroker.broker.wire import EngineReport
 
 BLOCK = 8192  # bytes per block
 CFG = LlmRuleConfig(
@@ -297,14 +298,18 @@ def test_busy_grow_grows_the_step_with_the_cache_within_its_ceiling():
 
 
 def test_rule_config_reads_the_step_share_from_the_engine_report():
-    report = {
-        "kv_block_bytes": BLOCK,
-        "kv_block_tokens": 16,
-        "max_model_len": 64,
-        "max_num_seqs_max": 64,
-        "max_batched_tokens_max": 2048,
-        "kv_cache_blocks_min": 4,
-        "kv_cache_blocks_max": 256,
-    }
+    report = EngineReport(
+        running=0,
+        waiting=0,
+        kv_blocks_total=16,
+        kv_blocks_reserved=0,
+        kv_block_bytes=BLOCK,
+        kv_block_tokens=16,
+        max_model_len=64,
+        max_num_seqs_max=64,
+        max_batched_tokens_max=2048,
+        kv_cache_blocks_min=4,
+        kv_cache_blocks_max=256,
+    )
     assert rule_config_for(16, 500.0, 50.0, report).step_tokens_per_block == 0.0  # an older report
-    assert rule_config_for(16, 500.0, 50.0, report | {"step_tokens_per_block": 64.0}).step_tokens_per_block == 64.0
+    assert rule_config_for(16, 500.0, 50.0, replace(report, step_tokens_per_block=64.0)).step_tokens_per_block == 64.0

@@ -10,6 +10,7 @@ from gpubroker.broker.control.llm_rules import EngineRecord, LlmRule
 from gpubroker.broker.control.model_step import TickView
 from gpubroker.broker.control.policy import initial_state, quotas_of
 from gpubroker.broker.control.types import EngineView, FleetSnapshot, GpuLoad
+from gpubroker.broker.wire import EngineReport
 from gpubroker.quotas.config import parse_config_text
 from gpubroker.quotas.ledger import QuotaLedger
 
@@ -18,7 +19,7 @@ MiB = 1024**2
 BLOCK = 256 * 1024  # the tiny Llama's 128-token block
 
 
-def _report(**over) -> dict:
+def _report(**over) -> EngineReport:
     r = {
         "kv_block_bytes": BLOCK,
         "kv_block_tokens": 128,
@@ -36,7 +37,7 @@ def _report(**over) -> dict:
         "idle_for_s": 0.0,
     }
     r.update(over)
-    return r
+    return EngineReport(**r)
 
 
 def _bounds(engine: EngineRecord | None, now_s: float, chat_grant: int, incoming: int):

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from gpubroker.broker.control.types import FleetDecision, ModelDecision, QuotaMove
 from gpubroker.broker.metrics import BrokerMetrics, start_exporter
-from gpubroker.broker.wire import StatsReport
+from gpubroker.broker.wire import EngineReport, StatsReport
 from gpubroker.cli.live import decision_line, follow_decisions, new_decisions, watch_status
 from gpubroker.cli.views import status_table
 
@@ -28,6 +28,15 @@ DASHBOARD = ROOT / "configs" / "grafana" / "gpubroker.json"
 
 
 # ------------------------------------------------------------------ builders
+def engine_counts(**counts: int) -> EngineReport:
+    """An engine's report with these cumulative counts (its geometry: any, the metrics do not read it)."""
+    geometry = dict.fromkeys(("running", "waiting", "kv_blocks_total", "kv_blocks_reserved", "max_model_len"), 0)
+    ceilings = dict.fromkeys(
+        ("max_num_seqs_max", "max_batched_tokens_max", "kv_cache_blocks_min", "kv_cache_blocks_max"), 1
+    )
+    return EngineReport(kv_block_tokens=16, kv_block_bytes=8192, **geometry, **ceilings, **counts)
+
+
 def report(model: str = "mlp", **over) -> StatsReport:
     base = dict(
         model=model,
@@ -211,7 +220,7 @@ def test_an_engines_running_counts_become_counters(metrics):
     per replica, and a restarted engine (counts that fell) adds its new count whole."""
     lab = {"model": "chat", "gpu": "cpu"}
     for replica, tokens_in, preemptions in (("a", 100, 1), ("b", 40, 0), ("a", 150, 3), ("a", 20, 0)):
-        engine = {"tokens_in": tokens_in, "tokens_out": 2 * tokens_in, "preemptions": preemptions}
+        engine = engine_counts(tokens_in=tokens_in, tokens_out=2 * tokens_in, preemptions=preemptions)
         metrics.observe_report(report("chat", replica_id=replica, engine=engine))
     assert value(metrics, "gpubroker_llm_prompt_tokens_total", **lab) == 100 + 40 + 50 + 20
     assert value(metrics, "gpubroker_llm_generation_tokens_total", **lab) == 2 * (100 + 40 + 50 + 20)
@@ -597,7 +606,7 @@ def exported_metrics() -> BrokerMetrics:
     m = BrokerMetrics(CollectorRegistry(), gpu="cpu")
     m.observe_report(report())
     m.observe_tick(decision(moves=[QuotaMove("lend", "cold", "hot", 1 << 20, "idle")]), status(), 0.001)
-    m.observe_report(report("chat", engine={"tokens_in": 10, "tokens_out": 20, "preemptions": 0}))
+    m.observe_report(report("chat", engine=engine_counts(tokens_in=10, tokens_out=20, preemptions=0)))
     more = {"chat": model_status(engine=ENGINE_STATUS), "tok": model_status(batch_unit="tokens")}
     m.observe_tick(decision(), status(models=more), 0.001)
     return m

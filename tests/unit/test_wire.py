@@ -13,7 +13,15 @@ import pytest
 from gpubroker.broker.actor import BrokerActor
 from gpubroker.broker.client import BrokerClient
 from gpubroker.broker.fleet_core import FleetBroker
-from gpubroker.broker.wire import BrokerApi, EngineBounds, ModelSettings, ServePlan, StatsReport, WireError
+from gpubroker.broker.wire import (
+    BrokerApi,
+    EngineBounds,
+    EngineReport,
+    ModelSettings,
+    ServePlan,
+    StatsReport,
+    WireError,
+)
 from tests.unit.test_fleet_replace import CONFIG
 
 
@@ -32,6 +40,30 @@ def test_settings_with_engine_bounds_round_trip_as_plain_data():
 def test_a_report_round_trips_with_its_tuples():
     r = StatsReport("m", "r1", 3, 100.0, 0.5, arrivals=4, latency_ms=(1.0, 2.0), batches=((2.0, 5.0),), card_id="a0")
     assert StatsReport.from_dict(_over_ray(r.to_dict())) == r
+
+
+ENGINE = EngineReport(
+    running=3,
+    waiting=1,
+    kv_blocks_total=8,
+    kv_blocks_reserved=6,
+    kv_block_tokens=128,
+    kv_block_bytes=256 * 1024,
+    max_model_len=512,
+    max_num_seqs_max=32,
+    max_batched_tokens_max=4096,
+    kv_cache_blocks_min=5,
+    kv_cache_blocks_max=80,
+    model="chat",
+    tokens_out=640,
+    ttft_p95_ms=120.0,
+)
+
+
+def test_an_llm_report_carries_its_engine_report_typed_both_sides_of_ray():
+    r = StatsReport("chat", "chat-r0", 1, 100.0, 0.5, engine=ENGINE)
+    back = StatsReport.from_dict(_over_ray(r.to_dict()))
+    assert back == r and isinstance(back.engine, EngineReport) and back.engine.ttft_p95_ms == 120.0
 
 
 def test_the_plan_round_trips_and_names_only_live_cards():
@@ -81,6 +113,22 @@ def test_a_newer_brokers_reply_and_plan_reach_the_serve_side_without_their_unkno
     dropped = " ".join(_dropped(caplog))
     for name in ("'speculative'", "'spec_tokens'", "'drain_cards'", "'why'"):
         assert name in dropped
+
+
+def test_a_newer_engines_report_reaches_the_broker_without_its_unknown_field(caplog):
+    newer = StatsReport("chat", "chat-r0", 1, 100.0, 0.5, engine=ENGINE).to_dict()
+    newer["engine"] = {**newer["engine"], "spec_accept_frac": 0.7}  # a field this broker does not know
+    with caplog.at_level(logging.WARNING, logger="gpubroker.wire"):
+        assert StatsReport.from_dict(_over_ray(newer)).engine == ENGINE
+    [line] = _dropped(caplog)
+    assert "EngineReport" in line and "'spec_accept_frac'" in line
+
+
+def test_an_engine_report_without_its_cache_geometry_names_the_field():
+    data = ENGINE.to_dict()
+    del data["kv_block_bytes"]
+    with pytest.raises(WireError, match="EngineReport: missing field.*kv_block_bytes"):
+        EngineReport.from_dict(data)
 
 
 def test_a_missing_required_field_names_itself():
