@@ -26,7 +26,7 @@ def bench(
         "from the JSON committed under bench/results/), lending "
         "(where memory binds: static split, broker with quotas fixed, broker lending; the simulator), matrix (the load "
         "matrix on the simulator: fleets x arrival processes x load levels on fresh seeds, the broker against the "
-        "fixed batch, the per-cell oracle and itself with quotas fixed), or scale "
+        "fixed batch, the per-cell oracle and itself with quotas fixed; with --live its live subset on Ray Serve), or scale "
         "(the control plane: tick time against models and cards, and the simulator's speed; no Ray), or llm "
         "(vLLM CPU engines, each a Ray actor of its own, no Serve: broker rules vs static max_num_seqs, lending "
         "between three LLMs)",
@@ -59,6 +59,14 @@ def bench(
     models: str = typer.Option(
         "", "--models", help="seed only: comma list of profiled,minilm (default: both; --quick: profiled)."
     ),
+    live: bool = typer.Option(
+        False,
+        "--live",
+        help="matrix only: the live subset on Ray Serve (bench/matrix_live.py): one model under a varying load "
+        "(broker, fixed batch, BentoML) and three models on one emulated card (broker, quotas fixed, fixed batch); "
+        "three runs on fresh seeds, arm order rotated (--quick: one short run). JSON under "
+        "bench/results/<date>-matrix-live/ (--quick: under --out).",
+    ),
     direct: bool = typer.Option(
         False,
         "--direct",
@@ -70,7 +78,7 @@ def bench(
 
     The live scenarios start and tear down their own apps; report writes bench/RESULTS.md and the
     README's results table from the JSON committed under bench/results/ (bench.results)."""
-    args = BenchArgs(scenario, out, quick, time_scale, seeds, peer, arrivals, models, direct, as_json)
+    args = BenchArgs(scenario, out, quick, time_scale, seeds, peer, arrivals, models, direct, as_json, live)
     if not _run_offline(args):
         _run_live(args)
 
@@ -89,6 +97,7 @@ class BenchArgs:
     models: str
     direct: bool
     as_json: bool
+    live: bool = False
 
 
 def _run_offline(a: BenchArgs) -> bool:
@@ -118,8 +127,11 @@ def _run_offline(a: BenchArgs) -> bool:
         print(json.dumps(res, default=str) if a.as_json else lending.table(res))
         typer.echo(f"wrote {a.out / 'lending.json'} in {res['runtime_s']:.0f} s", err=True)
         return True
-    if a.scenario == "matrix":  # the load matrix on the simulator, fresh seeds (bench/matrix.py)
-        _run_matrix(a)
+    if a.scenario == "matrix":  # the load matrix: on the simulator (bench/matrix.py), or its live subset (--live)
+        if a.live:
+            _run_matrix_live(a)
+        else:
+            _run_matrix(a)
         return True
     if a.scenario == "report":  # RESULTS.md and the README's table from the JSON committed under bench/results/
         from bench import results
@@ -156,6 +168,25 @@ def _run_matrix(a: BenchArgs) -> None:
     if png is None:
         typer.echo("matrix.png skipped: matplotlib is not installed (pip install 'gpubroker[plot]')", err=True)
     typer.echo(f"wrote {a.out / 'matrix.json'} in {res['runtime_s']:.0f} s", err=True)
+
+
+def _run_matrix_live(a: BenchArgs) -> None:
+    """The live subset of the load matrix (Ray Serve): matrix-live.json, under
+    bench/results/<date>-matrix-live/ for a full run with the default --out, else under --out."""
+    from bench import matrix_live
+    from bench.sim_figures import code_version
+
+    code = code_version()  # the commit the run starts on
+    res = matrix_live.run(quick=a.quick, time_scale=a.time_scale, say=lambda m: typer.echo(m, err=True))
+    out = a.out
+    if out == DEFAULT_OUT and not a.quick:
+        out = Path("bench/results") / f"{time.strftime('%Y-%m-%d')}-matrix-live"
+    res["command"] = "python -m bench " + " ".join(sys.argv[1:])
+    res["code"] = code
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "matrix-live.json").write_text(json.dumps(res, separators=(",", ":"), default=str), encoding="utf-8")
+    print(json.dumps(res, default=str) if a.as_json else matrix_live.table(res))
+    typer.echo(f"wrote {out / 'matrix-live.json'} in {res['runtime_s']:.0f} s", err=True)
 
 
 def _run_live(a: BenchArgs) -> None:
