@@ -32,7 +32,7 @@ PATTERNS = ("torch-ones", "torch-empty", "numpy", "bytearray", "mmap-private", "
 
 CHILD = r"""
 import json, mmap, sys, tempfile, threading
-from gpubroker.broker.probes import proc_status_bytes
+from gpubroker.deployments.enforce.probes import proc_status_bytes
 from gpubroker.deployments.enforce.limits import CpuRlimitLimiter
 from gpubroker.deployments.models import is_oom
 MiB = 1024 ** 2

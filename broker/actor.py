@@ -65,7 +65,7 @@ def default_checkpoint_path(cfg: FleetConfig) -> Path:
 def _detect_capacity(cfg: FleetConfig) -> int:
     if cfg.gpu.capacity_bytes is not None:
         return cfg.gpu.capacity_bytes
-    from gpubroker.broker.probes import detect_capacity
+    from gpubroker.broker.capacity import detect_capacity
 
     return int(detect_capacity(cfg.gpu))
 

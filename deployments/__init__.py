@@ -7,7 +7,8 @@ who may import it; every room may import ``gpubroker.broker`` (the wire types) a
   scaling, re-placement, versions, why a deployment failed;
 - ``replica/``: one model replica: the Serve deployment class and its pure units (gate, fast loop,
   the split of a failing batch, shedding), its link to the broker, its calibration;
-- ``enforce/``: the grant as a limit: in-process limits, the watchers, the kernel cgroup;
+- ``enforce/``: the grant as a limit: in-process limits, the watchers, the kernel cgroup, and the
+  memory probes they and the replica read;
 - ``cluster/``: the Ray cluster and the fleet's lifecycle (``up``/``down``, the state file, a local
   head, token auth, card discovery, the first requests, the user's project);
 - ``models/``: model adapters and user-model resolution;

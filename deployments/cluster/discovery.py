@@ -3,7 +3,7 @@
 Ray says how many GPUs a node has (its ``GPU`` resource in ``ray.nodes()``) and what the node
 is called (its ``gpubroker.io/node`` label, else its node name); NVML on that node says how
 much memory each card has (a small task pinned to the node by its ``ray.io/node-id`` label
-reads ``gpubroker.broker.probes.NvmlProbe(i).card()``). A node without NVML cannot say its capacity:
+reads ``gpubroker.broker.capacity.nvml_total_bytes(i)``). A node without NVML cannot say its capacity:
 ``DiscoveryError`` names it, and the fix is to list its cards under ``gpus:``.
 
 Discovered cards carry their Ray node id; their replicas are pinned to the node by that label
@@ -47,9 +47,9 @@ def _nvml_totals(node_id: str, count: int) -> list[int]:
 
     @ray.remote(num_cpus=0, label_selector={RAY_NODE_ID_LABEL: node_id})
     def read(n: int) -> list[int]:
-        from gpubroker.broker.probes import NvmlProbe
+        from gpubroker.broker.capacity import nvml_total_bytes
 
-        return [NvmlProbe(index=i).card()[0] for i in range(n)]
+        return [nvml_total_bytes(i) for i in range(n)]
 
     return list(ray.get(read.remote(count), timeout=60))  # type: ignore[arg-type]  # Ray types ObjectRef invariant
 

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
-from gpubroker.broker import probes
+from gpubroker.broker.capacity import cuda_index
+from gpubroker.deployments.enforce import probes
 
 logger = logging.getLogger("ray.serve")
 
@@ -298,7 +299,7 @@ class CudaFractionLimiter:
     """``set_per_process_memory_fraction`` from the grant; ``empty_cache`` on every shrink.
 
     ``cuda`` is ``torch.cuda`` (or a fake with the same functions); ``nvml`` an
-    ``gpubroker.broker.probes.NvmlProbe`` for this pid, or None (then NVML is tried at ``start()``)."""
+    ``gpubroker.deployments.enforce.probes.NvmlProbe`` for this pid, or None (then NVML is tried at ``start()``)."""
 
     kind = LimiterKind.CUDA_FRACTION
 
@@ -420,4 +421,4 @@ def make_limiter(device: str, slack_bytes: int = DEFAULT_SLACK_BYTES, *, own_pro
         if sys.platform.startswith("linux"):
             return CpuRlimitLimiter(slack_bytes)
         return UnenforcedLimiter()
-    return CudaFractionLimiter(probes._cuda_index(device))
+    return CudaFractionLimiter(cuda_index(device))

@@ -53,7 +53,7 @@ CGROUP_ENV = "GPUBROKER_CGROUP"  # "off": no cgroup even where writable (tests o
 
 def host_used_bytes(pid: int | None, baseline_bytes: int) -> int | None:
     """VmRSS of ``pid`` over ``baseline_bytes``; None when the pid is gone (or a zombie)."""
-    from gpubroker.broker.probes import proc_status_bytes
+    from gpubroker.deployments.enforce.probes import proc_status_bytes
 
     rss = proc_status_bytes(pid).get("VmRSS")
     return None if rss is None else max(0, rss - baseline_bytes)
@@ -62,7 +62,7 @@ def host_used_bytes(pid: int | None, baseline_bytes: int) -> int | None:
 def nvml_reader(index: int, pid: int, baseline_bytes: int) -> Callable[[], int | None]:
     """NVML's bytes for ``pid`` on card ``index`` over ``baseline_bytes`` (its CUDA context), one
     NVML handle for all readings; NVML missing: 0 (the watchdog then only cleans up after the pid)."""
-    from gpubroker.broker.probes import NvmlProbe
+    from gpubroker.deployments.enforce.probes import NvmlProbe
 
     try:
         probe = NvmlProbe(index, pid)

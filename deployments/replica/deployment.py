@@ -166,8 +166,9 @@ class ModelReplica:
 
     # ------------------------------------------------------------------ start-up
     def _load(self) -> None:
-        from gpubroker.broker.probes import detect_capacity, detect_device, make_probe
+        from gpubroker.broker.capacity import detect_capacity, detect_device
         from gpubroker.deployments.enforce.limits import make_limiter
+        from gpubroker.deployments.enforce.probes import make_probe
         from gpubroker.deployments.enforce.watch import set_mps_memory_limit
         from gpubroker.deployments.models import load_adapter
 

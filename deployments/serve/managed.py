@@ -353,7 +353,8 @@ class _Memory:
     """This process's memory in use, over what it held before the user's ``__init__`` on cpu."""
 
     def __init__(self, cfg: FleetConfig) -> None:
-        from gpubroker.broker.probes import detect_capacity, detect_device, make_probe
+        from gpubroker.broker.capacity import detect_capacity, detect_device
+        from gpubroker.deployments.enforce.probes import make_probe
 
         self.device = detect_device(cfg.gpu.device)
         self.on_cuda = self.device.startswith("cuda")

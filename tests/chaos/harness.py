@@ -181,7 +181,7 @@ class FakeProbe:
         self.enforced: list[int | None] = []
 
     def read(self):
-        from gpubroker.broker.probes import MemoryReading
+        from gpubroker.deployments.enforce.probes import MemoryReading
 
         used = self.process_bytes
         return MemoryReading(self.capacity_bytes, used, used, max(0.0, 1.0 - used / self.capacity_bytes), None)

@@ -211,7 +211,7 @@ def check_nvml_watchdog_ends_a_cuda_violator() -> str:
 
 def _nvml_bytes_of(pid: int) -> int | None:
     """NVML's bytes for ``pid`` on card 0 (None: NVML away or the pid not listed)."""
-    from gpubroker.broker.probes import NvmlProbe
+    from gpubroker.deployments.enforce.probes import NvmlProbe
 
     try:
         got = NvmlProbe(0, pid).process_bytes()

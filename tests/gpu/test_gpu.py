@@ -30,7 +30,8 @@ def _param_bytes(module) -> int:
 
 def check_nvml_torch_total() -> str:
     """NVML and torch agree on the card's total memory within 1%."""
-    from gpubroker.broker.probes import NvmlProbe, detect_capacity
+    from gpubroker.broker.capacity import detect_capacity
+    from gpubroker.deployments.enforce.probes import NvmlProbe
 
     nvml_total = NvmlProbe.for_torch_device(0).read().total_bytes
     torch_total = int(torch.cuda.get_device_properties(0).total_memory)
@@ -42,7 +43,7 @@ def check_nvml_torch_total() -> str:
 
 def check_make_probe_reads() -> str:
     """The combined probe reads the card, this process and SM utilisation."""
-    from gpubroker.broker.probes import CudaProbe, make_probe
+    from gpubroker.deployments.enforce.probes import CudaProbe, make_probe
 
     probe = make_probe(DEVICE, None)
     assert isinstance(probe, CudaProbe)
@@ -58,7 +59,7 @@ def check_make_probe_reads() -> str:
 
 def check_fraction_caps_process() -> str:
     """TorchCudaProbe.enforce caps the allocator: past the grant raises OOM, under it works."""
-    from gpubroker.broker.probes import TorchCudaProbe
+    from gpubroker.deployments.enforce.probes import TorchCudaProbe
     from gpubroker.deployments.models import is_oom
 
     probe = TorchCudaProbe(0)
@@ -121,7 +122,7 @@ def check_calibration_minilm() -> str:
 
 def check_oom_split_retry() -> str:
     """A real CUDA OOM inside a batch is split and retried; every result comes back in order."""
-    from gpubroker.broker.probes import TorchCudaProbe
+    from gpubroker.deployments.enforce.probes import TorchCudaProbe
     from gpubroker.deployments.replica.oom import split_retry
 
     item_bytes = 64 * MiB

@@ -32,7 +32,7 @@ KV_BLOCKS = 4096  # 4096 x 256 KiB = 1 GiB of KV cache: a drop NVML cannot miss
 
 
 def _card_used_bytes() -> int:
-    from gpubroker.broker.probes import NvmlProbe
+    from gpubroker.deployments.enforce.probes import NvmlProbe
 
     return NvmlProbe.for_torch_device(0).read().used_bytes
 

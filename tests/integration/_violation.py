@@ -29,7 +29,7 @@ MiB = 1024**2
 
 
 def _rss(pid: int) -> int | None:
-    from gpubroker.broker.probes import proc_status_bytes
+    from gpubroker.deployments.enforce.probes import proc_status_bytes
 
     return proc_status_bytes(pid).get("VmRSS")
 

@@ -72,7 +72,7 @@ def fleet():
 
 
 def peak_rss_bytes(pid: int) -> int:
-    from gpubroker.broker.probes import proc_status_bytes
+    from gpubroker.deployments.enforce.probes import proc_status_bytes
 
     return proc_status_bytes(pid)["VmHWM"]
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.broker import probes
+from gpubroker.broker import capacity
+from gpubroker.deployments.enforce import probes
 from gpubroker.deployments.enforce.limits import (
     CpuRlimitLimiter,
     CudaFractionLimiter,
@@ -307,7 +308,7 @@ def fake_pynvml(pid: int, used: int, sm: int):
 
 def test_cuda_fraction_set_before_load_shrink_empties_cache_and_remeasures(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(pid=4242, used=900 * MiB, sm=35))
-    monkeypatch.setattr(probes, "_nvml_ready", False)
+    monkeypatch.setattr(capacity, "_nvml_ready", False)
     cuda = FakeCuda(total=80_000 * MiB)
     lim = CudaFractionLimiter(0, cuda=cuda, nvml=probes.NvmlProbe(0, pid=4242))
     first = lim.set_grant(8_000 * MiB)  # before the model loads: nothing reserved yet
@@ -335,7 +336,7 @@ def test_nvml_process_sm_util_reads_only_new_samples_and_none_when_unsupported(m
         [types.SimpleNamespace(pid=7, smUtil=50, timeStamp=since + 5)],
     )[1]
     monkeypatch.setitem(sys.modules, "pynvml", mod)
-    monkeypatch.setattr(probes, "_nvml_ready", False)
+    monkeypatch.setattr(capacity, "_nvml_ready", False)
     probe = probes.NvmlProbe(0, pid=7)
     assert probe.process_sm_util_frac() == 0.5 and probe.process_sm_util_frac() == 0.5
     assert seen == [0, 5]  # the second read asks only for samples after the first's

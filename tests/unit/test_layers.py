@@ -5,7 +5,9 @@ counts: at module level, inside functions and under ``if TYPE_CHECKING:``. A laz
 is still an arrow.
 
 Only ``gpubroker/cli/`` imports typer or rich; the pure rooms (``quotas/``, ``broker/control/``,
-``broker/wire.py``) touch no hardware, Ray or clock; ``broker/probes.py`` imports nothing of ours.
+``broker/wire.py``) touch no hardware, Ray or clock; ``broker/capacity.py`` (what the broker reads of
+a card) imports nothing of ours; the memory probes live beside their readers on the Serve side
+(``deployments/enforce/probes.py``) and import only ``broker/capacity.py``.
 
     quotas -> nothing of ours
     broker -> quotas
@@ -34,18 +36,19 @@ ALLOWED: dict[str, frozenset[str]] = {
     "bench": frozenset({"gpubroker", "deployments", "broker", "quotas"}),
 }
 # The broker's pure rooms: its control subpackage and the wire. Everything else in broker/ is the
-# mechanism around them (the actor, checkpoints, metrics, probes).
+# mechanism around them (the actor, checkpoints, metrics, the card's capacity).
 BROKER_PURE_PREFIXES = ("gpubroker.broker.control", "gpubroker.broker.wire")
 # The broker core takes its clock and capacity injected: it may import the standard clock as
-# the default, but never hardware, Ray or the probes, not even through another module.
+# the default, but never hardware, Ray, the capacity or the probes, not even through another module.
 NO_HARDWARE_MODULES = frozenset(
     {"gpubroker.broker.core", "gpubroker.broker.fleet_core", "gpubroker.broker.fleet_store"}
 )  # fleet_core: one BrokerCore per card
 UI = frozenset({"typer", "rich", "click"})  # the command line's toolkits: only gpubroker/cli draws
-HARDWARE = frozenset({"ray", "torch", "pynvml", "psutil", "gpubroker.broker.probes"})
+CAPACITY = "gpubroker.broker.capacity"  # the device and the card's size: the broker's one hardware module
+PROBES = "gpubroker.deployments.enforce.probes"  # the replica's memory readings
+HARDWARE = frozenset({"ray", "torch", "pynvml", "psutil", CAPACITY, PROBES})
 CLOCKS = frozenset({"time"})
 CLOCK_CALLS = frozenset({"now", "utcnow", "today", "time", "monotonic", "perf_counter", "time_ns", "monotonic_ns"})
-PROBES = "gpubroker.broker.probes"
 # importlib loads only what a user's config names ('pkg.module:Class'), never a module of ours.
 IMPORTLIB_ALLOWED = frozenset({"gpubroker.deployments.models"})
 
@@ -174,7 +177,7 @@ def _hits(target: str, names: frozenset[str]) -> bool:
 def test_every_package_is_found():
     tops = {_top(m) for m in source_files()}
     assert tops == set(PACKAGES), f"packages without sources: {set(PACKAGES) - tops}"
-    named = NO_HARDWARE_MODULES | {PROBES}
+    named = NO_HARDWARE_MODULES | {CAPACITY, PROBES}
     assert named <= set(source_files()), f"named in this test but missing: {sorted(named - set(source_files()))}"
     assert {
         "gpubroker.broker.control.policy",
@@ -284,9 +287,30 @@ def test_policy_code_reads_no_clock_and_imports_only_pure_code(module: str):
     assert not bad, "\n".join(dict.fromkeys(bad))
 
 
-def test_probes_are_a_leaf():
-    bad = [_where(PROBES, i) for i in imports_of(PROBES) if _ours(i.target) not in (None, "gpubroker.broker")]
-    assert not bad, "broker/probes.py must import nothing of ours:\n" + "\n".join(bad)
+def test_capacity_is_a_leaf_and_the_probes_import_only_it():
+    bad = [_where(CAPACITY, i) for i in imports_of(CAPACITY) if _ours(i.target) not in (None, "gpubroker.broker")]
+    assert not bad, "broker/capacity.py must import nothing of ours:\n" + "\n".join(bad)
+    near = (None, "gpubroker.broker", CAPACITY, "gpubroker.deployments", "gpubroker.deployments.enforce")
+    bad = [_where(PROBES, i) for i in imports_of(PROBES) if _ours(i.target) not in near]
+    assert not bad, "deployments/enforce/probes.py may import only broker/capacity.py of ours:\n" + "\n".join(bad)
+
+
+def test_the_probes_live_beside_their_readers_and_the_broker_reads_only_capacity():
+    """The memory probes are read on the Serve side (the replica, a managed deployment, the limits
+    and watchers: ``deployments/``, and the command above it); in ``broker/`` only ``capacity.py``
+    touches torch or pynvml (the actor's reading of a card's size)."""
+    readers = {
+        m for m in source_files() if _top(m) in INSTALLED and any(_ours(i.target) == PROBES for i in imports_of(m))
+    }
+    assert any(_top(m) == "deployments" for m in readers), f"nothing in deployments/ reads {PROBES}: stale name?"
+    bad = [
+        _where(m, i)
+        for m in source_files()
+        if _top(m) == "broker" and m != CAPACITY
+        for i in imports_of(m)
+        if _hits(i.target, frozenset({"torch", "pynvml", "psutil"}))
+    ]
+    assert not bad, "in broker/ only capacity.py touches the hardware:\n" + "\n".join(bad)
 
 
 def test_no_importlib_registration():

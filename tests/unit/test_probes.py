@@ -1,4 +1,5 @@
-"""Memory probes: host RSS, detection, and the NVML path against a fake pynvml."""
+"""Memory probes (``gpubroker.deployments.enforce.probes``): host RSS and the NVML path against a fake
+pynvml; the device and capacity detection they share with the broker (``gpubroker.broker.capacity``)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from gpubroker.broker import probes
-from gpubroker.broker.probes import (
+from gpubroker.broker import capacity
+from gpubroker.broker.capacity import detect_capacity, detect_device
+from gpubroker.deployments.enforce.probes import (
     HostProbe,
     MemoryReading,
     NvmlProbe,
-    detect_capacity,
-    detect_device,
     make_probe,
     rss_bytes,
 )
@@ -76,7 +76,7 @@ def test_detection_on_cpu():
 
 
 def test_detect_device_auto_and_missing_cuda(monkeypatch):
-    monkeypatch.setattr(probes, "_cuda_available", lambda: False)
+    monkeypatch.setattr(capacity, "_cuda_available", lambda: False)
     assert detect_device("auto") == "cpu"
     assert detect_capacity("auto") == detect_capacity("cpu")
     assert detect_capacity(types.SimpleNamespace(device="auto")) == detect_capacity("cpu")  # a GpuSection
@@ -85,8 +85,9 @@ def test_detect_device_auto_and_missing_cuda(monkeypatch):
         detect_device("cuda:0")
 
 
-def test_probes_module_imports_neither_torch_nor_pynvml():
-    code = "import sys, gpubroker.broker.probes; print('torch' in sys.modules, 'pynvml' in sys.modules)"
+@pytest.mark.parametrize("module", ["gpubroker.broker.capacity", "gpubroker.deployments.enforce.probes"])
+def test_probes_and_capacity_import_neither_torch_nor_pynvml(module: str):
+    code = f"import sys, {module}; print('torch' in sys.modules, 'pynvml' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=os.getcwd())
     assert out.stdout.split() == ["False", "False"]
 
@@ -116,7 +117,7 @@ def test_nvml_probe_with_fake_nvml(monkeypatch):
         types.SimpleNamespace(pid=4242, usedGpuMemory=None),
     ]
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(procs))
-    monkeypatch.setattr(probes, "_nvml_ready", False)
+    monkeypatch.setattr(capacity, "_nvml_ready", False)
     probe = NvmlProbe(0, pid=4242)
     reading = probe.read()
     assert reading == MemoryReading(80 * 1024**3, 20 * 1024**3, 3 * 1024**3, 0.75, 0.37)
@@ -134,6 +135,6 @@ def test_nvml_probe_tolerates_errors(monkeypatch):
     mod.nvmlDeviceGetComputeRunningProcesses = boom
     mod.nvmlDeviceGetUtilizationRates = boom
     monkeypatch.setitem(sys.modules, "pynvml", mod)
-    monkeypatch.setattr(probes, "_nvml_ready", False)
+    monkeypatch.setattr(capacity, "_nvml_ready", False)
     reading = NvmlProbe(0).read()
     assert reading.process_bytes == 0 and reading.sm_util_frac is None

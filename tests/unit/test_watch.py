@@ -128,7 +128,7 @@ time.sleep(60)
 def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
     """A real child grows to 480 MiB against a 64 MiB grant; the watchdog (cgroup off: the
     measurement alone) declares the violation after the grace and SIGKILLs it after the drain."""
-    from gpubroker.broker.probes import proc_status_bytes
+    from gpubroker.deployments.enforce.probes import proc_status_bytes
 
     env = {**os.environ, "GPUBROKER_CGROUP": "off"}
     victim = subprocess.Popen([sys.executable, "-c", GROWER])
@@ -170,7 +170,7 @@ def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
 
 def test_the_watchdogs_cuda_reading_is_nvml_bytes_for_the_pid_over_the_context(monkeypatch):
     """A FAKE NVML probe (no GPU here): one handle for every reading; NVML missing reads 0."""
-    from gpubroker.broker import probes
+    from gpubroker.deployments.enforce import probes
     from gpubroker.deployments.enforce.watch import nvml_reader
 
     made = []

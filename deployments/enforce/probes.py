@@ -1,4 +1,5 @@
-"""Memory probes: the one broker module that touches pynvml and torch (both imported lazily).
+"""Memory probes: what a replica reads of its memory, the one module of ``deployments/`` that
+touches pynvml and torch for a reading (both imported lazily).
 
 A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
 
@@ -12,22 +13,28 @@ A probe has ``read() -> MemoryReading`` and ``enforce(grant_bytes) -> None``:
   ledger governs host memory. ``enforce`` records the limit (checked by ``over_limit``); what
   holds a replica to its grant is ``gpubroker.deployments.enforce.limits`` (RLIMIT_DATA), not this probe.
 
-Readings the limiters of ``deployments/enforce/limits.py`` use (the limit itself is set there):
-``proc_status_bytes`` (VmData, VmRSS, RssAnon/RssFile/RssShmem from /proc/<pid>/status: what
-``RLIMIT_DATA`` counts beside what is resident), ``thread_count``, and on NVML
-``NvmlProbe.process_bytes`` / ``NvmlProbe.process_sm_util_frac`` (this pid's memory and SM
-share from ``nvmlDeviceGetComputeRunningProcesses`` / ``nvmlDeviceGetProcessUtilization``).
+Readings the limiters of ``limits`` and the watchers of ``watch`` use (the limit itself is set
+there): ``proc_status_bytes`` (VmData, VmRSS, RssAnon/RssFile/RssShmem from /proc/<pid>/status:
+what ``RLIMIT_DATA`` counts beside what is resident), ``thread_count``, ``rss_bytes``, and on NVML
+``NvmlProbe.process_bytes`` / ``NvmlProbe.process_sm_util_frac`` (this pid's memory and SM share
+from ``nvmlDeviceGetComputeRunningProcesses`` / ``nvmlDeviceGetProcessUtilization``).
 
-Policies never see a probe: the replica reads it and sends numbers in its StatsReport.
+Its readers are on the Serve side: the replica (``gpubroker.deployments.replica.deployment``,
+``make_probe``), a managed Serve deployment (``gpubroker.deployments.serve.managed``) and this room's
+``limits`` and ``watch``. The device and the card's capacity come from ``gpubroker.broker.capacity``
+(the broker actor reads the capacity too, and the broker never imports ``deployments``); this module
+imports nothing else of ours. Policies never see a probe: the replica reads it and sends numbers
+in its StatsReport.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from gpubroker.broker.capacity import cuda_index, device_name, host_total_bytes
+from gpubroker.broker.capacity import nvml as nvml_lib
 
 
 @dataclass(frozen=True)
@@ -45,31 +52,8 @@ def _free_frac(total: int, used: int) -> float:
     return min(1.0, max(0.0, 1.0 - used / total))
 
 
-def _cuda_index(device: str | int) -> int:
-    if isinstance(device, int):
-        return device
-    match = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if not match:
-        raise ValueError(f"'{device}' is not a CUDA device; use cuda or cuda:N")
-    return int(match.group(1) or 0)
-
-
 # ---------------------------------------------------------------------------------------------
 # NVML
-
-
-_nvml_ready = False
-
-
-def _nvml() -> Any:  # the pynvml module (it ships no types)
-    """pynvml, initialised once per process. Raises if NVML is unavailable."""
-    global _nvml_ready
-    import pynvml
-
-    if not _nvml_ready:
-        pynvml.nvmlInit()
-        _nvml_ready = True
-    return pynvml
 
 
 class NvmlProbe:
@@ -80,7 +64,7 @@ class NvmlProbe:
         self.pid = os.getpid() if pid is None else pid
         self.limit_bytes: int | None = None
         self._util_seen_us = 0  # newest process-utilisation sample already read (NVML µs timestamp)
-        nvml = _nvml()
+        nvml = nvml_lib()
         if uuid:  # the card torch calls cuda:N, whatever CUDA_VISIBLE_DEVICES says
             self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
         else:
@@ -108,7 +92,7 @@ class NvmlProbe:
 
     def process_bytes(self) -> int:
         """Bytes NVML attributes to ``pid`` (0 when not listed, e.g. in another pid namespace)."""
-        nvml = _nvml()
+        nvml = nvml_lib()
         try:
             procs = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
         except nvml.NVMLError:
@@ -122,7 +106,7 @@ class NvmlProbe:
     def process_sm_util_frac(self) -> float | None:
         """This pid's SM share in [0, 1] from ``nvmlDeviceGetProcessUtilization`` (samples since the
         previous call); 0.0 when the pid has no sample, None where the driver does not say."""
-        nvml = _nvml()
+        nvml = nvml_lib()
         try:
             samples = nvml.nvmlDeviceGetProcessUtilization(self._handle, self._util_seen_us)
         except (nvml.NVMLError, AttributeError):  # not supported, or no sample since the timestamp
@@ -135,14 +119,14 @@ class NvmlProbe:
         return min(1.0, max(0.0, sum(float(s.smUtil) for s in mine) / len(mine) / 100.0))
 
     def sm_util_frac(self) -> float | None:
-        nvml = _nvml()
+        nvml = nvml_lib()
         try:
             return float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu) / 100.0
         except nvml.NVMLError:
             return None
 
     def card(self) -> tuple[int, int]:
-        info = _nvml().nvmlDeviceGetMemoryInfo(self._handle)
+        info = nvml_lib().nvmlDeviceGetMemoryInfo(self._handle)
         return int(info.total), int(info.used)
 
     def read(self) -> MemoryReading:
@@ -269,30 +253,6 @@ def thread_count(pid: int | None = None) -> int:
         return 0
 
 
-def host_total_bytes() -> int:
-    """Host MemTotal, lowered to the cgroup memory limit when one is set."""
-    total = 0
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    total = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if total <= 0:
-        total = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            with open(path, encoding="ascii") as fh:
-                text = fh.read().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < total:
-            total = int(text)
-    return total
-
-
 class HostProbe:
     """Host memory as the 'card': RSS of this process and of registered replica processes."""
 
@@ -328,70 +288,15 @@ class HostProbe:
 
 
 # ---------------------------------------------------------------------------------------------
-# Detection
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def detect_device(device_cfg: str = "auto") -> str:
-    """'auto' -> 'cuda:0' when CUDA is available, else 'cpu'; 'cuda:N' is checked to exist."""
-    if device_cfg == "auto":
-        return "cuda:0" if _cuda_available() else "cpu"
-    if device_cfg == "cpu":
-        return "cpu"
-    index = _cuda_index(device_cfg)
-    if not _cuda_available():
-        raise RuntimeError(f"gpu.device is '{device_cfg}' but CUDA is not available here; use auto or cpu")
-    import torch
-
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise RuntimeError(
-            f"gpu.device is '{device_cfg}' but only {count} CUDA device(s) exist; use cuda:0..cuda:{count - 1}"
-        )
-    return f"cuda:{index}"
-
-
-def _device_str(device: object) -> str:
-    """A device string from 'auto'/'cpu'/'cuda:N', an int index, or a config's gpu section."""
-    if isinstance(device, int):
-        return f"cuda:{device}"
-    if not isinstance(device, str):
-        device = getattr(device, "device", None)  # gpubroker.quotas.config.GpuSection
-        if not isinstance(device, str):
-            raise TypeError("expected a device string ('auto', 'cpu', 'cuda:N') or a gpu config section")
-    return detect_device(device) if device == "auto" else device
-
-
-def detect_capacity(device: object) -> int:
-    """Total bytes of the CUDA card, or host MemTotal (cgroup-limited) on cpu.
-
-    ``device``: 'cpu', 'cuda:N', 'auto', or the config's gpu section (its ``device`` is used).
-    """
-    name = _device_str(device)
-    if name == "cpu":
-        return host_total_bytes()
-    index = _cuda_index(name)
-    try:
-        import torch
-
-        return int(torch.cuda.get_device_properties(index).total_memory)
-    except Exception:
-        return NvmlProbe(index).card()[0]
+# The probe for a device
 
 
 def make_probe(device: object, capacity_bytes: int | None = None) -> HostProbe | CudaProbe:
     """The probe a replica uses: HostProbe on cpu, CudaProbe (NVML if it works) on cuda."""
-    name = _device_str(device)
+    name = device_name(device)
     if name == "cpu":
         return HostProbe(capacity_bytes)
-    index = _cuda_index(name)
+    index = cuda_index(name)
     try:
         nvml: NvmlProbe | None = NvmlProbe.for_torch_device(index)
     except Exception:
