@@ -55,8 +55,8 @@ def test_live_fleet_keeps_the_simulators_batches_and_one_rule(fleet):
 
 def test_live_times_are_the_simulators_cell_scaled_by_k():
     f = L.FLEETS["one"]
-    live = ml.live_times("gamma:4", f, 100.0, 42, 10.0)["m0"]
-    sim = L.times_for("gamma:4", f, ml.LEVEL, 10.0, 42)["m0"]
+    live = ml.live_times("gamma:4", f, 0.5, 100.0, 42, 10.0)["m0"]
+    sim = L.times_for("gamma:4", f, 0.5, 10.0, 42)["m0"]
     np.testing.assert_allclose(live, sim * 10.0)
     assert live.max() < 100.0
 
