@@ -56,6 +56,7 @@ from gpubroker.sim.knee import ArmRules
 # simulator's), so each runs at 0.8 / 3 of its own capacity between bursts.
 LEVELS = {"one": 0.5, "card": 0.8}
 MEM_SCALE = 128  # bytes of the simulator's fleets / this: 1 GiB weights -> 8 MiB, 512 MiB items -> 4 MiB
+IDLE_S = 5.0  # between two cells on the BentoML peer, which reports no queue
 WAIT_MS = 10.0  # the fixed batch's wait before the time scale (Serve's default batch_wait_timeout_s)
 ONE_ARMS = ("broker", "fixed-batch", "bentoml")
 CARD_ARMS = ("broker", "broker-fixed", "fixed-batch")
@@ -293,6 +294,8 @@ def _measure(target: Any, cell: Cell, size: LiveSize, k: float, o: Opts) -> dict
     fleet = getattr(target, "kind", "") == "fleet"
     if hasattr(target, "idle"):
         target.idle()
+    else:  # BentoML shows no queue: give what a previous cell left behind time to finish
+        time.sleep(IDLE_S)
     body = lg.default_body("profiled")
     sched = lg.merge(*[lg.plan(n, t, body) for n, t in cell.times.items()])
     slos = {m.name: round(m.slo_ms(len(cell.fleet.models)) * k, 3) for m in cell.fleet.models}
@@ -317,6 +320,14 @@ def _measure(target: Any, cell: Cell, size: LiveSize, k: float, o: Opts) -> dict
     return arm_doc(m, moves, final)
 
 
+def measure_or_error(target: Any, cell: Cell, size: LiveSize, k: float, o: Opts) -> dict[str, Any]:
+    """``_measure``, or the error that ended it (recorded in the cell; a run of hours goes on)."""
+    try:
+        return _measure(target, cell, size, k, o)
+    except Exception as exc:  # noqa: BLE001 - the cell's ratios for this arm are then None
+        return {"error": f"measurement failed: {exc!r}"[:400]}
+
+
 def run_part(stack: sc.Stack, part: str, cells: list[Cell], order: list[str], size: LiveSize, k: float, o: Opts):
     """Every arm of ``part`` in ``order``, each deployed once and run on every cell of the part."""
     todo = [c for c in cells if c.part == part]
@@ -334,9 +345,11 @@ def run_part(stack: sc.Stack, part: str, cells: list[Cell], order: list[str], si
                 if c.fleet.models != deployed.models:  # other models: a fresh deployment of the same arm
                     target.delete()
                     target, deployed = _deploy(stack, arm, c.fleet, k, o), c.fleet
-                docs[c.name][arm] = _measure(target, c, size, k, o)
-                d = docs[c.name][arm]
-                o.log(f"[matrix-live] {c.name} {arm}: goodput {d['goodput_rps']:.2f}/s of {d['offered_rps']:.2f}/s")
+                docs[c.name][arm] = d = measure_or_error(target, c, size, k, o)
+                got = (
+                    f"goodput {d['goodput_rps']:.2f}/s of {d['offered_rps']:.2f}/s" if "error" not in d else d["error"]
+                )
+                o.log(f"[matrix-live] {c.name} {arm}: {got}")
         finally:
             target.delete()
     return docs

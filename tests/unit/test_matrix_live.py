@@ -111,3 +111,16 @@ def test_result_json_shape_and_table():
     table = ml.table(res)
     assert all(f"| {i} | {i} | {c} |" in table for i, c in pairs)
     assert "| broker_vs_bentoml_min | 1.1 | 1.100 | True |" in table
+
+
+def test_a_failed_measurement_is_recorded_not_raised():
+    class Broken:
+        kind = "fleet"
+
+        def idle(self):
+            raise RuntimeError("replica gone")
+
+    cell = ml.cells_of(1, ml.QUICK, 10.0)[0]
+    doc = ml.measure_or_error(Broken(), cell, ml.QUICK, 10.0, ml.Opts())
+    assert set(doc) == {"error"} and "replica gone" in doc["error"]
+    assert ml.cell_ratios("one", {"broker": doc, "fixed-batch": {"goodput_rps": 1.0}})["broker_vs_fixed"] is None
