@@ -8,11 +8,15 @@ a few runs per size, a least-squares line through them). The result goes under t
 a copy of the config (``CONFIG.calibrated.yaml``), or into CONFIG itself with ``--write``; the
 rest of the file, comments included, is kept as written.
 
-With it comes a suggested ``quota`` for the model's SLO (``gpubroker.validate.suggest_quota``).
+With it comes a suggested ``quota`` for the model's SLO (``gpubroker.sizing.suggest_quota``): the
+model's bytes at the batch floor, at the SLO's batch and alone, beside what the replica process
+holds itself on host memory (its footprint, measured here as the replica measures it, and Ray
+Serve's runtime), with the share of the grant a replica keeps free. It prints each part.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -27,7 +31,7 @@ import typer
 from gpubroker.cli.views import print_config_error
 from gpubroker.quotas.config import ConfigError, ModelSpec, load_config, parse_config_text
 from gpubroker.quotas.sizes import exact_size, format_size, parse_size
-from gpubroker.validate import QuotaSuggestion, suggest_quota
+from gpubroker.sizing import Footprint, QuotaSuggestion, kept_free_frac, runtime_bytes_for, suggest_quota
 
 
 @dataclass(frozen=True)
@@ -40,18 +44,21 @@ class Measured:
     bytes_per_item: int  # per batch unit, rounded up
     unit: str  # requests or tokens
     memory_method: str  # gpubroker.deployments.replica.calibration's method: hooks, cuda, probe, declared, none
+    process_bytes: int  # resident growth over loading and running the model, beyond its weights (0 on cuda)
     latency_points: tuple[tuple[float, float], ...]  # (batch cost, median ms)
     memory_points: tuple[tuple[float, float], ...]  # (batch cost, bytes)
 
 
 def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) -> Measured:
-    """Build the model with its options, load it on ``device`` and measure memory and latency."""
+    """Build the model with its options, load it on ``device`` and measure memory and latency;
+    on host memory also the process's growth from before the model loads to after its runs."""
     from gpubroker.deployments.cluster.user_code import on_sys_path  # noqa: PLC0415
     from gpubroker.deployments.models import resolve_model  # noqa: PLC0415
     from gpubroker.deployments.replica.calibration import calibrate as memory_fit  # noqa: PLC0415 - torch behind it
     from gpubroker.deployments.replica.calibration import fit_line  # noqa: PLC0415
 
     on_sys_path()
+    before = resident_before_model()
     adapter = resolve_model(spec.model)(**spec.options)
     adapter.load(device)
     memory = memory_fit(adapter, costs=sizes, device=device)
@@ -75,6 +82,7 @@ def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) 
         (float(sum(adapter.cost(item) for item in batch)), statistics.median(ms)) for batch, ms in zip(batches, times)
     ]
     a_ms, c_ms = fit_line(points)
+    grown = 0 if device.startswith("cuda") else resident_bytes() - before
     return Measured(
         a_ms=round(a_ms, 3),
         c_ms=round(c_ms, 4),
@@ -82,9 +90,27 @@ def measure(spec: ModelSpec, sizes: tuple[int, ...], repeats: int, device: str) 
         bytes_per_item=int(math.ceil(memory.bytes_per_unit)),
         unit=memory.unit,
         memory_method=memory.method,
+        process_bytes=max(0, grown - int(memory.weights_bytes)),
         latency_points=tuple((x, round(y, 3)) for x, y in points),
         memory_points=memory.points,
     )
+
+
+def resident_before_model() -> int:
+    """Resident bytes as a replica measures them before its model loads: torch imported (the
+    replica imports it first: the runtime, not the model), garbage collected."""
+    try:
+        import torch  # noqa: F401, PLC0415
+    except ImportError:
+        pass
+    return resident_bytes()
+
+
+def resident_bytes() -> int:
+    from gpubroker.deployments.enforce.probes import rss_bytes  # noqa: PLC0415
+
+    gc.collect()
+    return rss_bytes() or 0
 
 
 def size_text(n: int) -> str:
@@ -140,6 +166,12 @@ def calibrate(
     sizes: str = typer.Option("1,2,4,8,16", "--sizes", help="Batch sizes to time and measure, comma-separated."),
     repeats: int = typer.Option(5, "--repeats", min=1, max=100, help="Timed runs per batch size (median)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda:N."),
+    runtime: str = typer.Option(
+        None,
+        "--runtime",
+        help="Memory Ray Serve's replica runtime holds beside the model, e.g. 64MiB "
+        "(default: 48MiB on cpu, 0 on cuda; gpubroker status shows a live replica's used bytes).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the measurement as JSON."),
 ) -> None:
     """Measure a model's latency and memory profile here and write it under its profile: key."""
@@ -158,8 +190,22 @@ def calibrate(
             raise ValueError
     except ValueError:
         _fail(f"--sizes {sizes!r}: give at least two batch sizes >= 1, e.g. 1,2,4,8,16")
+    try:
+        runtime_bytes = runtime_bytes_for(device) if runtime is None else parse_size(runtime)
+    except ValueError as exc:
+        _fail(f"--runtime {runtime!r}: {exc}; give a size such as 64MiB")
     measured = measure(spec, batch_sizes, repeats, device)
-    quota = suggest_quota(measured.a_ms, measured.c_ms, measured.weights_bytes, measured.bytes_per_item, spec, slo_ms)
+    footprint = Footprint(measured.process_bytes, runtime_bytes)
+    quota = suggest_quota(
+        measured.a_ms,
+        measured.c_ms,
+        measured.weights_bytes,
+        measured.bytes_per_item,
+        spec,
+        slo_ms,
+        footprint,
+        kept_free_frac(cfg),
+    )
     target = config if write else (out or config.with_name(config.stem + ".calibrated.yaml"))
     text = with_profile(config.read_text(encoding="utf-8"), model, profile_line(measured))
     try:
@@ -180,10 +226,24 @@ def _report(model: str, m: Measured, q: QuotaSuggestion, target: Path) -> None:
         f"{model}: memory = {exact_size(m.weights_bytes)} + {exact_size(m.bytes_per_item)} per "
         f"{m.unit[:-1]} (method {m.memory_method})"
     )
+    print(
+        f"{model}: beside it the replica process holds {format_size(q.process_bytes)} (measured here: loading and "
+        f"running it, beyond its weights) + {format_size(q.runtime_bytes)} (Ray Serve's replica runtime, --runtime)"
+    )
     print(f"wrote {target}: models.{model}.{profile_line(m)}")
     print(
         f"suggested for P95 <= {q.slo_p95_ms:g} ms (batch {q.batch_at_slo} at load, {q.batch_alone} alone): "
         f"quota: {{min: {size_text(q.min_bytes)}, base: {size_text(q.base_bytes)}, max: {size_text(q.max_bytes)}}}"
+    )
+    print(f"  each = {quota_formula(q)}, rounded up to MiB")
+
+
+def quota_formula(q: QuotaSuggestion) -> str:
+    """The suggestion's arithmetic in words: its parts and the share kept free."""
+    return (
+        f"({format_size(q.process_bytes)} process + {format_size(q.runtime_bytes)} runtime + "
+        f"{format_size(q.weights_bytes)} weights + {format_size(math.ceil(q.bytes_per_item))} x batch) / "
+        f"(1 - {q.free_frac:g} kept free)"
     )
 
 

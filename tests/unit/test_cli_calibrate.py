@@ -4,6 +4,7 @@ profile where `simulate` reads it, the rest of the file as written."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 from typer.testing import CliRunner
@@ -11,7 +12,9 @@ from typer.testing import CliRunner
 from gpubroker.cli.calibrate import with_profile
 from gpubroker.cli.main import app
 from gpubroker.quotas.config import load_config
+from gpubroker.quotas.sizes import format_size, parse_size
 from gpubroker.sim.profile import profile_for
+from gpubroker.sizing import REPLICA_RUNTIME_BYTES
 
 runner = CliRunner()
 
@@ -45,6 +48,36 @@ def test_calibrate_writes_the_measured_profile_into_a_copy(tmp_path):
     assert prof.a_ms == measured["a_ms"] and prof.c_ms == measured["c_ms"]
     quota = out["quota"]
     assert quota["min_bytes"] <= quota["base_bytes"] <= quota["max_bytes"] and quota["slo_p95_ms"] == 200
+    # beside the model: the process's own growth, measured here, and Ray Serve's runtime (issue 54 item 5)
+    assert measured["process_bytes"] == quota["process_bytes"] >= 0
+    assert quota["runtime_bytes"] == REPLICA_RUNTIME_BYTES and quota["free_frac"] == 0.1
+    held = quota["process_bytes"] + quota["runtime_bytes"] + MLP_PARAM_BYTES + measured["bytes_per_item"] * 2
+    assert quota["min_bytes"] >= held / 0.9  # floor 2 (the default), a tenth kept free
+
+
+def test_calibrate_prints_the_quota_with_its_parts(tmp_path):
+    config = tmp_path / "fleet.yaml"
+    config.write_text(FLEET)
+    r = runner.invoke(
+        app, ["calibrate", str(config), "small", "--sizes", "1,2", "--repeats", "1", "--runtime", "40MiB"]
+    )
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "+ 40.0MiB (Ray Serve's replica runtime, --runtime)" in out, out
+    assert (
+        "each = (" in out
+        and f"+ 40.0MiB runtime + {format_size(MLP_PARAM_BYTES)} weights + " in out
+        and "(1 - 0.1 kept free)" in out
+    ), out
+    found = re.search(r"quota: \{min: (\S+), base: (\S+), max: (\S+)\}", out)
+    assert found and parse_size(found.group(1)) >= (40 * 1024**2 + MLP_PARAM_BYTES) / 0.9, out
+
+
+def test_calibrate_refuses_a_runtime_that_is_not_a_size(tmp_path):
+    config = tmp_path / "fleet.yaml"
+    config.write_text(FLEET)
+    r = runner.invoke(app, ["calibrate", str(config), "small", "--runtime", "lots"])
+    assert r.exit_code == 1 and "--runtime 'lots'" in " ".join(r.output.split())
 
 
 def test_calibrate_write_replaces_the_profile_in_place(tmp_path):
