@@ -25,10 +25,11 @@ from typing import Protocol, runtime_checkable
 class EngineRequestError(ValueError):
     """A request the engine refuses before it starts; the API answers 400 naming ``field``."""
 
-    def __init__(self, field: str, value: object, message: str):
+    def __init__(self, field: str, value: object, message: str, over_context: bool = False):
         self.field = field  # the request field at fault: prompt, max_tokens, temperature, request_id
         self.value = value  # the bad value as sent
         self.message = message  # what is wrong and how to fix it
+        self.over_context = over_context  # prompt + max_tokens over the context length
         super().__init__(f"{field}={value!r}: {message}")
 
 
@@ -46,14 +47,30 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True)
 class Sampling:
-    """How tokens are picked. ``temperature`` 0 is greedy (deterministic) decoding."""
+    """How tokens are picked, by vLLM's ``SamplingParams`` names. ``temperature`` 0 is greedy
+    (deterministic) decoding; above it, a ``seed`` makes the draw repeatable."""
 
     temperature: float = 0.0
     top_p: float = 1.0  # nucleus sampling mass; 1.0 keeps every token
     stop: tuple[str, ...] = ()  # strings that end the generation (not included in the text)
+    seed: int | None = None  # the request's own random seed (None: unseeded)
+    logprobs: int | None = None  # per generated token, its log-probability and the top N others (None: none)
+    presence_penalty: float = 0.0  # in [-2, 2]: penalise tokens already in the text
+    frequency_penalty: float = 0.0  # in [-2, 2]: penalise tokens by how often they appear
 
 
 GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its place (vLLM's
+    ``Logprob`` entries, when the request asked for ``logprobs``)."""
+
+    token_id: int
+    token: str  # the token's text (vLLM's decoded_token; "" for a piece of a multi-byte character)
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # the ``logprobs`` most likely (token, logprob), likeliest first
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None  # set on the last piece
     error: str | None = None  # set when finish_reason is ERROR
     text: str = ""  # the detokenized text of token_ids (the engine's detokenizer; stop strings cut out)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from gpubroker.deployments.llm.engine import (
     FinishReason,
     Sampling,
     TokenDelta,
+    TokenLogprob,
     TokenStream,
 )
 from gpubroker.deployments.llm.inline_vllm import InlineLLM
@@ -51,6 +52,8 @@ CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
 # tests compare greedy tokens alone and in batches, which half precision's rounding can flip.
 BUILT_IN_DEFAULTS: dict[str, Any] = {"dtype": "float32"}
 DTYPE_BYTES = {"float32": 4, "float": 4, "half": 2, "float16": 2, "bfloat16": 2}
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (engine_kwargs may set another)
+LOGPROB_FLOOR = -9999.0  # -inf as vLLM's OpenAI server writes it (JSON has no infinity)
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,33 @@ def engine_dtype_bytes(llm: Any) -> int | None:
     if cache != "auto":
         return 1 if "8" in cache else DTYPE_BYTES.get(cache, 2)
     return int(config.model_config.dtype.itemsize)
+
+
+def token_logprobs(token_ids: tuple[int, ...], entries: Any, top_n: int | None) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-token ``{token_id: Logprob}`` maps (``CompletionOutput.logprobs``, aligned with
+    ``token_ids``) as ``TokenLogprob``s: the generated token's own entry, and the ``top_n`` of rank
+    1..top_n, likeliest first. Empty when the request asked for none."""
+    if top_n is None or not entries:
+        return ()
+    out = []
+    for token_id, entry in zip(token_ids, entries):
+        mine = entry.get(token_id)
+        ranked = sorted(
+            (lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank
+        )
+        out.append(
+            TokenLogprob(
+                token_id,
+                (mine.decoded_token if mine else None) or "",
+                _finite(mine.logprob if mine else LOGPROB_FLOOR),
+                tuple((lp.decoded_token or "", _finite(lp.logprob)) for lp in ranked),
+            )
+        )
+    return tuple(out)
+
+
+def _finite(logprob: float) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
 
 
 class _Signals:
@@ -401,6 +431,7 @@ class VllmEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {len(prompt_ids) + max_tokens} "
                 f"is over the context length {self.max_model_len}: lower max_tokens to at most "
                 f"{max(0, self.max_model_len - len(prompt_ids))} or shorten the prompt",
+                over_context=True,
             )
         if sampling.temperature < 0:
             raise EngineRequestError("temperature", sampling.temperature, "must be >= 0 (0 is greedy)")
@@ -408,6 +439,22 @@ class VllmEngine:
             raise EngineRequestError("top_p", sampling.top_p, "must be in (0, 1]")
         if len(sampling.stop) > 4 or any(not s for s in sampling.stop):
             raise EngineRequestError("stop", list(sampling.stop), "must be up to 4 non-empty strings")
+        self._validate_extras(sampling)
+
+    def _validate_extras(self, sampling: Sampling) -> None:
+        """``seed``, ``logprobs`` and the penalties against what vLLM takes."""
+        most = int(self.options.engine_kwargs.get("max_logprobs", MAX_LOGPROBS))
+        if sampling.logprobs is not None and not 0 <= sampling.logprobs <= (most if most >= 0 else sampling.logprobs):
+            raise EngineRequestError(
+                "logprobs",
+                sampling.logprobs,
+                f"must be in [0, {most}] (vLLM's max_logprobs; engine_kwargs may raise it)",
+            )
+        if sampling.seed is not None and not isinstance(sampling.seed, int):
+            raise EngineRequestError("seed", sampling.seed, "must be an integer")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(sampling, name) <= 2.0:
+                raise EngineRequestError(name, getattr(sampling, name), "must be in [-2, 2]")
 
     def cancel(self, request_id: str) -> None:
         for held in self._waiting:
@@ -478,7 +525,10 @@ class VllmEngine:
             top_p=s.top_p,
             stop=list(s.stop) or None,
             output_kind=RequestOutputKind.DELTA,
-            seed=None if s.temperature == 0 else 0,
+            seed=s.seed,
+            logprobs=s.logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
         )
         try:
             async for out in self._llm.generate({"prompt_token_ids": seq.prompt_ids}, params, seq.request_id):
@@ -504,19 +554,26 @@ class VllmEngine:
             seq.last_s = now
             seq.generated += len(new)
             self._c.tokens_out += len(new)
+        logprobs = token_logprobs(new, comp.logprobs, seq.sampling.logprobs)
         if not out.finished:
             if new or comp.text:
-                seq.stream.put(TokenDelta(new, text=comp.text))
+                seq.stream.put(TokenDelta(new, text=comp.text, logprobs=logprobs))
             return False
         reason = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}.get(comp.finish_reason or "")
         if reason is None:
             self._end(seq, FinishReason.CANCELLED if comp.finish_reason == "abort" else FinishReason.ERROR)
         else:
-            self._end(seq, reason, None, new, comp.text)
+            self._end(seq, reason, None, new, comp.text, logprobs)
         return True
 
     def _end(
-        self, seq: _Seq, reason: FinishReason, error: str | None = None, new: tuple[int, ...] = (), text: str = ""
+        self,
+        seq: _Seq,
+        reason: FinishReason,
+        error: str | None = None,
+        new: tuple[int, ...] = (),
+        text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         was_running = self._running.pop(seq.request_id, None) is not None
         c = self._c
@@ -537,7 +594,7 @@ class VllmEngine:
                 c.decode_s += max(0.0, seq.last_s - seq.first_s)
                 if seq.generated > 1:
                     c.tpot_ms.append((seq.last_s - seq.first_s) * 1000.0 / (seq.generated - 1))
-        seq.stream.put(TokenDelta(new, True, reason, error, text))
+        seq.stream.put(TokenDelta(new, True, reason, error, text, logprobs))
         if was_running and not self._stopped:
             self._admit()
             self._maybe_resize()

@@ -3,7 +3,8 @@
 ``resolve_model(ref)`` takes a built-in name (minilm, mlp, cnn, profiled) or an import path
 'pkg.module:Class' and returns a ModelAdapter subclass. A user class need not subclass
 ModelAdapter: it only needs ``predict(items)``; it is wrapped so that the optional methods
-(load, validate, cost, example_input, set_memory_limit, weights_bytes) get defaults.
+(load, validate, cost, example_input, set_memory_limit, weights_bytes, embedding) get defaults;
+a class with ``embedding_input`` embeds text (``POST /v1/embeddings``).
 Built-ins are imported lazily, so importing this package does not import torch.
 """
 
@@ -23,6 +24,7 @@ from gpubroker.deployments.models.base import (
     ModelAdapter,
     OutputCountError,
     attribute_module,
+    default_embedding,
     is_oom,
     module_bytes,
 )
@@ -141,6 +143,18 @@ class DuckAdapter(ModelAdapter):
         if fn is None:
             raise NotImplementedError(f"model '{self.name}' has no example_input(); calibration cannot run it")
         return self._settle(fn(cost))
+
+    def embeds(self) -> bool:
+        return callable(getattr(self.inner, "embedding_input", None))
+
+    def embedding_input(self, text: str) -> Any:
+        if not self.embeds():
+            return super().embedding_input(text)
+        return self._settle(self.inner.embedding_input(text))
+
+    def embedding(self, output: Any) -> list[float]:
+        found, out = self._call("embedding", output)
+        return [float(v) for v in out] if found else default_embedding(self.name, output)
 
     def torch_module(self) -> Any:
         found, out = self._call("torch_module")

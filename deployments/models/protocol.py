@@ -49,3 +49,17 @@ class Model(Protocol):
 
     def set_memory_limit(self, grant_bytes: int | None) -> None:
         """The replica's memory grant changed (informational: the replica enforces it)."""
+
+    # A model that embeds text defines ``embedding_input`` (and ``embedding`` where its output is not
+    # the vector itself or ``{"embedding": vector}``): ``POST /v1/embeddings`` then serves it in
+    # OpenAI's shape, through the same admission, validation and batches as ``/infer``.
+
+    def embedding_input(self, text: str) -> Any:
+        """The item ``predict`` takes to embed ``text`` (checked by ``validate`` like any input).
+        Optional: without it the model does not embed, and ``/v1/embeddings`` refuses it."""
+        raise NotImplementedError(f"{type(self).__name__} does not embed text")
+
+    def embedding(self, output: Any) -> list[float]:
+        """The vector in one of ``predict``'s outputs for an ``embedding_input`` item. Optional: by
+        default the output itself (a list of numbers) or its ``"embedding"`` entry."""
+        ...

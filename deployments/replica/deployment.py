@@ -444,7 +444,8 @@ class ModelReplica:
         return _error(status, detail, **extra)
 
     async def infer(self, inputs: list, body_bytes: int = 0) -> dict[str, Any]:
-        """Run ``inputs`` (a list of items); ``{"status": 200, "outputs": [...]}`` or an error dict."""
+        """Run ``inputs`` (a list of items); ``{"status": 200, "outputs": [...], "cost"}`` (the items'
+        summed cost) or an error dict."""
         t0 = time.time()
         if not isinstance(inputs, list) or not inputs:
             return _error(422, "inputs must be a non-empty list of items", field="inputs")
@@ -473,7 +474,8 @@ class ModelReplica:
         self.delta.completions += n
         for _ in range(n):
             self.delta.add_latency(ms)
-        return {"status": 200, "outputs": outputs, "model": self.name, "latency_ms": round(ms, 3)}
+        cost = sum(item.cost for item in items_or_error)  # tokens for a token-priced model (embeddings' usage)
+        return {"status": 200, "outputs": outputs, "model": self.name, "latency_ms": round(ms, 3), "cost": cost}
 
     def _retry_after_s(self) -> int:
         return max(1, int(round(self.cfg.broker.control_interval_s)))

@@ -11,11 +11,16 @@ both before any JSON parsing), the body's shape (``gpubroker.deployments.serve.h
 ``ModelReplica.infer`` (admission, then validation, then the batcher). Answers are built by
 ``gpubroker.deployments.serve.http_api``. As before the one hop, a 413 or a malformed body is the client's
 error, not a miss: only the replica's own refusals (queue full, paused) reach its stats.
+
+``embed`` is the same path for ``POST /v1/embeddings`` (``gpubroker.deployments.serve.embeddings``),
+which the fleet API calls with the request's texts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -88,3 +93,23 @@ class HttpModel(ModelReplica):
             logger.exception("gpubroker replica %s: request failed", self.name)
             return HttpAnswer(500, {"detail": batch_failure_detail(self.name, exc)})  # its type, not its text
         return answer_for(self.name, result, parsed.single, self.retry_after_s)
+
+    async def embed(self, texts: list[str], body_bytes: int = 0) -> dict[str, Any]:
+        """``POST /v1/embeddings`` (the fleet API calls it): ``texts`` become the model's items
+        (``embedding_input``) and take ``infer``'s path (admission, validation, the batches);
+        ``{"status": 200, "embeddings": [[...]], "tokens"}`` or ``infer``'s error dict (400 with
+        ``field: model`` when the model does not embed). ``tokens``: the items' cost when the model
+        is token-priced, else 0."""
+        adapter = self.adapter
+        if not adapter.embeds():
+            return {"status": 400, "field": "model", "detail": f"model '{self.name}' does not embed text"}
+        items = await asyncio.to_thread(lambda: [adapter.embedding_input(t) for t in texts])
+        result = await self.infer(items, body_bytes)
+        if result.get("status") != 200:
+            return result
+        try:
+            vectors = await asyncio.to_thread(lambda: [adapter.embedding(out) for out in result["outputs"]])
+        except ValueError as exc:  # the model's output holds no vector: its author's fix, named
+            return {"status": 500, "detail": str(exc)}
+        tokens = int(result.get("cost", 0)) if self.token_priced else 0
+        return {"status": 200, "embeddings": vectors, "tokens": tokens}

@@ -17,6 +17,10 @@ path no model app owns (Serve routes by the longest route prefix):
 
 ``GET /v1/replicas``  what the replica scaler applied to Serve (``gpubroker.deployments.serve.scaler``).
 
+``POST /v1/embeddings``  OpenAI's embeddings (``gpubroker.deployments.serve.embeddings``): the body
+    checked here, the texts run by the model's own app (``HttpModel.embed``: admission, validation,
+    the broker's batches, as ``/infer``); an OpenAI client takes ``base_url <fleet url>/v1``.
+
 Its replica also runs the plan follower (``gpubroker.deployments.serve.follow``): a background task that pulls
 the broker's ``ServePlan`` and applies it: the replica targets through Serve's external-scaler
 API (``app_names``: model -> its Serve app, from ``gpubroker.deployments.app.fleet_api``) and, given a
@@ -31,13 +35,22 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
 from gpubroker.broker.client import BrokerClient
+from gpubroker.deployments.serve.embeddings import (
+    body_limit,
+    embeddings_body,
+    not_an_embedder,
+    parse_embeddings,
+    replica_error,
+    too_large,
+)
 from gpubroker.deployments.serve.follow import PlanFollower, Reconciler, follow_loop
 from gpubroker.deployments.serve.http_api import llm_on_batch_route
+from gpubroker.deployments.serve.openai_errors import OpenAIError, overloaded
 from gpubroker.deployments.serve.scaler import ReplicaScaler, ServeReplicaSetter
 from gpubroker.quotas.config import FleetConfig
 
@@ -48,6 +61,24 @@ BROKER_RPC_TIMEOUT_S = 10.0
 
 def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def _openai(err: OpenAIError) -> JSONResponse:
+    return _json(err.status, err.body(), err.headers() or None)
+
+
+async def read_capped(request: Request, limit_bytes: int) -> bytes | None:
+    """The body, or None once it is over ``limit_bytes`` (Content-Length first, then the bytes
+    read: reading stops at the limit)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body.extend(chunk)
+        if len(body) > limit_bytes:
+            return None
+    return bytes(body)
 
 
 @serve.deployment
@@ -76,6 +107,7 @@ class FleetApi:
         self._broker: BrokerClient | None = None
         self._rejected: dict[str, int] = {}  # refused here, not yet reported to the broker
         self._flush_task: asyncio.Task | None = None
+        self._app_handles: dict[str, Any] = {}  # a model's Serve app -> its ingress handle (embeddings)
 
     async def _client(self) -> BrokerClient:
         if self._broker is None:
@@ -136,6 +168,35 @@ class FleetApi:
             },
             {"Retry-After": str(self.retry_after_s)},
         )
+
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> JSONResponse:
+        """OpenAI's embeddings over a model that embeds (``gpubroker.deployments.serve.embeddings``):
+        checked here, run by one of the model's replicas on the path ``/infer`` takes."""
+        raw = await read_capped(request, body_limit(self.cfg))
+        if raw is None:
+            return _openai(too_large(body_limit(self.cfg)))
+        req = parse_embeddings(raw, self.cfg)
+        if isinstance(req, OpenAIError):
+            return _openai(req)
+        app = self.app_names.get(req.model)
+        if app is None:  # a model of the config with no app of its own: the managed path
+            return _openai(not_an_embedder(req.model, "is not served by this fleet's model apps"))
+        try:
+            if app not in self._app_handles:  # the lookup asks Serve's controller: off the event loop, once
+                self._app_handles[app] = await asyncio.to_thread(serve.get_app_handle, app)
+            result = await self._app_handles[app].embed.remote(req.texts, len(raw))
+        except Exception as exc:  # noqa: BLE001 - the app is starting, gone, or its ingress routes cards
+            self._app_handles.pop(app, None)
+            self._count_rejection(req.model)
+            return _openai(
+                overloaded(
+                    f"model '{req.model}' cannot embed now ({type(exc).__name__}); retry later", self.retry_after_s
+                )
+            )
+        if result.get("status") != 200:
+            return _openai(replica_error(req, result))
+        return _json(200, embeddings_body(req, result["embeddings"], int(result.get("tokens", 0))))
 
     @api.get("/v1/status")
     async def status(self) -> JSONResponse:

@@ -215,7 +215,7 @@ def test_openai_bodies_fill_defaults_and_name_the_bad_field():
     )
     assert err is None and body["max_tokens"] == 5
     for raw, field in (
-        ({"model": "m", "prompt": "hi", "n": 2}, "n"),
+        ({"model": "m", "prompt": "hi", "n": 129}, "n"),
         ({"model": "m", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "m"}, "prompt"),
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
