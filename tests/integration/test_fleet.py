@@ -43,6 +43,49 @@ def test_minilm_embeds_over_http(fleet):
     assert max(abs(a - b) for a, b in zip(alone, outs[2]["embedding"])) < 1e-4  # padding is masked
 
 
+def test_minilm_embeds_with_the_openai_client_through_its_replicas(fleet):
+    """``POST /v1/embeddings`` with the real ``openai`` client (it asks for base64 unless told
+    otherwise): the vectors /infer gives, in order, the tokens counted, the broker counting them."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    texts = ["the cat sat on the mat", "hi"]
+    out = client.embeddings.create(model="minilm", input=texts)  # the client's default: base64
+    assert [d.index for d in out.data] == [0, 1] and out.model == "minilm"
+    assert out.usage.prompt_tokens == out.usage.total_tokens == (6 + 2) + (1 + 2)  # words + [CLS]/[SEP]
+    infer = post(fleet, "minilm", {"inputs": [{"text": t} for t in texts]}).json()["outputs"]
+    for d, ref in zip(out.data, infer):
+        assert len(d.embedding) == 384
+        assert max(abs(a - b) for a, b in zip(d.embedding, ref["embedding"])) < 1e-4
+    floats = client.embeddings.create(model="minilm", input="hi", encoding_format="float")
+    assert (
+        len(floats.data) == 1
+        and max(abs(a - b) for a, b in zip(floats.data[0].embedding, out.data[1].embedding)) < 1e-6
+    )
+    many = [f"sentence number {i}" for i in range(24)]
+    assert len(client.embeddings.create(model="minilm", input=many, encoding_format="float").data) == 24
+    wait_for(lambda: fleet.status()["models"]["minilm"]["completions"] >= 24, 30, what="the broker counting them")
+
+
+def test_embeddings_errors_in_openais_shape(fleet):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.embeddings.create(model="nope", input="x")
+    assert (nf.value.code, nf.value.param, nf.value.type) == ("model_not_found", "model", "invalid_request_error")
+    with pytest.raises(openai.BadRequestError) as no:
+        client.embeddings.create(model="mlp", input="x")  # served, but it does not embed
+    assert (no.value.code, no.value.param) == ("model_not_embedding", "model")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.embeddings.create(model="minilm", input="x", dimensions=8)
+    assert (bad.value.code, bad.value.param) == ("unsupported_parameter", "dimensions")
+    with pytest.raises(openai.UnprocessableEntityError) as long:  # the model's own check, in its replica
+        client.embeddings.create(model="minilm", input=["ok", "word " * 300], encoding_format="float")
+    assert (long.value.code, long.value.param) == ("invalid_input", "input[1]") and "256" in long.value.message
+    with pytest.raises(openai.APIStatusError) as big:  # over minilm's max_body_bytes (64KiB), its replica's 413
+        client.embeddings.create(model="minilm", input=["a " * 40000], encoding_format="float")
+    assert big.value.status_code == 413 and big.value.code == "body_too_large"
+
+
 def test_classifiers_answer_over_http(fleet):
     image = [[[((k + y + x) % 7) / 7.0 for x in range(32)] for y in range(32)] for k in range(3)]
     r = post(fleet, "cnn", {"inputs": [{"image": image}, {"image": image}]})
