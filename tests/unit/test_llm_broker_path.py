@@ -26,6 +26,7 @@ from gpubroker.broker.core import BrokerCore  # noqa: E402
 from gpubroker.broker.wire import StatsReport  # noqa: E402
 from gpubroker.deployments.llm.report_loop import weights_bytes  # noqa: E402
 from gpubroker.deployments.llm.server import LlmServer  # noqa: E402
+from gpubroker.quotas.config import parse_config_text  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "llm-demo.yaml"
 
@@ -74,7 +75,7 @@ def test_report_reply_path_sets_a_running_engines_bounds_squeeze_resume_logged(t
     capacity = core.status()["capacity_bytes"]
 
     async def body():
-        server = LlmServer("chat", config_text=text, get_broker=lambda: FakeBrokerHandle(core))
+        server = LlmServer("chat", cfg=parse_config_text(text), get_broker=lambda: FakeBrokerHandle(core))
         await server._ready()
         server._report_task.cancel()  # the test drives the loop's round trips itself
         rep, engine = server.reporter, server.engine
