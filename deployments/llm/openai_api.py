@@ -1,13 +1,19 @@
 """OpenAI-compatible HTTP API for the fleet's LLMs (``kind: llm`` models), on Ray Serve.
 
-``POST /v1/completions``       ``{"model", "prompt": str | [ids], "max_tokens", "stop", "stream", ...}``
-``POST /v1/chat/completions``  ``{"model", "messages": [{"role", "content"}], "max_tokens", "stop", "stream", ...}``
+``POST /v1/completions``       ``{"model", "prompt": str | [ids], "max_tokens", "logprobs": int, ...}``
+``POST /v1/chat/completions``  ``{"model", "messages": [{"role", "content"}], "max_completion_tokens",
+                               "logprobs": bool, "top_logprobs", ...}``
+    both also take ``n``, ``seed``, ``stop``, ``temperature``, ``top_p``, ``presence_penalty``,
+    ``frequency_penalty``, ``stream``, ``stream_options.include_usage``, ``user`` (accepted, not
+    used); any other field is refused (400 ``unsupported_parameter`` naming it), never ignored.
     (chat prompts go through the model's chat template; each engine is vLLM, ``gpubroker.deployments.llm.vllm_engine``)
     200 an OpenAI ``text_completion`` / ``chat.completion``; with ``stream: true`` server-sent
         events (``data: {chunk}``) ending in ``data: [DONE]``
-    400 an OpenAI error whose ``param`` names the field: a bad body, or a prompt plus
-        ``max_tokens`` over the context
-    404 an unknown ``model`` (the message names the known ones)
+    400 an OpenAI error (``gpubroker.deployments.serve.openai_errors``) whose ``param`` names the
+        field: a bad body, or a prompt plus ``max_tokens`` over the context (``context_length_exceeded``)
+    404 an unknown ``model`` (``model_not_found``; the message names the known ones)
+    503 + ``Retry-After`` a request the engine shed unstarted (``overloaded``: it waited for
+        admission past the model's ``max_queue_wait_ms``)
 ``GET /v1/models``               the LLMs, OpenAI-style
 ``GET /v1/llm/{model}/stats``    the engine's report (bounds, KV blocks, TTFT/TPOT percentiles)
 
@@ -29,7 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray import serve
 from ray.serve import Application
 
-from gpubroker.deployments.llm.server import CHAT, COMPLETION, LlmServer, openai_error
+from gpubroker.deployments.llm.openai_bodies import CHAT, COMPLETION
+from gpubroker.deployments.llm.server import LlmServer
+from gpubroker.deployments.serve.openai_errors import OpenAIError, from_validation, invalid, model_not_found
 from gpubroker.deployments.serve.versions import code_digest, deployment_version
 
 if TYPE_CHECKING:
@@ -39,20 +47,32 @@ api = FastAPI(title="gpubroker LLMs", description="OpenAI-compatible completions
 
 LLM_NUM_CPUS = 0.2
 INGRESS_NUM_CPUS = 0.05
+MAX_CHOICES = 128  # OpenAI's bound on n
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = Field(False, description="A last chunk with the usage and no choices, before [DONE].")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, seed, ...)
+    # OpenAI's fields this server honours; any other is refused with a 400 naming it, never ignored
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate; default 16 (completions), 64 (chat).")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate (vLLM's n: one sequence each).")
+    seed: int | None = Field(None, description="vLLM's seed: the same seed, prompt and parameters, the same text.")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(
         None, description="Up to 4 strings that end the generation (left out of the text)."
     )
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    user: str | None = Field(None, description="The caller's end-user id, for its own records: accepted, not used.")
 
     @field_validator("stop")
     @classmethod
@@ -65,41 +85,66 @@ class _Body(BaseModel):
 
 class CompletionBody(_Body):
     prompt: str | list[int]
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="The log-probability of each token and of the N likeliest at its place."
+    )
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's current name for max_tokens.")
+    logprobs: bool = Field(False, description="The log-probability of each token of the answer.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="With logprobs: the N likeliest tokens at each place."
+    )
 
 
-def _error(status: int, field: str | None, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content=openai_error(field or "body", message, status)["body"])
+def _fields(schema: type[BaseModel]) -> list[str]:
+    return sorted(schema.model_fields)
+
+
+def _error(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(status_code=err.status, content=err.body(), headers=err.headers() or None)
+
+
+def _reply(out: dict[str, Any]) -> JSONResponse:
+    """A server's answer (``{"status", "body", "headers"?}``) as the HTTP response."""
+    return JSONResponse(status_code=out["status"], content=out["body"], headers=out.get("headers") or None)
 
 
 def parse_body(kind: str, raw: Any) -> tuple[dict[str, Any] | None, JSONResponse | None]:
-    """A validated body as a plain dict (max_tokens filled in), or a 400 naming the field."""
-    schema = ChatBody if kind == CHAT else CompletionBody
+    """A validated body as a plain dict for ``LlmServer`` (``max_tokens`` filled in and the field
+    it came from in ``max_tokens_param``; ``logprobs``: the top logprobs per token, or None;
+    ``include_usage``), or a 400 naming the field. A field sent as null counts as not sent."""
+    schema: type[_Body] = ChatBody if kind == CHAT else CompletionBody
+    given = {k: v for k, v in raw.items() if v is not None}
     try:
-        body = schema.model_validate(raw)
+        body = schema.model_validate(given)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "body"
-        value = err.get("input")
-        return None, _error(400, field, f"{field}: {err['msg']} (got {value!r})")
-    out = body.model_dump()
-    if kind == CHAT:
+        return None, _error(from_validation(exc.errors(), _fields(schema)))
+    if body.stream_options is not None and not body.stream:
+        return None, _error(invalid("stream_options", "stream_options: only with stream: true; drop it or stream"))
+    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+        return None, _error(invalid("top_logprobs", "top_logprobs: needs logprobs: true; set it or drop top_logprobs"))
+    out = body.model_dump(exclude={"stream_options", "user"})
+    out["include_usage"] = bool(body.stream_options and body.stream_options.include_usage)
+    if isinstance(body, ChatBody):
         out["messages"] = [m.model_dump() for m in body.messages]
-        out["max_tokens"] = body.max_tokens or body.max_completion_tokens or 64
+        out["max_tokens_param"] = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        out["max_tokens"] = body.max_completion_tokens or body.max_tokens or 64  # vLLM's order
+        out["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+        out.pop("top_logprobs"), out.pop("max_completion_tokens")
     else:
+        out["max_tokens_param"] = "max_tokens"
         out["max_tokens"] = body.max_tokens or 16
         if isinstance(body.prompt, str) and not body.prompt:
-            return None, _error(400, "prompt", "prompt: is empty; send at least one character")
+            return None, _error(invalid("prompt", "prompt: is empty; send at least one character"))
     return out, None
 
 
@@ -108,9 +153,6 @@ def parse_body(kind: str, raw: Any) -> tuple[dict[str, Any] | None, JSONResponse
 class OpenAIIngress:
     def __init__(self, handles: dict[str, Any]):
         self.handles = handles
-
-    def _known(self) -> str:
-        return ", ".join(sorted(self.handles)) or "none"
 
     @api.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -123,7 +165,7 @@ class OpenAIIngress:
     async def stats(self, name: str) -> JSONResponse:
         handle = self.handles.get(name)
         if handle is None:
-            return _error(404, "model", f"model: unknown LLM '{name}'; known: {self._known()}")
+            return _error(model_not_found(name, self.handles, "LLM"))
         return JSONResponse(await handle.report.remote())
 
     @api.post("/v1/completions")
@@ -138,23 +180,22 @@ class OpenAIIngress:
         try:
             raw = await request.json()
         except ValueError:
-            return _error(400, "body", "body: not JSON; send a JSON object")
+            return _error(invalid("body", "body: not JSON; send a JSON object"))
         if not isinstance(raw, dict):
-            return _error(400, "body", "body: must be a JSON object")
+            return _error(invalid("body", "body: must be a JSON object"))
         body, err = parse_body(kind, raw)
         if err is not None:
             return err
         handle = self.handles.get(body["model"])
         if handle is None:
-            return _error(404, "model", f"model: unknown LLM '{body['model']}'; known: {self._known()}")
+            return _error(model_not_found(body["model"], self.handles, "LLM"))
         if not body["stream"]:
-            out = await handle.generate.remote(kind, body)
-            return JSONResponse(status_code=out["status"], content=out["body"])
+            return _reply(await handle.generate.remote(kind, body))
         gen = handle.options(stream=True).generate_stream.remote(kind, body)
         head = await gen.__anext__()
         if head["status"] != 200:
             gen.cancel()
-            return JSONResponse(status_code=head["status"], content=head["body"])
+            return _reply(head)
 
         async def events():
             try:

@@ -2,9 +2,12 @@
 
 ``LlmServer`` owns the engine and its tokenizer. The OpenAI ingress (``openai_api``) sends it
 validated request bodies; it tokenises, submits, and returns OpenAI-shaped bodies, or, for
-``stream: true``, yields the server-sent events. A request the engine refuses comes back as
-``{"status": 400, "body": <OpenAI error naming the field>}`` (the stream's first item says
-the same), so the ingress can answer 400 before any event is sent.
+``stream: true``, yields the server-sent events (shaped by ``openai_bodies``). A request with
+``n`` choices is ``n`` sequences in the engine, as vLLM runs ``n`` (each admitted and counted in the
+KV cache as one; a ``seed`` gives choice ``i`` the seed ``seed + i``). A request the engine refuses
+comes back as ``{"status": 400, "body": <OpenAI error naming the field>, "headers": {}}``
+(``gpubroker.deployments.serve.openai_errors``; the stream's first item says the same), so the
+ingress can answer before any event is sent; one it shed for overload is a 503 with ``Retry-After``.
 
 The broker's side is the report/reply path every replica uses (``gpubroker.deployments.llm.report_loop``):
 built with the fleet's config, the server sends one report per ``report_interval_s``
@@ -22,8 +25,8 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from gpubroker.broker.wire import EngineReport, ModelSettings
 from gpubroker.deployments.llm.engine import (
@@ -34,20 +37,40 @@ from gpubroker.deployments.llm.engine import (
     percentile,
 )
 from gpubroker.deployments.llm.engine_config import engine_options
+from gpubroker.deployments.llm.openai_bodies import (
+    CHAT,
+    Choice,
+    chunk_choice,
+    role_choice,
+    usage,
+    whole_choices,
+)
 from gpubroker.deployments.llm.report_loop import EngineReporter, engine_link
 from gpubroker.deployments.llm.vllm_engine import VllmEngine
+from gpubroker.deployments.serve.openai_errors import invalid, overloaded, server_error
 
 if TYPE_CHECKING:
     from gpubroker.quotas.config import FleetConfig
 
-COMPLETION, CHAT = "completion", "chat"
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request in the engine: its id, its prompt's tokens, one token stream per choice."""
+
+    request_id: str
+    prompt_tokens: int
+    streams: list[AsyncIterator[TokenDelta]]
 
 
-def openai_error(field: str, message: str, status: int = 400) -> dict[str, Any]:
-    return {
-        "status": status,
-        "body": {"error": {"message": message, "type": "invalid_request_error", "param": field, "code": None}},
-    }
+async def _gathered(stream: AsyncIterator[TokenDelta]) -> Choice:
+    """One choice's stream read to its end (closing it early, cancelled, cancels its sequence)."""
+    choice = Choice()
+    try:
+        async for delta in stream:
+            choice.add(delta)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]  # TokenStream
+    return choice
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -56,19 +79,41 @@ def _sse(obj: dict[str, Any]) -> str:
 
 DONE = "data: [DONE]\n\n"
 FAILED = (FinishReason.ERROR, FinishReason.SHED)  # ends that count as a failed request, not a completion
+OVERLOAD_RETRY_AFTER_S = 1  # Retry-After on a shed request: the engine's queue moves in well under a second
 
 
-def server_error(message: str | None, status: int = 500, code: str | None = None) -> dict[str, Any]:
-    """A failure of the server's side in OpenAI's error shape."""
-    return {
-        "status": status,
-        "body": {"error": {"message": message, "type": "server_error", "param": None, "code": code}},
-    }
+def refusal(kind: str, body: dict[str, Any], exc: EngineRequestError) -> dict[str, Any]:
+    """A request the engine refused, as OpenAI's 400 naming the field the client sent."""
+    field = exc.field
+    if field == "prompt" and kind == CHAT:
+        field = "messages"
+    elif field == "max_tokens":
+        field = str(body.get("max_tokens_param") or "max_tokens")
+    if exc.over_context:
+        return invalid(field, f"{field}: {exc.message}", "context_length_exceeded").reply()
+    return invalid(field, f"{field}: {exc.message} (got {exc.value!r})").reply()
 
 
-def overloaded(message: str | None) -> dict[str, Any]:
-    """A request the engine shed unstarted (``max_queue_wait_ms``): OpenAI's answer to overload, a 503."""
-    return server_error(message, 503, "overloaded")
+def sampling_for(body: dict[str, Any]) -> Sampling:
+    """A parsed body's sampling, by vLLM's ``SamplingParams`` names (``openai_api.parse_body``
+    filled ``logprobs`` with the number of top logprobs per token, or None)."""
+    stop = body.get("stop") or ()
+    return Sampling(
+        temperature=float(body.get("temperature") or 0.0),
+        top_p=float(body.get("top_p") or 1.0),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        seed=body.get("seed"),
+        logprobs=body.get("logprobs"),
+        presence_penalty=float(body.get("presence_penalty") or 0.0),
+        frequency_penalty=float(body.get("frequency_penalty") or 0.0),
+    )
+
+
+def choice_sampling(base: Sampling, index: int) -> Sampling:
+    """Choice ``index`` of a request with ``n`` choices: vLLM's own rule for ``n`` (its
+    ``ParentRequest`` gives child ``i`` the seed ``seed + i``), so each choice differs and a
+    seeded request repeats whole."""
+    return base if base.seed is None or index == 0 else replace(base, seed=base.seed + index)
 
 
 async def _after(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> AsyncIterator[TokenDelta]:
@@ -81,8 +126,41 @@ async def _after(first: TokenDelta | None, rest: AsyncIterator[TokenDelta]) -> A
             yield delta
 
 
+async def merged(streams: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """The pieces of several streams as they come, each with its stream's index (the ``n``
+    choices of one request); leaving early stops reading every stream."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TokenDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((i, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, raised there
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> EngineReport:
-    """Engine stats as a JSON-safe dict: the ``EngineStats`` counters and bounds, TTFT/TPOT
+    """Engine stats as the wire carries them: the ``EngineStats`` counters and bounds, TTFT/TPOT
     P50/P95/P99 over the recent completions, the KV cache in bytes, the engine's ceilings and
     geometry (what ``gpubroker.broker.control.llm_rules.rule_config_for`` and ``load_from_report`` read)."""
     s = engine.stats()
@@ -108,7 +186,7 @@ def engine_report(engine: VllmEngine, idle_for_s: float, name: str = "") -> Engi
         # what a sequence holds in the cache, for the rules' blocks per sequence (None: the worst case)
         seq_tokens=math.ceil(s.seq_tokens_mean) if s.seq_tokens_mean else None,
     )
-    return cast(EngineReport, out)
+    return EngineReport(**out)
 
 
 class LlmServer:
@@ -199,30 +277,24 @@ class LlmServer:
             return [int(t) for t in prompt]
         return list(self.tok(prompt)["input_ids"])
 
-    def _submit(self, kind: str, body: dict[str, Any]):
-        """(request id, prompt ids, stream), or an error dict."""
+    def _submit(self, kind: str, body: dict[str, Any]) -> Submitted | dict[str, Any]:
+        """The request's ``n`` sequences submitted (one per choice), or an error dict (none submitted)."""
         ids = self._prompt_ids(kind, body)
         rid = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        stop = body.get("stop") or ()
-        sampling = Sampling(
-            temperature=float(body.get("temperature") or 0.0),
-            top_p=float(body.get("top_p") or 1.0),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        )
+        n, base = int(body.get("n") or 1), sampling_for(body)
+        streams: list[AsyncIterator[TokenDelta]] = []
         try:
-            stream = self.engine.submit(rid, ids, int(body["max_tokens"]), sampling)
+            for i in range(n):
+                seq_id = rid if n == 1 else f"{rid}-{i}"
+                streams.append(self.engine.submit(seq_id, ids, int(body["max_tokens"]), choice_sampling(base, i)))
         except EngineRequestError as exc:
-            field = "messages" if (exc.field == "prompt" and kind == CHAT) else exc.field
-            return openai_error(
-                field,
-                f"{field}: {exc.message} (got {exc.value!r})"
-                if field != "max_tokens"
-                else f"max_tokens: {exc.message}",
-            )
+            for i in range(len(streams)):
+                self.engine.cancel(rid if n == 1 else f"{rid}-{i}")
+            return refusal(kind, body, exc)
         self._last_active_s = time.monotonic()
         if self.reporter is not None:
             self.reporter.arrived()
-        return rid, ids, stream
+        return Submitted(rid, len(ids), streams)
 
     def _finished(self, started_s: float, ok: bool) -> None:
         if self.reporter is not None:
@@ -243,82 +315,76 @@ class LlmServer:
         got = self._submit(kind, body)
         if isinstance(got, dict):
             return got
-        rid, ids, stream = got
-        tokens: list[int] = []
-        pieces: list[str] = []
-        last = TokenDelta(())
-        try:
-            async for delta in stream:
-                tokens.extend(delta.token_ids)
-                pieces.append(delta.text)
-                last = delta
-        finally:
-            await stream.aclose()  # a cancelled caller cancels the sequence
-        self._finished(t0, last.finish_reason not in FAILED)
-        if last.finish_reason is FinishReason.SHED:
-            return overloaded(last.error)
-        if last.finish_reason is FinishReason.ERROR:
-            return server_error(last.error)
-        text = "".join(pieces)
-        reason = "stop" if last.finish_reason is FinishReason.STOP else "length"
-        out = self._envelope(kind, rid, int(time.time()))
-        if kind == CHAT:
-            out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}]
-        else:
-            out["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
-        out["usage"] = {
-            "prompt_tokens": len(ids),
-            "completion_tokens": len(tokens),
-            "total_tokens": len(ids) + len(tokens),
-        }
+        choices = await asyncio.gather(*(_gathered(s) for s in got.streams))
+        ends = [c.last.finish_reason for c in choices]
+        self._finished(t0, not any(e in FAILED for e in ends))
+        failed = next((c.last for c in choices if c.last.finish_reason in FAILED), None)
+        if failed is not None and failed.finish_reason is FinishReason.SHED:
+            return overloaded(failed.error or "the engine is overloaded", OVERLOAD_RETRY_AFTER_S).reply()
+        if failed is not None:
+            return server_error(failed.error or "the engine failed the request").reply()
+        out = self._envelope(kind, got.request_id, int(time.time()))
+        out["choices"] = whole_choices(kind, choices, body.get("logprobs") is not None)
+        out["usage"] = usage(got.prompt_tokens, sum(len(c.tokens) for c in choices))
         return {"status": 200, "body": out}
 
     async def generate_stream(self, kind: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        """First item: ``{"status": 200}`` or an error dict; then SSE strings, ending in ``data: [DONE]``.
-        Cancelling the consumer (the client went away) cancels the sequence and frees its blocks."""
+        """First item: ``{"status": 200}`` or an error dict; then SSE strings, ending in ``data: [DONE]``
+        (with ``stream_options.include_usage``, a last chunk with the usage and no choices before it).
+        Cancelling the consumer (the client went away) cancels the sequences and frees their blocks."""
         await self._ready()
         t0 = time.monotonic()
         got = self._submit(kind, body)
         if isinstance(got, dict):
             yield got
             return
-        rid, _, stream = got
         try:
-            first = await anext(stream, None)  # a request shed unstarted gets its 503 before any header
-            if first is not None and first.finish_reason is FinishReason.SHED:
+            # a request shed unstarted gets its 503 before any header
+            firsts = [await anext(s, None) for s in got.streams]
+            shed = next((f for f in firsts if f is not None and f.finish_reason is FinishReason.SHED), None)
+            if shed is not None:
                 self._finished(t0, False)
-                yield overloaded(first.error)
+                yield overloaded(shed.error or "the engine is overloaded", OVERLOAD_RETRY_AFTER_S).reply()
                 return
             yield {"status": 200}
-            env = dict(
-                self._envelope(kind, rid, int(time.time())),
-                object="chat.completion.chunk" if kind == CHAT else "text_completion",
-            )
-            if kind == CHAT:
-                yield _sse(dict(env, choices=[{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]))
-            async for delta in _after(first, stream):
-                text = delta.text
-                reason = None
-                if delta.finished:
-                    reason = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(
-                        delta.finish_reason, "error"
-                    )
-                if not text and reason is None:
-                    continue
-                if kind == CHAT:
-                    choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": reason}
-                else:
-                    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-                yield _sse(dict(env, choices=[choice]))
-                if delta.finished:
-                    self._finished(t0, delta.finish_reason not in FAILED)
+            async for event in self._events(kind, body, got, firsts, t0):
+                yield event
             yield DONE
         finally:
-            await stream.aclose()
+            for stream in got.streams:
+                await stream.aclose()  # type: ignore[attr-defined]  # TokenStream: cancels an unfinished sequence
+
+    async def _events(
+        self, kind: str, body: dict[str, Any], got: Submitted, firsts: list[TokenDelta | None], t0: float
+    ) -> AsyncIterator[str]:
+        """The SSE chunks of a stream whose first pieces are ``firsts``."""
+        env = dict(
+            self._envelope(kind, got.request_id, int(time.time())),
+            object="chat.completion.chunk" if kind == CHAT else "text_completion",
+        )
+        with_usage = bool(body.get("include_usage"))
+        if with_usage:
+            env["usage"] = None  # OpenAI's every chunk but the last
+        want_logprobs = body.get("logprobs") is not None
+        if kind == CHAT:
+            for i in range(len(got.streams)):
+                yield _sse(dict(env, choices=[role_choice(i)]))
+        offsets, generated, ends = [0] * len(firsts), 0, []
+        async for i, delta in merged([_after(f, s) for f, s in zip(firsts, got.streams)]):
+            generated += len(delta.token_ids)
+            choice = chunk_choice(kind, i, delta, want_logprobs, offsets[i])
+            offsets[i] += sum(len(e.token) for e in delta.logprobs)
+            if delta.finished:
+                ends.append(delta.finish_reason)
+            if choice is not None:
+                yield _sse(dict(env, choices=[choice]))
+        self._finished(t0, len(ends) == len(firsts) and not any(e in FAILED for e in ends))
+        if with_usage:
+            yield _sse(dict(env, choices=[], usage=usage(got.prompt_tokens, generated)))
 
     # ---------------------------------------------------------------- broker side
 
-    def _engine_report(self) -> dict[str, Any]:
+    def _engine_report(self) -> EngineReport:
         st = self.engine.stats()
         if st.running or st.waiting:
             self._last_active_s = time.monotonic()
@@ -329,7 +395,7 @@ class LlmServer:
     async def report(self) -> dict[str, Any]:
         """``engine_report`` of this server's engine, with the bounds the broker set last (status pages)."""
         await self._ready()
-        out = self._engine_report()
+        out = self._engine_report().to_dict()
         if self.reporter is not None:
             out["broker_bounds"] = self.reporter.applied
             out["settings_version"] = self.reporter.settings.version if self.reporter.settings else 0
