@@ -57,6 +57,12 @@ from gpubroker.sim.knee import ArmRules
 LEVELS = {"one": 0.5, "card": 0.8}
 MEM_SCALE = 128  # bytes of the simulator's fleets / this: 1 GiB weights -> 8 MiB, 512 MiB items -> 4 MiB
 IDLE_S = 5.0  # between two cells on the BentoML peer, which reports no queue
+# Every live quota (and the card) also holds the replica's own runtime: the fixed part a live replica
+# holds above its declared weights (Python, Ray, its queue; host RSS counts it, a GPU's memory would
+# not). Measured by the broker on --quick runs at 8 MiB of weights: 16.0-19.1 MiB (fixed_bytes); without
+# it a base of weights + 8 items held 4 live, the fixed batch 8 ran out of memory 29 times in 30 s and
+# the broker's ceiling was 2-6. With 14 MiB a base holds 8 items beside a fixed part of up to 22 MiB.
+RUNTIME_BYTES = 14 * 1024**2
 WAIT_MS = 10.0  # the fixed batch's wait before the time scale (Serve's default batch_wait_timeout_s)
 ONE_ARMS = ("broker", "fixed-batch", "bentoml")
 CARD_ARMS = ("broker", "broker-fixed", "fixed-batch")
@@ -141,7 +147,7 @@ def live_models(
                 "bytes_per_item": s["options"]["bytes_per_item"] // MEM_SCALE,
                 "unit": "requests",
             },
-            "quota": {q: int(v) // MEM_SCALE for q, v in s["quota"].items()},
+            "quota": live_quota(m, s["quota"], fleet, pinned=fixed or static),
             "batch": dict(s["batch"]),
             "wait": {"min_ms": 0, "max_ms": float(s["wait"]["max_ms"]) * k},
             "slo_p95_ms": slo,
@@ -154,10 +160,24 @@ def live_models(
     return out
 
 
+def live_base(m: L.ModelDef) -> int:
+    """A model's live base: its simulated base / ``MEM_SCALE``, plus the replica's runtime."""
+    return m.base_bytes // MEM_SCALE + RUNTIME_BYTES
+
+
+def live_quota(m: L.ModelDef, sim: Mapping[str, int], fleet: L.FleetDef, *, pinned: bool) -> dict[str, int]:
+    """min / base / max live: each simulated bound / ``MEM_SCALE`` plus the runtime; ``pinned``: all at
+    the base; else max is the whole card, as the simulator's lending fleet has it."""
+    base = live_base(m)
+    if pinned:
+        return {"min": base, "base": base, "max": base}
+    return {"min": int(sim["min"]) // MEM_SCALE + RUNTIME_BYTES, "base": base, "max": card_bytes(fleet)}
+
+
 def card_bytes(fleet: L.FleetDef) -> int:
     """The emulated card: exactly the sum of the live bases (reserve 0), as the simulator's card
     leaves its usable share at the sum of the bases."""
-    return sum(m.base_bytes // MEM_SCALE for m in fleet.models)
+    return sum(live_base(m) for m in fleet.models)
 
 
 def live_times(
@@ -385,7 +405,7 @@ def capacity(k: float, size: LiveSize) -> dict[str, Any]:
                 "level": LEVELS[part],
                 "rate_at_level_rps": round(LEVELS[part] * m.capacity_rps() / n / k, 3),
                 "slo_ms": round(m.slo_ms(n) * k, 1),
-                "base_bytes": m.base_bytes // MEM_SCALE,
+                "base_bytes": live_base(m),
             }
             for m in fl.models
         }
@@ -410,6 +430,7 @@ def run(*, quick: bool, time_scale: float, say: Callable[[str], None], seeds: Se
         "time_scale": time_scale,
         "levels": LEVELS,
         "mem_scale": MEM_SCALE,
+        "runtime_bytes": RUNTIME_BYTES,
         "seeds": seeds,
         "size": asdict(size),
         "arms": {"one": list(ONE_ARMS), "card": list(CARD_ARMS)},

@@ -41,7 +41,8 @@ def test_live_fleet_keeps_the_simulators_batches_and_one_rule(fleet):
         for m in f.models:
             s = cfg.models[m.name]
             item = m.item_mib * L.MIB // ml.MEM_SCALE
-            assert (s.quota.base - m.weights_mib * L.MIB // ml.MEM_SCALE) // item == m.batch  # base holds B
+            weights = m.weights_mib * L.MIB // ml.MEM_SCALE + ml.RUNTIME_BYTES  # the replica's fixed part
+            assert (s.quota.base - weights) // item == m.batch  # the base holds B beside it
             assert s.slo_p95_ms == pytest.approx(m.slo_ms(len(f.models)) * k)
             assert s.request_timeout_s == pytest.approx(rules.deadline_s(s.slo_p95_ms))  # every arm's deadline
             assert s.shed_late is False
