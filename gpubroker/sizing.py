@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from gpubroker.broker.control.memory_model import SLACK_UNMEASURED
 from gpubroker.quotas.config import FleetConfig, ModelSpec
+from gpubroker.quotas.sizes import format_size
 
 MiB = 1024**2
 # What a Ray Serve replica on host memory holds for serving beyond its load-time footprint, up to
@@ -125,3 +126,34 @@ def suggest_quota(
         footprint.runtime_bytes,
         free_frac,
     )
+
+
+def least_quota_bytes(cfg: FleetConfig, spec: ModelSpec) -> int:
+    """The least grant one replica of ``spec`` can serve with before its own model is counted
+    beyond a profile's weights: Ray Serve's runtime (on host memory) and the profile's weights,
+    with the share kept free."""
+    weights = spec.profile.weights_bytes if spec.profile is not None and spec.profile.weights_bytes else 0
+    return quota_bytes(Footprint(0, runtime_bytes_for(cfg.gpu.device)), int(weights), 0.0, 0, kept_free_frac(cfg))
+
+
+def quota_warnings(cfg: FleetConfig) -> list[str]:
+    """One line per request-batching model on host memory whose quota max, per replica, is under
+    ``least_quota_bytes``: its replica would find its grant full before its first batch and pause
+    admission (503) until ``up``'s wait runs out. The line names the size to use."""
+    if cfg.gpu.device != "cpu":
+        return []
+    out = []
+    for name, spec in cfg.models.items():
+        if spec.kind != "batch":
+            continue
+        least = least_quota_bytes(cfg, spec)
+        per_replica = spec.quota.max // max(1, spec.replicas)
+        if per_replica < least:
+            out.append(
+                f"models.{name}.quota.max: {format_size(per_replica)} per replica is under what a replica "
+                f"process holds on host memory beside its model (Ray Serve's runtime, "
+                f"{format_size(REPLICA_RUNTIME_BYTES)}, with {kept_free_frac(cfg):g} kept free): its grant would fill "
+                f"as it serves (503 memory emergency, or no 200 for `up`'s first request); give it at least {format_size(least)} per replica, or run "
+                f"`gpubroker calibrate CONFIG {name}` for the quota its model needs"
+            )
+    return out

@@ -12,13 +12,12 @@ vLLM takes seconds and sets up its logging); where vLLM is not installed, a warn
 went unchecked and why.
 ``budget`` is the arithmetic of the quotas (docs/quotas.md: capacity, reserve, per-process CUDA context,
 usable, each model's min/base/max) for ``validate --explain``, with the quota a model's
-``profile:`` suggests for its SLO (``suggest_quota``; ``gpubroker calibrate`` measures the profile).
+``profile:`` suggests for its SLO (``gpubroker.sizing.suggest_quota``; ``gpubroker calibrate`` measures the profile).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -32,6 +31,7 @@ from gpubroker.quotas.config import FleetConfig, ModelSpec
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue, did_you_mean
 from gpubroker.quotas.llm_spec import deprecated_options
 from gpubroker.sim.profile import profile_for
+from gpubroker.sizing import Footprint, QuotaSuggestion, kept_free_frac, runtime_bytes_for, suggest_quota
 
 PROFILE_KEYS = ("a_ms", "c_ms", "token_ms", "weights_bytes", "bytes_per_item", "mean_tokens", "tokens_cv")
 
@@ -277,36 +277,6 @@ def vllm_argument_names(timeout_s: float = 120.0) -> tuple[str, list[str]] | str
 
 # ============================================================================ budget (--explain)
 @dataclass(frozen=True)
-class QuotaSuggestion:
-    """The quota a profile asks for under a P95 cap C, by BENCHMARK.md's limit: a request waits
-    at most one batch and runs in the next, so the largest batch within C is b* = (C/2 - a)/c.
-    min holds the batch floor, base b*, max the largest batch that runs within C alone, (C - a)/c."""
-
-    slo_p95_ms: float
-    batch_at_slo: int  # b*, within [floor, ceiling]
-    batch_alone: int  # (C - a)/c, within [b*, ceiling]
-    min_bytes: int  # each rounded up to MiB
-    base_bytes: int
-    max_bytes: int
-
-
-def suggest_quota(
-    a_ms: float, c_ms: float, weights_bytes: int, bytes_per_item: float, spec: ModelSpec, slo_ms: float | None = None
-) -> QuotaSuggestion:
-    """The suggestion for L(b) = a + c*b and memory weights + bytes_per_item*b (default cap: slo_p95_ms)."""
-    cap = slo_ms or spec.slo_p95_ms
-    floor, ceiling = spec.batch.floor, spec.batch.ceiling
-    per = max(c_ms, 1e-9)
-    at_slo = int(min(ceiling, max(floor, (cap / 2 - a_ms) / per)))
-    alone = int(min(ceiling, max(at_slo, (cap - a_ms) / per)))
-
-    def mem(batch: int) -> int:
-        return int(math.ceil((weights_bytes + bytes_per_item * batch) / 1024**2)) * 1024**2
-
-    return QuotaSuggestion(cap, at_slo, alone, mem(floor), mem(at_slo), mem(alone))
-
-
-@dataclass(frozen=True)
 class ModelBudget:
     name: str
     replicas: int
@@ -362,14 +332,17 @@ def budget(cfg: FleetConfig) -> CardBudget:
         base_sum_bytes=base_sum,
         free_bytes=None if usable is None else usable - base_sum,
         models=tuple(
-            ModelBudget(n, m.replicas, m.quota.min, m.quota.base, m.quota.max, _suggested(n, m))
+            ModelBudget(n, m.replicas, m.quota.min, m.quota.base, m.quota.max, _suggested(cfg, n, m))
             for n, m in cfg.models.items()
         ),
     )
 
 
-def _suggested(name: str, spec: ModelSpec) -> QuotaSuggestion | None:
+def _suggested(cfg: FleetConfig, name: str, spec: ModelSpec) -> QuotaSuggestion | None:
+    """The quota the model's profile suggests, beside Ray Serve's runtime on host memory (the
+    process's own measured part is calibrate's: a profile does not hold it)."""
     if spec.profile is None or spec.kind != "batch":
         return None
     p = profile_for(name, spec)  # the profile's blanks filled as simulate fills them
-    return suggest_quota(p.a_ms, p.c_ms, p.weights_bytes, p.bytes_per_item, spec)
+    footprint = Footprint(0, runtime_bytes_for(cfg.gpu.device))
+    return suggest_quota(p.a_ms, p.c_ms, p.weights_bytes, p.bytes_per_item, spec, None, footprint, kept_free_frac(cfg))

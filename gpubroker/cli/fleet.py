@@ -29,6 +29,7 @@ from gpubroker.deployments.cluster.user_code import check_project
 from gpubroker.deployments.serve.failures import replica_logs, serve_log_dir
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config, parse_config_text
 from gpubroker.quotas.config_errors import did_you_mean
+from gpubroker.sizing import quota_warnings
 
 console = Console()
 if not console.is_terminal:  # logs and pipes: wide enough for the status table
@@ -150,7 +151,8 @@ def up(
                 "run `gpubroker down` first"
             )
         )
-    for warning in check_project((n, m.model) for n, m in cfg.models.items() if m.kind != "llm").warnings:
+    project = check_project((n, m.model) for n, m in cfg.models.items() if m.kind != "llm")
+    for warning in [*project.warnings, *quota_warnings(cfg)]:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     try:
         up_with_progress(

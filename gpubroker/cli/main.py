@@ -22,6 +22,7 @@ from gpubroker.cli.views import budget_table, config_table, placement_table, pri
 from gpubroker.quotas.config import ConfigError, FleetConfig, load_config
 from gpubroker.quotas.config_errors import MISSING, ConfigIssue
 from gpubroker.quotas.placement import Placement, place_fleet
+from gpubroker.sizing import quota_warnings
 from gpubroker.validate import budget, build_models, check_llms
 
 app = typer.Typer(
@@ -60,7 +61,7 @@ def _deep_issues(cfg: FleetConfig, no_import: bool, timeout_s: float) -> tuple[l
     if not no_import and not project.errors:
         issues += build_models(cfg, timeout_s=timeout_s)
     llms = check_llms(cfg, with_vllm=not no_import, timeout_s=max(timeout_s, 120.0))
-    return issues + llms.issues, list(project.warnings) + llms.warnings, llms.checked
+    return issues + llms.issues, list(project.warnings) + llms.warnings + quota_warnings(cfg), llms.checked
 
 
 @app.command()

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from gpubroker import __version__
 from gpubroker.cli.main import app
+from gpubroker.sizing import REPLICA_RUNTIME_BYTES
 
 runner = CliRunner()
 
@@ -180,7 +181,9 @@ def test_json_is_a_plain_flag(tmp_path):
 
 
 def test_explain_shows_the_quota_a_profile_suggests(tmp_path):
-    """b* = (C/2 - a)/c within the ceiling: (100/2 - 5)/0.5 = 90 -> 64; memory 64MiB + 1MiB per item."""
+    """b* = (C/2 - a)/c within the ceiling: (100/2 - 5)/0.5 = 90 -> 64; memory 64MiB + 1MiB per item
+    beside Ray Serve's runtime on host memory (48MiB), a tenth kept free: (48 + 64 + 2)/0.9 -> 127MiB,
+    (48 + 64 + 64)/0.9 -> 196MiB."""
     text = GOOD.replace(
         "model: mlp",
         "model: mlp\n    slo_p95_ms: 100\n    profile: {a_ms: 5, c_ms: 0.5, weights_bytes: 64MiB, bytes_per_item: 1MiB}",
@@ -188,6 +191,16 @@ def test_explain_shows_the_quota_a_profile_suggests(tmp_path):
     doc = json.loads(validate(tmp_path, text, "--no-import", "--explain", "--json").output)
     q = doc["budget"]["models"][0]["suggested"]
     assert (q["batch_at_slo"], q["batch_alone"]) == (64, 64)
-    assert (q["min_bytes"], q["base_bytes"], q["max_bytes"]) == (66 * 1024**2, 128 * 1024**2, 128 * 1024**2)
+    assert (q["min_bytes"], q["base_bytes"], q["max_bytes"]) == (127 * 1024**2, 196 * 1024**2, 196 * 1024**2)
+    assert q["runtime_bytes"] == REPLICA_RUNTIME_BYTES and q["free_frac"] == 0.1
     out = flat(validate(tmp_path, text, "--no-import", "--explain").output)
-    assert "profile suggests" in out and "66.0MiB / 128.0MiB / 128.0MiB" in out  # the table may wrap the rest
+    assert "profile suggests" in out and "127.0MiB / 196.0MiB / 196.0MiB" in out  # the table may wrap the rest
+
+
+def test_a_quota_under_what_a_replica_process_holds_is_warned_with_the_size_to_use(tmp_path):
+    """On host memory a replica's grant holds Ray Serve's runtime beside the model: 48MiB / 0.9 -> 54MiB."""
+    small = GOOD.replace("quota: {min: 64MiB, base: 128MiB, max: 256MiB}", "quota: {min: 1MiB, base: 1MiB, max: 2MiB}")
+    out = flat(validate(tmp_path, small, "--no-import").output)
+    assert "models.a.quota.max: 2.0MiB per replica is under what a replica process holds" in out, out
+    assert "at least 54.0MiB per replica" in out and "gpubroker calibrate CONFIG a" in out, out
+    assert "quota.max" not in flat(validate(tmp_path, GOOD, "--no-import").output)
