@@ -129,7 +129,8 @@ class Inputs(NamedTuple):
         solo_ms = None if self.fit is None else self.fit.predict_ms(self.u)
         rho_max = RHO_MAX.get(self.ctx.objective, 0.8)
         rate = self.rate_rps / max(1, self.load.replicas)
-        return wait_gather(rate, wait_s, cap / self.u, solo_ms, rho_max, self.gpu.sm_util_frac)
+        seen = max(0.0, self.load.mean_batch / self.u - 1.0)  # requests the window's batches held beyond one
+        return wait_gather(rate, wait_s, cap / self.u, solo_ms, rho_max, self.gpu.sm_util_frac, seen)
 
     def floors_wait(self, cap: int) -> bool:
         """The low-load floor holds for ``cap``: no backlog, and the planned wait gathers no batch

@@ -1,8 +1,10 @@
 """The low-load wait: a batch wait that cannot gather a batch goes to its floor (``wait.min_ms``).
 
 A wait buys something only through the requests that arrive during it: at ``lambda`` requests per
-second per replica a wait of ``w`` gathers ``lambda * w`` of them on average. Where that is under
-one, most waits close on the request that opened them (no arrival at all in ``e**-1`` or more of
+second per replica a wait of ``w`` gathers ``lambda * w`` of them on average if they come one by
+one (Poisson), more if they come in clumps, and the window's batches show how many came together
+(their mean size beyond one request), so the larger of the two counts. Where that is under one,
+most waits close on the request that opened them (no arrival at all in ``e**-1`` or more of
 them), and every request pays the whole wait: a model computing in 0.5 ms answers in
 ``wait.max_ms`` at 0.4 req/s. The same holds where the cap takes a single request (the batch is
 full when it opens). So then the wait is the floor, unless the time batching saves is needed:
@@ -31,7 +33,7 @@ LEAVE_FACTOR = 2.0  # the floor is left at this many times the load that enters 
 class WaitGather(NamedTuple):
     """What a wait would gather on one replica, and what the load needs of it."""
 
-    arrivals: float  # requests expected to arrive during the wait (per replica)
+    arrivals: float  # requests expected during the wait per replica: rate x wait, or what batches held beyond one
     cap_requests: float  # requests the cap takes (cap in batch units / units per request)
     solo_util: float | None  # busy share if every request ran alone, L(1 request) x rate (None: no fit)
     rho_max: float  # the plan's utilisation ceiling for the profile's objective
@@ -68,13 +70,15 @@ def wait_gather(
     solo_ms: float | None,
     rho_max: float,
     card_util: float | None = None,
+    seen_extra: float = 0.0,
 ) -> WaitGather:
     """``WaitGather`` for a replica taking ``requests_per_s`` with a wait of ``wait_s``; ``solo_ms``:
     the latency model's time for a batch of one request (None without a fit); ``card_util``: the
-    card's busy share (None where nothing measures it)."""
+    card's busy share (None where nothing measures it); ``seen_extra``: the requests the window's
+    batches held beyond the first, on average (clumped arrivals show there, not in the rate)."""
     rate = max(0.0, requests_per_s)
     solo = None if solo_ms is None else rate * solo_ms / 1000.0
-    return WaitGather(rate * max(0.0, wait_s), cap_requests, solo, rho_max, card_util)
+    return WaitGather(max(rate * max(0.0, wait_s), seen_extra), cap_requests, solo, rho_max, card_util)
 
 
 __all__ = ["ENTER_ARRIVALS", "LEAVE_FACTOR", "WaitGather", "wait_gather"]

@@ -76,6 +76,14 @@ def test_a_busy_card_keeps_the_wait():
     assert "card 30% busy" in wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, card_util=0.3).why(0.010)
 
 
+def test_what_the_batches_held_counts_as_much_as_the_rate():
+    """Clumped arrivals: 5 req/s on average (0.05 in a 10 ms wait) but batches of 3.5 requests in
+    the window: 2.5 requests came together beyond the first, so the wait gathers them."""
+    g = wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, seen_extra=2.5)
+    assert g.arrivals == 2.5 and not g.floors(at_floor=False) and not g.floors(at_floor=True)
+    assert wait_gather(5.0, 0.010, 64, 0.5, RHO_MAX, seen_extra=0.3).floors(at_floor=False)
+
+
 def test_without_a_latency_model_the_arrivals_decide():
     assert floors(10.0, 10.0, at_floor=False, solo_ms=None)
     assert not floors(300.0, 10.0, at_floor=False, solo_ms=None)

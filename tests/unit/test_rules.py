@@ -65,6 +65,7 @@ class Load:
     sm: float | None = None  # SM utilisation
     mem_used_bytes: int = 1 * GiB
     emergency_shrinks: int = 0
+    sizes: tuple[int, ...] = SIZES  # the batch sizes reported each half second (their mean is the window's batch)
 
 
 def spread(lo: float, hi: float, n: int = 20) -> tuple[float, ...]:
@@ -93,7 +94,7 @@ class Fleet:
         n = int(load.rate_rps * 0.5)
         lat = tuple(load.latency_ms[(self.sample + k) % len(load.latency_ms)] for k in range(n))
         self.sample += n
-        batches = tuple((float(b), load.fit_a_ms + 0.5 * b) for b in SIZES) if load.fit else ()
+        batches = tuple((float(b), load.fit_a_ms + 0.5 * b) for b in load.sizes) if load.fit else ()
         rep = StatsReport(
             model="m",
             replica_id="r0",
@@ -267,38 +268,52 @@ def test_p95_low_grows_by_a_step_with_work_waiting():
     assert f.cap() == 12
 
 
+def QUIET(rate_rps: float, sizes: tuple[int, ...] = (1, 1, 1, 2)) -> Load:  # noqa: N802 - a Load preset
+    """An empty queue and batches of mostly one request (a mean of 1.25: two sizes for the fit)."""
+    return Load(rate_rps=rate_rps, queue=0, sizes=sizes)
+
+
+def test_low_load_keeps_the_wait_where_batches_show_requests_come_together():
+    """2 req/s on average, but the window's batches hold 5 requests: the arrivals come in clumps
+    and a wait gathers them (the mean rate would say 0.1 arrivals in 50 ms): no floor."""
+    f = Fleet(slo=400, wait_ms=10)
+    entries = f.run(3, QUIET(rate_rps=2.0, sizes=(4, 6)))
+    assert all(e["rule"] != Rule.LOW_LOAD for e in entries)
+    assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
+
+
 def test_low_load_takes_the_wait_to_the_floor_when_it_gathers_nothing():
     """SLO 400 ms: the lazy plan's wait is wait.max_ms (50 ms), so 2 req/s expect 0.1 arrivals
     in it: the wait goes to wait.min_ms (0) at once, and the log says why."""
     f = Fleet(slo=400, wait_ms=10)
-    e = only(f.run(1, Load(rate_rps=2.0, queue=0)))
+    e = only(f.run(1, QUIET(rate_rps=2.0)))
     assert (e["rule"], e["trigger"]) == (Rule.LOW_LOAD, Trigger.ARRIVAL_RATE_RPS)
     assert "arrivals expected in a 50.0 ms wait" in e["reason"] and "wait 10.0->0.0 ms" in e["reason"]
     assert f.settings().batch_wait_timeout_s == 0.0
-    assert f.run(3, Load(rate_rps=2.0, queue=0)) == []  # at the floor it stays: nothing to log
+    assert f.run(3, QUIET(rate_rps=2.0)) == []  # at the floor it stays: nothing to log
 
 
 def test_low_load_floor_has_a_hysteresis_band():
     """Entered under 1 expected arrival, left at 2: with the 50 ms wait, 30 req/s (1.5 arrivals)
     keeps the wait where it is, at the floor or at the plan, tick after tick."""
     f = Fleet(slo=400, wait_ms=10)
-    f.run(1, Load(rate_rps=2.0, queue=0))
+    f.run(1, QUIET(rate_rps=2.0))
     assert f.settings().batch_wait_timeout_s == 0.0
-    f.run(40, Load(rate_rps=30.0, queue=0))  # the window fills with 30/s: 1.5 arrivals, in the band
+    f.run(40, QUIET(rate_rps=30.0))  # the window fills with 30/s: 1.5 arrivals, in the band
     assert f.settings().batch_wait_timeout_s == 0.0  # the floor holds
-    left = [e for e in f.run(10, Load(rate_rps=60.0, queue=0)) if e["new"]["batch_wait_timeout_s"] > 0]  # 3: off it
+    left = [e for e in f.run(10, QUIET(rate_rps=60.0)) if e["new"]["batch_wait_timeout_s"] > 0]  # 3: off it
     assert left and left[0]["rule"] == Rule.MODEL and "off the low-load floor" in left[0]["reason"]
     assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
-    f.run(40, Load(rate_rps=30.0, queue=0))  # back in the band: the plan's wait holds
+    f.run(40, QUIET(rate_rps=30.0))  # back in the band: the plan's wait holds
     assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
-    back = [e for e in f.run(40, Load(rate_rps=10.0, queue=0)) if e["rule"] == Rule.LOW_LOAD]  # 0.5: the floor
+    back = [e for e in f.run(40, QUIET(rate_rps=10.0)) if e["rule"] == Rule.LOW_LOAD]  # 0.5: the floor
     assert len(back) == 1 and f.settings().batch_wait_timeout_s == 0.0
 
 
 def test_low_load_leaves_a_busy_model_its_wait():
     """At 400 req/s (20 arrivals in the wait) the plan keeps its wait: the rule never fires."""
     f = Fleet(slo=400, wait_ms=10)
-    entries = f.run(3, Load(rate_rps=400.0, queue=0))
+    entries = f.run(3, QUIET(rate_rps=400.0))
     assert entries and all(e["rule"] != Rule.LOW_LOAD for e in entries)
     assert f.settings().batch_wait_timeout_s == pytest.approx(0.050)
 
