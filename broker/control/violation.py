@@ -21,6 +21,9 @@ WATCH_SLACK_BYTES = 64 * MiB  # over the grant: the in-process limit's slack (32
 WATCH_GRACE_S = 2.0  # over grant + slack for this long is a violation
 WATCH_DRAIN_S = 3.0  # after a violation: new work refused, running batches end, then the process ends
 WATCH_PERIOD_S = 0.25  # how often the watchers read the process
+# A replica held over its grant restarts itself after this many transfer_timeout_s (the reclaim
+# escalation's last step); a lowered grant binds the watchers one transfer timeout after that.
+HELD_RESTART_T = 4
 
 
 class Verdict(StrEnum):
@@ -98,6 +101,34 @@ def watch_step(
     return WatchResult(Verdict.VIOLATION, WatchState(since, now_s, why), why)
 
 
+@dataclass(frozen=True)
+class GrantHold:
+    """The grant the watchers hold as grants change: a lowered grant binds them only once the
+    broker's reclaim escalation had its time (a donor holding over a lowered grant is the
+    reclaim's to handle, not a violator)."""
+
+    last_bytes: int | None = None  # the last grant seen
+    floor_bytes: int | None = None  # the grant held while a lowered one waits
+    until_s: float = 0.0  # when the floor goes
+
+
+def lowered_grant_hold_s(transfer_timeout_s: float) -> float:
+    """How long a lowered grant waits before it binds the watchers: the escalation's bound + one."""
+    return (HELD_RESTART_T + 1) * transfer_timeout_s
+
+
+def watched_grant(hold: GrantHold, grant_bytes: int, now_s: float, hold_s: float) -> tuple[int, GrantHold]:
+    """The grant to watch at ``now_s`` for the broker's ``grant_bytes``, and the hold after it: a
+    grant lower than the last one is watched as the higher one for ``hold_s``."""
+    floor = hold.floor_bytes if hold.floor_bytes is not None and now_s < hold.until_s else None
+    if hold.last_bytes is not None and grant_bytes < hold.last_bytes:
+        floor = max(hold.last_bytes, floor or 0)
+        hold = GrantHold(grant_bytes, floor, now_s + hold_s)
+    else:
+        hold = GrantHold(grant_bytes, floor, hold.until_s if floor is not None else 0.0)
+    return (grant_bytes if floor is None else max(grant_bytes, floor)), hold
+
+
 def over_grant(used_bytes: int, grant_bytes: int, replicas: int, slack_bytes: int = WATCH_SLACK_BYTES) -> bool:
     """A model's reported use (summed over its replicas) over its grant + each replica's slack:
     the broker's check from the reports."""
@@ -105,6 +136,10 @@ def over_grant(used_bytes: int, grant_bytes: int, replicas: int, slack_bytes: in
 
 
 __all__ = [
+    "HELD_RESTART_T",
+    "GrantHold",
+    "lowered_grant_hold_s",
+    "watched_grant",
     "WATCH_DRAIN_S",
     "WATCH_GRACE_S",
     "WATCH_PERIOD_S",

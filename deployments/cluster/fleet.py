@@ -223,9 +223,11 @@ def wait_serving(
 
 
 def teardown(cfg: FleetConfig | None = None, *, name: str = "gpubroker", namespace: str = "gpubroker") -> list[str]:
-    """serve.shutdown() and kill the broker (no restart). Ray must be initialised."""
+    """serve.shutdown(), kill the broker (no restart) and the nodes' watch agents. Ray must be initialised."""
     import ray
     from ray import serve
+
+    from gpubroker.deployments.enforce.agent import stop_agents
 
     done = []
     try:
@@ -240,6 +242,7 @@ def teardown(cfg: FleetConfig | None = None, *, name: str = "gpubroker", namespa
         done.append(f"broker {namespace}/{name} killed")
     except ValueError:
         done.append("no broker running")
+    done += stop_agents(namespace)
     return done
 
 

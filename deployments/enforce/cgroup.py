@@ -31,6 +31,8 @@ class CgroupVersion(StrEnum):
 
 _LIMIT = {CgroupVersion.V1: "memory.limit_in_bytes", CgroupVersion.V2: "memory.max"}
 _USAGE = {CgroupVersion.V1: "memory.usage_in_bytes", CgroupVersion.V2: "memory.current"}
+_PEAK = {CgroupVersion.V1: "memory.max_usage_in_bytes", CgroupVersion.V2: "memory.peak"}
+_OOM = {CgroupVersion.V1: "memory.oom_control", CgroupVersion.V2: "memory.events"}  # each has an "oom_kill N" line
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,22 @@ class ReplicaCgroup:
             return int((self.path / _USAGE[self.version]).read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return 0
+
+    def peak_bytes(self) -> int | None:
+        """The most the cgroup held (None: the kernel does not say)."""
+        try:
+            return int((self.path / _PEAK[self.version]).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def oom_kills(self) -> int | None:
+        """Processes the kernel killed in this cgroup for its limit (None: not counted here)."""
+        try:
+            lines = (self.path / _OOM[self.version]).read_text().splitlines()
+        except OSError:
+            return None
+        found = [line.split()[1] for line in lines if line.startswith("oom_kill ")]
+        return int(found[0]) if found else None
 
     def limit_for(self, grant_bytes: int, slack_bytes: int) -> int:
         return self.joined_usage_bytes + int(grant_bytes) + int(slack_bytes) + CGROUP_MARGIN_BYTES

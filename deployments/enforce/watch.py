@@ -5,15 +5,16 @@ reading (resident memory over the pre-model baseline on CPU; NVML's bytes for th
 
 - ``ReplicaWatch``: a thread in the replica. Over grant + slack past the grace it declares the
   violation: the replica refuses new work (503 naming the model, the reading and the grant), its
-  health check fails, and once drained it ends its own process (Serve starts a new one).
-- the watchdog: a process of its own (``python -m gpubroker.deployments.enforce.watch``), started by the replica
-  before the model loads, outside its memory and its limits. It puts the replica's pid in a
-  memory cgroup of its own where the node allows (``gpubroker.deployments.enforce.cgroup``) and sets the limit from
-  every grant the replica sends it; it ends the pid (SIGKILL) if the violation outlives the drain
-  by ``BACKSTOP_S``, and removes the cgroup once the pid is gone.
+  health check fails, and once drained it ends its own process (Serve starts a new one). Code in
+  the model can stop it: it is the replica's courtesy, not the bound.
+- the watchdog, outside every replica: ``PidWatch`` driven by the node's watch agent
+  (``gpubroker.deployments.enforce.agent``), which takes each replica's grant from the broker, never
+  from the replica; it ends the pid (SIGKILL) if the violation outlives the drain by ``BACKSTOP_S``.
+  ``python -m gpubroker.deployments.enforce.watch`` runs one ``PidWatch`` on a grant fixed by its
+  command line (tests, ``scripts/gpu-check``): its launcher, not the watched process, sets the grant.
 
-Every step is one log line naming the model, the reading and the grant (the watchdog's go to the
-replica's stderr, the Ray worker log). docs/ENFORCEMENT.md states the bound and how it is measured.
+Every step is one log line naming the model, the reading and the grant. docs/ENFORCEMENT.md
+states the bound and how it is measured.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import argparse
 import json
 import logging
 import os
-import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from gpubroker.broker.control.violation import (
     WatchState,
     watch_step,
 )
+from gpubroker.deployments.enforce.cgroup import ReplicaCgroup, find_place
 
 logger = logging.getLogger("ray.serve")
 
@@ -178,65 +178,59 @@ def end_own_process(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class WatchdogHandle:
-    """The replica's end of its watchdog process: started before the model loads, told every
-    grant. ``cgroup``: the replica's cgroup path ("" when none; ``why_not`` says why)."""
-
-    def __init__(self, model: str, device: str, baseline_bytes: int, *, start_timeout_s: float = 10.0):
-        self.model = model
-        self.cgroup = ""
-        self.why_not = ""
-        cmd = [sys.executable, "-m", "gpubroker.deployments.enforce.watch", "--pid", str(os.getpid()), "--model", model]
-        cmd += ["--device", device, "--baseline", str(int(baseline_bytes))]
-        self.proc = subprocess.Popen(  # stderr: inherited (the worker's log)
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True
-        )
-        out = self.proc.stdout
-        assert out is not None  # stdout=PIPE
-        ready, _, _ = select.select([out], [], [], start_timeout_s)
-        line = out.readline() if ready else b""
-        try:
-            hello = json.loads(line or b"{}")
-        except ValueError:
-            hello = {}
-        self.cgroup = str(hello.get("cgroup", ""))
-        self.why_not = str(hello.get("why_not", "watchdog did not answer in time" if not line else ""))
-
-    def send(self, limits: WatchLimits) -> None:
-        """The replica's grant (and slack, grace, drain) as of now; the cgroup limit follows it."""
-        msg = {"grant": limits.grant_bytes, "slack": limits.slack_bytes, "grace_s": limits.grace_s}
-        msg["drain_s"] = limits.drain_s
-        try:
-            self.proc.stdin.write((json.dumps(msg) + "\n").encode())  # type: ignore[union-attr]
-            self.proc.stdin.flush()  # type: ignore[union-attr]
-        except (OSError, ValueError) as exc:
-            logger.warning(
-                "gpubroker watch: model '%s': watchdog gone (%r): the in-process watcher holds", self.model, exc
-            )
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
 # ---------------------------------------------------------------------------------------------
-# the watchdog process
+# the watchdog: outside the replica
 
 
-@dataclass
-class _Watched:
-    model: str
-    pid: int
-    limits: WatchLimits | None = None  # None until the replica sends its first grant
+def outside_limits(limits: WatchLimits) -> WatchLimits:
+    """The limits an outside watcher applies: the replica's own, with the backstop added to the
+    drain (the replica ends itself first when its watcher runs)."""
+    return replace(limits, drain_s=limits.drain_s + BACKSTOP_S)
+
+
+class PidWatch:
+    """``watch_step`` for one process watched from outside it: its state, one log line per change
+    of verdict; ``step`` says what to do (``Verdict.END``: end the pid now; None: the pid is gone)."""
+
+    def __init__(self, model: str, pid: int, used: Callable[[], int | None], log: Callable[[str], None]):
+        self.model, self.pid = model, pid
+        self._used, self._log = used, log
+        self.state, self.verdict = WatchState(), Verdict.WITHIN
+        self.first_over_s: float | None = None  # first reading over grant + slack (the bound's start)
+
+    def step(self, limits: WatchLimits | None, now_s: float) -> Verdict | None:
+        if host_used_bytes(self.pid, 0) is None:  # the pid is gone (or a zombie), on any device
+            return None
+        used = self._used()
+        if used is None:
+            return None
+        if limits is None:  # no grant from the broker yet: nothing to hold it to
+            return Verdict.WITHIN
+        res = watch_step(self.model, used, limits, now_s, self.state)
+        if res.verdict != self.verdict and res.verdict != Verdict.WITHIN:
+            self._log(f"pid {self.pid}: {res.verdict}: {res.reason}")
+        if self.first_over_s is None and res.verdict != Verdict.WITHIN:
+            self.first_over_s = now_s
+        self.state, self.verdict = res.state, res.verdict
+        return res.verdict
+
+
+def end_pid(pid: int, log: Callable[[str], None]) -> bool:
+    """SIGKILL ``pid`` (the replica did not end itself); False when it was already gone."""
+    log(f"pid {pid}: SIGKILL (the replica did not end itself)")
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _log(msg: str) -> None:
     print(f"gpubroker watchdog: {msg}", file=sys.stderr, flush=True)
 
 
-def _setup_cgroup(pid: int, model: str):
-    from gpubroker.deployments.enforce.cgroup import ReplicaCgroup, find_place
-
+def setup_cgroup(pid: int, model: str) -> tuple[ReplicaCgroup | None, str]:
+    """The pid in a memory cgroup of its own (``gpubroker.deployments.enforce.cgroup``), or why not."""
     if os.environ.get(CGROUP_ENV, "").lower() == "off":
         return None, f"{CGROUP_ENV}=off"
     place = find_place(pid)
@@ -252,77 +246,53 @@ def _setup_cgroup(pid: int, model: str):
     return cg, ""
 
 
-def _read_grants(w: _Watched, cg, eof: threading.Event) -> None:
-    """Grant lines from the replica; the cgroup limit follows each one."""
-    for raw in sys.stdin.buffer:
-        try:
-            msg = json.loads(raw)
-            limits = WatchLimits(int(msg["grant"]), int(msg["slack"]), float(msg["grace_s"]), float(msg["drain_s"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            _log(f"model '{w.model}': bad grant line {raw!r}: {exc}")
-            continue
-        w.limits = replace(limits, drain_s=limits.drain_s + BACKSTOP_S)
-        if cg is not None:
-            limit = cg.limit_for(limits.grant_bytes, limits.slack_bytes)
-            err = cg.set_limit(limit)
-            _log(
-                f"model '{w.model}' pid {w.pid}: grant {limits.grant_bytes / 2**20:.1f} MiB: "
-                + (f"cgroup limit not set ({err})" if err else f"cgroup limit {limit / 2**20:.1f} MiB")
-            )
-    eof.set()
+def remove_cgroup(cg: ReplicaCgroup, tries: int = 50) -> None:
+    """rmdir once the kernel emptied it (the process's exit completes after it is gone)."""
+    for _ in range(tries):
+        if not cg.remove():
+            return
+        time.sleep(0.1)
+
+
+def used_reader(pid: int, device: str, baseline_bytes: int) -> Callable[[], int | None]:
+    """What the watchdog reads of ``pid``: RSS over the baseline on cpu, NVML's bytes on a card."""
+    if device == "cpu":
+        return lambda: host_used_bytes(pid, baseline_bytes)
+    return nvml_reader(int(device.partition(":")[2] or 0), pid, baseline_bytes)
 
 
 def watchdog_main(argv: list[str] | None = None) -> int:
+    """One pid held to a grant fixed on the command line, until the pid is gone."""
     ap = argparse.ArgumentParser(prog="python -m gpubroker.deployments.enforce.watch", description=__doc__)
     ap.add_argument("--pid", type=int, required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--baseline", type=int, default=0, help="bytes the process held before the model loaded")
+    ap.add_argument("--grant", type=int, required=True, help="the grant in bytes")
+    ap.add_argument("--slack", type=int, default=WatchLimits(0).slack_bytes, help="bytes over the grant")
+    ap.add_argument("--grace", type=float, default=WATCH_GRACE_S, help="seconds over grant + slack")
+    ap.add_argument("--drain", type=float, default=WATCH_DRAIN_S, help="seconds from violation to the end")
     args = ap.parse_args(argv)
-    w = _Watched(args.model, args.pid)
-    cg, why_not = _setup_cgroup(args.pid, args.model)
+    limits = outside_limits(WatchLimits(args.grant, args.slack, args.grace, args.drain))
+    cg, why_not = setup_cgroup(args.pid, args.model)
     if cg is None:
-        _log(f"model '{w.model}' pid {w.pid}: no cgroup ({why_not}): the measurement layer holds alone")
-    print(json.dumps({"cgroup": "" if cg is None else str(cg.path), "why_not": why_not}), flush=True)
-    if args.device == "cpu":
-        used = lambda: host_used_bytes(args.pid, args.baseline)  # noqa: E731
+        _log(f"model '{args.model}' pid {args.pid}: no cgroup ({why_not}): the measurement layer holds alone")
     else:
-        used = nvml_reader(int(args.device.partition(":")[2] or 0), args.pid, args.baseline)
-    eof = threading.Event()
-    threading.Thread(target=_read_grants, args=(w, cg, eof), daemon=True).start()
-    state, verdict = WatchState(), Verdict.WITHIN
+        cg.set_limit(cg.limit_for(args.grant, args.slack))
+    print(json.dumps({"cgroup": "" if cg is None else str(cg.path), "why_not": why_not}), flush=True)
+    watch = PidWatch(args.model, args.pid, used_reader(args.pid, args.device, args.baseline), _log)
     while True:
         time.sleep(WATCH_PERIOD_S)
-        if host_used_bytes(args.pid, 0) is None:  # the pid is gone (or a zombie), on any device
+        verdict = watch.step(limits, time.monotonic())
+        if verdict is None:
             break
-        now_used = used()
-        if now_used is None:
-            break
-        if w.limits is None:
-            continue
-        res = watch_step(w.model, now_used, w.limits, time.monotonic(), state)
-        if res.verdict != verdict and res.verdict != Verdict.WITHIN:
-            _log(f"pid {w.pid}: {res.verdict}: {res.reason}")
-        state, verdict = res.state, res.verdict
-        if res.verdict == Verdict.END:
-            _log(f"pid {w.pid}: SIGKILL (the replica did not end itself)")
-            try:
-                os.kill(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if verdict == Verdict.END:
+            end_pid(args.pid, _log)
     if cg is not None:
-        for _ in range(50):  # the kernel empties the cgroup as the process's exit completes
-            if not cg.remove():
-                break
-            time.sleep(0.1)
-        _log(f"model '{w.model}' pid {w.pid} gone: cgroup {cg.path} removed")
+        remove_cgroup(cg)
+        _log(f"model '{args.model}' pid {args.pid} gone: cgroup {cg.path} removed")
     return 0
 
 
 if __name__ == "__main__":
-    code = watchdog_main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # the grant reader is a daemon thread blocked reading stdin: a normal exit finalizes stdin
-    # under it and can abort the interpreter (SIGABRT, "could not acquire lock ... at shutdown")
-    os._exit(code)
+    raise SystemExit(watchdog_main())

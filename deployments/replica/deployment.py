@@ -37,7 +37,14 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from gpubroker.broker.control.violation import WATCH_SLACK_BYTES, WatchLimits
+from gpubroker.broker.control.violation import (
+    HELD_RESTART_T,
+    WATCH_SLACK_BYTES,
+    GrantHold,
+    WatchLimits,
+    lowered_grant_hold_s,
+    watched_grant,
+)
 from gpubroker.broker.wire import ModelSettings
 from gpubroker.deployments.models.base import OutputCountError
 from gpubroker.deployments.replica.broker_link import BrokerLink, ReplicaGauges, StatsDelta
@@ -63,8 +70,9 @@ from gpubroker.quotas.config import FleetConfig, ModelSpec
 
 logger = logging.getLogger("ray.serve")
 
-HELD_RESTART_T = 4  # a replica held over its grant restarts itself after this many transfer_timeout_s
-# (after the broker's escalation of a reclaim, 3 T, so a reclaim always restarts through its own step)
+# HELD_RESTART_T (gpubroker.broker.control.violation): a replica held over its grant restarts itself after
+# this many transfer_timeout_s (after the broker's escalation of a reclaim, 3 T, so a reclaim always
+# restarts through its own step); the outside watchdog holds a lowered grant one T longer.
 
 
 def initial_settings(name: str, spec: ModelSpec) -> ModelSettings:
@@ -601,33 +609,47 @@ class ModelReplica:
 
     # ------------------------------------------------------------------ the measurement layer
     def _start_watch(self) -> None:
-        """The layer the model cannot lift (``gpubroker.deployments.enforce.watch``): the watchdog process (and its
-        cgroup where the node allows) and the watcher thread. Started before the limiter, so the
-        watchdog does not inherit the replica's soft limit; not for a replica outside Serve."""
-        from gpubroker.deployments.enforce.watch import ReplicaWatch, WatchdogHandle, WatchReadings, end_own_process
+        """The layer the model cannot lift (``gpubroker.deployments.enforce.watch``): the registration with
+        the node's watch agent (``gpubroker.deployments.enforce.agent``: a process outside every replica
+        that takes this replica's grant from the broker, and its cgroup where the node allows), made
+        before the model loads, and the watcher thread. Not for a replica outside Serve."""
+        from gpubroker.deployments.enforce.watch import ReplicaWatch, WatchReadings, end_own_process
 
         self.watch = self.watchdog = None
         self.lifted = ""  # set when the in-process limit is found lifted (``_reassert``)
-        self._grant_floor: tuple[int, float] | None = None
+        self._grant_hold = GrantHold()
         self._watch_sent: WatchLimits | None = None
         if not self.in_serve:
             return
         overhead = self.cfg.gpu.context_overhead_bytes(1, True) if self.on_cuda else 0
         self.watch_baseline_bytes = overhead if self.on_cuda else self.baseline_bytes
-        try:
-            self.watchdog = WatchdogHandle(self.name, self.device, self.watch_baseline_bytes)
-        except OSError as exc:
-            logger.warning("gpubroker replica %s: no watchdog process (%r): the watcher thread holds", self.name, exc)
-        if self.watchdog is not None and not self.watchdog.cgroup:
-            logger.warning(
-                "gpubroker replica %s: no kernel memory limit (%s): the measurement layer holds",
-                self.name,
-                self.watchdog.why_not,
-            )
-        self._sync_watchdog()
+        self._register_watchdog()
         readings = WatchReadings(self._watch_used, self._watch_limits, lifted=lambda: self.lifted)
         self.watch = ReplicaWatch(self.name, readings, on_end=end_own_process)
         self.watch.start()
+
+    def _register_watchdog(self) -> None:
+        from gpubroker.deployments.enforce.agent import AgentLink
+
+        b = self.cfg.broker
+        where = {"broker_name": b.name, "namespace": b.namespace, "hold_s": lowered_grant_hold_s(b.transfer_timeout_s)}
+        try:
+            link = AgentLink(
+                self.name, self.card_id, self.card_replicas, self.device, self.watch_baseline_bytes, **where
+            )
+        except Exception as exc:  # noqa: BLE001 - no agent: the watcher thread holds, and says so
+            logger.warning("gpubroker replica %s: no watch agent (%r): the watcher thread holds", self.name, exc)
+            return
+        if not link.accepted:
+            logger.warning("gpubroker replica %s: watch agent refused it (%s)", self.name, link.why_not)
+            return
+        self.watchdog = link
+        if not link.cgroup:
+            logger.warning(
+                "gpubroker replica %s: no kernel memory limit (%s): the measurement layer holds",
+                self.name,
+                link.why_not,
+            )
 
     def _watch_used(self) -> int | None:
         """What the watchers measure: resident memory over the pre-model baseline on the host;
@@ -640,28 +662,24 @@ class ModelReplica:
 
     def _note_grant(self, grant: int) -> None:
         """A lowered grant binds the watchers only after the broker's reclaim escalation had its
-        time (``HELD_RESTART_T`` + 1 transfer timeouts): until then they hold the old one."""
-        last = getattr(self, "_watched_grant", None)
-        if last is not None and grant < last:
-            bound_s = (HELD_RESTART_T + 1) * self.cfg.broker.transfer_timeout_s
-            self._grant_floor = (last, time.monotonic() + bound_s)
-        self._watched_grant = grant
+        time (``lowered_grant_hold_s``): until then they hold the old one."""
+        hold_s = lowered_grant_hold_s(self.cfg.broker.transfer_timeout_s)
+        _, self._grant_hold = watched_grant(self._grant_hold, grant, time.monotonic(), hold_s)
 
     def _watch_limits(self) -> WatchLimits:
         grant = self._grant_per_replica(self.settings)
-        floor = getattr(self, "_grant_floor", None)
-        if floor is not None and time.monotonic() < floor[1]:
-            grant = max(grant, floor[0])
-        return WatchLimits(grant, WATCH_SLACK_BYTES)
+        hold_s = lowered_grant_hold_s(self.cfg.broker.transfer_timeout_s)
+        watched, _ = watched_grant(getattr(self, "_grant_hold", GrantHold()), grant, time.monotonic(), hold_s)
+        return WatchLimits(watched, WATCH_SLACK_BYTES)
 
     def _sync_watchdog(self) -> None:
-        """Tell the watchdog the limits now (its cgroup limit follows), when they changed."""
+        """The limits changed here: nudge the agent to pull the broker's grant now (it takes no number)."""
         watchdog = getattr(self, "watchdog", None)
         if watchdog is None:
             return
         limits = self._watch_limits()
         if limits != self._watch_sent:
-            watchdog.send(limits)
+            watchdog.nudge()
             self._watch_sent = limits
 
     def _reassert(self) -> None:

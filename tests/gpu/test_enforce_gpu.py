@@ -178,25 +178,23 @@ def check_nvml_watchdog_ends_a_cuda_violator() -> str:
             "--model",
             "grower",
         ]
-        cmd += ["--device", DEVICE, "--baseline", str(base)]
+        cmd += ["--device", DEVICE, "--baseline", str(base), "--grant", str(64 * MiB), "--slack", str(64 * MiB)]
+        cmd += ["--grace", "1", "--drain", "1"]
         dog = subprocess.Popen(
             cmd,
-            stdin=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "GPUBROKER_CGROUP": "off"},
         )
         json.loads(dog.stdout.readline())
-        dog.stdin.write(json.dumps({"grant": 64 * MiB, "slack": 64 * MiB, "grace_s": 1.0, "drain_s": 1.0}) + "\n")
-        dog.stdin.flush()
         child.stdin.write("grow\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "grown"
         t0 = time.monotonic()
         code = child.wait(timeout=60)
         took = time.monotonic() - t0
-        dog.stdin.close()
         dog.wait(timeout=30)
         log = dog.stderr.read()
     finally:

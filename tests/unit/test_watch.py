@@ -144,22 +144,19 @@ def test_the_watchdog_ends_a_process_over_its_grant_past_grace_and_drain():
             "--model",
             "grower",
         ]
+        limits = ["--grant", str(64 * MiB), "--slack", str(32 * MiB), "--grace", "1", "--drain", "1"]
         dog = subprocess.Popen(
-            [*cmd, "--baseline", str(base)],
+            [*cmd, "--baseline", str(base), *limits],  # the grant from its launcher, never from the pid
             cwd=ROOT,
             env=env,
-            stdin=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         hello = json.loads(dog.stdout.readline())
         assert hello == {"cgroup": "", "why_not": "GPUBROKER_CGROUP=off"}
-        grant = {"grant": 64 * MiB, "slack": 32 * MiB, "grace_s": 1.0, "drain_s": 1.0}
-        dog.stdin.write(json.dumps(grant) + "\n")
-        dog.stdin.flush()
         assert victim.wait(timeout=60) == -9  # SIGKILL: the watchdog ended it
-        dog.stdin.close()
         assert dog.wait(timeout=30) == 0
         log = dog.stderr.read()
     finally:
